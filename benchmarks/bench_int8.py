@@ -1,0 +1,265 @@
+"""Compare int8 CPU inference paths in one run.
+
+    python benchmarks/bench_int8.py [--quick] [--out docs/benchmarks.md]
+
+For each (model, batch) config it measures fp32 eager, Inductor fp32,
+Inductor int8 (PT2E + freezing), qbackend int8 and the PT2E reference (the
+converted module run eagerly): first-call (compile) time, median latency,
+latency relative to Inductor int8, and output error vs the reference and
+vs fp32. A path that fails (e.g. qbackend while it is still being written)
+gets its error in the table instead of stopping the run.
+"""
+
+import argparse
+import datetime
+import gc
+import importlib
+import importlib.metadata
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(PROJECT_ROOT))  # run as a script from a checkout
+
+from qbackend import models, pt2e_flow  # noqa: E402
+
+NUM_THREADS = 2
+FULL_CONFIGS = [
+    ("resnet18_like", 1),
+    ("resnet18_like", 8),
+    ("bert_encoder_like", 1),
+    ("bert_encoder_like", 8),
+]
+QUICK_CONFIGS = [("resnet18_like", 1), ("bert_encoder_like", 1)]
+DISPLAY_NAMES = {
+    "resnet18_like": "ResNet-18-like 224x224",
+    "bert_encoder_like": "BERT-base-like encoder (4 layers, seq 128)",
+}
+BASELINE_PATH = "Inductor int8"
+
+
+@dataclass
+class Settings:
+    calibration_batches: int
+    warmup_calls: int
+    target_seconds: float  # timed-loop budget per path; sets the iteration count
+    min_iters: int
+    max_iters: int
+
+
+FULL = Settings(calibration_batches=4, warmup_calls=3, target_seconds=3.0, min_iters=10, max_iters=500)
+QUICK = Settings(calibration_batches=2, warmup_calls=2, target_seconds=1.0, min_iters=3, max_iters=100)
+
+
+@dataclass
+class Row:
+    model: str
+    batch: int
+    path: str
+    compile_s: Optional[float] = None
+    latency_ms: Optional[float] = None
+    iters: Optional[int] = None
+    max_abs_vs_ref: Optional[float] = None
+    cos_vs_ref: Optional[float] = None
+    cos_vs_fp32: Optional[float] = None
+    error: str = ""
+
+
+# --- the paths being compared: each returns a callable taking *inputs ------
+
+
+def build_fp32_eager(model, converted, inputs):
+    return model
+
+
+def build_inductor_fp32(model, converted, inputs):
+    return torch.compile(model)
+
+
+def build_inductor_int8(model, converted, inputs):
+    # Compiles (first call) inside the freezing patch; see pt2e_flow.
+    return pt2e_flow.inductor_int8(converted, inputs)
+
+
+def build_qbackend_int8(model, converted, inputs):
+    # Developed in parallel: importing qbackend.backend should register it.
+    importlib.import_module("qbackend.backend")
+    return torch.compile(converted, backend="qbackend")
+
+
+def build_pt2e_reference(model, converted, inputs):
+    return converted
+
+
+PATHS = [
+    ("fp32 eager", build_fp32_eager),
+    ("Inductor fp32", build_inductor_fp32),
+    (BASELINE_PATH, build_inductor_int8),
+    ("qbackend int8", build_qbackend_int8),
+    ("PT2E reference (eager)", build_pt2e_reference),
+]
+
+
+# --- measurements ----------------------------------------------------------
+
+
+def measure_first_call(build, model, converted, inputs):
+    """Build the runner and call it once; the wall time includes compilation."""
+    torch._dynamo.reset()  # no cached graphs from the previous path
+    start = time.perf_counter()
+    runner = build(model, converted, inputs)
+    output = runner(*inputs)
+    return runner, output, time.perf_counter() - start
+
+
+def time_one_call(runner, inputs):
+    start = time.perf_counter()
+    runner(*inputs)
+    return time.perf_counter() - start
+
+
+def measure_median_latency(runner, inputs, settings):
+    """Median seconds per call; iteration count sized to ~target_seconds."""
+    for _ in range(settings.warmup_calls):
+        runner(*inputs)
+    probe = time_one_call(runner, inputs)
+    iters = int(settings.target_seconds / max(probe, 1e-6))
+    iters = max(settings.min_iters, min(settings.max_iters, iters))
+    return statistics.median(time_one_call(runner, inputs) for _ in range(iters)), iters
+
+
+def cosine(a, b):
+    return float(F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
+
+
+def max_abs_diff(a, b):
+    return float((a.double() - b.double()).abs().max())
+
+
+def short_error(exc):
+    lines = str(exc).strip().splitlines()
+    first_line = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {first_line}"[:200]
+
+
+def measure_path(row, build, model, converted, inputs, reference, fp32_output, settings):
+    try:
+        runner, output, row.compile_s = measure_first_call(build, model, converted, inputs)
+        row.max_abs_vs_ref = max_abs_diff(output, reference)
+        row.cos_vs_ref = cosine(output, reference)
+        row.cos_vs_fp32 = cosine(output, fp32_output)
+        latency_s, row.iters = measure_median_latency(runner, inputs, settings)
+        row.latency_ms = latency_s * 1e3
+    except Exception as exc:  # one broken path must not hide the others
+        row.error = short_error(exc)
+    return row
+
+
+def benchmark_config(name, batch, settings):
+    model = models.build_model(name)
+    inputs = models.example_inputs(name, batch)
+    calibration = models.calibration_batches(name, batch, settings.calibration_batches)
+    converted = pt2e_flow.quantize_x86(model, inputs, calibration)
+    reference = converted(*inputs)
+    fp32_output = model(*inputs)
+    rows = []
+    for path, build in PATHS:
+        log(f"{name} batch {batch}: {path}")
+        row = Row(DISPLAY_NAMES[name], batch, path)
+        rows.append(measure_path(row, build, model, converted, inputs, reference, fp32_output, settings))
+    torch._dynamo.reset()
+    return rows
+
+
+# --- reporting -------------------------------------------------------------
+
+
+def machine_description():
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model_name = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines()
+                          if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        model_name = "unknown CPU"
+    return (f"{model_name}, {os.cpu_count()} CPUs, {NUM_THREADS} torch threads; "
+            f"torch {torch.__version__}, torchao {importlib.metadata.version('torchao')}")
+
+
+def fmt(value, spec):
+    return "" if value is None else format(value, spec)
+
+
+def markdown_table(rows):
+    header = ("| Model | Batch | Path | First call / compile (s) | Median latency (ms) "
+              "| vs Inductor int8 | max abs diff vs ref | cos vs ref | cos vs fp32 | iters | Notes |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    baselines = {(r.model, r.batch): r.latency_ms for r in rows if r.path == BASELINE_PATH}
+    for r in rows:
+        baseline = baselines.get((r.model, r.batch))
+        ratio = r.latency_ms / baseline if r.latency_ms and baseline else None
+        error = r.error.replace("|", "\\|")
+        lines.append(
+            f"| {r.model} | {r.batch} | {r.path} | {fmt(r.compile_s, '.1f')} "
+            f"| {fmt(r.latency_ms, '.2f')} | {fmt(ratio, '.2f')} "
+            f"| {fmt(r.max_abs_vs_ref, '.3g')} | {fmt(r.cos_vs_ref, '.6f')} "
+            f"| {fmt(r.cos_vs_fp32, '.6f')} | {fmt(r.iters, 'd')} | {error} |"
+        )
+    return "\n".join(lines)
+
+
+def report(rows, quick):
+    mode = "quick (smoke test)" if quick else "full"
+    return "\n".join([
+        "# int8 CPU benchmarks",
+        "",
+        f"- Machine: {machine_description()}",
+        f"- Date: {datetime.date.today().isoformat()}",
+        f"- Mode: {mode}; command: `python benchmarks/bench_int8.py{' --quick' if quick else ''}`",
+        "- ref = PT2E converted module run eagerly; latency ratio is relative to Inductor int8"
+        " (PT2E + freezing); first call of the eager paths is just their first run.",
+        "",
+        markdown_table(rows),
+        "",
+    ])
+
+
+def log(message):
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="ResNet and encoder at batch 1 only, fewer iterations")
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "docs" / "benchmarks.md",
+                        help="markdown file to write (default: docs/benchmarks.md)")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(NUM_THREADS)
+    configs, settings = (QUICK_CONFIGS, QUICK) if args.quick else (FULL_CONFIGS, FULL)
+    rows = []
+    with torch.no_grad():
+        for name, batch in configs:
+            rows += benchmark_config(name, batch, settings)
+            gc.collect()
+    text = report(rows, args.quick)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""HOW each device runs the rules: one table per device, keyed by rule name (``python -m qbackend.lowering``)."""
+from __future__ import annotations
+
+from qbackend.patterns import RULES
+
+from . import cpu, xpu
+from .base import EmitContext, Lowering, Unsupported
+
+TABLES = {"cpu": cpu.TABLE, "xpu": xpu.TABLE}
+
+
+def check_tables(tables=TABLES, rules=RULES) -> None:
+    """Every table key names a rule and every rule has an entry on every device."""
+    names = {rule.name for rule in rules}
+    for device, table in tables.items():
+        unknown = set(table) - names
+        missing = names - set(table)
+        if unknown or missing:
+            raise RuntimeError(f"lowering table {device!r}: unknown rules {sorted(unknown)}, missing rules {sorted(missing)}")
+        for name, entry in table.items():
+            if not isinstance(entry, (Lowering, Unsupported)):
+                raise RuntimeError(f"lowering table {device!r}[{name!r}] is {entry!r}, not a Lowering or Unsupported")
+
+
+check_tables()
+
+
+def support_matrix() -> str:
+    devices = sorted(TABLES)
+    rows = ["| rule | " + " | ".join(devices) + " |", "|---" * (len(devices) + 1) + "|"]
+    for rule in RULES:
+        cells = []
+        for device in devices:
+            entry = TABLES[device][rule.name]
+            cells.append(f"no: {entry.reason}" if isinstance(entry, Unsupported) else "yes: " + ", ".join(entry.needs))
+        rows.append(f"| {rule.name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+__all__ = ["TABLES", "EmitContext", "Lowering", "Unsupported", "check_tables", "support_matrix"]

@@ -1,0 +1,3 @@
+from . import support_matrix
+
+print(support_matrix())

@@ -1,0 +1,60 @@
+"""HOW a device runs a matched rule: emitters, Unsupported entries, the emit context."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from qbackend.ops import Resolved, resolve
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A rule this device cannot run, and why (shown in the report and the docs)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Lowering:
+    """Emit a match with the device's kernels.
+
+    ``emit(ctx, match) -> Node`` inserts the lowered node(s) and returns the one that replaces
+    ``match.result``. ``limits(match) -> reason | None`` states kernel limits that depend on
+    the match (e.g. a post-op this kernel rejects for this rank); it never re-checks the pattern.
+    """
+
+    emit: Callable
+    needs: tuple[str, ...]  # logical ops (qbackend.ops) the emitter calls; all must resolve
+    limits: Optional[Callable] = None
+
+
+@dataclass
+class EmitContext:
+    gm: GraphModule
+    device: str
+    registry: object = None
+    _resolved: dict = field(default_factory=dict)
+    _constants: int = 0
+
+    def op(self, logical: str) -> Resolved:
+        if logical not in self._resolved:
+            self._resolved[logical] = resolve(logical, self.device, self.registry)
+        return self._resolved[logical]
+
+    def call_now(self, logical: str, *args):
+        """Run an op at compile time (weight prepacking)."""
+        return self.op(logical).op(*args)
+
+    def constant(self, value: torch.Tensor, hint: str) -> Node:
+        """A get_attr node holding ``value`` on the compiled module (inserted where the graph
+        cursor is)."""
+        name = f"_qb_{hint}_{self._constants}"
+        self._constants += 1
+        self.gm.register_buffer(name, value, persistent=False)
+        return self.gm.graph.get_attr(name)
+
+    def call(self, logical: str, args: tuple) -> Node:
+        return self.gm.graph.call_function(self.op(logical).op, args)

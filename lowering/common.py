@@ -1,0 +1,97 @@
+"""Emitters shared by every device: weights are prepacked here, once, at compile time."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.fx import Node
+
+from qbackend.patterns.base import Match, PostOp, fake_value
+
+from .base import EmitContext, Lowering
+
+aten = torch.ops.aten
+NO_POST_OP = PostOp("none")
+
+
+def static_shape(node: Node) -> Optional[list[int]]:
+    """The activation shape the prepack may tune for; None when it is symbolic."""
+    value = fake_value(node)
+    if value is None or not all(isinstance(d, int) for d in value.shape):
+        return None
+    return list(value.shape)
+
+
+def output_args(match: Match) -> tuple:
+    """(output scale, output zero point, output dtype) for the onednn int8 ops."""
+    q = match.output_quant
+    return (q.scale, q.zero_point, q.dtype) if q is not None else (1.0, 0, match.float_dtype)
+
+
+def weight_constants(ctx: EmitContext, match: Match, packed: torch.Tensor, hint: str) -> tuple[Node, Node, Node]:
+    return (
+        ctx.constant(packed, hint),
+        ctx.constant(match.weight.scales, f"{hint}_scale"),
+        ctx.constant(match.weight.zero_points, f"{hint}_zp"),
+    )
+
+
+def _prepacked_conv_weight(ctx: EmitContext, match: Match):
+    p, x = match.conv, match.x.qparams
+    packed = ctx.call_now(
+        "qconv_prepack", match.weight.int8, match.weight.scales, x.scale, x.zero_point,
+        p.stride, p.padding, p.dilation, p.groups, static_shape(match.x.node),
+    )
+    return weight_constants(ctx, match, packed, "qconv_w")
+
+
+def emit_qconv(ctx: EmitContext, match: Match) -> Node:
+    p, x = match.conv, match.x.qparams
+    w, w_scale, w_zp = _prepacked_conv_weight(ctx, match)
+    post = match.post_op or NO_POST_OP
+    return ctx.call("qconv", (
+        match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.bias,
+        p.stride, p.padding, p.dilation, p.groups, *output_args(match),
+        post.name, list(post.scalars), post.algorithm,
+    ))
+
+
+def _accumulator(ctx: EmitContext, match: Match) -> Node:
+    """The buffer the in-place sum writes into: the residual itself when nobody else needs it,
+    else a copy. The kernel wants it dense in channels-last order."""
+    source = match.accum.node if match.accum is not None else match.accum_float
+    if match.accum_clobber_safe:
+        return ctx.gm.graph.call_function(aten.contiguous.default, (source,), {"memory_format": torch.channels_last})
+    return ctx.gm.graph.call_function(aten.clone.default, (source,), {"memory_format": torch.channels_last})
+
+
+def emit_qconv_add(ctx: EmitContext, match: Match) -> Node:
+    p, x = match.conv, match.x.qparams
+    w, w_scale, w_zp = _prepacked_conv_weight(ctx, match)
+    accum = _accumulator(ctx, match)
+    acc_q = match.accum.qparams if match.accum is not None else None
+    unary = match.post_op or NO_POST_OP
+    return ctx.call("qconv_binary", (
+        match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, accum, match.bias,
+        p.stride, p.padding, p.dilation, p.groups, *output_args(match),
+        acc_q.scale if acc_q else 1.0, acc_q.zero_point if acc_q else 0,
+        "sum", 1.0, unary.name, list(unary.scalars), unary.algorithm,
+    ))
+
+
+def emit_qlinear(ctx: EmitContext, match: Match) -> Node:
+    x = match.x.qparams
+    packed = ctx.call_now("qlinear_prepack", match.weight.int8, static_shape(match.x.node))
+    w, w_scale, w_zp = weight_constants(ctx, match, packed, "qlinear_w")
+    post = match.post_op or NO_POST_OP
+    return ctx.call("qlinear", (
+        match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.bias, *output_args(match),
+        post.name, list(post.scalars), post.algorithm,
+    ))
+
+
+COMMON: dict[str, Lowering] = {
+    "qconv": Lowering(emit_qconv, ("qconv", "qconv_prepack")),
+    "qconv_add": Lowering(emit_qconv_add, ("qconv_binary", "qconv_prepack")),
+    "qlinear": Lowering(emit_qlinear, ("qlinear", "qlinear_prepack")),
+}

@@ -1,0 +1,11 @@
+"""Intel GPU (XPU): the rows XPU is known to run; the rest Unsupported until verified on a device."""
+from __future__ import annotations
+
+from .base import Unsupported
+from .common import COMMON
+
+TABLE = {
+    "qconv": COMMON["qconv"],
+    "qlinear": COMMON["qlinear"],
+    "qconv_add": Unsupported("binary conv on XPU is not verified yet (tracked by the XPU lowering issue)"),
+}

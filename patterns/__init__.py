@@ -1,0 +1,53 @@
+"""WHAT qbackend matches: one row per rule, in a list you can print (``python -m qbackend.patterns``)."""
+from __future__ import annotations
+
+from .base import GraphView, Match, Reject, Rule
+from .qconv import CONV_ANCHORS, QCONV
+from .qconv_binary import QCONV_ADD
+from .qlinear import LINEAR_ANCHORS, QLINEAR
+
+RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR)
+
+ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS}
+
+
+def _check_registry():
+    names = [rule.name for rule in RULES]
+    duplicates = {name for name in names if names.count(name) > 1}
+    if duplicates:
+        raise RuntimeError(f"duplicate rule names: {sorted(duplicates)}")
+    for rule in RULES:
+        if rule.anchors not in ANCHORS:
+            raise RuntimeError(f"rule {rule.name} anchors on unknown kind {rule.anchors!r}")
+
+
+_check_registry()
+
+
+def anchor_kind(node) -> str | None:
+    """'conv' / 'linear' for the nodes the report must account for, else None."""
+    if node.op != "call_function":
+        return None
+    for kind, targets in ANCHORS.items():
+        if node.target in targets:
+            return kind
+    return None
+
+
+def rules_for(kind: str) -> list[Rule]:
+    """Rules anchored on ``kind``, longest pattern (highest priority) first."""
+    return sorted((r for r in RULES if r.anchors == kind), key=lambda r: -r.priority)
+
+
+def table() -> str:
+    rows = ["| rule | anchors | matches | before => after | defined at |", "|---|---|---|---|---|"]
+    rows += [f"| {r.name} | {r.anchors} | `{r.pattern}` | {r.doc} | {r.where} |".replace(" | acc)", " \\| acc)")
+             for r in rules_for_all()]
+    return "\n".join(rows)
+
+
+def rules_for_all() -> list[Rule]:
+    return sorted(RULES, key=lambda r: (r.anchors, -r.priority))
+
+
+__all__ = ["RULES", "ANCHORS", "GraphView", "Match", "Reject", "Rule", "anchor_kind", "rules_for", "table"]

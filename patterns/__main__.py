@@ -1,0 +1,3 @@
+from . import table
+
+print(table())

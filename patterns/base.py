@@ -1,0 +1,179 @@
+"""What a rule is and what it returns: device-free, kernel-free.
+
+A rule's ``select(anchor, graph)`` returns a ``Match`` (everything an emitter needs, proven)
+or a ``Reject`` (the first reason it does not apply). Lowering tables never re-check what a
+match proved; patterns never name a device or a kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import torch
+from torch.fx import GraphModule, Node
+
+
+@dataclass(frozen=True)
+class QParams:
+    """Per-tensor affine quantization parameters as PT2E writes them."""
+
+    scale: float
+    zero_point: int
+    qmin: int
+    qmax: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class QuantizedValue:
+    """An integer tensor in the graph and how to read it as float."""
+
+    node: Node
+    qparams: QParams
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A constant int8 weight, symmetric per output channel (axis 0)."""
+
+    int8: torch.Tensor
+    scales: torch.Tensor
+    zero_points: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ConvParams:
+    stride: list
+    padding: list
+    dilation: list
+    groups: int
+    spatial_rank: int  # 1, 2 or 3
+
+
+@dataclass(frozen=True)
+class PostOp:
+    """A unary op folded into the kernel: its oneDNN attr name, scalars and algorithm."""
+
+    name: str
+    scalars: tuple = ()
+    algorithm: str = ""
+
+
+@dataclass
+class Match:
+    rule: "Rule"
+    anchor: Node  # the conv / linear node
+    result: Node  # last node of the matched chain: its users are rewired to the lowered op
+    x: QuantizedValue
+    weight: QuantizedWeight
+    bias: Optional[Node]
+    conv: Optional[ConvParams] = None
+    post_op: Optional[PostOp] = None
+    output_quant: Optional[QParams] = None  # None: the result stays float
+    float_dtype: torch.dtype = torch.float32
+    accum: Optional[QuantizedValue] = None  # binary rules: the quantized residual operand
+    accum_float: Optional[Node] = None  # binary rules with float output: the float operand
+    accum_clobber_safe: bool = False  # in-place sum may write into the accumulator buffer
+    accum_clobber_reason: str = ""
+
+    def post_op_names(self) -> list[str]:
+        names = []
+        if self.accum is not None or self.accum_float is not None:
+            names.append("add")
+        if self.post_op is not None:
+            names.append(self.post_op.name)
+        names.append(f"quantize({self.output_quant.dtype})" if self.output_quant else f"{self.float_dtype} out")
+        return names
+
+
+@dataclass(frozen=True)
+class Reject:
+    reason: str
+    rule: Optional["Rule"] = None
+
+    def __bool__(self) -> bool:
+        return False
+
+
+class NoMatch(Exception):
+    """Raised inside a select function at the first failed check; becomes a Reject."""
+
+
+def require(condition, reason: str):
+    if not condition:
+        raise NoMatch(reason)
+    return condition
+
+
+@dataclass(frozen=True)
+class NearMiss:
+    """A graph that looks like the rule's pattern but must not match, and why.
+
+    ``build()`` returns (PT2E-converted module, example inputs); ``reason`` is a substring of
+    the Reject reason the rule must give for it.
+    """
+
+    build: Callable[[], tuple]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    anchors: str  # which anchor kind this rule starts from: "conv" or "linear"
+    pattern: str  # what it matches, e.g. "dq(x) -> conv -> [relu] -> [q]"
+    doc: str  # before => after, one line
+    select_fn: Callable[["GraphView", Node], Match]
+    priority: int  # larger is tried first: longer patterns win
+    example: Optional[Callable[[], tuple]] = None  # () -> (float module, example inputs)
+    near_misses: tuple[NearMiss, ...] = ()
+
+    @property
+    def where(self) -> str:
+        code = self.select_fn.__code__
+        return f"{code.co_filename.rsplit('/', 2)[-2]}/{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}"
+
+    def select(self, graph: "GraphView", anchor: Node) -> Union[Match, Reject]:
+        try:
+            match = self.select_fn(graph, anchor)
+        except NoMatch as why:
+            return Reject(str(why), self)
+        match.rule = self
+        return match
+
+
+@dataclass
+class GraphView:
+    """Read-only questions patterns ask about a frozen graph."""
+
+    gm: GraphModule
+    _order: dict = field(default_factory=dict)
+
+    def constant(self, node) -> Optional[torch.Tensor]:
+        if isinstance(node, Node) and node.op == "get_attr":
+            value = getattr(self.gm, node.target, None)
+            return value if isinstance(value, torch.Tensor) else None
+        return None
+
+    def is_graph_input(self, node: Node) -> bool:
+        return node.op == "placeholder"
+
+    def is_graph_output(self, node: Node) -> bool:
+        return any(user.op == "output" for user in node.users)
+
+    def position(self, node: Node) -> int:
+        if not self._order or node not in self._order:
+            self._order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        return self._order[node]
+
+    def invalidate(self):
+        self._order = {}
+
+
+def fake_value(node) -> Optional[torch.Tensor]:
+    """The example (fake) tensor Dynamo recorded for a node, if any."""
+    if not isinstance(node, Node):
+        return None
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value if isinstance(value, torch.Tensor) else None
+

@@ -1,0 +1,140 @@
+"""Example graphs for the rule rows: ones that match, and near misses that must not.
+
+Each builder returns (module, example inputs). Builders of near misses return the
+PT2E-converted module, edited where PT2E itself would never produce the near miss.
+torchao is imported only when a builder runs (tests, docs), never by the backend.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def _convert(module: nn.Module, inputs: tuple):
+    from qbackend.pt2e_flow import quantize_x86
+
+    return quantize_x86(module, inputs, [inputs])
+
+
+def _first(gm, op_name: str):
+    from qbackend.ops import graph_op
+
+    op = graph_op(op_name)
+    return next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is op)
+
+
+def conv_relu():
+    return nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU()), (torch.randn(2, 4, 10, 10),)
+
+
+def linear_relu():
+    return nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8)), (torch.randn(3, 5, 16),)
+
+
+class ResidualBlock(nn.Module):
+    """conv -> relu -> conv -> + x -> relu, one ReLU module reused (as torchvision does)."""
+
+    def __init__(self, channels=8):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        return self.relu(self.conv2(self.relu(self.conv1(x))) + x)
+
+
+def residual_block():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), ResidualBlock(8)), (torch.randn(2, 3, 12, 12),)
+
+
+def conv_transpose():
+    inputs = (torch.randn(2, 4, 10, 10),)
+    return _convert(nn.Sequential(nn.ConvTranspose2d(4, 8, 3), nn.ReLU()), inputs), inputs
+
+
+def _per_tensor_weight(gm):
+    """Swap the first per-channel weight dequantize for a per-tensor one (same int8 data)."""
+    from qbackend.ops import graph_op
+
+    dq = _first(gm, "dequantize_per_channel")
+    scales = getattr(gm, dq.args[1].target)
+    dq.target = graph_op("dequantize_per_tensor")
+    dq.args = (dq.args[0], float(scales.max()), 0, -128, 127, torch.int8)
+    gm.recompile()
+    return gm
+
+
+def _asymmetric_weight(gm):
+    dq = _first(gm, "dequantize_per_channel")
+    getattr(gm, dq.args[2].target)[0] = 3
+    return gm
+
+
+def conv_per_tensor_weight():
+    module, inputs = conv_relu()
+    return _per_tensor_weight(_convert(module, inputs)), inputs
+
+
+def conv_asymmetric_weight():
+    module, inputs = conv_relu()
+    return _asymmetric_weight(_convert(module, inputs)), inputs
+
+
+def linear_per_tensor_weight():
+    module, inputs = linear_relu()
+    return _per_tensor_weight(_convert(module, inputs)), inputs
+
+
+def linear_asymmetric_weight():
+    module, inputs = linear_relu()
+    return _asymmetric_weight(_convert(module, inputs)), inputs
+
+
+class ConvWithRuntimeWeight(nn.Module):
+    def forward(self, x, weight):
+        return torch.nn.functional.conv2d(x, weight, padding=1)
+
+
+def conv_runtime_weight():
+    inputs = (torch.randn(2, 4, 10, 10), torch.randn(8, 4, 3, 3))
+    return _convert(ConvWithRuntimeWeight(), inputs), inputs
+
+
+def float_conv():
+    """A conv left in float (the quantizer was told to skip it)."""
+    module, inputs = conv_relu()
+    return torch.export.export(module.eval(), inputs, strict=True).module(), inputs
+
+
+def float_linear():
+    module, inputs = linear_relu()
+    return torch.export.export(module.eval(), inputs, strict=True).module(), inputs
+
+
+class Conv1dAdd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x) + x)
+
+
+def conv1d_add():
+    inputs = (torch.randn(2, 8, 16),)
+    return _convert(Conv1dAdd(), inputs), inputs
+
+
+class ConvAddBroadcast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 3, padding=1)
+
+    def forward(self, x, bias_map):
+        return torch.relu(self.conv(x) + bias_map)
+
+
+def conv_add_broadcast():
+    inputs = (torch.randn(2, 4, 10, 10), torch.randn(1, 8, 1, 1))
+    return _convert(ConvAddBroadcast(), inputs), inputs

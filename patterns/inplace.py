@@ -1,0 +1,54 @@
+"""May a fused kernel overwrite a tensor in place?
+
+oneDNN's binary conv writes its result into the accumulator (``sum`` post-op). That is only
+safe when nobody can observe the old value afterwards: the buffer was allocated inside this
+graph (not a graph input, constant or view of one), it is not returned, and every other
+reader has already run. Inductor 2.13 skips these checks and writes into the caller's input.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.fx import Node
+
+from .base import GraphView
+
+
+def _returns_fresh_tensor(node: Node) -> bool:
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if getattr(target, "fresh_output", False):
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        schema = target._schema
+        return not schema.is_mutable and all(ret.alias_info is None for ret in schema.returns)
+    return False
+
+
+def _only_reads(user: Node, value: Node) -> bool:
+    """The user reads ``value`` without keeping a view of it or writing to it."""
+    return _returns_fresh_tensor(user)
+
+
+def clobber_blocker(graph: GraphView, buffer: Node, reader: Node, write_at: Node) -> Optional[str]:
+    """Why ``buffer`` must not be overwritten by a kernel placed at ``write_at`` (None if it may).
+
+    ``reader`` is the chain's own use of ``buffer`` (it is replaced by the kernel).
+    """
+    if graph.is_graph_input(buffer) or graph.constant(buffer) is not None or buffer.op == "get_attr":
+        return f"{buffer.name} is a graph input or constant"
+    if not _returns_fresh_tensor(buffer):
+        return f"{buffer.name} may alias another tensor ({getattr(buffer.target, '__name__', buffer.target)})"
+    if graph.is_graph_output(buffer):
+        return f"{buffer.name} is returned by the graph"
+    here = graph.position(write_at)
+    for user in buffer.users:
+        if user is reader:
+            continue
+        if not _only_reads(user, buffer):
+            return f"{buffer.name} is also used by {user.name}, which may keep a view of it"
+        if graph.position(user) > here:
+            return f"{buffer.name} is read again later by {user.name}"
+    return None

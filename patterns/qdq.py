@@ -1,0 +1,81 @@
+"""Shared quantize / dequantize sub-patterns, written once for every rule."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.fx import Node
+
+from qbackend.ops import graph_op
+
+from .base import GraphView, NoMatch, QParams, QuantizedValue, QuantizedWeight, fake_value, require
+
+# The integer range each activation dtype must use for the kernels to read it as-is: the
+# oneDNN int8 kernels saturate to the full range of their output type.
+FULL_RANGE = {torch.uint8: (0, 255), torch.int8: (-128, 127)}
+
+
+def is_op(node, name: str) -> bool:
+    op = graph_op(name)
+    return op is not None and isinstance(node, Node) and node.op == "call_function" and node.target is op
+
+
+def _per_tensor_qparams(node: Node, what: str) -> QParams:
+    """QParams of a per-tensor q/dq node with Python-scalar scale and zero point."""
+    _, scale, zero_point, qmin, qmax, dtype = node.args[:6]
+    require(
+        isinstance(scale, float) and isinstance(zero_point, int),
+        f"{what} scale/zero point are tensors (dynamic quantization is not lowered yet)",
+    )
+    require(dtype in FULL_RANGE, f"{what} dtype {dtype} is not uint8/int8")
+    require(
+        (qmin, qmax) == FULL_RANGE[dtype],
+        f"{what} range [{qmin}, {qmax}] is not the full {dtype} range {FULL_RANGE[dtype]}",
+    )
+    return QParams(float(scale), int(zero_point), qmin, qmax, dtype)
+
+
+def dequantized_activation(node, what: str = "activation") -> QuantizedValue:
+    """x = dequantize_per_tensor(q, scale, zp, qmin, qmax, dtype) -> (q, qparams)."""
+    if is_op(node, "dequantize_per_tensor_tensor"):
+        require(False, f"{what} is dequantized with tensor scale/zero point (dynamic quantization is not lowered yet)")
+    require(is_op(node, "dequantize_per_tensor"), f"{what} is not produced by dequantize_per_tensor")
+    return QuantizedValue(node.args[0], _per_tensor_qparams(node, what))
+
+
+def dequantized_weight(graph: GraphView, node, out_channels_axis: int = 0) -> QuantizedWeight:
+    """w = dequantize_per_channel(int8 constant, scales, zero points, axis 0, -128, 127, int8)."""
+    if is_op(node, "dequantize_per_tensor"):
+        require(False, "weight is quantized per tensor; the rule needs per-channel symmetric int8 weights")
+    require(is_op(node, "dequantize_per_channel"), "weight is not produced by dequantize_per_channel")
+    qweight, scales, zero_points, axis, qmin, qmax, dtype = node.args[:7]
+    int8 = graph.constant(qweight)
+    require(int8 is not None, "weight is not a constant (it is computed or passed in at run time)")
+    scales_t, zero_points_t = graph.constant(scales), graph.constant(zero_points)
+    require(scales_t is not None and zero_points_t is not None, "weight scales / zero points are not constants")
+    require(dtype == torch.int8 and int8.dtype == torch.int8, f"weight dtype is {dtype}, not int8")
+    require((qmin, qmax) == (-128, 127), f"weight range [{qmin}, {qmax}] is not [-128, 127]")
+    require(axis == out_channels_axis, f"weight is quantized along axis {axis}, not the output-channel axis")
+    require(bool((zero_points_t == 0).all()), "weight zero points are not all 0 (asymmetric weight)")
+    return QuantizedWeight(int8, scales_t.to(torch.float32), zero_points_t)
+
+
+def single_user(node: Node) -> Optional[Node]:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def output_quantize(node: Node) -> Optional[tuple[Node, QParams]]:
+    """The quantize that is the only consumer of ``node``, if it is one the kernels can fuse."""
+    user = single_user(node)
+    if user is None or not is_op(user, "quantize_per_tensor") or user.args[0] is not node:
+        return None
+    try:
+        return user, _per_tensor_qparams(user, "output")
+    except NoMatch:
+        return None
+
+
+def float_dtype(node: Node) -> torch.dtype:
+    value = fake_value(node)
+    return value.dtype if value is not None and value.is_floating_point() else torch.float32

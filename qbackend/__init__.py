@@ -1,0 +1,34 @@
+"""qbackend: a torch.compile backend that lowers PT2E-quantized models to oneDNN int8 kernels.
+
+    torch.compile(converted_pt2e_module, backend="qbackend")   # no import needed
+    qbackend.explain(converted_pt2e_module, *example_inputs)   # what was lowered, and why not
+
+Importing qbackend changes no global torch or Inductor state and does not import torchao.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .report import Report
+
+__version__ = "0.1.0"
+
+
+def explain(model, *example_inputs, device: str | None = None) -> Report:
+    """Compile ``model`` with qbackend, run it once on ``example_inputs`` and return the
+    report of every conv / linear: the rule and op it became, or why it was kept. It runs the
+    backend's own selection code, so it always agrees with what the backend does."""
+    from .backend import qbackend
+
+    reports: list[Report] = []
+    backend = functools.partial(qbackend, options={"report_sink": reports.append, "device": device})
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(*example_inputs)
+    if not reports:
+        return Report(device or "?", notes=["Dynamo captured no graph (nothing to compile)"], graphs=0)
+    return functools.reduce(Report.merge, reports)
+
+
+__all__ = ["explain", "Report"]

@@ -1,0 +1,94 @@
+"""The torch.compile backend: capture -> freeze -> select/emit -> clean up.
+
+Registered as ``backend="qbackend"`` through the ``torch_dynamo_backends`` entry point, so
+users never import this module themselves. Importing it changes no global torch state.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch.fx import GraphModule
+
+from .cleanup import cleanup
+from .freeze import freeze
+from .lower import lower
+from .report import Report
+
+log = logging.getLogger("qbackend")
+
+
+@dataclass
+class Options:
+    """``torch.compile(m, backend="qbackend", options={...})``."""
+
+    device: Optional[str] = None  # lower for this device's table instead of the inputs' device
+    report: bool = False  # print the report to stderr (also: QBACKEND_REPORT=1)
+    report_sink: Optional[Callable[[Report], None]] = None  # receives each graph's report
+
+    @classmethod
+    def parse(cls, options) -> "Options":
+        options = dict(options or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = set(options) - known
+        if unknown:
+            raise ValueError(f"qbackend: unknown option(s) {sorted(unknown)}; valid options: {sorted(known)}")
+        return cls(**options)
+
+
+def graph_device(example_inputs, gm: GraphModule) -> str:
+    """The device of the graph's tensors: real inputs first, then parameters and buffers."""
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            return value.device.type
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    for value in gm.buffers():
+        return value.device.type
+    return "cpu"
+
+
+def _runner(gm: GraphModule, runtime_inputs: list[int], total: int) -> Callable:
+    forward = gm.forward
+    if runtime_inputs == list(range(total)):
+        return forward
+    keep = tuple(runtime_inputs)
+
+    def run(*args):
+        return forward(*[args[i] for i in keep])
+
+    return run
+
+
+def compile_graph(gm: GraphModule, example_inputs, options: Options) -> tuple[Callable, Report, GraphModule]:
+    """(callable taking Dynamo's inputs, report, the lowered GraphModule). ``gm`` is not modified."""
+    device = options.device or graph_device(example_inputs, gm)
+    work = GraphModule(gm, copy.deepcopy(gm.graph))
+    runtime_inputs = freeze(work, example_inputs)
+    report = lower(work, device)
+    cleanup(work)
+    return _runner(work, runtime_inputs, len(example_inputs)), report, work
+
+
+def qbackend(gm: GraphModule, example_inputs, options=None, **_mode):
+    """Entry point Dynamo calls with each captured graph."""
+    opts = Options.parse(options)
+    try:
+        compiled, report, _ = compile_graph(gm, example_inputs, opts)
+    except Exception as error:  # never crash the user's model: run it as captured
+        warnings.warn(f"qbackend could not lower this graph and runs it unlowered: {type(error).__name__}: {error}")
+        log.exception("qbackend lowering failed")
+        compiled, report = gm.forward, Report(opts.device or "?", notes=[f"lowering failed: {type(error).__name__}: {error}"])
+    if opts.report_sink is not None:
+        opts.report_sink(report)
+    if opts.report or os.environ.get("QBACKEND_REPORT") == "1":
+        print(report, file=sys.stderr)
+    log.info("%s", report)
+    return compiled

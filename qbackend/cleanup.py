@@ -1,0 +1,105 @@
+"""After lowering: drop dead nodes, fold constant subgraphs, run the q/dq that remain on the
+fast exact implementations, and keep views valid on channels-last kernel outputs."""
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from . import fast_qdq
+from .ops import graph_op
+
+aten = torch.ops.aten
+
+
+def _is_constant(gm: GraphModule, arg) -> bool:
+    return isinstance(arg, Node) and arg.op == "get_attr" and isinstance(getattr(gm, arg.target, None), torch.Tensor)
+
+
+def _foldable(gm: GraphModule, node: Node) -> bool:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    schema = node.target._schema
+    if schema.is_mutable or torch.Tag.nondeterministic_seeded in node.target.tags:
+        return False
+    inputs = node.all_input_nodes
+    return bool(inputs) and all(_is_constant(gm, n) for n in inputs)
+
+
+def fold_constants(gm: GraphModule) -> int:
+    """Evaluate ops whose inputs are all constants (e.g. the float weight of a conv that was
+    not lowered: dequantize_per_channel of a frozen int8 weight) once, at compile time."""
+    folded = 0
+    for node in list(gm.graph.nodes):
+        if not _foldable(gm, node):
+            continue
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: getattr(gm, n.target))
+        value = node.target(*args, **kwargs)
+        if not isinstance(value, torch.Tensor):
+            continue
+        name = f"_folded_{node.name}"
+        gm.register_buffer(name, value, persistent=False)
+        with gm.graph.inserting_before(node):
+            constant = gm.graph.get_attr(name)
+        constant.meta = dict(node.meta)
+        node.replace_all_uses_with(constant)
+        gm.graph.erase_node(node)
+        folded += 1
+    return folded
+
+
+def fast_boundary_qdq(gm: GraphModule) -> None:
+    """Replace the reference q/dq that stay in the graph by ``fast_qdq``; a quantize read only
+    by identical dequantizes becomes one fused quantize-dequantize."""
+    q_op, dq_op = graph_op("quantize_per_tensor"), graph_op("dequantize_per_tensor")
+    if q_op is None:
+        return
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not q_op or node.kwargs:
+            continue
+        users = list(node.users)
+        if users and all(u.target is dq_op and u.args[1:] == node.args[1:] for u in users):
+            out_dtype = {u.kwargs.get("out_dtype") for u in users}
+            if len(out_dtype) == 1:
+                with gm.graph.inserting_before(node):
+                    fused = gm.graph.call_function(fast_qdq.quantize_dequantize_per_tensor, node.args, {"out_dtype": out_dtype.pop()})
+                fused.meta = dict(users[0].meta)
+                for user in users:
+                    user.replace_all_uses_with(fused)
+                    gm.graph.erase_node(user)
+                gm.graph.erase_node(node)
+                continue
+        node.target = fast_qdq.quantize_per_tensor
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is dq_op:
+            node.target = fast_qdq.dequantize_per_tensor
+
+
+def _mutated(node: Node) -> bool:
+    return any(isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable for u in node.users)
+
+
+def views_accept_any_layout(gm: GraphModule) -> None:
+    """oneDNN conv outputs are channels-last; ``view`` on them raises where eager's contiguous
+    output would not. ``reshape`` gives the same values (a view when strides allow)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is aten.view.default:
+            if not _mutated(node) and not _mutated(node.args[0]):
+                node.target = aten.reshape.default
+
+
+def cleanup(gm: GraphModule) -> None:
+    gm.graph.eliminate_dead_code()
+    fold_constants(gm)
+    gm.graph.eliminate_dead_code()
+    fast_boundary_qdq(gm)
+    views_accept_any_layout(gm)
+    gm.graph.lint()
+    gm.recompile()
+    _drop_unused_constants(gm)
+
+
+def _drop_unused_constants(gm: GraphModule) -> None:
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in list(gm._buffers):
+        if name not in used and (name.startswith("_frozen_") or name.startswith("_folded_") or name.startswith("_qb_")):
+            del gm._buffers[name]

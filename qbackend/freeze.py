@@ -1,0 +1,52 @@
+"""Freezing: parameters and buffers become constants of the compiled graph.
+
+Dynamo (torch >= 2.5 with inlined nn modules) lifts every parameter and buffer to a graph
+placeholder and passes the live tensor on each call; older paths use get_attr. Either way
+the values are bound once here, as Inductor's freezing does: the compiled model then assumes
+the weights no longer change.
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+
+def _is_parameter_or_buffer(node: Node, value) -> bool:
+    if not isinstance(value, torch.Tensor):
+        return False
+    if isinstance(value, torch.nn.Parameter):
+        return True
+    static = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
+    return static is not None or getattr(value, "_dynamo_static_input_type", None) is not None
+
+
+def _is_written(node: Node) -> bool:
+    """The graph mutates this input in place (e.g. a cache buffer): it must stay an input."""
+    for user in node.users:
+        target = user.target
+        if isinstance(target, torch._ops.OpOverload):
+            for arg, value in zip(target._schema.arguments, user.args):
+                if value is node and arg.alias_info is not None and arg.alias_info.is_write:
+                    return True
+        elif user.op == "call_method" and str(target).endswith("_"):
+            return True
+    return False
+
+
+def freeze(gm: GraphModule, example_inputs) -> list[int]:
+    """Turn parameter/buffer placeholders into constants; returns the indices of the inputs
+    the compiled graph still takes at run time."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    runtime = []
+    for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if not _is_parameter_or_buffer(node, value) or _is_written(node):
+            runtime.append(index)
+            continue
+        name = f"_frozen_{node.name}"
+        gm.register_buffer(name, value.detach(), persistent=False)
+        with gm.graph.inserting_before(node):
+            constant = gm.graph.get_attr(name)
+        constant.meta = dict(node.meta)
+        node.replace_all_uses_with(constant)
+        gm.graph.erase_node(node)
+    return runtime

@@ -1,0 +1,93 @@
+"""Select and emit: for each conv / linear, in graph order, the first rule that matches AND
+that the device can run is emitted; every other outcome is recorded with its reason.
+
+``qbackend.explain`` runs this same function: the report and the pass cannot disagree.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch.fx import GraphModule, Node
+
+from qbackend.lowering import TABLES, EmitContext, Lowering, Unsupported
+from qbackend.patterns import GraphView, Reject, anchor_kind, rules_for
+
+from .report import Attempt, Decision, Report, source_of
+
+
+def _unavailable(ctx: EmitContext, lowering: Lowering, match) -> Optional[str]:
+    """Why this device cannot run the lowering for this match (None if it can)."""
+    for logical in lowering.needs:
+        resolved = ctx.op(logical)
+        if not resolved:
+            return resolved.reason
+    return lowering.limits(match) if lowering.limits is not None else None
+
+
+def _emit(ctx: EmitContext, lowering: Lowering, match) -> Node:
+    graph = ctx.gm.graph
+    with graph.inserting_before(match.result):
+        new = lowering.emit(ctx, match)
+    new.meta.update({k: v for k, v in match.result.meta.items() if k != "example_value"})
+    new.meta["qbackend_rule"] = match.rule.name
+    match.result.replace_all_uses_with(new)
+    return new
+
+
+def decide(view: GraphView, ctx: EmitContext, table: dict, anchor: Node, kind: str) -> Decision:
+    decision = Decision(anchor.name, kind, source_of(anchor), lowered=False)
+    for rule in rules_for(kind):
+        match = rule.select(view, anchor)
+        if isinstance(match, Reject):
+            decision.tried.append(Attempt(rule.name, match.reason, rule.where, matched=False))
+            continue
+        entry = table[rule.name]
+        reason = entry.reason if isinstance(entry, Unsupported) else _unavailable(ctx, entry, match)
+        if reason is not None:
+            decision.tried.append(Attempt(rule.name, f"{rule.name} matched but {ctx.device} cannot run it: {reason}", rule.where))
+            continue
+        try:
+            new = _emit(ctx, entry, match)
+        except Exception as error:  # a kernel refusing its arguments at prepack time
+            decision.tried.append(Attempt(rule.name, f"{rule.name} failed to emit: {type(error).__name__}: {error}", rule.where))
+            continue
+        view.invalidate()
+        decision.lowered = True
+        decision.rule, decision.op = rule.name, _op_name(new)
+        decision.post_ops = match.post_op_names()
+        if match.accum is not None or match.accum_float is not None:
+            decision.reason = ("residual updated in place" if match.accum_clobber_safe
+                               else f"residual copied: {match.accum_clobber_reason}")
+        return decision
+    # Not lowered. A rule that matched but that the device refused says the most; otherwise
+    # the most general rule (tried last) names the basic requirement that failed, where a
+    # longer rule's "no add follows" would hide it.
+    refused = [a for a in decision.tried if a.matched]
+    first = refused[0] if refused else decision.tried[-1]
+    decision.reason, decision.where = first.reason, first.where
+    return decision
+
+
+def _op_name(node: Node) -> str:
+    target = node.target
+    return target.name() if hasattr(target, "name") else str(target)
+
+
+def lower(gm: GraphModule, device: str, registry=None) -> Report:
+    report = Report(device)
+    anchors = [(n, anchor_kind(n)) for n in gm.graph.nodes]
+    anchors = [(n, kind) for n, kind in anchors if kind is not None]
+    table = TABLES.get(device)
+    if table is None:
+        reason = f"no lowering table for device {device!r} (qbackend knows {sorted(TABLES)}); ran unlowered"
+        report.notes.append(reason)
+        report.decisions = [Decision(n.name, kind, source_of(n), False, reason=reason) for n, kind in anchors]
+        return report
+    view, ctx = GraphView(gm), EmitContext(gm, device, registry)
+    for name, entry in table.items():
+        missing = isinstance(entry, Lowering) and next((r for r in map(ctx.op, entry.needs) if not r), None)
+        if missing:
+            report.notes.append(f"rule {name} disabled on {device}: {missing.reason}")
+    for anchor, kind in anchors:
+        report.decisions.append(decide(view, ctx, table, anchor, kind))
+    return report

@@ -1,0 +1,158 @@
+"""The alias table: the only module that spells versioned op names.
+
+torch renames its quantized ops between releases (``onednn::qconv2d_pointwise`` became
+``onednn::qconv_pointwise``; ``aten::_weight_int4pack_mm`` lost its CPU kernel to
+``aten::_weight_int4pack_mm_for_cpu``). Everything else in qbackend asks for a *logical* op
+and gets the real overload that exists on this torch AND has a kernel for the device, or a
+reason why there is none. Nothing here raises at import time.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+# Dispatch keys a tensor of that device can reach. The CPU list holds MkldnnCPU because the
+# prepacked oneDNN weight is an Mkldnn tensor: ops like qconv2d_pointwise register only there.
+DEVICE_DISPATCH_KEYS: dict[str, tuple[str, ...]] = {
+    "cpu": ("CPU", "MkldnnCPU"),
+    "xpu": ("XPU",),
+}
+
+# Logical op -> candidate real overloads, newest name first.
+ALIASES: dict[str, tuple[str, ...]] = {
+    # int8 conv / linear (oneDNN)
+    "qconv": ("onednn::qconv_pointwise", "onednn::qconv2d_pointwise"),
+    "qconv_tensor": ("onednn::qconv_pointwise.tensor", "onednn::qconv2d_pointwise.tensor"),
+    "qconv_binary": ("onednn::qconv_pointwise.binary", "onednn::qconv2d_pointwise.binary"),
+    "qconv_binary_tensor": (
+        "onednn::qconv_pointwise.binary_tensor",
+        "onednn::qconv2d_pointwise.binary_tensor",
+    ),
+    "qconv_prepack": ("onednn::qconv_prepack",),
+    "qlinear": ("onednn::qlinear_pointwise",),
+    "qlinear_tensor": ("onednn::qlinear_pointwise.tensor",),
+    "qlinear_binary": ("onednn::qlinear_pointwise.binary",),
+    "qlinear_binary_tensor": ("onednn::qlinear_pointwise.binary_tensor",),
+    "qlinear_prepack": ("onednn::qlinear_prepack",),
+    # weight-only int4 / int8
+    "int4_pack": ("aten::_convert_weight_to_int4pack_for_cpu", "aten::_convert_weight_to_int4pack"),
+    "int4_mm": ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm"),
+    "int4_mm_scales_zeros": ("aten::_weight_int4pack_mm_with_scales_and_zeros",),
+    "int8_weight_only_mm": ("aten::_weight_int8pack_mm",),
+}
+
+# Ops qbackend *matches* in PT2E graphs. They are registered by torchao / torch.ao when a PT2E
+# flow runs; qbackend never imports those modules itself, so an unregistered op simply means
+# the graph cannot contain it.
+GRAPH_OPS: dict[str, str] = {
+    "quantize_per_tensor": "quantized_decomposed::quantize_per_tensor",
+    "dequantize_per_tensor": "quantized_decomposed::dequantize_per_tensor",
+    "quantize_per_tensor_tensor": "quantized_decomposed::quantize_per_tensor.tensor",
+    "dequantize_per_tensor_tensor": "quantized_decomposed::dequantize_per_tensor.tensor",
+    "quantize_per_channel": "quantized_decomposed::quantize_per_channel",
+    "dequantize_per_channel": "quantized_decomposed::dequantize_per_channel",
+}
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The outcome of resolving one logical op for one device."""
+
+    logical: str
+    device: str
+    qualname: Optional[str]  # e.g. "onednn::qconv_pointwise.default"; None if nothing resolved
+    op: Optional[Callable]  # the OpOverload to call
+    reason: str  # why this candidate was chosen, or why none was
+
+    def __bool__(self) -> bool:
+        return self.op is not None
+
+
+def _split(qualname: str) -> tuple[str, str, str]:
+    namespace, rest = qualname.split("::")
+    name, _, overload = rest.partition(".")
+    return namespace, name, overload or "default"
+
+
+class TorchRegistry:
+    """Asks the live dispatcher. Tests substitute a fake registry to simulate other torch versions."""
+
+    def lookup(self, qualname: str):
+        namespace, name, overload = _split(qualname)
+        try:
+            packet = getattr(getattr(torch.ops, namespace), name)
+        except (AttributeError, RuntimeError):
+            return None
+        return getattr(packet, overload) if overload in packet.overloads() else None
+
+    def has_kernel(self, qualname: str, dispatch_key: str) -> bool:
+        op = self.lookup(qualname)
+        return op is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), dispatch_key)
+
+
+_REGISTRY = TorchRegistry()
+
+
+def _full(qualname: str) -> str:
+    namespace, name, overload = _split(qualname)
+    return f"{namespace}::{name}.{overload}"
+
+
+def resolve(logical: str, device: str, registry=None, *, need_meta: bool = False) -> Resolved:
+    """The newest candidate of ``logical`` that exists and has a kernel for ``device``.
+
+    ``need_meta`` also demands a Meta kernel, for graphs that will be traced with fake tensors
+    (torch 2.13's legacy qconv1d/qconv3d/qconv2d.tensor names have none).
+    """
+    if registry is None:
+        return _resolve_cached(logical, device, need_meta)
+    return _resolve(logical, device, registry, need_meta)
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve_cached(logical: str, device: str, need_meta: bool) -> Resolved:
+    return _resolve(logical, device, _REGISTRY, need_meta)
+
+
+def _resolve(logical: str, device: str, registry, need_meta: bool) -> Resolved:
+    if logical not in ALIASES:
+        raise KeyError(f"unknown logical op {logical!r}; known: {sorted(ALIASES)}")
+    keys = DEVICE_DISPATCH_KEYS.get(device)
+    if keys is None:
+        return Resolved(logical, device, None, None, f"no dispatch keys known for device {device!r}")
+    missing = []
+    for candidate in ALIASES[logical]:
+        qualname = _full(candidate)
+        op = registry.lookup(qualname)
+        if op is None:
+            missing.append(f"{qualname} does not exist")
+            continue
+        if not any(registry.has_kernel(qualname, key) for key in keys):
+            missing.append(f"{qualname} has no {device} kernel")
+            continue
+        if need_meta and not registry.has_kernel(qualname, "Meta"):
+            missing.append(f"{qualname} has no Meta kernel")
+            continue
+        return Resolved(logical, device, qualname, op, f"{qualname} has a {device} kernel")
+    return Resolved(logical, device, None, None, f"no {logical} op for {device}: " + "; ".join(missing))
+
+
+_graph_ops: dict[str, object] = {}
+
+
+def graph_op(name: str):
+    """The OpOverload of a matched PT2E op, or None while this process has not registered it
+    (found ops are cached; missing ones are asked again, as a later import may register them)."""
+    op = _graph_ops.get(name)
+    if op is None:
+        op = _REGISTRY.lookup(_full(GRAPH_OPS[name]))
+        if op is not None:
+            _graph_ops[name] = op
+    return op
+
+
+def resolve_all(device: str, registry=None) -> dict[str, Resolved]:
+    return {logical: resolve(logical, device, registry) for logical in ALIASES}

@@ -1,0 +1,76 @@
+"""One line per conv / linear: what it became, or the first reason it stayed as it was."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from torch.fx import Node
+
+
+def source_of(node: Node) -> str:
+    """Where the user wrote this op: the innermost module path, else the last stack frame."""
+    stack = node.meta.get("nn_module_stack")
+    if stack:
+        path, _ = list(stack.values())[-1]
+        return str(path).replace("L['self'].", "").replace("L__self___", "")
+    trace = node.meta.get("stack_trace")
+    if trace:
+        return trace.strip().splitlines()[-1].strip()
+    return ""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    rule: str
+    reason: str
+    where: str  # file:line of the rule
+    matched: bool = True  # the pattern matched but the device could not run it
+
+
+@dataclass
+class Decision:
+    node: str
+    kind: str  # "conv" / "linear"
+    source: str
+    lowered: bool
+    rule: Optional[str] = None
+    op: Optional[str] = None  # the real op, e.g. onednn::qconv_pointwise.default
+    post_ops: list = field(default_factory=list)
+    reason: str = ""  # not lowered: the first reason; lowered: a note (e.g. residual copied)
+    where: str = ""  # file:line of the rule that gave the reason
+    tried: list = field(default_factory=list)  # an Attempt for every rule that did not apply
+
+    def line(self) -> str:
+        name = f"{self.node}" + (f" ({self.source})" if self.source else "")
+        if self.lowered:
+            note = f"  [{self.reason}]" if self.reason else ""
+            return f"LOWERED  {self.kind:<6} {name}: {self.rule} -> {self.op} + {', '.join(self.post_ops)}{note}"
+        where = f"  ({self.where})" if self.where else ""
+        return f"KEPT     {self.kind:<6} {name}: {self.reason}{where}"
+
+
+@dataclass
+class Report:
+    device: str
+    decisions: list = field(default_factory=list)
+    notes: list = field(default_factory=list)  # graph-level facts (missing ops, fallbacks)
+    graphs: int = 1
+
+    @property
+    def lowered(self) -> list:
+        return [d for d in self.decisions if d.lowered]
+
+    @property
+    def kept(self) -> list:
+        return [d for d in self.decisions if not d.lowered]
+
+    def merge(self, other: "Report") -> "Report":
+        return Report(self.device if self.device == other.device else f"{self.device},{other.device}",
+                      self.decisions + other.decisions, self.notes + other.notes, self.graphs + other.graphs)
+
+    def summary(self) -> str:
+        return (f"qbackend [{self.device}]: {len(self.lowered)} of {len(self.decisions)} conv/linear lowered"
+                f" in {self.graphs} graph(s), {len(self.kept)} kept")
+
+    def __str__(self) -> str:
+        return "\n".join([self.summary()] + [d.line() for d in self.decisions] + [f"note: {n}" for n in self.notes])
