@@ -13,8 +13,8 @@ gets its error in the table instead of stopping the run.
 import argparse
 import datetime
 import gc
-import importlib
 import importlib.metadata
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(PROJECT_ROOT))  # run as a script from a checkout
+if importlib.util.find_spec("qbackend") is None:  # not installed: use this checkout
+    sys.path.insert(0, str(PROJECT_ROOT))
 
 from qbackend import models, pt2e_flow  # noqa: E402
 
@@ -91,8 +92,8 @@ def build_inductor_int8(model, converted, inputs):
 
 
 def build_qbackend_int8(model, converted, inputs):
-    # Developed in parallel: importing qbackend.backend should register it.
-    importlib.import_module("qbackend.backend")
+    # "qbackend" comes from the package's torch_dynamo_backends entry point, so
+    # it only resolves once the package is pip-installed (pip install -e .).
     return torch.compile(converted, backend="qbackend")
 
 

@@ -5,6 +5,7 @@ import dataclasses
 
 import torch
 
+from .capabilities import conv_post_op_refusal
 from .common import COMMON
 
 
@@ -16,4 +17,15 @@ def _uint8_activations(match):
     return None
 
 
-TABLE = {name: dataclasses.replace(lowering, limits=_uint8_activations) for name, lowering in COMMON.items()}
+def _conv_post_op(match):
+    post = match.post_op
+    if match.conv is None or post is None or match.accum is not None or match.accum_float is not None:
+        return None
+    return conv_post_op_refusal("cpu", match.conv.spatial_rank, post.name, post.scalars, post.algorithm)
+
+
+def _limits(match):
+    return _uint8_activations(match) or _conv_post_op(match)
+
+
+TABLE = {name: dataclasses.replace(lowering, limits=_limits) for name, lowering in COMMON.items()}

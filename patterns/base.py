@@ -6,6 +6,7 @@ match proved; patterns never name a device or a kernel.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -75,6 +76,14 @@ class Match:
     accum_float: Optional[Node] = None  # binary rules with float output: the float operand
     accum_clobber_safe: bool = False  # in-place sum may write into the accumulator buffer
     accum_clobber_reason: str = ""
+    body_end: Optional[Node] = None  # the last node before the folded post-op / quantize
+
+    def without_tail(self) -> Optional["Match"]:
+        """The same match with the unary post-op and output quantize left in the graph (None
+        when there is no tail, or when an int8 residual needs the int8 output)."""
+        if self.result is self.body_end or self.accum is not None:
+            return None
+        return dataclasses.replace(self, result=self.body_end, post_op=None, output_quant=None)
 
     def post_op_names(self) -> list[str]:
         names = []

@@ -138,3 +138,39 @@ class ConvAddBroadcast(nn.Module):
 def conv_add_broadcast():
     inputs = (torch.randn(2, 4, 10, 10), torch.randn(1, 8, 1, 1))
     return _convert(ConvAddBroadcast(), inputs), inputs
+
+
+class HandQuantizedConv(nn.Module):
+    """A conv written directly in PT2E's converted form, for shapes the X86 quantizer does not
+    annotate (conv3d) and for argument variety: dq(q(x)) -> conv -> [relu] -> [q -> dq]."""
+
+    def __init__(self, rank, in_ch=8, out_ch=8, kernel=3, stride=1, padding=1, dilation=1, groups=1,
+                 relu=True, quantize_output=True, bias=True):
+        super().__init__()
+        import torch.ao.quantization.fx._decomposed  # noqa: F401  registers quantized_decomposed ops
+
+        torch.manual_seed(rank * 100 + groups)
+        weight = torch.randn(out_ch, in_ch // groups, *([kernel] * rank)) * 0.2
+        scales = weight.abs().amax(dim=tuple(range(1, rank + 2))) / 127
+        self.register_buffer("w_int8", torch.clamp(torch.round(weight / scales.view(-1, *[1] * (rank + 1))), -128, 127).to(torch.int8))
+        self.register_buffer("w_scale", scales)
+        self.register_buffer("w_zp", torch.zeros(out_ch, dtype=torch.int64))
+        self.bias = nn.Parameter(torch.randn(out_ch) * 0.1) if bias else None
+        self.conv = getattr(torch.ops.aten, f"conv{rank}d").default
+        self.args = (stride, padding, dilation, groups)
+        self.relu, self.quantize_output = relu, quantize_output
+
+    def forward(self, x):
+        qd = torch.ops.quantized_decomposed
+        q, dq = qd.quantize_per_tensor.default, qd.dequantize_per_tensor.default
+        x = dq(q(x, 0.02, 128, 0, 255, torch.uint8), 0.02, 128, 0, 255, torch.uint8)
+        w = qd.dequantize_per_channel.default(self.w_int8, self.w_scale, self.w_zp, 0, -128, 127, torch.int8)
+        stride, padding, dilation, groups = self.args
+        rank = self.w_int8.dim() - 2
+        y = self.conv(x, w, self.bias, [stride] * rank, [padding] * rank, [dilation] * rank, groups)
+        if self.relu:
+            y = torch.ops.aten.relu.default(y)
+        if self.quantize_output:
+            zero_point = 0 if self.relu else 100
+            y = dq(q(y, 0.03, zero_point, 0, 255, torch.uint8), 0.03, zero_point, 0, 255, torch.uint8)
+        return y

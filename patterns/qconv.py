@@ -79,7 +79,7 @@ def select_qconv(graph: GraphView, conv: Node) -> Match:
     params, x, weight, bias = conv_core(graph, conv)
     result, post_op, out_q = fold_tail(conv)
     return Match(None, conv, result, x, weight, bias, conv=params, post_op=post_op,
-                 output_quant=out_q, float_dtype=float_dtype(conv))
+                 output_quant=out_q, float_dtype=float_dtype(conv), body_end=conv)
 
 
 # --- example and near misses (tests and docs build them) --------------------------------------

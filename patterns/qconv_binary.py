@@ -7,7 +7,7 @@ from torch.fx import Node
 from . import examples
 from .base import GraphView, Match, NearMiss, Rule, fake_value, require
 from .inplace import clobber_blocker
-from .qconv import conv_core, fold_tail
+from .qconv import conv_core, conv_params, fold_tail
 from .qdq import dequantized_activation, float_dtype, single_user
 
 aten = torch.ops.aten
@@ -30,12 +30,12 @@ def _residual_add(conv: Node) -> tuple[Node, Node]:
 
 
 def select_qconv_add(graph: GraphView, conv: Node) -> Match:
-    params, x, weight, bias = conv_core(graph, conv)
-    require(params.spatial_rank == 2, "binary (residual) fusion exists only for conv2d")
+    require(conv_params(conv).spatial_rank == 2, "binary (residual) fusion exists only for conv2d")
     add, other = _residual_add(conv)
+    params, x, weight, bias = conv_core(graph, conv)
     result, post_op, out_q = fold_tail(add)
     match = Match(None, conv, result, x, weight, bias, conv=params, post_op=post_op,
-                  output_quant=out_q, float_dtype=float_dtype(add))
+                  output_quant=out_q, float_dtype=float_dtype(add), body_end=add)
     if out_q is not None:
         match.accum = dequantized_activation(other, "residual")
         require(match.accum.qparams.dtype == out_q.dtype, "residual and output integer dtypes differ")

@@ -24,7 +24,7 @@ def select_qlinear(graph: GraphView, linear: Node) -> Match:
     require(bias is None or isinstance(bias, Node), "bias is not a tensor")
     result, post_op, out_q = fold_tail(linear)
     return Match(None, linear, result, x, weight, bias, post_op=post_op, output_quant=out_q,
-                 float_dtype=float_dtype(linear))
+                 float_dtype=float_dtype(linear), body_end=linear)
 
 
 QLINEAR = Rule(

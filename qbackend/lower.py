@@ -15,13 +15,32 @@ from qbackend.patterns import GraphView, Reject, anchor_kind, rules_for
 from .report import Attempt, Decision, Report, source_of
 
 
-def _unavailable(ctx: EmitContext, lowering: Lowering, match) -> Optional[str]:
-    """Why this device cannot run the lowering for this match (None if it can)."""
-    for logical in lowering.needs:
+def _unavailable(ctx: EmitContext, entry, match) -> Optional[str]:
+    """Why this device cannot run ``entry`` for this match (None if it can)."""
+    if isinstance(entry, Unsupported):
+        return entry.reason
+    for logical in entry.needs:
         resolved = ctx.op(logical)
         if not resolved:
             return resolved.reason
-    return lowering.limits(match) if lowering.limits is not None else None
+    return entry.limits(match) if entry.limits is not None else None
+
+
+def _runnable(ctx: EmitContext, entry, match):
+    """(match the device can run, note about what was left unfused) or raise CannotRun. A
+    post-op the kernel refuses stays in the graph rather than losing the whole lowering."""
+    reason = _unavailable(ctx, entry, match)
+    if reason is None:
+        return match, ""
+    trimmed = match.without_tail()
+    if trimmed is not None and _unavailable(ctx, entry, trimmed) is None:
+        left = ", ".join(match.post_op_names()[:-1]) or "output quantize"
+        return trimmed, f"{left} not fused: {reason}"
+    raise CannotRun(f"{match.rule.name} matched but {ctx.device} cannot run it: {reason}")
+
+
+class CannotRun(Exception):
+    pass
 
 
 def _emit(ctx: EmitContext, lowering: Lowering, match) -> Node:
@@ -30,6 +49,7 @@ def _emit(ctx: EmitContext, lowering: Lowering, match) -> Node:
         new = lowering.emit(ctx, match)
     new.meta.update({k: v for k, v in match.result.meta.items() if k != "example_value"})
     new.meta["qbackend_rule"] = match.rule.name
+    new.meta["qbackend_replaces"] = match.result.name
     match.result.replace_all_uses_with(new)
     return new
 
@@ -41,13 +61,12 @@ def decide(view: GraphView, ctx: EmitContext, table: dict, anchor: Node, kind: s
         if isinstance(match, Reject):
             decision.tried.append(Attempt(rule.name, match.reason, rule.where, matched=False))
             continue
-        entry = table[rule.name]
-        reason = entry.reason if isinstance(entry, Unsupported) else _unavailable(ctx, entry, match)
-        if reason is not None:
-            decision.tried.append(Attempt(rule.name, f"{rule.name} matched but {ctx.device} cannot run it: {reason}", rule.where))
-            continue
         try:
-            new = _emit(ctx, entry, match)
+            match, note = _runnable(ctx, table[rule.name], match)
+            new = _emit(ctx, table[rule.name], match)
+        except CannotRun as why:
+            decision.tried.append(Attempt(rule.name, str(why), rule.where))
+            continue
         except Exception as error:  # a kernel refusing its arguments at prepack time
             decision.tried.append(Attempt(rule.name, f"{rule.name} failed to emit: {type(error).__name__}: {error}", rule.where))
             continue
@@ -55,9 +74,11 @@ def decide(view: GraphView, ctx: EmitContext, table: dict, anchor: Node, kind: s
         decision.lowered = True
         decision.rule, decision.op = rule.name, _op_name(new)
         decision.post_ops = match.post_op_names()
+        notes = [note] if note else []
         if match.accum is not None or match.accum_float is not None:
-            decision.reason = ("residual updated in place" if match.accum_clobber_safe
-                               else f"residual copied: {match.accum_clobber_reason}")
+            notes.append("residual updated in place" if match.accum_clobber_safe
+                         else f"residual copied: {match.accum_clobber_reason}")
+        decision.reason = "; ".join(notes)
         return decision
     # Not lowered. A rule that matched but that the device refused says the most; otherwise
     # the most general rule (tried last) names the basic requirement that failed, where a

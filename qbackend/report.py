@@ -13,9 +13,10 @@ def source_of(node: Node) -> str:
     if stack:
         path, _ = list(stack.values())[-1]
         return str(path).replace("L['self'].", "").replace("L__self___", "")
-    trace = node.meta.get("stack_trace")
-    if trace:
-        return trace.strip().splitlines()[-1].strip()
+    frames = [line.strip() for line in node.meta.get("stack_trace", "").splitlines() if line.strip().startswith("File ")]
+    if frames:  # 'File "/path/model.py", line 12, in forward' -> 'model.py:12'
+        path, line = frames[-1].split('"')[1], frames[-1].split("line ")[1].split(",")[0]
+        return f"{path.rsplit('/', 1)[-1]}:{line}"
     return ""
 
 

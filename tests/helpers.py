@@ -1,0 +1,115 @@
+"""Shared test helpers: PT2E conversion, capturing what the backend does, a stable graph printer."""
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Interpreter
+
+from qbackend.backend import Options, compile_graph
+from qbackend.pt2e_flow import quantize_x86
+
+from .tolerances import assert_int8_close, assert_outputs_close
+
+
+def quantize(module, inputs, **flags):
+    torch.manual_seed(0)
+    return quantize_x86(module, inputs, [inputs], **flags)
+
+
+class Captured:
+    """Compiles through Dynamo with qbackend and keeps every graph's reference and result."""
+
+    def __init__(self, **options):
+        self.options = Options(**options)
+        self.graphs = []  # (dynamo gm, example inputs, lowered gm, report)
+
+    def __call__(self, gm, example_inputs):
+        runner, report, lowered = compile_graph(gm, example_inputs, self.options)
+        self.graphs.append((gm, list(example_inputs), lowered, report))
+        return runner
+
+    @property
+    def report(self):
+        assert len(self.graphs) == 1, f"expected one graph, got {len(self.graphs)}"
+        return self.graphs[0][3]
+
+    @property
+    def lowered(self) -> GraphModule:
+        assert len(self.graphs) == 1
+        return self.graphs[0][2]
+
+
+def compile_and_run(module, inputs, **options):
+    """(compiled output, reference output, Captured)."""
+    torch._dynamo.reset()
+    captured = Captured(**options)
+    with torch.no_grad():
+        expected = module(*inputs)
+        actual = torch.compile(module, backend=captured)(*inputs)
+    return actual, expected, captured
+
+
+class _Recorder(Interpreter):
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.values = {}
+
+    def run_node(self, n):
+        value = super().run_node(n)
+        self.values[n.name] = value
+        return value
+
+
+def assert_matches_reference(module, inputs, **options):
+    """Compiled vs reference: outputs (tolerance table) and every int8 tensor the lowered graph
+    produces in place of a reference quantize (within the int8 tolerance)."""
+    actual, expected, captured = compile_and_run(module, inputs, **options)
+    assert_outputs_close(actual, expected, type(module).__name__)
+    for gm, example_inputs, lowered, _ in captured.graphs:
+        reference = _Recorder(gm)
+        with torch.no_grad():
+            reference.run(*example_inputs)
+        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        runtime = [example_inputs[placeholders.index(n.name)] for n in lowered.graph.nodes if n.op == "placeholder"]
+        got = _Recorder(lowered)
+        with torch.no_grad():
+            got.run(*runtime)
+        for node in lowered.graph.nodes:
+            replaced = node.meta.get("qbackend_replaces")
+            if replaced and not got.values[node.name].is_floating_point():
+                assert_int8_close(got.values[node.name], reference.values[replaced], f"{node.name} vs {replaced}")
+    return captured
+
+
+def short_graph(gm: GraphModule) -> str:
+    """A stable, short printout for expecttest: op names without namespaces noise, constants
+    as <const>, floats to 3 significant digits."""
+
+    def fmt(arg):
+        if isinstance(arg, torch.fx.Node):
+            return "<const>" if arg.op == "get_attr" else arg.name
+        if isinstance(arg, float):
+            return f"{arg:.3g}"
+        if isinstance(arg, (list, tuple)):
+            inner = ", ".join(fmt(a) for a in arg)
+            return f"[{inner}]" if isinstance(arg, list) else f"({inner})"
+        if isinstance(arg, torch.dtype):
+            return str(arg).replace("torch.", "")
+        return repr(arg)
+
+    def op_name(target):
+        if isinstance(target, torch._ops.OpOverload):
+            ns, name = target.name().split("::")
+            overload = target._overloadname
+            return f"{ns}.{name}" + ("" if overload == "default" else f".{overload}")
+        return f"{target.__module__.split('.')[-1]}.{target.__name__}"
+
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            lines.append(f"{node.name} = input")
+        elif node.op == "call_function":
+            args = [fmt(a) for a in node.args] + [f"{k}={fmt(v)}" for k, v in node.kwargs.items()]
+            lines.append(f"{node.name} = {op_name(node.target)}({', '.join(args)})")
+        elif node.op == "output":
+            lines.append(f"return {fmt(node.args[0])}")
+    return "\n".join(lines)

@@ -1,0 +1,37 @@
+"""Every rule row: its example lowers with reference numerics; its near misses are rejected
+with the stated reason. Built from the rule table, so a new row brings its own tests."""
+import pytest
+import torch
+
+from qbackend.patterns import RULES
+
+from .helpers import assert_matches_reference, compile_and_run, quantize
+from .tolerances import assert_outputs_close
+
+EXAMPLES = [pytest.param(rule, id=rule.name) for rule in RULES]
+NEAR_MISSES = [pytest.param(rule, miss, id=f"{rule.name}-{miss.build.__name__}") for rule in RULES for miss in rule.near_misses]
+
+
+@pytest.mark.parametrize("rule", EXAMPLES)
+def test_example_lowers_with_reference_numerics(rule):
+    module, inputs = rule.example()
+    converted = quantize(module, inputs)
+    captured = assert_matches_reference(converted, inputs)
+    used = {d.rule for d in captured.report.lowered}
+    assert rule.name in used, str(captured.report)
+    assert not captured.report.kept, str(captured.report)
+
+
+@pytest.mark.parametrize("rule,miss", NEAR_MISSES)
+def test_near_miss_is_rejected_with_reason(rule, miss):
+    converted, inputs = miss.build()
+    actual, expected, captured = compile_and_run(converted, inputs)
+    assert_outputs_close(actual, expected, miss.build.__name__)  # runs as the reference does
+    reasons = [attempt.reason for d in captured.report.decisions for attempt in d.tried if attempt.rule == rule.name]
+    assert any(miss.reason in r for r in reasons), f"expected {miss.reason!r} among {reasons}\n{captured.report}"
+    matched_by_rule = [d for d in captured.report.lowered if d.rule == rule.name and d.node in _anchors_named(captured, reasons)]
+    assert not matched_by_rule
+
+
+def _anchors_named(captured, reasons):
+    return {d.node for d in captured.report.decisions if any(a.reason in reasons for a in d.tried)}

@@ -1,0 +1,40 @@
+"""The one tolerance table for comparing qbackend with the reference (the converted PT2E
+module run eagerly). Stated once; every numerics test reads it from here."""
+import torch
+
+TOLERANCE = {
+    # integer tensors, in quantization steps of their own scale
+    "int8": {"within_one_step": 0.999, "max_steps": 2},
+    # float outputs
+    "float": {"min_cosine": 0.9999},
+}
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
+
+
+def assert_int8_close(actual: torch.Tensor, expected: torch.Tensor, what: str = ""):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (what, actual.dtype, expected.dtype, actual.shape, expected.shape)
+    steps = (actual.int() - expected.int()).abs()
+    tol = TOLERANCE["int8"]
+    within = (steps <= 1).double().mean().item()
+    assert within >= tol["within_one_step"], f"{what}: only {within:.5f} of elements within 1 step"
+    assert steps.max().item() <= tol["max_steps"], f"{what}: max difference {steps.max().item()} steps"
+
+
+def assert_float_close(actual: torch.Tensor, expected: torch.Tensor, what: str = ""):
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    c = cosine(actual, expected)
+    assert c >= TOLERANCE["float"]["min_cosine"], f"{what}: cosine {c:.6f}"
+
+
+def assert_outputs_close(actual, expected, what: str = ""):
+    actual = actual if isinstance(actual, (tuple, list)) else (actual,)
+    expected = expected if isinstance(expected, (tuple, list)) else (expected,)
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if e.is_floating_point():
+            assert_float_close(a, e, f"{what} output {i}")
+        else:
+            assert_int8_close(a, e, f"{what} output {i}")
