@@ -34,7 +34,7 @@ def _runnable(ctx: EmitContext, entry, match):
         return match, ""
     trimmed = match.without_tail()
     if trimmed is not None and _unavailable(ctx, entry, trimmed) is None:
-        left = ", ".join(match.post_op_names()[:-1]) or "output quantize"
+        left = ", ".join(n for n in match.post_op_names() if n not in trimmed.post_op_names())
         return trimmed, f"{left} not fused: {reason}"
     raise CannotRun(f"{match.rule.name} matched but {ctx.device} cannot run it: {reason}")
 
