@@ -72,7 +72,7 @@ class Row:
     max_abs_vs_ref: Optional[float] = None
     cos_vs_ref: Optional[float] = None
     cos_vs_fp32: Optional[float] = None
-    error: str = ""
+    notes: str = ""  # error message, or a warning about the path
 
 
 # --- the paths being compared: each returns a callable taking *inputs ------
@@ -122,16 +122,21 @@ def measure_first_call(build, model, converted, inputs):
     return runner, output, time.perf_counter() - start
 
 
+def clone_inputs(inputs):
+    return tuple(t.clone() for t in inputs)
+
+
 def time_one_call(runner, inputs):
+    fresh_inputs = clone_inputs(inputs)  # some paths write into their inputs
     start = time.perf_counter()
-    runner(*inputs)
+    runner(*fresh_inputs)
     return time.perf_counter() - start
 
 
 def measure_median_latency(runner, inputs, settings):
     """Median seconds per call; iteration count sized to ~target_seconds."""
     for _ in range(settings.warmup_calls):
-        runner(*inputs)
+        time_one_call(runner, inputs)
     probe = time_one_call(runner, inputs)
     iters = int(settings.target_seconds / max(probe, 1e-6))
     iters = max(settings.min_iters, min(settings.max_iters, iters))
@@ -154,14 +159,17 @@ def short_error(exc):
 
 def measure_path(row, build, model, converted, inputs, reference, fp32_output, settings):
     try:
-        runner, output, row.compile_s = measure_first_call(build, model, converted, inputs)
+        own_inputs = clone_inputs(inputs)
+        runner, output, row.compile_s = measure_first_call(build, model, converted, own_inputs)
+        if not all(torch.equal(mine, original) for mine, original in zip(own_inputs, inputs)):
+            row.notes = "writes into its input tensors"
         row.max_abs_vs_ref = max_abs_diff(output, reference)
         row.cos_vs_ref = cosine(output, reference)
         row.cos_vs_fp32 = cosine(output, fp32_output)
         latency_s, row.iters = measure_median_latency(runner, inputs, settings)
         row.latency_ms = latency_s * 1e3
     except Exception as exc:  # one broken path must not hide the others
-        row.error = short_error(exc)
+        row.notes = short_error(exc)
     return row
 
 
@@ -170,8 +178,8 @@ def benchmark_config(name, batch, settings):
     inputs = models.example_inputs(name, batch)
     calibration = models.calibration_batches(name, batch, settings.calibration_batches)
     converted = pt2e_flow.quantize_x86(model, inputs, calibration)
-    reference = converted(*inputs)
-    fp32_output = model(*inputs)
+    reference = converted(*clone_inputs(inputs))
+    fp32_output = model(*clone_inputs(inputs))
     rows = []
     for path, build in PATHS:
         log(f"{name} batch {batch}: {path}")
@@ -207,12 +215,12 @@ def markdown_table(rows):
     for r in rows:
         baseline = baselines.get((r.model, r.batch))
         ratio = r.latency_ms / baseline if r.latency_ms and baseline else None
-        error = r.error.replace("|", "\\|")
+        notes = r.notes.replace("|", "\\|")
         lines.append(
             f"| {r.model} | {r.batch} | {r.path} | {fmt(r.compile_s, '.1f')} "
             f"| {fmt(r.latency_ms, '.2f')} | {fmt(ratio, '.2f')} "
             f"| {fmt(r.max_abs_vs_ref, '.3g')} | {fmt(r.cos_vs_ref, '.6f')} "
-            f"| {fmt(r.cos_vs_fp32, '.6f')} | {fmt(r.iters, 'd')} | {error} |"
+            f"| {fmt(r.cos_vs_fp32, '.6f')} | {fmt(r.iters, 'd')} | {notes} |"
         )
     return "\n".join(lines)
 

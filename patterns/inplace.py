@@ -13,6 +13,7 @@ import torch
 from torch.fx import Node
 
 from .base import GraphView
+from .qdq import is_op
 
 
 def _returns_fresh_tensor(node: Node) -> bool:
@@ -49,6 +50,10 @@ def clobber_blocker(graph: GraphView, buffer: Node, reader: Node, write_at: Node
             continue
         if not _only_reads(user, buffer):
             return f"{buffer.name} is also used by {user.name}, which may keep a view of it"
-        if graph.position(user) > here:
-            return f"{buffer.name} is read again later by {user.name}"
+        # A dequantize's consumers may later be lowered to read the int8 buffer directly, at
+        # their own position: they count as readers of the buffer too.
+        readers = [user] + (list(user.users) if is_op(user, "dequantize_per_tensor") else [])
+        for later in readers:
+            if later is not write_at and graph.position(later) > here:
+                return f"{buffer.name} is read again later by {later.name}"
     return None

@@ -67,12 +67,13 @@ def _runner(gm: GraphModule, runtime_inputs: list[int], total: int) -> Callable:
     return run
 
 
-def compile_graph(gm: GraphModule, example_inputs, options: Options) -> tuple[Callable, Report, GraphModule]:
-    """(callable taking Dynamo's inputs, report, the lowered GraphModule). ``gm`` is not modified."""
+def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=None) -> tuple[Callable, Report, GraphModule]:
+    """(callable taking Dynamo's inputs, report, the lowered GraphModule). ``gm`` is not
+    modified. ``registry`` replaces the live op registry (tests simulate other torch versions)."""
     device = options.device or graph_device(example_inputs, gm)
     work = GraphModule(gm, copy.deepcopy(gm.graph))
     runtime_inputs = freeze(work, example_inputs)
-    report = lower(work, device)
+    report = lower(work, device, registry)
     cleanup(work)
     return _runner(work, runtime_inputs, len(example_inputs)), report, work
 

@@ -106,9 +106,9 @@ def lower(gm: GraphModule, device: str, registry=None) -> Report:
         return report
     view, ctx = GraphView(gm), EmitContext(gm, device, registry)
     for name, entry in table.items():
-        missing = isinstance(entry, Lowering) and next((r for r in map(ctx.op, entry.needs) if not r), None)
-        if missing:
-            report.notes.append(f"rule {name} disabled on {device}: {missing.reason}")
+        unresolved = [r for r in map(ctx.op, getattr(entry, "needs", ())) if not r]
+        if unresolved:
+            report.notes.append(f"rule {name} disabled on {device}: {unresolved[0].reason}")
     for anchor, kind in anchors:
         report.decisions.append(decide(view, ctx, table, anchor, kind))
     return report

@@ -93,6 +93,14 @@ def inductor_int8(converted_module, example_inputs):
     call with grad enabled would recompile without freezing. A recompile
     for other reasons (e.g. a new input shape) also happens outside the
     patch and is not frozen; compile once per shape with this function.
+
+    Caveat (observed with torch 2.13.0+cpu / torchao 0.18.0): the compiled
+    code can write into its input tensors. On ``bert_encoder_like`` the
+    residual ``x + attention(x)`` is fused into a qlinear with a binary
+    post-op (``qlinear_binary_lower_count`` > 0) that accumulates in place
+    into ``x``, so every call changes the caller's input. The compile call
+    below therefore runs on clones, leaving ``example_inputs`` untouched;
+    callers that reuse inputs afterwards must pass copies themselves.
     """
     # Importing this module registers the Inductor int8 fusion passes.
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401
@@ -100,5 +108,5 @@ def inductor_int8(converted_module, example_inputs):
     compiled = torch.compile(converted_module)
     run_without_grad = torch.no_grad()(compiled)
     with torch._inductor.config.patch(freezing=True):
-        run_without_grad(*example_inputs)
+        run_without_grad(*[t.clone() for t in example_inputs])
     return run_without_grad

@@ -18,12 +18,13 @@ def quantize(module, inputs, **flags):
 class Captured:
     """Compiles through Dynamo with qbackend and keeps every graph's reference and result."""
 
-    def __init__(self, **options):
+    def __init__(self, registry=None, **options):
         self.options = Options(**options)
+        self.registry = registry
         self.graphs = []  # (dynamo gm, example inputs, lowered gm, report)
 
     def __call__(self, gm, example_inputs):
-        runner, report, lowered = compile_graph(gm, example_inputs, self.options)
+        runner, report, lowered = compile_graph(gm, example_inputs, self.options, self.registry)
         self.graphs.append((gm, list(example_inputs), lowered, report))
         return runner
 
@@ -38,10 +39,10 @@ class Captured:
         return self.graphs[0][2]
 
 
-def compile_and_run(module, inputs, **options):
+def compile_and_run(module, inputs, registry=None, **options):
     """(compiled output, reference output, Captured)."""
     torch._dynamo.reset()
-    captured = Captured(**options)
+    captured = Captured(registry, **options)
     with torch.no_grad():
         expected = module(*inputs)
         actual = torch.compile(module, backend=captured)(*inputs)
@@ -59,10 +60,10 @@ class _Recorder(Interpreter):
         return value
 
 
-def assert_matches_reference(module, inputs, **options):
+def assert_matches_reference(module, inputs, registry=None, **options):
     """Compiled vs reference: outputs (tolerance table) and every int8 tensor the lowered graph
     produces in place of a reference quantize (within the int8 tolerance)."""
-    actual, expected, captured = compile_and_run(module, inputs, **options)
+    actual, expected, captured = compile_and_run(module, inputs, registry, **options)
     assert_outputs_close(actual, expected, type(module).__name__)
     for gm, example_inputs, lowered, _ in captured.graphs:
         reference = _Recorder(gm)

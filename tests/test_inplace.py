@@ -1,0 +1,60 @@
+"""In-place sum (binary conv) never clobbers a tensor someone else still needs."""
+import torch
+import torch.nn as nn
+
+from .helpers import assert_matches_reference, quantize
+
+
+class ResidualReadAgain(nn.Module):
+    """The block input is read by conv3 AFTER the residual add: its int8 buffer must survive."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv1, self.conv2, self.conv3 = (nn.Conv2d(8, 8, 3, padding=1) for _ in range(3))
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        a = torch.relu(self.conv2(torch.relu(self.conv1(x))) + x)
+        b = self.conv3(x)
+        return a + b
+
+
+class ResidualIsGraphInput(nn.Module):
+    """The residual operand is the model's own input: the caller's tensor must not change."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x, residual):
+        return torch.relu(self.conv(x) + residual)
+
+
+def test_residual_read_later_is_copied_not_clobbered():
+    inputs = (torch.randn(2, 3, 12, 12),)
+    report = assert_matches_reference(quantize(ResidualReadAgain(), inputs), inputs).report
+    by_source = {d.source: d for d in report.decisions}
+    assert by_source["conv2"].rule == "qconv_add", str(report)
+    assert by_source["conv2"].reason.startswith("residual copied:"), str(report)
+    assert "is read again later by conv2d_3" in by_source["conv2"].reason, str(report)
+
+
+def test_residual_from_caller_is_never_written():
+    inputs = (torch.randn(2, 8, 10, 10), torch.randn(2, 8, 10, 10))
+    converted = quantize(ResidualIsGraphInput(), inputs)
+    before = [t.clone() for t in inputs]
+    report = assert_matches_reference(converted, inputs).report
+    assert all(torch.equal(a, b) for a, b in zip(inputs, before)), "the caller's input changed"
+    binary = [d for d in report.decisions if d.rule == "qconv_add"]
+    assert binary, str(report)
+    assert binary[0].reason.startswith("residual copied:") or "updated in place" in binary[0].reason
+
+
+def test_residual_with_no_later_reader_is_updated_in_place():
+    from qbackend.patterns.examples import residual_block
+
+    module, inputs = residual_block()
+    report = assert_matches_reference(quantize(module, inputs), inputs).report
+    binary = [d for d in report.decisions if d.rule == "qconv_add"]
+    assert [d.reason for d in binary] == ["residual updated in place"], str(report)
