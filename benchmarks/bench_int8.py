@@ -19,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +174,13 @@ def measure_path(row, build, model, converted, inputs, reference, fp32_output, s
     return row
 
 
+def warm_up_inductor():
+    # Pay Inductor's one-time process start-up (C++ toolchain and ISA checks)
+    # here, so it is not charged to whichever path happens to compile first.
+    torch.compile(lambda x: torch.relu(x) + 1)(torch.randn(8))
+    torch._dynamo.reset()
+
+
 def benchmark_config(name, batch, settings):
     model = models.build_model(name)
     inputs = models.example_inputs(name, batch)
@@ -199,7 +207,9 @@ def machine_description():
                           if line.startswith("Model name"))
     except (OSError, subprocess.CalledProcessError, StopIteration):
         model_name = "unknown CPU"
-    return (f"{model_name}, {os.cpu_count()} CPUs, {NUM_THREADS} torch threads; "
+    load_1min = os.getloadavg()[0]  # other work on a shared machine skews latencies
+    return (f"{model_name}, {os.cpu_count()} CPUs, {NUM_THREADS} torch threads, "
+            f"load average {load_1min:.2f} at start; "
             f"torch {torch.__version__}, torchao {importlib.metadata.version('torchao')}")
 
 
@@ -225,16 +235,18 @@ def markdown_table(rows):
     return "\n".join(lines)
 
 
-def report(rows, quick):
+def report(rows, quick, machine):
     mode = "quick (smoke test)" if quick else "full"
     return "\n".join([
         "# int8 CPU benchmarks",
         "",
-        f"- Machine: {machine_description()}",
+        f"- Machine: {machine}",
         f"- Date: {datetime.date.today().isoformat()}",
         f"- Mode: {mode}; command: `python benchmarks/bench_int8.py{' --quick' if quick else ''}`",
         "- ref = PT2E converted module run eagerly; latency ratio is relative to Inductor int8"
         " (PT2E + freezing); first call of the eager paths is just their first run.",
+        "- Compile times are cold (fresh, empty Inductor cache directory), measured after one"
+        " throwaway compile that absorbs Inductor's one-time process start-up.",
         "",
         markdown_table(rows),
         "",
@@ -258,12 +270,17 @@ def main():
     args = parse_args()
     torch.set_num_threads(NUM_THREADS)
     configs, settings = (QUICK_CONFIGS, QUICK) if args.quick else (FULL_CONFIGS, FULL)
+    machine = machine_description()  # before the run, so the load average is other work
     rows = []
-    with torch.no_grad():
-        for name, batch in configs:
-            rows += benchmark_config(name, batch, settings)
-            gc.collect()
-    text = report(rows, args.quick)
+    # A fresh Inductor cache so compile times do not depend on earlier runs.
+    with tempfile.TemporaryDirectory(prefix="bench_int8_inductor_") as cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+        with torch.no_grad():
+            warm_up_inductor()
+            for name, batch in configs:
+                rows += benchmark_config(name, batch, settings)
+                gc.collect()
+    text = report(rows, args.quick, machine)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

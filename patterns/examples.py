@@ -24,7 +24,9 @@ def _first(gm, op_name: str):
 
 
 def conv_relu():
-    return nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU()), (torch.randn(2, 4, 10, 10),)
+    """conv -> relu (int8 out, read by the next conv) -> conv (float out)."""
+    module = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2))
+    return module, (torch.randn(2, 4, 10, 10),)
 
 
 def linear_relu():

@@ -56,16 +56,18 @@ class _Recorder(Interpreter):
 
     def run_node(self, n):
         value = super().run_node(n)
-        self.values[n.name] = value
+        # a copy: an in-place sum later in the graph may legally overwrite this buffer
+        self.values[n.name] = value.clone() if isinstance(value, torch.Tensor) and not value.is_mkldnn else value
         return value
 
 
-def assert_matches_reference(module, inputs, registry=None, **options):
-    """Compiled vs reference: outputs (tolerance table) and every int8 tensor the lowered graph
-    produces in place of a reference quantize (within the int8 tolerance)."""
+def assert_matches_reference(module, inputs, registry=None, intermediates=True, **options):
+    """Compiled vs reference: outputs (tolerance table) and, with ``intermediates``, every int8
+    tensor the lowered graph produces in place of a reference quantize (int8 tolerance). Deep
+    models check outputs only: a one-step difference upstream legitimately shifts later layers."""
     actual, expected, captured = compile_and_run(module, inputs, registry, **options)
     assert_outputs_close(actual, expected, type(module).__name__)
-    for gm, example_inputs, lowered, _ in captured.graphs:
+    for gm, example_inputs, lowered, _ in captured.graphs if intermediates else ():
         reference = _Recorder(gm)
         with torch.no_grad():
             reference.run(*example_inputs)

@@ -1,0 +1,39 @@
+"""Freezing: weights are quantized and prepacked once, at compile time, never per call."""
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from qbackend.models import tiny_resnet
+
+from .helpers import quantize
+
+PER_CALL_WEIGHT_WORK = ("qconv_prepack", "qlinear_prepack", "quantize_per_channel", "dequantize_per_channel")
+
+
+def test_second_call_runs_no_weight_quantization_or_prepack():
+    inputs = (torch.randn(2, 3, 32, 32),)
+    converted = quantize(tiny_resnet(), inputs)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(converted, backend="qbackend")
+        compiled(*inputs)
+        with profile(activities=[ProfilerActivity.CPU]) as trace:
+            compiled(*inputs)
+    names = {event.name for event in trace.events()}
+    assert any("qconv" in n for n in names), sorted(names)  # the profiler did see the kernels
+    offenders = sorted(n for n in names if any(word in n for word in PER_CALL_WEIGHT_WORK))
+    assert not offenders, offenders
+
+
+def test_weights_are_snapshotted_at_compile_time():
+    """Like Inductor's freezing: later edits of the module's weights do not reach the compiled model."""
+    inputs = (torch.randn(2, 3, 32, 32),)
+    converted = quantize(tiny_resnet(), inputs)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(converted, backend="qbackend")
+        before = compiled(*inputs)
+        for name, buffer in converted.named_buffers():
+            if buffer.dtype == torch.int8:
+                buffer.zero_()
+        after = compiled(*inputs)
+    assert torch.equal(before, after)

@@ -1,0 +1,53 @@
+"""The exact rewritten graphs, pinned with expecttest (regenerate: EXPECTTEST_ACCEPT=1)."""
+import expecttest
+import torch
+
+from qbackend.patterns.examples import HandQuantizedConv, conv_relu, linear_relu, residual_block
+
+from .helpers import compile_and_run, quantize, short_graph
+
+
+def lowered_graph(module, inputs, quantized=True, **options) -> str:
+    torch.manual_seed(0)
+    module = quantize(module, inputs) if quantized else module
+    _, _, captured = compile_and_run(module, inputs, **options)
+    return short_graph(captured.lowered)
+
+
+class TestLoweredGraphs(expecttest.TestCase):
+    def test_conv_relu_then_conv(self):
+        self.assertExpectedInline(lowered_graph(*conv_relu()), """\
+l_input_ = input
+quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0253, 108, 0, 255, uint8)
+qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0253, 108, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.00828, 0, uint8, 'relu', [], '')
+qconv_pointwise_default_1 = onednn.qconv_pointwise(qconv_pointwise_default, 0.00828, 0, <const>, <const>, <const>, <const>, [2, 2], [0, 0], [1, 1], 1, 1, 0, float32, 'none', [], '')
+return (qconv_pointwise_default_1)""")
+
+    def test_residual_block(self):
+        self.assertExpectedInline(lowered_graph(*residual_block()), """\
+l_input_ = input
+quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0267, 116, 0, 255, uint8)
+qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0267, 116, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.00812, 0, uint8, 'relu', [], '')
+dequantize_per_tensor_default_3 = fast_qdq.dequantize_per_tensor(qconv_pointwise_default, 0.00812, 0, 0, 255, uint8)
+qconv_pointwise_default_1 = onednn.qconv_pointwise(qconv_pointwise_default, 0.00812, 0, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.00382, 0, uint8, 'relu', [], '')
+contiguous_default = aten.contiguous(dequantize_per_tensor_default_3, memory_format=torch.channels_last)
+qconv2d_pointwise_binary = onednn.qconv2d_pointwise.binary.binary(qconv_pointwise_default_1, 0.00382, 0, <const>, <const>, <const>, contiguous_default, <const>, [1, 1], [1, 1], [1, 1], 1, 1, 0, float32, 1, 0, 'sum', 1, 'relu', [], '')
+return (qconv2d_pointwise_binary)""")
+
+    def test_linear_nd_relu(self):
+        self.assertExpectedInline(lowered_graph(*linear_relu()), """\
+l_input_ = input
+quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0236, 123, 0, 255, uint8)
+qlinear_pointwise_default = onednn.qlinear_pointwise(quantize_per_tensor_default, 0.0236, 123, <const>, <const>, <const>, <const>, 0.00545, 0, uint8, 'relu', [], '')
+qlinear_pointwise_default_1 = onednn.qlinear_pointwise(qlinear_pointwise_default, 0.00545, 0, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')
+return (qlinear_pointwise_default_1)""")
+
+    def test_conv3d_relu_left_unfused_by_the_kernel(self):
+        inputs = (torch.randn(2, 8, 6, 6, 6),)
+        self.assertExpectedInline(lowered_graph(HandQuantizedConv(rank=3), inputs, quantized=False), """\
+l_x_ = input
+quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.02, 128, 0, 255, uint8)
+qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.02, 128, <const>, <const>, <const>, <const>, [1, 1, 1], [1, 1, 1], [1, 1, 1], 1, 1, 0, float32, 'none', [], '')
+y_1 = aten.relu(qconv_pointwise_default)
+quantize_dequantize_per_tensor = fast_qdq.quantize_dequantize_per_tensor(y_1, 0.03, 0, 0, 255, uint8, out_dtype=None)
+return (quantize_dequantize_per_tensor)""")

@@ -1,0 +1,25 @@
+"""Whole models: every conv and linear lowered, reference numerics."""
+import pytest
+import torch
+
+from qbackend.models import bert_encoder_like, resnet18_like, tiny_resnet
+
+from .helpers import assert_matches_reference, quantize
+
+
+@pytest.mark.parametrize("build,shape", [(tiny_resnet, (2, 3, 32, 32)), (resnet18_like, (1, 3, 224, 224))],
+                         ids=["tiny_resnet", "resnet18_like"])
+def test_resnet_everything_lowered(build, shape):
+    inputs = (torch.randn(*shape),)
+    report = assert_matches_reference(quantize(build(), inputs), inputs, intermediates=False).report
+    assert not report.kept, str(report)
+    kinds = [d.kind for d in report.decisions]
+    assert kinds.count("linear") == 1 and kinds.count("conv") >= 7
+    assert {d.rule for d in report.decisions} == {"qconv", "qconv_add", "qlinear"}
+
+
+def test_small_encoder_every_linear_lowered():
+    inputs = (torch.randn(2, 16, 64),)
+    model = bert_encoder_like(num_layers=2, hidden=64, heads=4, ffn=128)
+    report = assert_matches_reference(quantize(model, inputs), inputs, intermediates=False).report
+    assert not report.kept and len(report.decisions) == 12, str(report)

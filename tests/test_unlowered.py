@@ -1,0 +1,65 @@
+"""What is not lowered runs as the reference does; bad options give clear errors."""
+import pytest
+import torch
+import torch.nn as nn
+
+from qbackend.patterns.examples import HandQuantizedConv, residual_block
+
+from .helpers import Captured, compile_and_run, quantize
+
+
+def test_float_model_runs_bit_exact():
+    module, inputs = residual_block()
+    actual, expected, captured = compile_and_run(module.eval(), inputs)
+    assert torch.equal(actual, expected)
+    assert not captured.report.lowered and len(captured.report.kept) == 3
+
+
+def test_device_without_a_table_runs_unlowered_with_one_clear_line():
+    module, inputs = residual_block()
+    actual, expected, captured = compile_and_run(quantize(module, inputs), inputs, device="vulkan")
+    assert torch.equal(actual, expected)
+    report = captured.report
+    assert report.notes == ["no lowering table for device 'vulkan' (qbackend knows ['cpu', 'xpu']); ran unlowered"]
+    assert not report.lowered
+
+
+def test_unknown_option_is_a_clear_error():
+    module, inputs = residual_block()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"unknown option\(s\) \['fuse_everything'\]"):
+        torch.compile(module, backend="qbackend", options={"fuse_everything": True})(*inputs)
+
+
+def test_symbolic_shapes_lower_and_run():
+    """dynamic=True: shapes are symbols at compile time (prepack gets no input shape)."""
+    module = HandQuantizedConv(rank=2)
+    torch._dynamo.reset()
+    captured = Captured()
+    compiled = torch.compile(module, backend=captured, dynamic=True)
+    with torch.no_grad():
+        for batch, size in ((2, 12), (3, 9), (5, 16)):
+            x = torch.randn(batch, 8, size, size)
+            actual, expected = compiled(x), module(x)
+            assert (actual - expected).abs().max() <= 0.03 * 1.0001, (batch, size)  # within one output step
+    assert len(captured.graphs) == 1 and captured.report.decisions[0].rule == "qconv", str(captured.report)
+
+
+def test_graph_break_gives_one_report_per_graph():
+    class WithBreak(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            x = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(x)
+
+    import qbackend
+
+    module, inputs = WithBreak().eval(), (torch.randn(3, 8),)
+    torch._dynamo.reset()
+    report = qbackend.explain(module, *inputs)
+    assert report.graphs == 2 and len(report.decisions) == 2
+    assert all("not an ATen linear call" in d.reason for d in report.kept), str(report)
