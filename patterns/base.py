@@ -64,7 +64,7 @@ class PostOp:
 class Match:
     rule: "Rule"
     anchor: Node  # the conv / linear node
-    result: Node  # last node of the matched chain: its users are rewired to the lowered op
+    nodes: tuple  # the matched chain, anchor first: the lowered op replaces all of them
     x: QuantizedValue
     weight: QuantizedWeight
     bias: Optional[Node]
@@ -78,12 +78,18 @@ class Match:
     accum_clobber_reason: str = ""
     body_end: Optional[Node] = None  # the last node before the folded post-op / quantize
 
+    @property
+    def result(self) -> Node:
+        """The last node of the chain: its users are rewired to the lowered op."""
+        return self.nodes[-1]
+
     def without_tail(self) -> Optional["Match"]:
         """The same match with the unary post-op and output quantize left in the graph (None
         when there is no tail, or when an int8 residual needs the int8 output)."""
         if self.result is self.body_end or self.accum is not None:
             return None
-        return dataclasses.replace(self, result=self.body_end, post_op=None, output_quant=None)
+        body = self.nodes[: self.nodes.index(self.body_end) + 1]
+        return dataclasses.replace(self, nodes=body, post_op=None, output_quant=None)
 
     def post_op_names(self) -> list[str]:
         names = []

@@ -17,20 +17,27 @@ from .qdq import is_op
 
 
 def _returns_fresh_tensor(node: Node) -> bool:
+    """The node's output is a new allocation (no view of an input), per the op schema.
+    (onednn's binary conv mutates its accumulator but returns a separate tensor.)"""
     if node.op != "call_function":
         return False
     target = node.target
     if getattr(target, "fresh_output", False):
         return True
     if isinstance(target, torch._ops.OpOverload):
-        schema = target._schema
-        return not schema.is_mutable and all(ret.alias_info is None for ret in schema.returns)
+        return all(ret.alias_info is None for ret in target._schema.returns)
     return False
 
 
 def _only_reads(user: Node, value: Node) -> bool:
     """The user reads ``value`` without keeping a view of it or writing to it."""
-    return _returns_fresh_tensor(user)
+    if not _returns_fresh_tensor(user):
+        return False
+    if isinstance(user.target, torch._ops.OpOverload):
+        for arg, given in zip(user.target._schema.arguments, user.args):
+            if given is value and arg.alias_info is not None and arg.alias_info.is_write:
+                return False
+    return True
 
 
 def clobber_blocker(graph: GraphView, buffer: Node, reader: Node, write_at: Node) -> Optional[str]:

@@ -64,21 +64,22 @@ def conv_core(graph: GraphView, conv: Node):
 
 
 def fold_tail(node: Node):
-    """[unary post-op] -> [q] after ``node``: (last node, post-op or None, output QParams or None)."""
-    result, post_op = node, None
+    """[unary post-op] -> [q] after ``node``: (tail nodes, post-op or None, output QParams or None)."""
+    tail, post_op = [], None
     folded = unary_post_op(single_user(node), node)
     if folded is not None:
-        result, post_op = folded
-    quant = output_quantize(result)
+        tail.append(folded[0])
+        post_op = folded[1]
+    quant = output_quantize(tail[-1] if tail else node)
     if quant is not None:
-        return quant[0], post_op, quant[1]
-    return result, post_op, None
+        tail.append(quant[0])
+    return tail, post_op, quant[1] if quant else None
 
 
 def select_qconv(graph: GraphView, conv: Node) -> Match:
     params, x, weight, bias = conv_core(graph, conv)
-    result, post_op, out_q = fold_tail(conv)
-    return Match(None, conv, result, x, weight, bias, conv=params, post_op=post_op,
+    tail, post_op, out_q = fold_tail(conv)
+    return Match(None, conv, (conv, *tail), x, weight, bias, conv=params, post_op=post_op,
                  output_quant=out_q, float_dtype=float_dtype(conv), body_end=conv)
 
 

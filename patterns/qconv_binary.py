@@ -33,8 +33,9 @@ def select_qconv_add(graph: GraphView, conv: Node) -> Match:
     require(conv_params(conv).spatial_rank == 2, "binary (residual) fusion exists only for conv2d")
     add, other = _residual_add(conv)
     params, x, weight, bias = conv_core(graph, conv)
-    result, post_op, out_q = fold_tail(add)
-    match = Match(None, conv, result, x, weight, bias, conv=params, post_op=post_op,
+    tail, post_op, out_q = fold_tail(add)
+    result = tail[-1] if tail else add
+    match = Match(None, conv, (conv, add, *tail), x, weight, bias, conv=params, post_op=post_op,
                   output_quant=out_q, float_dtype=float_dtype(add), body_end=add)
     if out_q is not None:
         match.accum = dequantized_activation(other, "residual")

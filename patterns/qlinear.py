@@ -22,8 +22,8 @@ def select_qlinear(graph: GraphView, linear: Node) -> Match:
     require(weight.int8.dim() == 2, "weight is not 2-D")
     bias = linear.args[2] if len(linear.args) > 2 else None
     require(bias is None or isinstance(bias, Node), "bias is not a tensor")
-    result, post_op, out_q = fold_tail(linear)
-    return Match(None, linear, result, x, weight, bias, post_op=post_op, output_quant=out_q,
+    tail, post_op, out_q = fold_tail(linear)
+    return Match(None, linear, (linear, *tail), x, weight, bias, post_op=post_op, output_quant=out_q,
                  float_dtype=float_dtype(linear), body_end=linear)
 
 

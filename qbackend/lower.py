@@ -51,6 +51,10 @@ def _emit(ctx: EmitContext, lowering: Lowering, match) -> Node:
     new.meta["qbackend_rule"] = match.rule.name
     new.meta["qbackend_replaces"] = match.result.name
     match.result.replace_all_uses_with(new)
+    # Erase the chain now: DCE would keep an in-place post-op (relu_) and so the float conv.
+    for node in reversed(match.nodes):
+        if not node.users:
+            graph.erase_node(node)
     return new
 
 
