@@ -90,8 +90,13 @@ def emit_qlinear(ctx: EmitContext, match: Match) -> Node:
     ))
 
 
+def emit_qmaxpool2d(ctx: EmitContext, match: Match) -> Node:
+    return ctx.call("qmaxpool2d", (match.x.node, *match.pool_args))
+
+
 COMMON: dict[str, Lowering] = {
     "qconv": Lowering(emit_qconv, ("qconv", "qconv_prepack")),
     "qconv_add": Lowering(emit_qconv_add, ("qconv_binary", "qconv_prepack")),
     "qlinear": Lowering(emit_qlinear, ("qlinear", "qlinear_prepack")),
+    "qmaxpool2d": Lowering(emit_qmaxpool2d, ("qmaxpool2d",)),
 }

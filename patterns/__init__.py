@@ -5,10 +5,12 @@ from .base import GraphView, Match, Reject, Rule
 from .qconv import CONV_ANCHORS, QCONV
 from .qconv_binary import QCONV_ADD
 from .qlinear import LINEAR_ANCHORS, QLINEAR
+from .qpool import POOL_ANCHORS, QMAXPOOL2D
 
-RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR)
+RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR, QMAXPOOL2D)
 
-ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS}
+# The node kinds the report accounts for, one line each.
+ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS, "pool": POOL_ANCHORS}
 
 
 def _check_registry():
@@ -25,7 +27,7 @@ _check_registry()
 
 
 def anchor_kind(node) -> str | None:
-    """'conv' / 'linear' for the nodes the report must account for, else None."""
+    """'conv' / 'linear' / 'pool' for the nodes the report must account for, else None."""
     if node.op != "call_function":
         return None
     for kind, targets in ANCHORS.items():

@@ -63,12 +63,13 @@ class PostOp:
 @dataclass
 class Match:
     rule: "Rule"
-    anchor: Node  # the conv / linear node
+    anchor: Node  # the conv / linear / pool node
     nodes: tuple  # the matched chain, anchor first: the lowered op replaces all of them
     x: QuantizedValue
-    weight: QuantizedWeight
-    bias: Optional[Node]
+    weight: Optional[QuantizedWeight] = None
+    bias: Optional[Node] = None
     conv: Optional[ConvParams] = None
+    pool_args: tuple = ()  # pooling rules: the pool's own arguments after the input
     post_op: Optional[PostOp] = None
     output_quant: Optional[QParams] = None  # None: the result stays float
     float_dtype: torch.dtype = torch.float32
@@ -183,6 +184,12 @@ class GraphView:
 
     def invalidate(self):
         self._order = {}
+
+
+def per_dim(value, rank: int) -> list:
+    """ATen's int-or-list arguments (stride=2, padding=[1]) as one value per spatial dim."""
+    value = list(value) if isinstance(value, (list, tuple)) else [value]
+    return value * rank if len(value) == 1 else value
 
 
 def fake_value(node) -> Optional[torch.Tensor]:

@@ -176,3 +176,23 @@ class HandQuantizedConv(nn.Module):
             zero_point = 0 if self.relu else 100
             y = dq(q(y, 0.03, zero_point, 0, 255, torch.uint8), 0.03, zero_point, 0, 255, torch.uint8)
         return y
+
+
+def conv_maxpool_conv():
+    module = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, 1), nn.Conv2d(8, 8, 3))
+    return module, (torch.randn(2, 3, 16, 16),)
+
+
+def maxpool_requantize():
+    """The quantize after max_pool2d uses other qparams than its input: a requantize."""
+    from qbackend.ops import graph_op
+
+    module, inputs = conv_maxpool_conv()
+    gm = _convert(module, inputs)
+    pool = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.max_pool2d.default)
+    quant = next(iter(pool.users))
+    assert quant.target is graph_op("quantize_per_tensor")
+    for node in (quant, *quant.users):
+        node.args = (node.args[0], node.args[1] * 2, *node.args[2:])
+    gm.recompile()
+    return gm, inputs

@@ -5,7 +5,7 @@ import torch
 from torch.fx import Node
 
 from . import examples
-from .base import ConvParams, GraphView, Match, NearMiss, Rule, require
+from .base import ConvParams, GraphView, Match, NearMiss, Rule, per_dim, require
 from .post_ops import unary_post_op
 from .qdq import dequantized_activation, dequantized_weight, float_dtype, output_quantize, single_user
 
@@ -26,11 +26,6 @@ CONV_ANCHORS = (
 )
 
 
-def _expand(value, rank: int) -> list:
-    value = list(value) if isinstance(value, (list, tuple)) else [value]
-    return value * rank if len(value) == 1 else value
-
-
 def conv_params(conv: Node) -> ConvParams:
     """Stride / padding / dilation / groups of an ATen conv node, or NoMatch with the reason."""
     require(conv.target not in TRANSPOSED_CONV_OPS, "transposed convolution (conv_transpose) is not a conv")
@@ -49,7 +44,7 @@ def conv_params(conv: Node) -> ConvParams:
     if isinstance(padding, str):
         require(padding == "valid", f"padding={padding!r} (only explicit or 'valid' padding is lowered)")
         padding = 0
-    return ConvParams(_expand(stride, rank), _expand(padding, rank), _expand(dilation, rank), int(groups), rank)
+    return ConvParams(per_dim(stride, rank), per_dim(padding, rank), per_dim(dilation, rank), int(groups), rank)
 
 
 def conv_core(graph: GraphView, conv: Node):

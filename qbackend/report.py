@@ -70,7 +70,7 @@ class Report:
                       self.decisions + other.decisions, self.notes + other.notes, self.graphs + other.graphs)
 
     def summary(self) -> str:
-        return (f"qbackend [{self.device}]: {len(self.lowered)} of {len(self.decisions)} conv/linear lowered"
+        return (f"qbackend [{self.device}]: {len(self.lowered)} of {len(self.decisions)} conv/linear/pool ops lowered"
                 f" in {self.graphs} graph(s), {len(self.kept)} kept")
 
     def __str__(self) -> str:

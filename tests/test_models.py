@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from qbackend.models import bert_encoder_like, resnet18_like, tiny_resnet
+from qbackend.patterns.qconv import CONV_OPS
 
 from .helpers import assert_matches_reference, quantize
 
@@ -11,11 +12,15 @@ from .helpers import assert_matches_reference, quantize
                          ids=["tiny_resnet", "resnet18_like"])
 def test_resnet_everything_lowered(build, shape):
     inputs = (torch.randn(*shape),)
-    report = assert_matches_reference(quantize(build(), inputs), inputs, intermediates=False).report
+    captured = assert_matches_reference(quantize(build(), inputs), inputs, intermediates=False)
+    report = captured.report
     assert not report.kept, str(report)
     kinds = [d.kind for d in report.decisions]
     assert kinds.count("linear") == 1 and kinds.count("conv") >= 7
-    assert {d.rule for d in report.decisions} == {"qconv", "qconv_add", "qlinear"}
+    assert {d.rule for d in report.decisions} == {"qconv", "qconv_add", "qlinear", "qmaxpool2d"}
+    assert kinds.count("pool") == 1
+    float_convs = [n for _, _, lowered, _ in captured.graphs for n in lowered.graph.nodes if n.target in CONV_OPS]
+    assert not float_convs, float_convs
 
 
 def test_small_encoder_every_linear_lowered():
