@@ -134,14 +134,19 @@ def time_one_call(runner, inputs):
     return time.perf_counter() - start
 
 
-def measure_median_latency(runner, inputs, settings):
-    """Median seconds per call; iteration count sized to ~target_seconds."""
-    for _ in range(settings.warmup_calls):
-        time_one_call(runner, inputs)
-    probe = time_one_call(runner, inputs)
-    iters = int(settings.target_seconds / max(probe, 1e-6))
-    iters = max(settings.min_iters, min(settings.max_iters, iters))
-    return statistics.median(time_one_call(runner, inputs) for _ in range(iters)), iters
+def measure_interleaved(runners, inputs, settings):
+    """Median seconds per call for every runner, timed in alternating rounds so that drifting
+    load on a shared machine hits all paths alike. Returns {path: (median, calls)}."""
+    for runner in runners.values():
+        for _ in range(settings.warmup_calls):
+            time_one_call(runner, inputs)
+    probe = sum(time_one_call(runner, inputs) for runner in runners.values())
+    rounds = max(settings.min_iters, min(settings.max_iters, int(settings.target_seconds * len(runners) / max(probe, 1e-6))))
+    samples = {path: [] for path in runners}
+    for _ in range(rounds):
+        for path, runner in runners.items():
+            samples[path].append(time_one_call(runner, inputs))
+    return {path: (statistics.median(times), len(times)) for path, times in samples.items()}
 
 
 def cosine(a, b):
@@ -158,7 +163,8 @@ def short_error(exc):
     return f"{type(exc).__name__}: {first_line}"[:200]
 
 
-def measure_path(row, build, model, converted, inputs, reference, fp32_output, settings):
+def measure_path(row, build, model, converted, inputs, reference, fp32_output):
+    """Compile time (cold: Dynamo reset first) and accuracy; returns the runner or None."""
     try:
         own_inputs = clone_inputs(inputs)
         runner, output, row.compile_s = measure_first_call(build, model, converted, own_inputs)
@@ -167,17 +173,18 @@ def measure_path(row, build, model, converted, inputs, reference, fp32_output, s
         row.max_abs_vs_ref = max_abs_diff(output, reference)
         row.cos_vs_ref = cosine(output, reference)
         row.cos_vs_fp32 = cosine(output, fp32_output)
-        latency_s, row.iters = measure_median_latency(runner, inputs, settings)
-        row.latency_ms = latency_s * 1e3
+        return runner
     except Exception as exc:  # one broken path must not hide the others
         row.notes = short_error(exc)
-    return row
+        return None
 
 
-def warm_up_inductor():
-    # Pay Inductor's one-time process start-up (C++ toolchain and ISA checks)
-    # here, so it is not charged to whichever path happens to compile first.
+def warm_up_compilers():
+    # Pay each compiler's one-time process start-up (Inductor: C++ toolchain and ISA checks;
+    # qbackend: importing its modules, as the entry point does on first use) here, so it is
+    # not charged to whichever path happens to compile first.
     torch.compile(lambda x: torch.relu(x) + 1)(torch.randn(8))
+    torch.compile(lambda x: torch.relu(x) + 1, backend="qbackend")(torch.randn(8))
     torch._dynamo.reset()
 
 
@@ -188,11 +195,25 @@ def benchmark_config(name, batch, settings):
     converted = pt2e_flow.quantize_x86(model, inputs, calibration)
     reference = converted(*clone_inputs(inputs))
     fp32_output = model(*clone_inputs(inputs))
-    rows = []
+    rows, builds = [], {}
     for path, build in PATHS:
-        log(f"{name} batch {batch}: {path}")
+        log(f"{name} batch {batch}: compile {path}")
         row = Row(DISPLAY_NAMES[name], batch, path)
-        rows.append(measure_path(row, build, model, converted, inputs, reference, fp32_output, settings))
+        rows.append(row)
+        if measure_path(row, build, model, converted, inputs, reference, fp32_output) is not None:
+            builds[path] = build
+    # Latency: every path compiled again side by side (a Dynamo reset above would have dropped
+    # the earlier ones), then timed in interleaved rounds.
+    torch._dynamo.reset()
+    runners = {path: build(model, converted, inputs) for path, build in builds.items()}
+    for runner in runners.values():
+        runner(*clone_inputs(inputs))
+    log(f"{name} batch {batch}: timing {len(runners)} paths interleaved")
+    timings = measure_interleaved(runners, inputs, settings)
+    for row in rows:
+        if row.path in timings:
+            seconds, row.iters = timings[row.path]
+            row.latency_ms = seconds * 1e3
     torch._dynamo.reset()
     return rows
 
@@ -219,7 +240,7 @@ def fmt(value, spec):
 
 def markdown_table(rows):
     header = ("| Model | Batch | Path | First call / compile (s) | Median latency (ms) "
-              "| vs Inductor int8 | max abs diff vs ref | cos vs ref | cos vs fp32 | iters | Notes |")
+              "| vs Inductor int8 | max abs diff vs ref | cos vs ref | cos vs fp32 | timed calls | Notes |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     baselines = {(r.model, r.batch): r.latency_ms for r in rows if r.path == BASELINE_PATH}
     for r in rows:
@@ -245,8 +266,10 @@ def report(rows, quick, machine):
         f"- Mode: {mode}; command: `python benchmarks/bench_int8.py{' --quick' if quick else ''}`",
         "- ref = PT2E converted module run eagerly; latency ratio is relative to Inductor int8"
         " (PT2E + freezing); first call of the eager paths is just their first run.",
-        "- Compile times are cold (fresh, empty Inductor cache directory), measured after one"
-        " throwaway compile that absorbs Inductor's one-time process start-up.",
+        "- Compile times are cold (fresh, empty Inductor cache directory, Dynamo reset), measured after"
+        " one throwaway compile per compiler that absorbs its one-time process start-up.",
+        "- Latencies: all paths compiled side by side, then timed in interleaved rounds (median), so"
+        " drifting load on this shared machine hits every path alike.",
         "",
         markdown_table(rows),
         "",
@@ -276,7 +299,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="bench_int8_inductor_") as cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
         with torch.no_grad():
-            warm_up_inductor()
+            warm_up_compilers()
             for name, batch in configs:
                 rows += benchmark_config(name, batch, settings)
                 gc.collect()

@@ -43,9 +43,12 @@ def rules_for(kind: str) -> list[Rule]:
 
 def table() -> str:
     rows = ["| rule | anchors | matches | before => after | defined at |", "|---|---|---|---|---|"]
-    rows += [f"| {r.name} | {r.anchors} | `{r.pattern}` | {r.doc} | {r.where} |".replace(" | acc)", " \\| acc)")
-             for r in rules_for_all()]
+    rows += [f"| {r.name} | {r.anchors} | `{_cell(r.pattern)}` | {_cell(r.doc)} | {r.where} |" for r in rules_for_all()]
     return "\n".join(rows)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
 
 
 def rules_for_all() -> list[Rule]:
