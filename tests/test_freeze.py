@@ -9,12 +9,16 @@ from .helpers import quantize
 PER_CALL_WEIGHT_WORK = ("qconv_prepack", "qlinear_prepack", "quantize_per_channel", "dequantize_per_channel")
 
 
-def test_second_call_runs_no_weight_quantization_or_prepack():
+def _compiled_tiny_resnet():
     inputs = (torch.randn(2, 3, 32, 32),)
     converted = quantize(tiny_resnet(), inputs)
     torch._dynamo.reset()
+    return converted, torch.compile(converted, backend="qbackend"), inputs
+
+
+def test_second_call_runs_no_weight_quantization_or_prepack():
+    _, compiled, inputs = _compiled_tiny_resnet()
     with torch.no_grad():
-        compiled = torch.compile(converted, backend="qbackend")
         compiled(*inputs)
         with profile(activities=[ProfilerActivity.CPU]) as trace:
             compiled(*inputs)
@@ -26,11 +30,8 @@ def test_second_call_runs_no_weight_quantization_or_prepack():
 
 def test_weights_are_snapshotted_at_compile_time():
     """Like Inductor's freezing: later edits of the module's weights do not reach the compiled model."""
-    inputs = (torch.randn(2, 3, 32, 32),)
-    converted = quantize(tiny_resnet(), inputs)
-    torch._dynamo.reset()
+    converted, compiled, inputs = _compiled_tiny_resnet()
     with torch.no_grad():
-        compiled = torch.compile(converted, backend="qbackend")
         before = compiled(*inputs)
         for name, buffer in converted.named_buffers():
             if buffer.dtype == torch.int8:

@@ -35,3 +35,15 @@ def test_near_miss_is_rejected_with_reason(rule, miss):
 
 def _anchors_named(captured, reasons):
     return {d.node for d in captured.report.decisions if any(a.reason in reasons for a in d.tried)}
+
+
+def _linear(bias, shape):
+    return torch.nn.Sequential(torch.nn.Linear(16, 8, bias=bias)), (torch.randn(*shape),)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("shape", [(4, 16), (2, 3, 16), (2, 2, 3, 16)], ids=["2d", "3d", "4d"])
+def test_linear_input_ranks_and_bias(bias, shape):
+    module, inputs = _linear(bias, shape)
+    report = assert_matches_reference(quantize(module, inputs), inputs).report
+    assert [d.rule for d in report.decisions] == ["qlinear"], str(report)
