@@ -36,6 +36,7 @@ class EmitContext:
     gm: GraphModule
     device: str
     registry: object = None
+    notes: list = field(default_factory=list)  # what the last emit decided that the report should say
     _resolved: dict = field(default_factory=dict)
     _constants: int = 0
 

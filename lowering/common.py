@@ -61,7 +61,9 @@ def _accumulator(ctx: EmitContext, match: Match) -> Node:
     else a copy. The kernel wants it dense in channels-last order."""
     source = match.accum.node if match.accum is not None else match.accum_float
     if match.accum_clobber_safe:
+        ctx.notes.append("residual updated in place")
         return ctx.gm.graph.call_function(aten.contiguous.default, (source,), {"memory_format": torch.channels_last})
+    ctx.notes.append(f"residual copied: {match.accum_clobber_reason}")
     return ctx.gm.graph.call_function(aten.clone.default, (source,), {"memory_format": torch.channels_last})
 
 
@@ -90,6 +92,21 @@ def emit_qlinear(ctx: EmitContext, match: Match) -> Node:
     ))
 
 
+def emit_qlinear_add(ctx: EmitContext, match: Match) -> Node:
+    """'sum' writes into the float residual (no new buffer) when it is dead; 'add' otherwise."""
+    x = match.x.qparams
+    in_place = match.output_quant is None and match.accum_clobber_safe
+    ctx.notes.append("residual updated in place" if in_place else
+                     "residual added out of place" + (f" ({match.accum_clobber_reason})" if match.accum_clobber_reason else ""))
+    packed = ctx.call_now("qlinear_prepack", match.weight.int8, static_shape(match.x.node))
+    w, w_scale, w_zp = weight_constants(ctx, match, packed, "qlinear_w")
+    unary = match.post_op or NO_POST_OP
+    return ctx.call("qlinear_binary", (
+        match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.accum_float, match.bias, *output_args(match),
+        1.0, 0, "sum" if in_place else "add", 1.0, unary.name, list(unary.scalars), unary.algorithm,
+    ))
+
+
 def emit_qmaxpool2d(ctx: EmitContext, match: Match) -> Node:
     return ctx.call("qmaxpool2d", (match.x.node, *match.pool_args))
 
@@ -98,5 +115,6 @@ COMMON: dict[str, Lowering] = {
     "qconv": Lowering(emit_qconv, ("qconv", "qconv_prepack")),
     "qconv_add": Lowering(emit_qconv_add, ("qconv_binary", "qconv_prepack")),
     "qlinear": Lowering(emit_qlinear, ("qlinear", "qlinear_prepack")),
+    "qlinear_add": Lowering(emit_qlinear_add, ("qlinear_binary", "qlinear_prepack")),
     "qmaxpool2d": Lowering(emit_qmaxpool2d, ("qmaxpool2d",)),
 }

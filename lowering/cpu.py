@@ -5,7 +5,8 @@ import dataclasses
 
 import torch
 
-from .capabilities import conv_post_op_refusal
+from .capabilities import (conv_binary_post_op_refusal, conv_post_op_refusal, linear_binary_post_op_refusal,
+                           linear_post_op_refusal)
 from .common import COMMON
 
 
@@ -17,15 +18,22 @@ def _uint8_activations(match):
     return None
 
 
-def _conv_post_op(match):
+def _post_op(match):
     post = match.post_op
-    if match.conv is None or post is None or match.accum is not None or match.accum_float is not None:
+    if post is None:
         return None
-    return conv_post_op_refusal("cpu", match.conv.spatial_rank, post.name, post.scalars, post.algorithm)
+    binary = match.accum is not None or match.accum_float is not None
+    if match.conv is not None and binary:
+        return conv_binary_post_op_refusal("cpu", post.name, post.scalars, post.algorithm)
+    if match.conv is not None:
+        return conv_post_op_refusal("cpu", match.conv.spatial_rank, post.name, post.scalars, post.algorithm)
+    if binary:
+        return linear_binary_post_op_refusal("cpu", post.name, post.scalars, post.algorithm)
+    return linear_post_op_refusal("cpu", post.name, post.scalars, post.algorithm)
 
 
 def _limits(match):
-    return _uint8_activations(match) or _conv_post_op(match)
+    return _uint8_activations(match) or _post_op(match)
 
 
 TABLE = {name: dataclasses.replace(lowering, limits=_limits) for name, lowering in COMMON.items()}

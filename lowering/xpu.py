@@ -8,5 +8,6 @@ TABLE = {
     "qconv": COMMON["qconv"],
     "qlinear": COMMON["qlinear"],
     "qconv_add": Unsupported("binary conv on XPU is not verified yet (tracked by the XPU lowering issue)"),
+    "qlinear_add": Unsupported("binary linear on XPU is not verified yet (tracked by the XPU lowering issue)"),
     "qmaxpool2d": Unsupported("int8 max pool on XPU is not verified yet (tracked by the XPU lowering issue)"),
 }

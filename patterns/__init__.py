@@ -5,9 +5,10 @@ from .base import GraphView, Match, Reject, Rule
 from .qconv import CONV_ANCHORS, QCONV
 from .qconv_binary import QCONV_ADD
 from .qlinear import LINEAR_ANCHORS, QLINEAR
+from .qlinear_binary import QLINEAR_ADD
 from .qpool import POOL_ANCHORS, QMAXPOOL2D
 
-RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR, QMAXPOOL2D)
+RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR_ADD, QLINEAR, QMAXPOOL2D)
 
 # The node kinds the report accounts for, one line each.
 ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS, "pool": POOL_ANCHORS}

@@ -142,12 +142,27 @@ def conv_add_broadcast():
     return _convert(ConvAddBroadcast(), inputs), inputs
 
 
-class HandQuantizedConv(nn.Module):
-    """A conv written directly in PT2E's converted form, for shapes the X86 quantizer does not
-    annotate (conv3d) and for argument variety: dq(q(x)) -> conv -> [relu] -> [q -> dq]."""
+# Post-ops as they appear in ATen graphs: name -> (op, extra args, kwargs)
+POST_OP_CALLS = {
+    "relu": (torch.ops.aten.relu.default, (), {}),
+    "relu6": (torch.ops.aten.hardtanh.default, (0.0, 6.0), {}),
+    "hardtanh": (torch.ops.aten.hardtanh.default, (-0.5, 0.5), {}),
+    "gelu": (torch.ops.aten.gelu.default, (), {}),
+    "gelu_tanh": (torch.ops.aten.gelu.default, (), {"approximate": "tanh"}),
+    "leaky_relu": (torch.ops.aten.leaky_relu.default, (0.1,), {}),
+    "tanh": (torch.ops.aten.tanh.default, (), {}),
+    "hardswish": (torch.ops.aten.hardswish.default, (), {}),
+    "silu": (torch.ops.aten.silu.default, (), {}),
+}
+
+
+class HandQuantized(nn.Module):
+    """A conv (rank 1-3) or linear (rank 0) written directly in PT2E's converted form, for
+    shapes and post-ops the X86 quantizer does not annotate (conv3d, tanh, ...):
+    dq(q(x)) -> conv / linear -> [post-op] -> [q -> dq]."""
 
     def __init__(self, rank, in_ch=8, out_ch=8, kernel=3, stride=1, padding=1, dilation=1, groups=1,
-                 relu=True, quantize_output=True, bias=True):
+                 post_op="relu", quantize_output=True, bias=True):
         super().__init__()
         import torch.ao.quantization.fx._decomposed  # noqa: F401  registers quantized_decomposed ops
 
@@ -158,23 +173,25 @@ class HandQuantizedConv(nn.Module):
         self.register_buffer("w_scale", scales)
         self.register_buffer("w_zp", torch.zeros(out_ch, dtype=torch.int64))
         self.bias = nn.Parameter(torch.randn(out_ch) * 0.1) if bias else None
-        self.conv = getattr(torch.ops.aten, f"conv{rank}d").default
-        self.args = (stride, padding, dilation, groups)
-        self.relu, self.quantize_output = relu, quantize_output
+        self.rank, self.args = rank, (stride, padding, dilation, groups)
+        self.post_op, self.quantize_output = post_op, quantize_output
 
     def forward(self, x):
-        qd = torch.ops.quantized_decomposed
+        aten, qd = torch.ops.aten, torch.ops.quantized_decomposed
         q, dq = qd.quantize_per_tensor.default, qd.dequantize_per_tensor.default
         x = dq(q(x, 0.02, 128, 0, 255, torch.uint8), 0.02, 128, 0, 255, torch.uint8)
         w = qd.dequantize_per_channel.default(self.w_int8, self.w_scale, self.w_zp, 0, -128, 127, torch.int8)
-        stride, padding, dilation, groups = self.args
-        rank = self.w_int8.dim() - 2
-        y = self.conv(x, w, self.bias, [stride] * rank, [padding] * rank, [dilation] * rank, groups)
-        if self.relu:
-            y = torch.ops.aten.relu.default(y)
+        if self.rank == 0:
+            y = aten.linear.default(x, w, self.bias)
+        else:
+            stride, padding, dilation, groups = self.args
+            conv = getattr(aten, f"conv{self.rank}d").default
+            y = conv(x, w, self.bias, [stride] * self.rank, [padding] * self.rank, [dilation] * self.rank, groups)
+        if self.post_op is not None:
+            op, args, kwargs = POST_OP_CALLS[self.post_op]
+            y = op(y, *args, **kwargs)
         if self.quantize_output:
-            zero_point = 0 if self.relu else 100
-            y = dq(q(y, 0.03, zero_point, 0, 255, torch.uint8), 0.03, zero_point, 0, 255, torch.uint8)
+            y = dq(q(y, 0.03, 100, 0, 255, torch.uint8), 0.03, 100, 0, 255, torch.uint8)
         return y
 
 
@@ -196,3 +213,32 @@ def maxpool_requantize():
         node.args = (node.args[0], node.args[1] * 2, *node.args[2:])
     gm.recompile()
     return gm, inputs
+
+
+class LinearResidual(nn.Module):
+    """Transformer-style residual: x + linear(gelu(linear(x))), then layer norm."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.fc1, self.fc2, self.norm = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim), nn.LayerNorm(dim)
+
+    def forward(self, x):
+        return self.norm(x + self.fc2(torch.nn.functional.gelu(self.fc1(x))))
+
+
+def linear_residual():
+    return LinearResidual(), (torch.randn(2, 5, 16),)
+
+
+class LinearAddBroadcast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, x, row):
+        return self.fc(x) + row
+
+
+def linear_add_broadcast():
+    inputs = (torch.randn(4, 16), torch.randn(1, 8))
+    return _convert(LinearAddBroadcast(), inputs), inputs

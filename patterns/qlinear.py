@@ -14,7 +14,8 @@ LINEAR_OPS = {aten.linear.default}
 LINEAR_ANCHORS = LINEAR_OPS | {torch._C._nn.linear, torch.nn.functional.linear}
 
 
-def select_qlinear(graph: GraphView, linear: Node) -> Match:
+def linear_core(graph: GraphView, linear: Node):
+    """What every quantized-linear rule needs: int8 input, int8 weight, bias."""
     require(linear.target in LINEAR_OPS, "linear is not an ATen linear call (not a PT2E graph)")
     require(not linear.kwargs, f"linear arguments passed by keyword: {sorted(linear.kwargs)}")
     x = dequantized_activation(linear.args[0])
@@ -22,6 +23,11 @@ def select_qlinear(graph: GraphView, linear: Node) -> Match:
     require(weight.int8.dim() == 2, "weight is not 2-D")
     bias = linear.args[2] if len(linear.args) > 2 else None
     require(bias is None or isinstance(bias, Node), "bias is not a tensor")
+    return x, weight, bias
+
+
+def select_qlinear(graph: GraphView, linear: Node) -> Match:
+    x, weight, bias = linear_core(graph, linear)
     tail, post_op, out_q = fold_tail(linear)
     return Match(None, linear, (linear, *tail), x, weight, bias, post_op=post_op, output_quant=out_q,
                  float_dtype=float_dtype(linear), body_end=linear)

@@ -67,6 +67,7 @@ def decide(view: GraphView, ctx: EmitContext, table: dict, anchor: Node, kind: s
             continue
         try:
             match, note = _runnable(ctx, table[rule.name], match)
+            ctx.notes = [note] if note else []
             new = _emit(ctx, table[rule.name], match)
         except CannotRun as why:
             decision.tried.append(Attempt(rule.name, str(why), rule.where))
@@ -78,11 +79,7 @@ def decide(view: GraphView, ctx: EmitContext, table: dict, anchor: Node, kind: s
         decision.lowered = True
         decision.rule, decision.op = rule.name, _op_name(new)
         decision.post_ops = match.post_op_names()
-        notes = [note] if note else []
-        if match.accum is not None or match.accum_float is not None:
-            notes.append("residual updated in place" if match.accum_clobber_safe
-                         else f"residual copied: {match.accum_clobber_reason}")
-        decision.reason = "; ".join(notes)
+        decision.reason = "; ".join(ctx.notes)
         return decision
     # Not lowered. A rule that matched but that the device refused says the most; otherwise
     # the most general rule (tried last) names the basic requirement that failed, where a

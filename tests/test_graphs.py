@@ -2,7 +2,7 @@
 import expecttest
 import torch
 
-from qbackend.patterns.examples import HandQuantizedConv, conv_relu, linear_relu, residual_block
+from qbackend.patterns.examples import HandQuantized, conv_relu, linear_relu, residual_block
 
 from .helpers import compile_and_run, quantize, short_graph
 
@@ -44,10 +44,10 @@ return (qlinear_pointwise_default_1)""")
 
     def test_conv3d_relu_left_unfused_by_the_kernel(self):
         inputs = (torch.randn(2, 8, 6, 6, 6),)
-        self.assertExpectedInline(lowered_graph(HandQuantizedConv(rank=3), inputs, quantized=False), """\
+        self.assertExpectedInline(lowered_graph(HandQuantized(rank=3), inputs, quantized=False), """\
 l_x_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.02, 128, 0, 255, uint8)
 qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.02, 128, <const>, <const>, <const>, <const>, [1, 1, 1], [1, 1, 1], [1, 1, 1], 1, 1, 0, float32, 'none', [], '')
 y_1 = aten.relu(qconv_pointwise_default)
-quantize_dequantize_per_tensor = fast_qdq.quantize_dequantize_per_tensor(y_1, 0.03, 0, 0, 255, uint8, out_dtype=None)
+quantize_dequantize_per_tensor = fast_qdq.quantize_dequantize_per_tensor(y_1, 0.03, 100, 0, 255, uint8, out_dtype=None)
 return (quantize_dequantize_per_tensor)""")

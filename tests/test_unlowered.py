@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend.patterns.examples import HandQuantizedConv, residual_block
+from qbackend.patterns.examples import HandQuantized, residual_block
 
 from .helpers import Captured, compile_and_run, quantize
 
@@ -33,7 +33,7 @@ def test_unknown_option_is_a_clear_error():
 
 def test_symbolic_shapes_lower_and_run():
     """dynamic=True: shapes are symbols at compile time (prepack gets no input shape)."""
-    module = HandQuantizedConv(rank=2)
+    module = HandQuantized(rank=2)
     torch._dynamo.reset()
     captured = Captured()
     compiled = torch.compile(module, backend=captured, dynamic=True)

@@ -1,0 +1,44 @@
+"""Every unary post-op on conv1d/2d/3d and linear, int8 and float output: folded where the
+kernel accepts it (asked of the kernel), left in the graph with the kernel's reason where not,
+and numerics equal to the reference either way."""
+import pytest
+import torch
+
+from qbackend.lowering.capabilities import conv_post_op_refusal, linear_post_op_refusal
+from qbackend.patterns.examples import POST_OP_CALLS, HandQuantized
+from qbackend.patterns.post_ops import UNARY
+
+from .helpers import assert_matches_reference
+
+SPATIAL = {0: (5, 8), 1: (8, 20), 2: (8, 12, 12), 3: (8, 6, 6, 6)}  # per rank, after the batch dim
+CASES = [pytest.param(rank, name, quantized, id=f"{'linear' if rank == 0 else f'conv{rank}d'}-{name}-{'int8' if quantized else 'float'}")
+         for rank in (0, 1, 2, 3) for name in POST_OP_CALLS for quantized in (True, False)]
+
+
+def _refusal(rank, name):
+    op, args, kwargs = POST_OP_CALLS[name]
+    node = torch.fx.Graph().call_function(op, (None, *args), kwargs)
+    post = UNARY[op](node)
+    if rank == 0:
+        return post.name, linear_post_op_refusal("cpu", post.name, post.scalars, post.algorithm)
+    return post.name, conv_post_op_refusal("cpu", rank, post.name, post.scalars, post.algorithm)
+
+
+@pytest.mark.parametrize("rank,name,quantized", CASES)
+def test_post_op(rank, name, quantized):
+    module = HandQuantized(rank, post_op=name, quantize_output=quantized)
+    inputs = (torch.randn(2, *SPATIAL[rank]),)
+    (decision,) = assert_matches_reference(module, inputs).report.decisions
+    assert decision.lowered and decision.rule == ("qlinear" if rank == 0 else "qconv"), decision
+    attr, refusal = _refusal(rank, name)
+    out = "quantize(torch.uint8)" if quantized else "torch.float32 out"
+    if refusal is None:
+        assert decision.post_ops == [attr, out]
+    else:
+        assert decision.post_ops == ["torch.float32 out"]
+        assert decision.reason == f"{attr}{', ' + out if quantized else ''} not fused: {refusal}"
+
+
+def test_linear_accepts_every_post_op_in_the_table():
+    """Linear fuses all of them on torch 2.13 (Inductor 2.13 fuses only relu and gelu)."""
+    assert all(_refusal(0, name)[1] is None for name in POST_OP_CALLS)
