@@ -1,6 +1,7 @@
 """Emitters shared by every device: weights are prepacked here, once, at compile time."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -81,12 +82,12 @@ def emit_qconv_add(ctx: EmitContext, match: Match) -> Node:
     ))
 
 
-def emit_qlinear(ctx: EmitContext, match: Match) -> Node:
+def emit_qlinear(ctx: EmitContext, match: Match, op: str = "qlinear") -> Node:
     x = match.x.qparams
     packed = ctx.call_now("qlinear_prepack", match.weight.int8, static_shape(match.x.node))
     w, w_scale, w_zp = weight_constants(ctx, match, packed, "qlinear_w")
     post = match.post_op or NO_POST_OP
-    return ctx.call("qlinear", (
+    return ctx.call(op, (
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.bias, *output_args(match),
         post.name, list(post.scalars), post.algorithm,
     ))
@@ -116,5 +117,6 @@ COMMON: dict[str, Lowering] = {
     "qconv_add": Lowering(emit_qconv_add, ("qconv_binary", "qconv_prepack")),
     "qlinear": Lowering(emit_qlinear, ("qlinear", "qlinear_prepack")),
     "qlinear_add": Lowering(emit_qlinear_add, ("qlinear_binary", "qlinear_prepack")),
+    "qlinear_dynamic": Lowering(functools.partial(emit_qlinear, op="qlinear_tensor"), ("qlinear_tensor", "qlinear_prepack")),
     "qmaxpool2d": Lowering(emit_qmaxpool2d, ("qmaxpool2d",)),
 }

@@ -4,11 +4,11 @@ from __future__ import annotations
 from .base import GraphView, Match, Reject, Rule
 from .qconv import CONV_ANCHORS, QCONV
 from .qconv_binary import QCONV_ADD
-from .qlinear import LINEAR_ANCHORS, QLINEAR
+from .qlinear import LINEAR_ANCHORS, QLINEAR, QLINEAR_DYNAMIC
 from .qlinear_binary import QLINEAR_ADD
 from .qpool import POOL_ANCHORS, QMAXPOOL2D
 
-RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR_ADD, QLINEAR, QMAXPOOL2D)
+RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR_ADD, QLINEAR, QLINEAR_DYNAMIC, QMAXPOOL2D)
 
 # The node kinds the report accounts for, one line each.
 ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS, "pool": POOL_ANCHORS}

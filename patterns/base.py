@@ -142,6 +142,7 @@ class Rule:
     select_fn: Callable[["GraphView", Node], Match]
     priority: int  # larger is tried first: longer patterns win
     example: Optional[Callable[[], tuple]] = None  # () -> (float module, example inputs)
+    example_flags: tuple = ()  # quantizer config for the example, e.g. (("is_dynamic", True),)
     near_misses: tuple[NearMiss, ...] = ()
 
     @property

@@ -21,25 +21,27 @@ def is_op(node, name: str) -> bool:
 
 
 def _per_tensor_qparams(node: Node, what: str) -> QParams:
-    """QParams of a per-tensor q/dq node with Python-scalar scale and zero point."""
+    """QParams of a per-tensor q/dq node: Python scalars (static), or graph nodes computed
+    at run time (dynamic quantization: choose_qparams -> q.tensor -> dq.tensor)."""
     _, scale, zero_point, qmin, qmax, dtype = node.args[:6]
-    require(
-        isinstance(scale, float) and isinstance(zero_point, int),
-        f"{what} scale/zero point are tensors (dynamic quantization is not lowered yet)",
-    )
+    static = isinstance(scale, float) and isinstance(zero_point, int)
+    require(static or (isinstance(scale, Node) and isinstance(zero_point, Node)),
+            f"{what} scale / zero point are neither constants nor tensors")
     require(dtype in FULL_RANGE, f"{what} dtype {dtype} is not uint8/int8")
     require(
         (qmin, qmax) == FULL_RANGE[dtype],
         f"{what} range [{qmin}, {qmax}] is not the full {dtype} range {FULL_RANGE[dtype]}",
     )
-    return QParams(float(scale), int(zero_point), qmin, qmax, dtype)
+    return QParams(float(scale) if static else scale, int(zero_point) if static else zero_point, qmin, qmax, dtype)
 
 
-def dequantized_activation(node, what: str = "activation") -> QuantizedValue:
-    """x = dequantize_per_tensor(q, scale, zp, qmin, qmax, dtype) -> (q, qparams)."""
-    if is_op(node, "dequantize_per_tensor_tensor"):
-        require(False, f"{what} is dequantized with tensor scale/zero point (dynamic quantization is not lowered yet)")
-    require(is_op(node, "dequantize_per_tensor"), f"{what} is not produced by dequantize_per_tensor")
+def dequantized_activation(node, what: str = "activation", dynamic: bool = False) -> QuantizedValue:
+    """x = dequantize_per_tensor(q, scale, zp, qmin, qmax, dtype) -> (q, qparams); with
+    ``dynamic`` the .tensor form whose scale / zero point are computed at run time."""
+    static_op, dynamic_op = "dequantize_per_tensor", "dequantize_per_tensor_tensor"
+    if is_op(node, dynamic_op if not dynamic else static_op):
+        require(False, f"{what} is {'dynamically' if not dynamic else 'statically'} quantized")
+    require(is_op(node, dynamic_op if dynamic else static_op), f"{what} is not produced by {dynamic_op if dynamic else static_op}")
     return QuantizedValue(node.args[0], _per_tensor_qparams(node, what))
 
 
@@ -69,7 +71,7 @@ def output_quantize(node: Node) -> Optional[tuple[Node, QParams]]:
     """The quantize that is the only consumer of ``node``, if it is one the kernels can fuse."""
     user = single_user(node)
     if user is None or not is_op(user, "quantize_per_tensor") or user.args[0] is not node:
-        return None
+        return None  # (a dynamic quantize is never folded: its qparams depend on the output)
     try:
         return user, _per_tensor_qparams(user, "output")
     except NoMatch:

@@ -69,9 +69,12 @@ def fast_boundary_qdq(gm: GraphModule) -> None:
                 gm.graph.erase_node(node)
                 continue
         node.target = fast_qdq.quantize_per_tensor
+    replacements = {dq_op: fast_qdq.dequantize_per_tensor,
+                    graph_op("quantize_per_tensor_tensor"): fast_qdq.quantize_per_tensor_tensor,
+                    graph_op("dequantize_per_tensor_tensor"): fast_qdq.dequantize_per_tensor_tensor}
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is dq_op:
-            node.target = fast_qdq.dequantize_per_tensor
+        if node.op == "call_function" and node.target in replacements:
+            node.target = replacements[node.target]
 
 
 def _mutated(node: Node) -> bool:

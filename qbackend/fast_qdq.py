@@ -39,6 +39,17 @@ def quantize_dequantize_per_tensor(x, scale: float, zero_point: int, qmin: int, 
     return y.mul_(scale)
 
 
+def quantize_per_tensor_tensor(x, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int, dtype: torch.dtype):
+    """The .tensor overload (dynamic quantization): the reference reads the one-element
+    scale / zero point with .item() and runs the scalar version, and so does this."""
+    return quantize_per_tensor(x, scale.item(), zero_point.item(), qmin, qmax, dtype)
+
+
+def dequantize_per_tensor_tensor(q, scale: torch.Tensor, zero_point: torch.Tensor, qmin: int, qmax: int, dtype: torch.dtype, *, out_dtype=None):
+    return dequantize_per_tensor(q, scale.item(), zero_point.item(), qmin, qmax, dtype, out_dtype=out_dtype)
+
+
 # Each returns a tensor it allocated: the in-place safety analysis may treat it as fresh.
-for _fn in (quantize_per_tensor, dequantize_per_tensor, quantize_dequantize_per_tensor):
+for _fn in (quantize_per_tensor, dequantize_per_tensor, quantize_dequantize_per_tensor,
+            quantize_per_tensor_tensor, dequantize_per_tensor_tensor):
     _fn.fresh_output = True

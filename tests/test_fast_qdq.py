@@ -41,3 +41,14 @@ def test_inputs_are_not_modified():
     before = x.clone()
     fast_qdq.quantize_dequantize_per_tensor(x, *PARAMS[0])
     assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=str)
+def test_tensor_overloads_bit_exact(params):
+    x = _inputs(torch.float32)
+    scale, zero_point, *rest = params
+    scale_t, zp_t = torch.tensor([scale]), torch.tensor([zero_point])
+    q_ref = qd.quantize_per_tensor.tensor(x, scale_t, zp_t, *rest)
+    assert torch.equal(fast_qdq.quantize_per_tensor_tensor(x, scale_t, zp_t, *rest), q_ref)
+    assert torch.equal(fast_qdq.dequantize_per_tensor_tensor(q_ref, scale_t, zp_t, *rest),
+                       qd.dequantize_per_tensor.tensor(q_ref, scale_t, zp_t, *rest))
