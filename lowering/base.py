@@ -7,6 +7,7 @@ from typing import Callable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from qbackend.freeze import set_constant
 from qbackend.ops import Resolved, resolve
 
 
@@ -54,7 +55,7 @@ class EmitContext:
         cursor is)."""
         name = f"_qb_{hint}_{self._constants}"
         self._constants += 1
-        self.gm.register_buffer(name, value, persistent=False)
+        set_constant(self.gm, name, value)
         return self.gm.graph.get_attr(name)
 
     def call(self, logical: str, args: tuple) -> Node:

@@ -6,6 +6,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from . import fast_qdq
+from .freeze import drop_unused_constants, set_constant
 from .ops import graph_op
 
 aten = torch.ops.aten
@@ -37,7 +38,7 @@ def fold_constants(gm: GraphModule) -> int:
         if not isinstance(value, torch.Tensor):
             continue
         name = f"_folded_{node.name}"
-        gm.register_buffer(name, value, persistent=False)
+        set_constant(gm, name, value)
         with gm.graph.inserting_before(node):
             constant = gm.graph.get_attr(name)
         constant.meta = dict(node.meta)
@@ -98,11 +99,4 @@ def cleanup(gm: GraphModule) -> None:
     views_accept_any_layout(gm)
     gm.graph.lint()
     gm.recompile()
-    _drop_unused_constants(gm)
-
-
-def _drop_unused_constants(gm: GraphModule) -> None:
-    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    for name in list(gm._buffers):
-        if name not in used and (name.startswith("_frozen_") or name.startswith("_folded_") or name.startswith("_qb_")):
-            del gm._buffers[name]
+    drop_unused_constants(gm)

@@ -33,6 +33,22 @@ def _is_written(node: Node) -> bool:
     return False
 
 
+def set_constant(gm: GraphModule, name: str, value: torch.Tensor) -> None:
+    """A graph constant: a (non-persistent) buffer, so FX knows it, mirrored in the instance
+    __dict__. The generated code reads ``self.<name>`` on every call; through
+    nn.Module.__getattr__ that costs ~1.5 us per buffer (0.3 ms per call on MobileNetV2), a
+    __dict__ hit costs nothing."""
+    gm.register_buffer(name, value, persistent=False)
+    gm.__dict__[name] = value
+
+
+def drop_unused_constants(gm: GraphModule) -> None:
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in [n for n in gm._buffers if n not in used and n in gm.__dict__]:
+        del gm._buffers[name]
+        del gm.__dict__[name]
+
+
 def freeze(gm: GraphModule, example_inputs) -> list[int]:
     """Turn parameter/buffer placeholders into constants; returns the indices of the inputs
     the compiled graph still takes at run time."""
@@ -43,7 +59,7 @@ def freeze(gm: GraphModule, example_inputs) -> list[int]:
             runtime.append(index)
             continue
         name = f"_frozen_{node.name}"
-        gm.register_buffer(name, value.detach(), persistent=False)
+        set_constant(gm, name, value.detach())
         with gm.graph.inserting_before(node):
             constant = gm.graph.get_attr(name)
         constant.meta = dict(node.meta)

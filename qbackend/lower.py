@@ -47,7 +47,7 @@ def _emit(ctx: EmitContext, lowering: Lowering, match) -> Node:
     graph = ctx.gm.graph
     with graph.inserting_before(match.result):
         new = lowering.emit(ctx, match)
-    new.meta.update({k: v for k, v in match.result.meta.items() if k != "example_value"})
+    new.meta.update(match.result.meta)  # same shape and dtype: later prepacks tune for this shape
     new.meta["qbackend_rule"] = match.rule.name
     new.meta["qbackend_replaces"] = match.result.name
     match.result.replace_all_uses_with(new)
