@@ -38,12 +38,14 @@ NUM_THREADS = 2
 FULL_CONFIGS = [
     ("resnet18_like", 1),
     ("resnet18_like", 8),
+    ("mobilenet_v2_like", 1),
     ("bert_encoder_like", 1),
     ("bert_encoder_like", 8),
 ]
 QUICK_CONFIGS = [("resnet18_like", 1), ("bert_encoder_like", 1)]
 DISPLAY_NAMES = {
     "resnet18_like": "ResNet-18-like 224x224",
+    "mobilenet_v2_like": "MobileNetV2-like 224x224",
     "bert_encoder_like": "BERT-base-like encoder (4 layers, seq 128)",
 }
 BASELINE_PATH = "Inductor int8"

@@ -63,6 +63,8 @@ def _accumulator(ctx: EmitContext, match: Match) -> Node:
     source = match.accum.node if match.accum is not None else match.accum_float
     if match.accum_clobber_safe:
         ctx.notes.append("residual updated in place")
+        if source.op == "call_function" and source.target in (ctx.op("qconv").op, ctx.op("qconv_binary").op):
+            return source  # a 4-D oneDNN conv output is already dense channels-last
         return ctx.gm.graph.call_function(aten.contiguous.default, (source,), {"memory_format": torch.channels_last})
     ctx.notes.append(f"residual copied: {match.accum_clobber_reason}")
     return ctx.gm.graph.call_function(aten.clone.default, (source,), {"memory_format": torch.channels_last})
