@@ -14,89 +14,78 @@ import torch
 from qbackend.ops import resolve
 
 
-def _ask(device: str, run) -> Optional[str]:
+def _ask(device: str, logical_ops: tuple, run) -> Optional[str]:
+    """None if ``run(*ops)`` succeeds, else why not (the op is missing, or the kernel's message)."""
+    resolved = [resolve(name, device) for name in logical_ops]
+    missing = [r for r in resolved if not r]
+    if missing:
+        return missing[0].reason
     try:
-        run()
+        run(*(r.op for r in resolved))
     except RuntimeError as error:
         return str(error).splitlines()[0]
     return None
 
 
-def _unresolved(device: str, *logical: str) -> Optional[str]:
-    missing = [r for r in (resolve(name, device) for name in logical) if not r]
-    return missing[0].reason if missing else None
+def _tiny_conv(device: str, rank: int):
+    """(uint8 input, int8 weight, weight scales, weight zero points) of a 1-channel conv."""
+    x = torch.full((1, 1, *[3] * rank), 128, dtype=torch.uint8, device=device)
+    w = torch.ones((1, 1, *[1] * rank), dtype=torch.int8, device=device)
+    return x, w, torch.ones(1, device=device), torch.zeros(1, dtype=torch.int64, device=device)
+
+
+def _tiny_linear(device: str):
+    x = torch.full((1, 4), 128, dtype=torch.uint8, device=device)
+    w = torch.ones((4, 4), dtype=torch.int8, device=device)
+    return x, w, torch.ones(4, device=device), torch.zeros(4, dtype=torch.int64, device=device)
 
 
 @functools.lru_cache(maxsize=None)
 def conv_post_op_refusal(device: str, spatial_rank: int, attr: str, scalars: tuple, algorithm: str) -> Optional[str]:
     """None if the device's int8 conv runs ``attr`` for this rank, else the kernel's message."""
-    unresolved = _unresolved(device, "qconv", "qconv_prepack")
-    if unresolved:
-        return unresolved
-    qconv, prepack = resolve("qconv", device).op, resolve("qconv_prepack", device).op
+    x, w, w_scale, w_zp = _tiny_conv(device, spatial_rank)
     ones, zeros = [1] * spatial_rank, [0] * spatial_rank
-    x = torch.full((1, 1, *[3] * spatial_rank), 128, dtype=torch.uint8, device=device)
-    w = torch.ones((1, 1, *ones), dtype=torch.int8, device=device)
-    w_scale, w_zp = torch.ones(1, device=device), torch.zeros(1, dtype=torch.int64, device=device)
 
-    def run():
+    def run(qconv, prepack):
         packed = prepack(w, w_scale, 1.0, 0, ones, zeros, ones, 1, None)
         qconv(x, 1.0, 0, packed, w_scale, w_zp, None, ones, zeros, ones, 1, 1.0, 0, None, attr, list(scalars), algorithm)
 
-    return _ask(device, run)
-
-
-@functools.lru_cache(maxsize=None)
-def linear_post_op_refusal(device: str, attr: str, scalars: tuple, algorithm: str) -> Optional[str]:
-    """None if the device's int8 linear runs ``attr``, else the kernel's message."""
-    unresolved = _unresolved(device, "qlinear", "qlinear_prepack")
-    if unresolved:
-        return unresolved
-    qlinear, prepack = resolve("qlinear", device).op, resolve("qlinear_prepack", device).op
-    x = torch.full((1, 4), 128, dtype=torch.uint8, device=device)
-    w = torch.ones((4, 4), dtype=torch.int8, device=device)
-    w_scale, w_zp = torch.ones(4, device=device), torch.zeros(4, dtype=torch.int64, device=device)
-
-    def run():
-        qlinear(x, 1.0, 0, prepack(w, None), w_scale, w_zp, None, 1.0, 0, None, attr, list(scalars), algorithm)
-
-    return _ask(device, run)
+    return _ask(device, ("qconv", "qconv_prepack"), run)
 
 
 @functools.lru_cache(maxsize=None)
 def conv_binary_post_op_refusal(device: str, attr: str, scalars: tuple, algorithm: str) -> Optional[str]:
     """None if the device's int8 conv2d + sum runs unary ``attr`` after the sum."""
-    unresolved = _unresolved(device, "qconv_binary", "qconv_prepack")
-    if unresolved:
-        return unresolved
-    qconv_binary, prepack = resolve("qconv_binary", device).op, resolve("qconv_prepack", device).op
-    x = torch.full((1, 1, 3, 3), 128, dtype=torch.uint8, device=device)
-    w = torch.ones((1, 1, 1, 1), dtype=torch.int8, device=device)
-    w_scale, w_zp = torch.ones(1, device=device), torch.zeros(1, dtype=torch.int64, device=device)
+    x, w, w_scale, w_zp = _tiny_conv(device, 2)
 
-    def run():
-        accum = torch.zeros((1, 1, 3, 3), dtype=torch.uint8, device=device).contiguous(memory_format=torch.channels_last)
+    def run(qconv_binary, prepack):
+        accum = torch.zeros_like(x).contiguous(memory_format=torch.channels_last)
         packed = prepack(w, w_scale, 1.0, 0, [1, 1], [0, 0], [1, 1], 1, None)
         qconv_binary(x, 1.0, 0, packed, w_scale, w_zp, accum, None, [1, 1], [0, 0], [1, 1], 1, 1.0, 0, None,
                      1.0, 0, "sum", 1.0, attr, list(scalars), algorithm)
 
-    return _ask(device, run)
+    return _ask(device, ("qconv_binary", "qconv_prepack"), run)
+
+
+@functools.lru_cache(maxsize=None)
+def linear_post_op_refusal(device: str, attr: str, scalars: tuple, algorithm: str) -> Optional[str]:
+    """None if the device's int8 linear runs ``attr``, else the kernel's message."""
+    x, w, w_scale, w_zp = _tiny_linear(device)
+
+    def run(qlinear, prepack):
+        qlinear(x, 1.0, 0, prepack(w, None), w_scale, w_zp, None, 1.0, 0, None, attr, list(scalars), algorithm)
+
+    return _ask(device, ("qlinear", "qlinear_prepack"), run)
 
 
 @functools.lru_cache(maxsize=None)
 def linear_binary_post_op_refusal(device: str, attr: str, scalars: tuple, algorithm: str) -> Optional[str]:
     """None if the device's int8 linear + add runs unary ``attr`` after the add."""
-    unresolved = _unresolved(device, "qlinear_binary", "qlinear_prepack")
-    if unresolved:
-        return unresolved
-    qlinear_binary, prepack = resolve("qlinear_binary", device).op, resolve("qlinear_prepack", device).op
-    x = torch.full((1, 4), 128, dtype=torch.uint8, device=device)
-    w = torch.ones((4, 4), dtype=torch.int8, device=device)
-    w_scale, w_zp = torch.ones(4, device=device), torch.zeros(4, dtype=torch.int64, device=device)
+    x, w, w_scale, w_zp = _tiny_linear(device)
 
-    def run():
+    def run(qlinear_binary, prepack):
         other = torch.zeros((1, 4), device=device)
         qlinear_binary(x, 1.0, 0, prepack(w, None), w_scale, w_zp, other, None, 1.0, 0, torch.float32,
                        1.0, 0, "add", 1.0, attr, list(scalars), algorithm)
 
-    return _ask(device, run)
+    return _ask(device, ("qlinear_binary", "qlinear_prepack"), run)
