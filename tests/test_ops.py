@@ -82,3 +82,12 @@ def test_every_alias_candidate_is_spelled_namespace_colon_name():
     for logical, candidates in ALIASES.items():
         for candidate in candidates:
             assert "::" in candidate, (logical, candidate)
+
+
+def test_older_torch_lowers_through_the_2d_name_end_to_end():
+    """Only the pre-rename qconv2d_pointwise exists: the emitted graph calls it, and it runs."""
+    module, inputs = residual_block()
+    old = ("qconv2d_pointwise", "qconv2d_pointwise.binary", "qconv_prepack")
+    registry = _LiveOps({f"onednn::{name}" + ("" if "." in name else ".default"): {"MkldnnCPU", "CPU"} for name in old})
+    report = assert_matches_reference(quantize(module, inputs), inputs, registry).report
+    assert [d.op for d in report.decisions] == ["onednn::qconv2d_pointwise", "onednn::qconv2d_pointwise", "onednn::qconv2d_pointwise.binary"]
