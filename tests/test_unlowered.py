@@ -5,7 +5,7 @@ import torch.nn as nn
 
 from qbackend.patterns.examples import HandQuantized, residual_block
 
-from .helpers import Captured, compile_and_run, quantize
+from .helpers import Captured, assert_matches_reference, compile_and_run, quantize
 
 
 def test_float_model_runs_bit_exact():
@@ -63,3 +63,21 @@ def test_graph_break_gives_one_report_per_graph():
     report = qbackend.explain(module, *inputs)
     assert report.graphs == 2 and len(report.decisions) == 2
     assert all("not an ATen linear call" in d.reason for d in report.kept), str(report)
+
+
+class SharedWeightConvs(nn.Module):
+    """One conv module applied twice: both uses read the same int8 weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.shared = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        return self.shared(torch.relu(self.shared(x)))
+
+
+def test_conv_weight_shared_by_two_convs():
+    inputs = (torch.randn(2, 3, 12, 12),)
+    report = assert_matches_reference(quantize(SharedWeightConvs(), inputs), inputs).report
+    assert [d.source for d in report.decisions if d.lowered] == ["stem", "shared", "shared"], str(report)
