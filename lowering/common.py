@@ -84,10 +84,14 @@ def emit_qconv_add(ctx: EmitContext, match: Match) -> Node:
     ))
 
 
+def _prepacked_linear_weight(ctx: EmitContext, match: Match):
+    packed = ctx.call_now("qlinear_prepack", match.weight.int8, static_shape(match.x.node))
+    return weight_constants(ctx, match, packed, "qlinear_w")
+
+
 def emit_qlinear(ctx: EmitContext, match: Match, op: str = "qlinear") -> Node:
     x = match.x.qparams
-    packed = ctx.call_now("qlinear_prepack", match.weight.int8, static_shape(match.x.node))
-    w, w_scale, w_zp = weight_constants(ctx, match, packed, "qlinear_w")
+    w, w_scale, w_zp = _prepacked_linear_weight(ctx, match)
     post = match.post_op or NO_POST_OP
     return ctx.call(op, (
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.bias, *output_args(match),
@@ -96,13 +100,14 @@ def emit_qlinear(ctx: EmitContext, match: Match, op: str = "qlinear") -> Node:
 
 
 def emit_qlinear_add(ctx: EmitContext, match: Match) -> Node:
-    """'sum' writes into the float residual (no new buffer) when it is dead; 'add' otherwise."""
+    """'sum' writes into the float residual (no new buffer) when it is dead and dense, as the
+    kernel requires; 'add' otherwise."""
     x = match.x.qparams
-    in_place = match.output_quant is None and match.accum_clobber_safe
+    residual = fake_value(match.accum_float)
+    in_place = match.output_quant is None and match.accum_clobber_safe and residual.is_contiguous()
     ctx.notes.append("residual updated in place" if in_place else
                      "residual added out of place" + (f" ({match.accum_clobber_reason})" if match.accum_clobber_reason else ""))
-    packed = ctx.call_now("qlinear_prepack", match.weight.int8, static_shape(match.x.node))
-    w, w_scale, w_zp = weight_constants(ctx, match, packed, "qlinear_w")
+    w, w_scale, w_zp = _prepacked_linear_weight(ctx, match)
     unary = match.post_op or NO_POST_OP
     return ctx.call("qlinear_binary", (
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.accum_float, match.bias, *output_args(match),

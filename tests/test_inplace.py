@@ -58,3 +58,27 @@ def test_residual_with_no_later_reader_is_updated_in_place():
     report = assert_matches_reference(quantize(module, inputs), inputs).report
     binary = [d for d in report.decisions if d.rule == "qconv_add"]
     assert [d.reason for d in binary] == ["residual updated in place"], str(report)
+
+
+class TwoLinearResiduals(nn.Module):
+    """h = x + fc1(x) adds into the caller's input (must not be written); h + fc2(h) adds
+    into h, a dead intermediate (may be written)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = x + self.fc1(x)
+        return h + self.fc2(h)
+
+
+def test_linear_residual_never_writes_the_callers_input():
+    inputs = (torch.randn(3, 5, 16),)
+    before = inputs[0].clone()
+    report = assert_matches_reference(quantize(TwoLinearResiduals(), inputs), inputs).report
+    assert torch.equal(inputs[0], before), "the caller's input changed"
+    by_source = {d.source: d for d in report.decisions}
+    assert by_source["fc1"].rule == "qlinear_add" and by_source["fc1"].reason.startswith("residual added out of place"), str(report)
+    assert "graph input" in by_source["fc1"].reason, str(report)
+    assert by_source["fc2"].rule == "qlinear_add" and by_source["fc2"].reason == "residual updated in place", str(report)
