@@ -74,7 +74,7 @@ class Match:
     output_quant: Optional[QParams] = None  # None: the result stays float
     float_dtype: torch.dtype = torch.float32
     accum: Optional[QuantizedValue] = None  # binary rules: the quantized residual operand
-    accum_float: Optional[Node] = None  # binary rules with float output: the float operand
+    accum_float: Optional[Node] = None  # binary rules adding a float residual: that operand
     accum_clobber_safe: bool = False  # in-place sum may write into the accumulator buffer
     accum_clobber_reason: str = ""
     body_end: Optional[Node] = None  # the last node before the folded post-op / quantize
@@ -87,7 +87,7 @@ class Match:
     def without_tail(self) -> Optional["Match"]:
         """The same match with the unary post-op and output quantize left in the graph (None
         when there is no tail, or when an int8 residual needs the int8 output)."""
-        if self.result is self.body_end or self.accum is not None:
+        if self.body_end is None or self.result is self.body_end or self.accum is not None:
             return None
         body = self.nodes[: self.nodes.index(self.body_end) + 1]
         return dataclasses.replace(self, nodes=body, post_op=None, output_quant=None)
@@ -136,7 +136,7 @@ class NearMiss:
 @dataclass(frozen=True)
 class Rule:
     name: str
-    anchors: str  # which anchor kind this rule starts from: "conv" or "linear"
+    anchors: str  # which anchor kind this rule starts from: a key of patterns.ANCHORS
     pattern: str  # what it matches, e.g. "dq(x) -> conv -> [relu] -> [q]"
     doc: str  # before => after, one line
     select_fn: Callable[["GraphView", Node], Match]

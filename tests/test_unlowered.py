@@ -81,3 +81,24 @@ def test_conv_weight_shared_by_two_convs():
     inputs = (torch.randn(2, 3, 12, 12),)
     report = assert_matches_reference(quantize(SharedWeightConvs(), inputs), inputs).report
     assert [d.source for d in report.decisions if d.lowered] == ["stem", "shared", "shared"], str(report)
+
+
+def test_forced_xpu_on_a_cpu_only_torch_keeps_everything_with_reasons():
+    """The device option picks the XPU table; this torch has no XPU kernels, so every rule
+    says why and the model runs unlowered with exact numerics."""
+    module, inputs = conv_maxpool_residual()
+    actual, expected, captured = compile_and_run(quantize(module, inputs), inputs, device="xpu")
+    assert torch.equal(actual, expected)
+    report = captured.report
+    assert not report.lowered and report.device == "xpu"
+    reasons = {d.node: d.reason for d in report.decisions}
+    assert reasons["max_pool2d"].startswith("qmaxpool2d matched but xpu cannot run it: int8 max pool on XPU is not verified yet")
+    assert reasons["conv2d"].startswith("qconv matched but xpu cannot run it: no qconv op for xpu: onednn::qconv_pointwise.default has no xpu kernel")
+    assert any(note.startswith("rule qconv disabled on xpu") for note in report.notes)
+
+
+def conv_maxpool_residual():
+    from qbackend.patterns.examples import ResidualBlock
+
+    module = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), ResidualBlock(8))
+    return module, (torch.randn(2, 3, 16, 16),)
