@@ -156,6 +156,14 @@ POST_OP_CALLS = {
 }
 
 
+def post_op_of(name: str):
+    """The PostOp the post-op table reads from POST_OP_CALLS[name]."""
+    from .post_ops import UNARY
+
+    op, args, kwargs = POST_OP_CALLS[name]
+    return UNARY[op](torch.fx.Graph().call_function(op, (None, *args), kwargs))
+
+
 class HandQuantized(nn.Module):
     """A conv (rank 1-3) or linear (rank 0) written directly in PT2E's converted form, for
     shapes and post-ops the X86 quantizer does not annotate (conv3d, tanh, ...):

@@ -41,8 +41,28 @@ def devices_md() -> str:
             cells.append(f"`{resolved.qualname}`" if resolved else f"none: {resolved.reason}")
         lines.append(f"| {logical} | " + " | ".join(cells) + " |")
     lines += ["", "## Rule support", "", lowering.support_matrix(), "",
-              "A rule whose ops do not resolve on a device is disabled there at compile time, with the reason in the report.", ""]
+              "A rule whose ops do not resolve on a device is disabled there at compile time, with the reason in the report.", "",
+              "## Post-ops the CPU kernels accept (asked of the kernels, `lowering/capabilities.py`)", "", post_op_matrix("cpu"), ""]
     return "\n".join(lines)
+
+
+def post_op_matrix(device: str) -> str:
+    from qbackend.lowering import capabilities
+    from qbackend.patterns.examples import POST_OP_CALLS, post_op_of
+
+    kernels = {
+        "conv1d": lambda p: capabilities.conv_post_op_refusal(device, 1, p.name, p.scalars, p.algorithm),
+        "conv2d": lambda p: capabilities.conv_post_op_refusal(device, 2, p.name, p.scalars, p.algorithm),
+        "conv3d": lambda p: capabilities.conv_post_op_refusal(device, 3, p.name, p.scalars, p.algorithm),
+        "conv2d + sum": lambda p: capabilities.conv_binary_post_op_refusal(device, p.name, p.scalars, p.algorithm),
+        "linear": lambda p: capabilities.linear_post_op_refusal(device, p.name, p.scalars, p.algorithm),
+        "linear + add": lambda p: capabilities.linear_binary_post_op_refusal(device, p.name, p.scalars, p.algorithm),
+    }
+    rows = ["| post-op | " + " | ".join(kernels) + " |", "|---" * (len(kernels) + 1) + "|"]
+    for name in POST_OP_CALLS:
+        post = post_op_of(name)
+        rows.append(f"| {name} | " + " | ".join("yes" if ask(post) is None else "no" for ask in kernels.values()) + " |")
+    return "\n".join(rows)
 
 
 FILES = {"rules.md": rules_md, "devices.md": devices_md}

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from qbackend.lowering.capabilities import conv_post_op_refusal, linear_post_op_refusal
-from qbackend.patterns.examples import POST_OP_CALLS, HandQuantized
-from qbackend.patterns.post_ops import UNARY
+from qbackend.patterns.examples import POST_OP_CALLS, HandQuantized, post_op_of
 
 from .helpers import assert_matches_reference
 
@@ -16,9 +15,7 @@ CASES = [pytest.param(rank, name, quantized, id=f"{'linear' if rank == 0 else f'
 
 
 def _refusal(rank, name):
-    op, args, kwargs = POST_OP_CALLS[name]
-    node = torch.fx.Graph().call_function(op, (None, *args), kwargs)
-    post = UNARY[op](node)
+    post = post_op_of(name)
     if rank == 0:
         return post.name, linear_post_op_refusal("cpu", post.name, post.scalars, post.algorithm)
     return post.name, conv_post_op_refusal("cpu", rank, post.name, post.scalars, post.algorithm)
