@@ -38,10 +38,10 @@ def _per_tensor_qparams(node: Node, what: str) -> QParams:
 def dequantized_activation(node, what: str = "activation", dynamic: bool = False) -> QuantizedValue:
     """x = dequantize_per_tensor(q, scale, zp, qmin, qmax, dtype) -> (q, qparams); with
     ``dynamic`` the .tensor form whose scale / zero point are computed at run time."""
-    static_op, dynamic_op = "dequantize_per_tensor", "dequantize_per_tensor_tensor"
-    if is_op(node, dynamic_op if not dynamic else static_op):
-        require(False, f"{what} is {'dynamically' if not dynamic else 'statically'} quantized")
-    require(is_op(node, dynamic_op if dynamic else static_op), f"{what} is not produced by {dynamic_op if dynamic else static_op}")
+    expected, other = ("dequantize_per_tensor_tensor", "dequantize_per_tensor") if dynamic else \
+        ("dequantize_per_tensor", "dequantize_per_tensor_tensor")
+    require(not is_op(node, other), f"{what} is {'statically' if dynamic else 'dynamically'} quantized")
+    require(is_op(node, expected), f"{what} is not produced by {expected}")
     return QuantizedValue(node.args[0], _per_tensor_qparams(node, what))
 
 

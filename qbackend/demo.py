@@ -34,8 +34,6 @@ def main(argv=None):
     parser.add_argument("--no-inductor", action="store_true", help="skip the Inductor int8 comparison (needs a C++ compiler, ~10 s)")
     args = parser.parse_args(argv)
 
-    import qbackend
-
     model = models.resnet18_like().eval()
     inputs = models.example_inputs("resnet18_like", args.batch)
     print("1. PT2E: export (strict=True), prepare with X86InductorQuantizer, calibrate, convert")
@@ -44,12 +42,12 @@ def main(argv=None):
     print("2. torch.compile(converted, backend='qbackend')")
     torch._dynamo.reset()
     start = time.perf_counter()
+    reports = []  # the same report qbackend.explain returns, from this one compile
     with torch.no_grad():
-        compiled = torch.compile(converted, backend="qbackend")
+        compiled = torch.compile(converted, backend="qbackend", options={"report_sink": reports.append})
         out = compiled(*inputs)
     compile_s = time.perf_counter() - start
-    report = qbackend.explain(converted, *inputs)
-    print(report)
+    print("\n".join(str(report) for report in reports))
 
     with torch.no_grad():
         fp32 = model(*inputs)
