@@ -37,7 +37,9 @@ class EmitContext:
     gm: GraphModule
     device: str
     registry: object = None
+    weight_only_compute: str = "auto"  # how float activations meet weight-only kernels (weight_only.COMPUTE_CHOICES)
     notes: list = field(default_factory=list)  # what the last emit decided that the report should say
+    kernel: str = ""  # the last emit's kernel, when its result node is not the kernel call
     _resolved: dict = field(default_factory=dict)
     _constants: int = 0
 

@@ -7,7 +7,10 @@ import torch
 
 from .capabilities import (conv_binary_post_op_refusal, conv_post_op_refusal, linear_binary_post_op_refusal,
                            linear_post_op_refusal)
+from .base import Lowering
 from .common import COMMON
+from .weight_only import emit_weight_only
+from .weight_only import limits as weight_only_limits
 
 
 def _uint8_activations(match):
@@ -37,3 +40,5 @@ def _limits(match):
 
 
 TABLE = {name: dataclasses.replace(lowering, limits=_limits) for name, lowering in COMMON.items()}
+TABLE["int4_weight_linear"] = Lowering(emit_weight_only, ("int4_pack", "int4_mm"), weight_only_limits)
+TABLE["int8_weight_linear"] = Lowering(emit_weight_only, ("int8_weight_only_mm",), weight_only_limits)

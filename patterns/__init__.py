@@ -7,8 +7,10 @@ from .qconv_binary import QCONV_ADD
 from .qlinear import LINEAR_ANCHORS, QLINEAR, QLINEAR_DYNAMIC
 from .qlinear_binary import QLINEAR_ADD
 from .qpool import POOL_ANCHORS, QMAXPOOL2D
+from .weight_only import INT4_WEIGHT_LINEAR, INT8_WEIGHT_LINEAR, is_weight_matmul
 
-RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR_ADD, QLINEAR, QLINEAR_DYNAMIC, QMAXPOOL2D)
+RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR_ADD, QLINEAR, QLINEAR_DYNAMIC, QMAXPOOL2D, INT4_WEIGHT_LINEAR,
+                           INT8_WEIGHT_LINEAR)
 
 # The node kinds the report accounts for, one line each.
 ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS, "pool": POOL_ANCHORS}
@@ -34,7 +36,7 @@ def anchor_kind(node) -> str | None:
     for kind, targets in ANCHORS.items():
         if node.target in targets:
             return kind
-    return None
+    return "linear" if is_weight_matmul(node) else None
 
 
 def rules_for(kind: str) -> list[Rule]:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 from torch.fx import GraphModule, Node
+
+if TYPE_CHECKING:
+    from qbackend.weight_quant import GroupQuantized
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class Match:
     rule: "Rule"
     anchor: Node  # the conv / linear / pool node
     nodes: tuple  # the matched chain, anchor first: the lowered op replaces all of them
-    x: QuantizedValue
+    x: Optional[QuantizedValue] = None  # int8 rules: the quantized activation
     weight: Optional[QuantizedWeight] = None
     bias: Optional[Node] = None
     conv: Optional[ConvParams] = None
@@ -78,6 +81,8 @@ class Match:
     accum_clobber_safe: bool = False  # in-place sum may write into the accumulator buffer
     accum_clobber_reason: str = ""
     body_end: Optional[Node] = None  # the last node before the folded post-op / quantize
+    float_input: Optional[Node] = None  # weight-only rules: the float activation
+    weight_only: Optional["GroupQuantized"] = None  # weight-only rules: the int4 / int8 weight
 
     @property
     def result(self) -> Node:
@@ -143,6 +148,7 @@ class Rule:
     priority: int  # larger is tried first: longer patterns win
     example: Optional[Callable[[], tuple]] = None  # () -> (float module, example inputs)
     example_flags: tuple = ()  # quantizer config for the example, e.g. (("is_dynamic", True),)
+    example_is_quantized: bool = False  # the example is already in quantized form (no PT2E run)
     near_misses: tuple[NearMiss, ...] = ()
 
     @property

@@ -6,6 +6,8 @@ torchao is imported only when a builder runs (tests, docs), never by the backend
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 import torch.nn as nn
 
@@ -250,3 +252,77 @@ class LinearAddBroadcast(nn.Module):
 def linear_add_broadcast():
     inputs = (torch.randn(4, 16), torch.randn(1, 8))
     return _convert(LinearAddBroadcast(), inputs), inputs
+
+
+class GroupDequantLinear(nn.Module):
+    """A weight-only quantized linear written in graph form: the weight is dequantized by
+    PT2E's ``dequantize_per_channel_group``, torchao's ``dequantize_affine`` or
+    ``dequantize_per_channel``, then used by ``linear(x, w)`` or ``x @ w.T``. Run eagerly it is
+    the float reference computed from the dequantized weight."""
+
+    # the module whose import registers the form's dequantize op
+    REGISTERS = {"affine": "torchao.quantization.quant_primitives"}
+
+    def __init__(self, in_features, out_features, bits, group_size, form="per_channel_group", use="linear"):
+        super().__init__()
+        from qbackend.weight_quant import quantize
+
+        importlib.import_module(self.REGISTERS.get(form, "torch.ao.quantization.fx._decomposed"))
+        torch.manual_seed(in_features * 7 + out_features + bits)
+        q = quantize(torch.randn(out_features, in_features) * 0.1, bits, group_size)
+        zero = q.zero_point if q.zero_point is not None else torch.zeros_like(q.scale, dtype=torch.int8)
+        self.register_buffer("w_int", q.values)
+        per_channel = form == "per_channel"  # 1-D scales and int64 zero points, as PT2E writes them
+        self.register_buffer("w_scale", q.scale[:, 0].clone() if per_channel else q.scale)
+        self.register_buffer("w_zero", zero[:, 0].to(torch.int64) if per_channel else zero)
+        self.bias = nn.Parameter(torch.randn(out_features) * 0.1)
+        self.bits, self.group_size, self.form, self.use = bits, q.group_size, form, use
+
+    def weight(self, w_int):
+        qmin, qmax = (-8, 7) if self.bits == 4 else (-128, 127)
+        if self.form == "per_channel_group":
+            return torch.ops.quantized_decomposed.dequantize_per_channel_group.default(
+                w_int, self.w_scale, self.w_zero, qmin, qmax, torch.int8, self.group_size, torch.float32)
+        if self.form == "affine":
+            return torch.ops.torchao.dequantize_affine.default(
+                w_int, [1, self.group_size], self.w_scale, self.w_zero, torch.int8, qmin, qmax)
+        return torch.ops.quantized_decomposed.dequantize_per_channel.default(
+            w_int, self.w_scale, self.w_zero, 0, qmin, qmax, torch.int8)
+
+    def forward(self, x, w_int=None):
+        w = self.weight(self.w_int if w_int is None else w_int)
+        return nn.functional.linear(x, w, self.bias) if self.use == "linear" else x @ w.T + self.bias
+
+
+class _RuntimeWeight(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, w_int):
+        return self.layer(x, w_int)
+
+
+def int4_weight_mlp():
+    """int4 group-wise: PT2E's group dequantize used by linear, torchao's by x @ w.T."""
+    return nn.Sequential(GroupDequantLinear(64, 32, 4, 32), nn.ReLU(),
+                         GroupDequantLinear(32, 16, 4, 32, form="affine", use="matmul")), (torch.randn(3, 5, 64),)
+
+
+def int8_weight_mlp():
+    """int8 per-channel: dequantize_per_channel used by linear, torchao's affine by x @ w.T."""
+    return nn.Sequential(GroupDequantLinear(64, 32, 8, None, form="per_channel"), nn.GELU(),
+                         GroupDequantLinear(32, 16, 8, None, form="affine", use="matmul")), (torch.randn(4, 64),)
+
+
+def weight_only_runtime_weight():
+    """The int4 weight is an input of the compiled graph, not a constant."""
+    layer = GroupDequantLinear(64, 32, 4, 32)
+    return _RuntimeWeight(layer), (torch.randn(4, 64), layer.w_int.clone())
+
+
+def int8_asymmetric_weight():
+    """An int8 weight with non-zero zero points: the int8 weight-only kernels take none."""
+    layer = GroupDequantLinear(64, 32, 8, None, form="affine")
+    layer.w_zero += 3
+    return layer, (torch.randn(4, 64),)

@@ -31,6 +31,7 @@ class Options:
     device: Optional[str] = None  # lower for this device's table instead of the inputs' device
     report: bool = False  # print the report to stderr (also: QBACKEND_REPORT=1)
     report_sink: Optional[Callable[[Report], None]] = None  # receives each graph's report
+    weight_only_compute: str = "auto"  # weight-only linears: "auto" (bf16 on CPU), "bf16" or "activation"
 
     @classmethod
     def parse(cls, options) -> "Options":
@@ -73,7 +74,7 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
     device = options.device or graph_device(example_inputs, gm)
     work = GraphModule(gm, copy.deepcopy(gm.graph))
     runtime_inputs = freeze(work, example_inputs)
-    report = lower(work, device, registry)
+    report = lower(work, device, registry, options.weight_only_compute)
     cleanup(work)
     return _runner(work, runtime_inputs, len(example_inputs)), report, work
 

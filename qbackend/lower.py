@@ -67,7 +67,7 @@ def decide(view: GraphView, ctx: EmitContext, table: dict, anchor: Node, kind: s
             continue
         try:
             match, note = _runnable(ctx, table[rule.name], match)
-            ctx.notes = [note] if note else []
+            ctx.notes, ctx.kernel = [note] if note else [], ""
             new = _emit(ctx, table[rule.name], match)
         except CannotRun as why:
             decision.tried.append(Attempt(rule.name, str(why), rule.where))
@@ -77,7 +77,7 @@ def decide(view: GraphView, ctx: EmitContext, table: dict, anchor: Node, kind: s
             continue
         view.invalidate()
         decision.lowered = True
-        decision.rule, decision.op = rule.name, _op_name(new)
+        decision.rule, decision.op = rule.name, ctx.kernel or _op_name(new)
         decision.post_ops = match.post_op_names()
         decision.reason = "; ".join(ctx.notes)
         return decision
@@ -95,7 +95,7 @@ def _op_name(node: Node) -> str:
     return target.name() if hasattr(target, "name") else str(target)
 
 
-def lower(gm: GraphModule, device: str, registry=None) -> Report:
+def lower(gm: GraphModule, device: str, registry=None, weight_only_compute: str = "auto") -> Report:
     report = Report(device)
     anchors = [(n, anchor_kind(n)) for n in gm.graph.nodes]
     anchors = [(n, kind) for n, kind in anchors if kind is not None]
@@ -105,7 +105,7 @@ def lower(gm: GraphModule, device: str, registry=None) -> Report:
         report.notes.append(reason)
         report.decisions = [Decision(n.name, kind, source_of(n), False, reason=reason) for n, kind in anchors]
         return report
-    view, ctx = GraphView(gm), EmitContext(gm, device, registry)
+    view, ctx = GraphView(gm), EmitContext(gm, device, registry, weight_only_compute)
     for name, entry in table.items():
         unresolved = [r for r in map(ctx.op, getattr(entry, "needs", ())) if not r]
         if unresolved:

@@ -56,6 +56,8 @@ GRAPH_OPS: dict[str, str] = {
     "dequantize_per_tensor_tensor": "quantized_decomposed::dequantize_per_tensor.tensor",
     "quantize_per_channel": "quantized_decomposed::quantize_per_channel",
     "dequantize_per_channel": "quantized_decomposed::dequantize_per_channel",
+    "dequantize_per_channel_group": "quantized_decomposed::dequantize_per_channel_group",
+    "dequantize_affine": "torchao::dequantize_affine",
 }
 
 

@@ -1,0 +1,192 @@
+"""A Linear weight stored weight-only quantized (int4 / int8) that behaves like a plain tensor.
+
+``quantize_weights(model, bits=4, group_size=128)`` swaps every eligible ``nn.Linear`` weight
+for a ``QuantizedLinearWeight``: device-neutral integers + scales + zero points (the
+state_dict holds exactly these), packed for a device's kernel on first use and cached.
+
+- ``F.linear(x, w)``, ``x @ w.T``, ``torch.matmul(x, w.t())`` run the packed kernel;
+  ``w.t()`` is a transposed view, so ``w.t().t()`` is ``w`` again.
+- Any other op sees the dequantized float weight: slower, never wrong.
+- ``__tensor_flatten__`` lets torch.compile see through it; with ``backend="qbackend"`` the
+  weight becomes a frozen constant and the linear lowers to the same kernel.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .weight_quant import GroupQuantized, pack_int4, quantize, unpack_int4
+
+aten = torch.ops.aten
+log = logging.getLogger("qbackend")
+
+
+class QuantizedLinearWeight(torch.Tensor):
+    """Logical shape [out, in] (or [in, out] when ``transposed``), dtype of the float model."""
+
+    @staticmethod
+    def __new__(cls, qdata, scale, zero_point, bits, group_size, shape, dtype, transposed=False, compute="auto"):
+        logical = tuple(reversed(shape)) if transposed else tuple(shape)
+        return torch.Tensor._make_wrapper_subclass(cls, logical, dtype=dtype, device=qdata.device, requires_grad=False)
+
+    def __init__(self, qdata, scale, zero_point, bits, group_size, shape, dtype, transposed=False, compute="auto"):
+        self.qdata = qdata  # int4: uint8 [N, K/2] (weight_quant neutral layout); int8: int8 [N, K]
+        self.scale = scale  # float32 [N, K / group_size]
+        self.zero_point = zero_point  # int8 [N, K / group_size]
+        self.bits, self.group_size, self.weight_shape = bits, group_size, tuple(shape)
+        self.transposed, self.compute = transposed, compute
+        self._packed: dict = {}  # (device, activation dtype) -> lowering.weight_only.PackedLinear
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bits: int, group_size: Optional[int], compute: str = "auto"):
+        q = quantize(weight, bits, group_size)
+        qdata = pack_int4(q.values) if bits == 4 else q.values
+        zero_point = q.zero_point if q.zero_point is not None else torch.zeros_like(q.scale, dtype=torch.int8)
+        return cls(qdata, q.scale, zero_point, bits, q.group_size, weight.shape, weight.dtype, compute=compute)
+
+    def _meta(self) -> tuple:
+        return (self.bits, self.group_size, self.weight_shape, self.dtype, self.transposed, self.compute)
+
+    def __tensor_flatten__(self):
+        return ["qdata", "scale", "zero_point"], self._meta()
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return QuantizedLinearWeight(inner["qdata"], inner["scale"], inner["zero_point"], *meta)
+
+    def _with(self, fn: Callable = lambda t: t, **changes) -> "QuantizedLinearWeight":
+        meta = dict(zip(("bits", "group_size", "shape", "dtype", "transposed", "compute"), self._meta()))
+        meta.update(changes)
+        return QuantizedLinearWeight(fn(self.qdata), fn(self.scale), fn(self.zero_point), **meta)
+
+    def group_quantized(self) -> GroupQuantized:
+        """The stored [out, in] weight (ignores ``transposed``)."""
+        values = unpack_int4(self.qdata) if self.bits == 4 else self.qdata
+        return GroupQuantized(self.bits, values, self.scale, self.group_size, zero_point=self.zero_point)
+
+    def dequantize(self) -> torch.Tensor:
+        dense = self.group_quantized().dequantize(self.dtype)
+        return dense.t() if self.transposed else dense
+
+    def __repr__(self) -> str:
+        return (f"QuantizedLinearWeight(int{self.bits}, group_size={self.group_size}, shape={tuple(self.shape)}, "
+                f"dtype={self.dtype}, device={self.device}{', transposed' if self.transposed else ''})")
+
+    def packed_for(self, x: torch.Tensor):
+        """The weight packed for x's device and dtype (cached; never cached while tracing)."""
+        from qbackend.lowering.weight_only import pack
+
+        key = (x.device.type, x.dtype)
+        if key in self._packed:
+            return self._packed[key]
+        packed = pack(self.group_quantized(), x.device.type, x.dtype, self.compute)
+        if not _is_fake(self.qdata):
+            self._packed[key] = packed
+        return packed
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            result = handler(*args, **kwargs)
+            if result is not NotImplemented:
+                return result
+        return _dense_fallback(func, args, kwargs)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return isinstance(t, torch._subclasses.FakeTensor) or t.device.type == "meta"
+
+
+def _dense(value):
+    return value.dequantize() if isinstance(value, QuantizedLinearWeight) else value
+
+
+def _dense_fallback(func, args, kwargs):
+    log.debug("QuantizedLinearWeight: %s runs on the dequantized weight", func)
+    return func(*tree_map(_dense, args), **tree_map(_dense, kwargs))
+
+
+def _linear(x: torch.Tensor, weight_t, bias=None):
+    """x @ weight_t (+ bias) where weight_t is the transposed view of a stored [out, in] weight."""
+    from qbackend.lowering.weight_only import run
+
+    if not isinstance(weight_t, QuantizedLinearWeight) or not weight_t.transposed or isinstance(x, QuantizedLinearWeight):
+        return NotImplemented
+    try:
+        packed = weight_t.packed_for(x)
+    except (NotImplementedError, ValueError) as why:  # no kernel for this device / shape
+        log.debug("QuantizedLinearWeight runs dequantized: %s", why)
+        return NotImplemented
+    return run(x, packed, bias)
+
+
+def _mm(x, weight_t):
+    return _linear(x, weight_t)
+
+
+def _addmm(bias, x, weight_t, *, beta=1, alpha=1):
+    return _linear(x, weight_t, bias) if beta == 1 and alpha == 1 else NotImplemented
+
+
+def _transpose(w, dim0=0, dim1=1):
+    return w._with(transposed=not w.transposed) if {dim0 % 2, dim1 % 2} == {0, 1} else NotImplemented
+
+
+def _permute(w, dims):
+    return w._with(transposed=not w.transposed) if [d % 2 for d in dims] == [1, 0] else NotImplemented
+
+
+def _to_copy(w, *, dtype=None, device=None, layout=None, pin_memory=None, non_blocking=False, memory_format=None):
+    if layout not in (None, torch.strided):
+        return NotImplemented
+    return w._with(lambda t: t.to(device=device, non_blocking=non_blocking), dtype=dtype or w.dtype)
+
+
+def _copy_(dst, src, non_blocking=False):
+    same = isinstance(dst, QuantizedLinearWeight) and isinstance(src, QuantizedLinearWeight)
+    if not same or dst._meta()[:3] != src._meta()[:3] or dst.transposed != src.transposed:
+        return NotImplemented  # a dense destination gets the dequantized values
+    for name in ("qdata", "scale", "zero_point"):
+        getattr(dst, name).copy_(getattr(src, name), non_blocking)
+    dst._packed.clear()
+    return dst
+
+
+_HANDLERS = {
+    aten.detach.default: lambda w: w._with(),
+    aten.alias.default: lambda w: w._with(),
+    aten.clone.default: lambda w, memory_format=None: w._with(torch.clone),
+    aten.t.default: _transpose,
+    aten.transpose.int: _transpose,
+    aten.permute.default: _permute,
+    aten.mm.default: _mm,
+    aten.addmm.default: _addmm,
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+}
+
+
+def quantize_weights(model: torch.nn.Module, bits: int = 4, group_size: Optional[int] = 128, *,
+                     compute: str = "auto", include: Callable[[str, torch.nn.Linear], bool] = lambda name, m: True):
+    """Replace the weight of every ``nn.Linear`` (for which ``include(name, module)``) by a
+    weight-only quantized one, in place; returns ``model``. int4: asymmetric per group of
+    ``group_size`` input columns; int8: symmetric per output channel (``group_size`` ignored).
+    ``compute``: "auto" (the device's fast path: bf16 on CPU), "bf16" or "activation" (the
+    input's own dtype). Linears whose in_features is not a multiple of ``group_size`` are skipped."""
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or isinstance(module.weight, QuantizedLinearWeight):
+            continue
+        group = None if bits == 8 else group_size
+        if not include(name, module) or (group and module.in_features % group):
+            log.info("quantize_weights: %s kept float (in_features %d, group_size %s)", name, module.in_features, group)
+            continue
+        weight = QuantizedLinearWeight.from_float(module.weight.detach(), bits, group, compute)
+        module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return model
