@@ -2,6 +2,7 @@
 
     torch.compile(converted_pt2e_module, backend="qbackend")   # no import needed
     qbackend.explain(converted_pt2e_module, *example_inputs)   # what was lowered, and why not
+    qbackend.quantize_weights(float_model, bits=4, group_size=128)  # weight-only int4 / int8
 
 Importing qbackend changes no global torch or Inductor state and does not import torchao.
 """
@@ -11,6 +12,8 @@ import functools
 
 import torch
 
+from .legacy_int4 import from_old_cpu_int4
+from .quantized_tensor import QuantizedLinearWeight, quantize_weights
 from .report import Report
 
 __version__ = "0.1.0"
@@ -31,4 +34,4 @@ def explain(model, *example_inputs, device: str | None = None) -> Report:
     return functools.reduce(Report.merge, reports)
 
 
-__all__ = ["explain", "Report"]
+__all__ = ["explain", "Report", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]

@@ -9,6 +9,8 @@ reason why there is none. Nothing here raises at import time.
 from __future__ import annotations
 
 import functools
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -160,3 +162,48 @@ def graph_op(name: str):
 
 def resolve_all(device: str, registry=None) -> dict[str, Resolved]:
     return {logical: resolve(logical, device, registry) for logical in ALIASES}
+
+
+# Old call sites. torch <= 2.5 code calls aten._convert_weight_to_int4pack and
+# aten._weight_int4pack_mm on CPU; torch >= 2.6 has CPU kernels only under the _for_cpu names.
+# Replace ``torch.ops.aten.X`` by ``qbackend.ops.X`` and such code runs again; weights packed
+# by the old op (int32 4-D) are re-packed once and cached.
+_repacked: dict[int, tuple] = {}  # id(old packed tensor) -> (weakref, version, new packed tensor)
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"qbackend.ops.{old} runs {new}: call it (or qbackend.quantize_weights) directly",
+                  DeprecationWarning, stacklevel=3)
+
+
+def _convert_weight_to_int4pack(weight: torch.Tensor, inner_k_tiles: int = 8) -> torch.Tensor:
+    """Old-name int4 packing on CPU. Takes the 2.3/2.4 input (int32 [N, K], values 0..15) or
+    the 2.5 one (uint8 [N, K/2], even column in the high nibble); returns the layout the
+    current ``int4_mm`` reads."""
+    pack = resolve("int4_pack", weight.device.type)
+    _deprecated("_convert_weight_to_int4pack", str(pack.qualname))
+    if weight.dtype == torch.uint8:
+        weight = torch.stack((weight >> 4, weight & 0xF), dim=-1).reshape(weight.shape[0], -1).to(torch.int32)
+    return pack.op(weight, inner_k_tiles)
+
+
+def _weight_int4pack_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int,
+                        scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """Old-name int4 matmul on CPU; ``packed`` may be an old-format (int32 4-D) weight."""
+    mm = resolve("int4_mm", x.device.type)
+    _deprecated("_weight_int4pack_mm", str(mm.qualname))
+    if packed.dim() == 4 and packed.dtype == torch.int32:
+        packed = _repack_old(packed, x.shape[-1])
+    return mm.op(x, packed, group_size, scales_and_zeros)
+
+
+def _repack_old(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    from .legacy_int4 import unpack_old_cpu_int4
+
+    cached = _repacked.get(id(packed))
+    if cached is not None and cached[0]() is packed and cached[1] == packed._version:
+        return cached[2]
+    unsigned = unpack_old_cpu_int4(packed, in_features).to(torch.int32) + 8
+    new = resolve("int4_pack", packed.device.type).op(unsigned, 8)
+    _repacked[id(packed)] = (weakref.ref(packed), packed._version, new)
+    return new

@@ -28,14 +28,15 @@ class QuantizedLinearWeight(torch.Tensor):
     """Logical shape [out, in] (or [in, out] when ``transposed``), dtype of the float model."""
 
     @staticmethod
-    def __new__(cls, qdata, scale, zero_point, bits, group_size, shape, dtype, transposed=False, compute="auto"):
+    def __new__(cls, qdata, scale, zero, bits, group_size, shape, dtype, transposed=False, compute="auto"):
         logical = tuple(reversed(shape)) if transposed else tuple(shape)
         return torch.Tensor._make_wrapper_subclass(cls, logical, dtype=dtype, device=qdata.device, requires_grad=False)
 
-    def __init__(self, qdata, scale, zero_point, bits, group_size, shape, dtype, transposed=False, compute="auto"):
+    def __init__(self, qdata, scale, zero, bits, group_size, shape, dtype, transposed=False, compute="auto"):
         self.qdata = qdata  # int4: uint8 [N, K/2] (weight_quant neutral layout); int8: int8 [N, K]
         self.scale = scale  # float32 [N, K / group_size]
-        self.zero_point = zero_point  # int8 [N, K / group_size]
+        # int8 zero points, w = (q - zero) * scale; or float offsets, w = q * scale + zero
+        self.zero = zero  # [N, K / group_size]
         self.bits, self.group_size, self.weight_shape = bits, group_size, tuple(shape)
         self.transposed, self.compute = transposed, compute
         self._packed: dict = {}  # (device, activation dtype) -> lowering.weight_only.PackedLinear
@@ -44,28 +45,30 @@ class QuantizedLinearWeight(torch.Tensor):
     def from_float(cls, weight: torch.Tensor, bits: int, group_size: Optional[int], compute: str = "auto"):
         q = quantize(weight, bits, group_size)
         qdata = pack_int4(q.values) if bits == 4 else q.values
-        zero_point = q.zero_point if q.zero_point is not None else torch.zeros_like(q.scale, dtype=torch.int8)
-        return cls(qdata, q.scale, zero_point, bits, q.group_size, weight.shape, weight.dtype, compute=compute)
+        zero = q.zero_point if q.zero_point is not None else torch.zeros_like(q.scale, dtype=torch.int8)
+        return cls(qdata, q.scale, zero, bits, q.group_size, weight.shape, weight.dtype, compute=compute)
 
     def _meta(self) -> tuple:
         return (self.bits, self.group_size, self.weight_shape, self.dtype, self.transposed, self.compute)
 
     def __tensor_flatten__(self):
-        return ["qdata", "scale", "zero_point"], self._meta()
+        return ["qdata", "scale", "zero"], self._meta()
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return QuantizedLinearWeight(inner["qdata"], inner["scale"], inner["zero_point"], *meta)
+        return QuantizedLinearWeight(inner["qdata"], inner["scale"], inner["zero"], *meta)
 
     def _with(self, fn: Callable = lambda t: t, **changes) -> "QuantizedLinearWeight":
         meta = dict(zip(("bits", "group_size", "shape", "dtype", "transposed", "compute"), self._meta()))
         meta.update(changes)
-        return QuantizedLinearWeight(fn(self.qdata), fn(self.scale), fn(self.zero_point), **meta)
+        return QuantizedLinearWeight(fn(self.qdata), fn(self.scale), fn(self.zero), **meta)
 
     def group_quantized(self) -> GroupQuantized:
         """The stored [out, in] weight (ignores ``transposed``)."""
         values = unpack_int4(self.qdata) if self.bits == 4 else self.qdata
-        return GroupQuantized(self.bits, values, self.scale, self.group_size, zero_point=self.zero_point)
+        offset = self.zero.is_floating_point()
+        return GroupQuantized(self.bits, values, self.scale, self.group_size,
+                              zero_point=None if offset else self.zero, offset=self.zero if offset else None)
 
     def dequantize(self) -> torch.Tensor:
         dense = self.group_quantized().dequantize(self.dtype)
@@ -76,16 +79,14 @@ class QuantizedLinearWeight(torch.Tensor):
                 f"dtype={self.dtype}, device={self.device}{', transposed' if self.transposed else ''})")
 
     def packed_for(self, x: torch.Tensor):
-        """The weight packed for x's device and dtype (cached; never cached while tracing)."""
+        """The weight packed for x's device and dtype (cached)."""
         from qbackend.lowering.weight_only import pack
 
         key = (x.device.type, x.dtype)
         if key in self._packed:
             return self._packed[key]
-        packed = pack(self.group_quantized(), x.device.type, x.dtype, self.compute)
-        if not _is_fake(self.qdata):
-            self._packed[key] = packed
-        return packed
+        self._packed[key] = pack(self.group_quantized(), x.device.type, x.dtype, self.compute)
+        return self._packed[key]
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -101,7 +102,9 @@ class QuantizedLinearWeight(torch.Tensor):
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    return isinstance(t, torch._subclasses.FakeTensor) or t.device.type == "meta"
+    """Traced by another backend (AOTAutograd / Inductor) rather than run."""
+    return isinstance(t, (torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor)) \
+        or t.device.type == "meta" or torch.compiler.is_compiling()
 
 
 def _dense(value):
@@ -118,6 +121,8 @@ def _linear(x: torch.Tensor, weight_t, bias=None):
     from qbackend.lowering.weight_only import run
 
     if not isinstance(weight_t, QuantizedLinearWeight) or not weight_t.transposed or isinstance(x, QuantizedLinearWeight):
+        return NotImplemented
+    if _is_fake(weight_t.qdata):  # other compilers get dequantize + matmul, which they can fold and fuse
         return NotImplemented
     try:
         packed = weight_t.packed_for(x)
@@ -151,9 +156,9 @@ def _to_copy(w, *, dtype=None, device=None, layout=None, pin_memory=None, non_bl
 
 def _copy_(dst, src, non_blocking=False):
     same = isinstance(dst, QuantizedLinearWeight) and isinstance(src, QuantizedLinearWeight)
-    if not same or dst._meta()[:3] != src._meta()[:3] or dst.transposed != src.transposed:
+    if not same or dst._meta()[:3] != src._meta()[:3] or (dst.transposed, dst.zero.dtype) != (src.transposed, src.zero.dtype):
         return NotImplemented  # a dense destination gets the dequantized values
-    for name in ("qdata", "scale", "zero_point"):
+    for name in ("qdata", "scale", "zero"):
         getattr(dst, name).copy_(getattr(src, name), non_blocking)
     dst._packed.clear()
     return dst

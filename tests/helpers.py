@@ -101,7 +101,7 @@ def short_graph(gm: GraphModule) -> str:
 
     def op_name(target):
         if isinstance(target, torch._ops.OpOverload):
-            ns, name = target.name().split("::")
+            ns, name = target._schema.name.split("::")
             overload = target._overloadname
             return f"{ns}.{name}" + ("" if overload == "default" else f".{overload}")
         return f"{target.__module__.split('.')[-1]}.{target.__name__}"

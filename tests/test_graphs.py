@@ -31,7 +31,7 @@ qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.
 dequantize_per_tensor_default_3 = fast_qdq.dequantize_per_tensor(qconv_pointwise_default, 0.00812, 0, 0, 255, uint8)
 qconv_pointwise_default_1 = onednn.qconv_pointwise(qconv_pointwise_default, 0.00812, 0, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.00382, 0, uint8, 'relu', [], '')
 contiguous_default = aten.contiguous(dequantize_per_tensor_default_3, memory_format=torch.channels_last)
-qconv2d_pointwise_binary = onednn.qconv2d_pointwise.binary.binary(qconv_pointwise_default_1, 0.00382, 0, <const>, <const>, <const>, contiguous_default, <const>, [1, 1], [1, 1], [1, 1], 1, 1, 0, float32, 1, 0, 'sum', 1, 'relu', [], '')
+qconv2d_pointwise_binary = onednn.qconv2d_pointwise.binary(qconv_pointwise_default_1, 0.00382, 0, <const>, <const>, <const>, contiguous_default, <const>, [1, 1], [1, 1], [1, 1], 1, 1, 0, float32, 1, 0, 'sum', 1, 'relu', [], '')
 return (qconv2d_pointwise_binary)""")
 
     def test_linear_nd_relu(self):

@@ -1,0 +1,164 @@
+"""Weight-only int4 / int8: the quantized-weight tensor behaves like a plain tensor, lowers to
+the packed kernels, and matches the float linear on the dequantized weight."""
+import io
+
+import expecttest
+import pytest
+import torch
+import torch.nn as nn
+
+import qbackend
+from qbackend.quantized_tensor import QuantizedLinearWeight
+from qbackend.weight_quant import pack_int4, unpack_int4
+
+from .helpers import compile_and_run, short_graph
+from .tolerances import assert_weight_only_close
+
+
+class MLP(nn.Module):
+    """A gated MLP written three ways: F.linear, matmul(x, w.t()) and x @ w.T."""
+
+    def __init__(self, hidden=256, inner=512):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(hidden, inner), nn.Linear(hidden, inner, bias=False), nn.Linear(inner, hidden)
+
+    def forward(self, x):
+        h = nn.functional.silu(self.gate(x)) * torch.matmul(x, self.up.weight.t())
+        return h @ self.down.weight.T + self.down.bias
+
+
+def quantized_and_reference(bits, group_size, dtype=torch.float32, seed=0):
+    """(weight-only model, float model with the dequantized weights)."""
+    torch.manual_seed(seed)
+    model = MLP().to(dtype).eval()
+    qbackend.quantize_weights(model, bits=bits, group_size=group_size)
+    reference = MLP().to(dtype).eval()
+    reference.load_state_dict(model.state_dict())  # a float model gets the dequantized values
+    return model, reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (4, 128), (4, 256), (8, None)],
+                         ids=["int4-g32", "int4-g64", "int4-g128", "int4-g256", "int8"])
+def test_compiled_and_eager_match_the_dequantized_float_model(bits, group_size, dtype):
+    model, reference = quantized_and_reference(bits, group_size, dtype)
+    x = torch.randn(2, 3, 256, dtype=dtype)
+    actual, _, captured = compile_and_run(model, (x,))
+    with torch.no_grad():
+        expected = reference.float()(x.float()).to(dtype)  # exact up to fp32 rounding
+        eager = model(x)
+    assert_weight_only_close(actual, expected, "compiled")
+    assert_weight_only_close(eager, expected, "eager")
+    report = captured.report
+    assert [d.rule for d in report.decisions] == [f"int{bits}_weight_linear"] * 3, str(report)
+    kernels = {"int4": "aten::_weight_int4pack_mm_for_cpu.default", "int8": "aten::_weight_int8pack_mm.default"}
+    assert {d.op for d in report.decisions} == {kernels[f"int{bits}"]}
+
+
+class TestWeightOnlyGraphs(expecttest.TestCase):
+    def lowered(self, model, x, **options):
+        _, _, captured = compile_and_run(model, (x,), **options)
+        return short_graph(captured.lowered), str(captured.report)
+
+    def test_int4_fp32_model_runs_the_kernel_in_bf16(self):
+        model, _ = quantized_and_reference(4, 128)
+        graph, report = self.lowered(model.gate, torch.randn(4, 256))
+        self.assertExpectedInline(graph, """\
+l_args_0_ = input
+_to_copy_default = aten._to_copy(l_args_0_, dtype=bfloat16)
+_weight_int4pack_mm_for_cpu_default = aten._weight_int4pack_mm_for_cpu(_to_copy_default, <const>, 128, <const>)
+_to_copy_default_1 = aten._to_copy(_weight_int4pack_mm_for_cpu_default, dtype=float32)
+add_tensor = aten.add.Tensor(_to_copy_default_1, <const>)
+return (add_tensor)""")
+        assert "float32 activations computed in torch.bfloat16" in report
+
+    def test_compute_in_the_activation_dtype_when_asked(self):
+        model, reference = quantized_and_reference(8, None)
+        x = torch.randn(2, 5, 256)
+        graph, report = self.lowered(model.up, x, weight_only_compute="activation")
+        self.assertExpectedInline(graph, """\
+l_args_0_ = input
+reshape_default = aten.reshape(l_args_0_, [-1, 256])
+_weight_int8pack_mm_default = aten._weight_int8pack_mm(reshape_default, <const>, <const>)
+unflatten_rows = weight_only.unflatten_rows(_weight_int8pack_mm_default, l_args_0_)
+return (unflatten_rows)""")
+        assert "computed in" not in report
+        actual, _, _ = compile_and_run(model.up, (x,), weight_only_compute="activation")
+        with torch.no_grad():
+            assert_weight_only_close(actual, reference.up(x), "fp32 compute")
+
+
+def test_plain_tensor_semantics():
+    model, reference = quantized_and_reference(4, 64)
+    w, dense = model.up.weight, reference.up.weight.detach()
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        for name, got, want in [
+            ("F.linear", nn.functional.linear(x, w), x @ dense.t()),
+            ("matmul(x, w.t())", torch.matmul(x, w.t()), x @ dense.t()),
+            ("x @ w.T", x @ w.T, x @ dense.t()),
+        ]:
+            assert_weight_only_close(got, want, name)
+    assert isinstance(w.t().t(), QuantizedLinearWeight) and not w.t().t().transposed
+    assert w.t().shape == (256, 512) and w.T.shape == (256, 512)
+    assert torch.equal(w.t().t(), dense)  # any other op sees the dequantized values
+    assert torch.equal(w + 0, dense)
+    assert isinstance(w.detach(), QuantizedLinearWeight)
+    moved = w.to("meta")
+    assert isinstance(moved, QuantizedLinearWeight) and moved.device.type == "meta" and moved.qdata.device.type == "meta"
+    assert w.to(torch.bfloat16).dtype == torch.bfloat16 and w.to(torch.bfloat16).qdata is not None
+
+
+def test_state_dict_is_device_neutral_and_round_trips():
+    model, _ = quantized_and_reference(4, 64)
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        before = model(x)
+        torch.compile(model, backend="qbackend")(x)  # packing for a device must not leak into the state
+    state = model.state_dict()
+    weight = state["up.weight"]
+    n, k = weight.weight_shape
+    assert (weight.qdata.dtype, tuple(weight.qdata.shape)) == (torch.uint8, (n, k // 2))  # two int4 per byte
+    assert torch.equal(pack_int4(unpack_int4(weight.qdata)), weight.qdata)
+    assert sorted(weight.__tensor_flatten__()[0]) == ["qdata", "scale", "zero"]
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    with torch.serialization.safe_globals([QuantizedLinearWeight]):
+        loaded = torch.load(buffer, weights_only=True)
+    fresh = qbackend.quantize_weights(MLP().eval(), bits=4, group_size=64)
+    fresh.load_state_dict(loaded)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), before)
+
+
+def test_kernel_limits_leave_the_linear_unlowered_with_the_reason():
+    torch.manual_seed(0)
+    odd = nn.Sequential(nn.Linear(128, 40), nn.ReLU(), nn.Linear(40, 16))  # 40 outputs: int4 needs N % 16
+    qbackend.quantize_weights(odd, bits=4, group_size=32, include=lambda name, m: m.in_features == 128)
+    x = torch.randn(3, 128)
+    actual, expected, captured = compile_and_run(odd, (x,))
+    assert_weight_only_close(actual, expected, "unlowered")
+    kept = captured.report.kept
+    assert any("divisible by 16, got 40" in d.reason for d in kept), str(captured.report)
+
+    int8 = qbackend.quantize_weights(nn.Linear(40, 16), bits=8)  # K = 40: the bf16 int8 kernel is wrong there
+    x = torch.randn(3, 40)
+    actual, expected, captured = compile_and_run(int8, (x,))
+    assert_weight_only_close(actual, expected, "int8 K=40")
+    assert "in_features 40 is not a multiple of 16" in captured.report.kept[0].reason
+
+
+def test_in_features_not_a_multiple_of_the_group_stay_float():
+    model = qbackend.quantize_weights(nn.Sequential(nn.Linear(96, 32)), bits=4, group_size=64)
+    assert not isinstance(model[0].weight, QuantizedLinearWeight)
+
+
+def test_other_compilers_see_through_the_tensor():
+    model, reference = quantized_and_reference(4, 32)
+    x = torch.randn(2, 256)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        actual = torch.compile(model, backend="aot_eager")(x)
+        assert_weight_only_close(actual, reference(x), "aot_eager")
