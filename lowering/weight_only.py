@@ -60,18 +60,26 @@ def _cpu_refusal(weight: GroupQuantized) -> Optional[str]:
     return None
 
 
+# Rows packed per call. The CPU int4 layout is blocks of 32 or 64 output channels laid end to
+# end, so packing row chunks (a multiple of 64) and concatenating gives the same bytes while
+# the int32 input the packer wants stays at 16 MB instead of the size of the fp32 weight.
+PACK_ROWS = 1024
+
+
 def _cpu_int4(weight: GroupQuantized, dtype: torch.dtype, device: str, op: Callable) -> PackedLinear:
     # The kernel reads w = (u - 8) * scale + zero with u = q + 8 in [0, 15], scales and
     # zeros as [K / group, N, 2] in the activation's dtype.
-    unsigned = (weight.values.to(torch.int32) + 8).to(device)
-    packed = op("int4_pack")(unsigned, 8)
+    n = weight.shape[0]
+    chunks = [op("int4_pack")((weight.rows(start, start + PACK_ROWS).to(torch.int32) + 8).to(device), 8)
+              for start in range(0, n, PACK_ROWS)]
+    packed = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
     scales_zeros = torch.stack((weight.scale.float().t(), weight.float_offset().t()), dim=-1)
     return PackedLinear("int4_mm", (packed, weight.group_size, scales_zeros.to(device, dtype).contiguous()),
                         weight.shape[1], dtype)
 
 
 def _int8(weight: GroupQuantized, dtype: torch.dtype, device: str, op: Callable) -> PackedLinear:
-    return PackedLinear("int8_weight_only_mm", (weight.values.to(device), weight.scale[:, 0].to(device, dtype)),
+    return PackedLinear("int8_weight_only_mm", (weight.rows().to(device), weight.scale[:, 0].to(device, dtype)),
                         weight.shape[1], dtype)
 
 

@@ -271,7 +271,7 @@ class GroupDequantLinear(nn.Module):
         torch.manual_seed(in_features * 7 + out_features + bits)
         q = quantize(torch.randn(out_features, in_features) * 0.1, bits, group_size)
         zero = q.zero_point if q.zero_point is not None else torch.zeros_like(q.scale, dtype=torch.int8)
-        self.register_buffer("w_int", q.values)
+        self.register_buffer("w_int", q.stored)
         per_channel = form == "per_channel"  # 1-D scales and int64 zero points, as PT2E writes them
         self.register_buffer("w_scale", q.scale[:, 0].clone() if per_channel else q.scale)
         self.register_buffer("w_zero", zero[:, 0].to(torch.int64) if per_channel else zero)

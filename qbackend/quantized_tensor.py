@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils._pytree import tree_map
 
-from .weight_quant import GroupQuantized, pack_int4, quantize, unpack_int4
+from .weight_quant import GroupQuantized, pack_int4, quantize
 
 aten = torch.ops.aten
 log = logging.getLogger("qbackend")
@@ -44,7 +44,7 @@ class QuantizedLinearWeight(torch.Tensor):
     @classmethod
     def from_float(cls, weight: torch.Tensor, bits: int, group_size: Optional[int], compute: str = "auto"):
         q = quantize(weight, bits, group_size)
-        qdata = pack_int4(q.values) if bits == 4 else q.values
+        qdata = pack_int4(q.stored) if bits == 4 else q.stored
         zero = q.zero_point if q.zero_point is not None else torch.zeros_like(q.scale, dtype=torch.int8)
         return cls(qdata, q.scale, zero, bits, q.group_size, weight.shape, weight.dtype, compute=compute)
 
@@ -65,10 +65,9 @@ class QuantizedLinearWeight(torch.Tensor):
 
     def group_quantized(self) -> GroupQuantized:
         """The stored [out, in] weight (ignores ``transposed``)."""
-        values = unpack_int4(self.qdata) if self.bits == 4 else self.qdata
         offset = self.zero.is_floating_point()
-        return GroupQuantized(self.bits, values, self.scale, self.group_size,
-                              zero_point=None if offset else self.zero, offset=self.zero if offset else None)
+        return GroupQuantized(self.bits, self.qdata, self.scale, self.group_size, zero_point=None if offset else self.zero,
+                              offset=self.zero if offset else None, nibbles=self.bits == 4)
 
     def dequantize(self) -> torch.Tensor:
         dense = self.group_quantized().dequantize(self.dtype)

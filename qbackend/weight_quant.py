@@ -24,15 +24,22 @@ class GroupQuantized:
     """A weight-only quantized [N, K] weight, device-neutral."""
 
     bits: int
-    values: torch.Tensor  # int8 [N, K], within RANGE[bits]
+    stored: torch.Tensor  # int8 [N, K] within RANGE[bits]; with ``nibbles``, neutral uint8 [N, K / 2]
     scale: torch.Tensor  # float [N, K // group_size]
     group_size: int
     zero_point: Optional[torch.Tensor] = None  # int [N, G]: w = (q - zero_point) * scale
     offset: Optional[torch.Tensor] = None  # float [N, G]: w = q * scale + offset
+    nibbles: bool = False  # int4 kept two per byte: packers unpack a few rows at a time
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.values.shape)
+        n, k = self.stored.shape
+        return (n, 2 * k) if self.nibbles else (n, k)
+
+    def rows(self, start: int = 0, stop: Optional[int] = None) -> torch.Tensor:
+        """The int8 values of rows [start, stop) (all rows by default)."""
+        part = self.stored[start:stop]
+        return unpack_int4(part) if self.nibbles else part
 
     def float_offset(self) -> torch.Tensor:
         """The offset form of the zero point, ``w = q * scale + offset`` (float32 [N, G])."""
@@ -49,10 +56,10 @@ class GroupQuantized:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         scale = self.scale.float().repeat_interleave(self.group_size, dim=1)
         if self.offset is not None:
-            w = self.values.float() * scale + self.offset.float().repeat_interleave(self.group_size, dim=1)
+            w = self.rows().float() * scale + self.offset.float().repeat_interleave(self.group_size, dim=1)
         else:
             zero = 0 if self.zero_point is None else self.zero_point.float().repeat_interleave(self.group_size, dim=1)
-            w = (self.values.float() - zero) * scale
+            w = (self.rows().float() - zero) * scale
         return w.to(dtype)
 
 

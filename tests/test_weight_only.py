@@ -162,3 +162,13 @@ def test_other_compilers_see_through_the_tensor():
     with torch.no_grad():
         actual = torch.compile(model, backend="aot_eager")(x)
         assert_weight_only_close(actual, reference(x), "aot_eager")
+
+
+def test_int4_packing_in_row_chunks_gives_the_one_shot_bytes():
+    from qbackend.lowering.weight_only import PACK_ROWS, pack
+    from qbackend.weight_quant import quantize
+
+    n = PACK_ROWS + 48  # a second chunk that ends in a short block
+    weight = quantize(torch.randn(n, 128), 4, 32)
+    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.rows().to(torch.int32) + 8, 8)
+    assert torch.equal(pack(weight, "cpu", torch.float32).args[0], whole)
