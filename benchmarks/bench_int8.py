@@ -34,7 +34,9 @@ if importlib.util.find_spec("qbackend") is None:  # not installed: use this chec
 
 from qbackend import models, pt2e_flow  # noqa: E402
 
-NUM_THREADS = 2
+from common import (NUM_THREADS, Settings, clone_inputs, cosine, fmt, log, machine_description,  # noqa: E402
+                    max_abs_diff, measure_interleaved, short_error)
+
 FULL_CONFIGS = [
     ("resnet18_like", 1),
     ("resnet18_like", 8),
@@ -49,15 +51,6 @@ DISPLAY_NAMES = {
     "bert_encoder_like": "BERT-base-like encoder (4 layers, seq 128)",
 }
 BASELINE_PATH = "Inductor int8"
-
-
-@dataclass
-class Settings:
-    calibration_batches: int
-    warmup_calls: int
-    target_seconds: float  # timed-loop budget per path; sets the iteration count
-    min_iters: int
-    max_iters: int
 
 
 FULL = Settings(calibration_batches=4, warmup_calls=3, target_seconds=3.0, min_iters=10, max_iters=500)
@@ -125,46 +118,6 @@ def measure_first_call(build, model, converted, inputs):
     return runner, output, time.perf_counter() - start
 
 
-def clone_inputs(inputs):
-    return tuple(t.clone() for t in inputs)
-
-
-def time_one_call(runner, inputs):
-    fresh_inputs = clone_inputs(inputs)  # some paths write into their inputs
-    start = time.perf_counter()
-    runner(*fresh_inputs)
-    return time.perf_counter() - start
-
-
-def measure_interleaved(runners, inputs, settings):
-    """Median seconds per call for every runner, timed in alternating rounds so that drifting
-    load on a shared machine hits all paths alike. Returns {path: (median, calls)}."""
-    for runner in runners.values():
-        for _ in range(settings.warmup_calls):
-            time_one_call(runner, inputs)
-    probe = sum(time_one_call(runner, inputs) for runner in runners.values())
-    rounds = max(settings.min_iters, min(settings.max_iters, int(settings.target_seconds * len(runners) / max(probe, 1e-6))))
-    samples = {path: [] for path in runners}
-    for _ in range(rounds):
-        for path, runner in runners.items():
-            samples[path].append(time_one_call(runner, inputs))
-    return {path: (statistics.median(times), len(times)) for path, times in samples.items()}
-
-
-def cosine(a, b):
-    return float(F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
-
-
-def max_abs_diff(a, b):
-    return float((a.double() - b.double()).abs().max())
-
-
-def short_error(exc):
-    lines = str(exc).strip().splitlines()
-    first_line = lines[0] if lines else ""
-    return f"{type(exc).__name__}: {first_line}"[:200]
-
-
 def measure_path(row, build, model, converted, inputs, reference, fp32_output):
     """Compile time (cold: Dynamo reset first) and accuracy; returns the runner or None."""
     try:
@@ -223,23 +176,6 @@ def benchmark_config(name, batch, settings):
 # --- reporting -------------------------------------------------------------
 
 
-def machine_description():
-    try:
-        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model_name = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines()
-                          if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        model_name = "unknown CPU"
-    load_1min = os.getloadavg()[0]  # other work on a shared machine skews latencies
-    return (f"{model_name}, {os.cpu_count()} CPUs, {NUM_THREADS} torch threads, "
-            f"load average {load_1min:.2f} at start; "
-            f"torch {torch.__version__}, torchao {importlib.metadata.version('torchao')}")
-
-
-def fmt(value, spec):
-    return "" if value is None else format(value, spec)
-
-
 def markdown_table(rows):
     header = ("| Model | Batch | Path | First call / compile (s) | Median latency (ms) "
               "| vs Inductor int8 | max abs diff vs ref | cos vs ref | cos vs fp32 | timed calls | Notes |")
@@ -276,10 +212,6 @@ def report(rows, quick, machine):
         markdown_table(rows),
         "",
     ])
-
-
-def log(message):
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
 def parse_args():

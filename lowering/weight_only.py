@@ -61,18 +61,21 @@ def _cpu_refusal(weight: GroupQuantized) -> Optional[str]:
 
 
 # Rows packed per call. The CPU int4 layout is blocks of 32 or 64 output channels laid end to
-# end, so packing row chunks (a multiple of 64) and concatenating gives the same bytes while
-# the int32 input the packer wants stays at 16 MB instead of the size of the fp32 weight.
-PACK_ROWS = 1024
+# end, so packing row chunks (a multiple of 64) into one output gives the same bytes while the
+# int32 input the packer wants stays at a few MB instead of the size of the fp32 weight.
+PACK_ROWS = 64
 
 
 def _cpu_int4(weight: GroupQuantized, dtype: torch.dtype, device: str, op: Callable) -> PackedLinear:
     # The kernel reads w = (u - 8) * scale + zero with u = q + 8 in [0, 15], scales and
     # zeros as [K / group, N, 2] in the activation's dtype.
-    n = weight.shape[0]
-    chunks = [op("int4_pack")((weight.rows(start, start + PACK_ROWS).to(torch.int32) + 8).to(device), 8)
-              for start in range(0, n, PACK_ROWS)]
-    packed = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+    n, packed = weight.shape[0], None
+    for start in range(0, n, PACK_ROWS):
+        chunk = op("int4_pack")(weight.rows(start, start + PACK_ROWS).to(device, torch.int32).add_(8), 8)
+        if packed is None:  # the output's first dim is proportional to the rows (N or N / 8)
+            per_row = chunk.shape[0] / min(PACK_ROWS, n)
+            packed = chunk if n <= PACK_ROWS else chunk.new_empty((int(n * per_row), *chunk.shape[1:]))
+        packed[int(start * per_row):int(start * per_row) + chunk.shape[0]] = chunk
     scales_zeros = torch.stack((weight.scale.float().t(), weight.float_offset().t()), dim=-1)
     return PackedLinear("int4_mm", (packed, weight.group_size, scales_zeros.to(device, dtype).contiguous()),
                         weight.shape[1], dtype)

@@ -41,6 +41,13 @@ class QuantizedLinearWeight(torch.Tensor):
         self.transposed, self.compute = transposed, compute
         self._packed: dict = {}  # (device, activation dtype) -> lowering.weight_only.PackedLinear
 
+    def __getstate__(self):
+        """What torch.save writes: the neutral data only, never a device's packed layout."""
+        return {k: v for k, v in self.__dict__.items() if k != "_packed"}
+
+    def _cache(self) -> dict:
+        return self.__dict__.setdefault("_packed", {})  # absent on a tensor torch.load rebuilt
+
     @classmethod
     def from_float(cls, weight: torch.Tensor, bits: int, group_size: Optional[int], compute: str = "auto"):
         q = quantize(weight, bits, group_size)
@@ -58,10 +65,16 @@ class QuantizedLinearWeight(torch.Tensor):
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return QuantizedLinearWeight(inner["qdata"], inner["scale"], inner["zero"], *meta)
 
-    def _with(self, fn: Callable = lambda t: t, **changes) -> "QuantizedLinearWeight":
+    def _with(self, fn: Optional[Callable] = None, **changes) -> "QuantizedLinearWeight":
+        """A view (``fn`` None: same data, same packed cache, so F.linear's w.t() never
+        re-packs) or a copy with ``fn`` applied to the inner tensors."""
         meta = dict(zip(("bits", "group_size", "shape", "dtype", "transposed", "compute"), self._meta()))
         meta.update(changes)
-        return QuantizedLinearWeight(fn(self.qdata), fn(self.scale), fn(self.zero), **meta)
+        inner = (self.qdata, self.scale, self.zero) if fn is None else (fn(self.qdata), fn(self.scale), fn(self.zero))
+        result = QuantizedLinearWeight(*inner, **meta)
+        if fn is None:
+            result._packed = self._cache()
+        return result
 
     def group_quantized(self) -> GroupQuantized:
         """The stored [out, in] weight (ignores ``transposed``)."""
@@ -81,11 +94,10 @@ class QuantizedLinearWeight(torch.Tensor):
         """The weight packed for x's device and dtype (cached)."""
         from qbackend.lowering.weight_only import pack
 
-        key = (x.device.type, x.dtype)
-        if key in self._packed:
-            return self._packed[key]
-        self._packed[key] = pack(self.group_quantized(), x.device.type, x.dtype, self.compute)
-        return self._packed[key]
+        key, cache = (x.device.type, x.dtype), self._cache()
+        if key not in cache:
+            cache[key] = pack(self.group_quantized(), x.device.type, x.dtype, self.compute)
+        return cache[key]
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -159,7 +171,7 @@ def _copy_(dst, src, non_blocking=False):
         return NotImplemented  # a dense destination gets the dequantized values
     for name in ("qdata", "scale", "zero"):
         getattr(dst, name).copy_(getattr(src, name), non_blocking)
-    dst._packed.clear()
+    dst._cache().clear()
     return dst
 
 

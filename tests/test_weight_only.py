@@ -113,8 +113,8 @@ def test_state_dict_is_device_neutral_and_round_trips():
     model, _ = quantized_and_reference(4, 64)
     x = torch.randn(2, 256)
     with torch.no_grad():
-        before = model(x)
-        torch.compile(model, backend="qbackend")(x)  # packing for a device must not leak into the state
+        before = model(x)  # eager use packs and caches: the cache must not leak into the state
+        torch.compile(model, backend="qbackend")(x)
     state = model.state_dict()
     weight = state["up.weight"]
     n, k = weight.weight_shape

@@ -1,0 +1,84 @@
+"""What every benchmark script shares: interleaved timing, accuracy measures, the machine line."""
+
+import importlib.metadata
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+NUM_THREADS = 2
+
+
+@dataclass
+class Settings:
+    calibration_batches: int
+    warmup_calls: int
+    target_seconds: float  # timed-loop budget per path; sets the iteration count
+    min_iters: int
+    max_iters: int
+
+
+def clone_inputs(inputs):
+    return tuple(t.clone() for t in inputs)
+
+
+def time_one_call(runner, inputs):
+    fresh_inputs = clone_inputs(inputs)  # some paths write into their inputs
+    start = time.perf_counter()
+    runner(*fresh_inputs)
+    return time.perf_counter() - start
+
+
+def measure_interleaved(runners, inputs, settings):
+    """Median seconds per call for every runner, timed in alternating rounds so that drifting
+    load on a shared machine hits all paths alike. Returns {path: (median, calls)}."""
+    for runner in runners.values():
+        for _ in range(settings.warmup_calls):
+            time_one_call(runner, inputs)
+    probe = sum(time_one_call(runner, inputs) for runner in runners.values())
+    rounds = max(settings.min_iters, min(settings.max_iters, int(settings.target_seconds * len(runners) / max(probe, 1e-6))))
+    samples = {path: [] for path in runners}
+    for _ in range(rounds):
+        for path, runner in runners.items():
+            samples[path].append(time_one_call(runner, inputs))
+    return {path: (statistics.median(times), len(times)) for path, times in samples.items()}
+
+
+def cosine(a, b):
+    return float(F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
+
+
+def max_abs_diff(a, b):
+    return float((a.double() - b.double()).abs().max())
+
+
+def short_error(exc):
+    lines = str(exc).strip().splitlines()
+    first_line = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {first_line}"[:200]
+
+
+def machine_description(num_threads=NUM_THREADS):
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        model_name = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines()
+                          if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        model_name = "unknown CPU"
+    load_1min = os.getloadavg()[0]  # other work on a shared machine skews latencies
+    return (f"{model_name}, {os.cpu_count()} CPUs, {num_threads} torch threads, "
+            f"load average {load_1min:.2f} at start; "
+            f"torch {torch.__version__}, torchao {importlib.metadata.version('torchao')}")
+
+
+def fmt(value, spec):
+    return "" if value is None else format(value, spec)
+
+
+def log(message):
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
