@@ -38,6 +38,7 @@ class EmitContext:
     device: str
     registry: object = None
     notes: list = field(default_factory=list)  # what the last emit decided that the report should say
+    erased: set = field(default_factory=set)  # nodes the emitted matches removed from the graph
     _resolved: dict = field(default_factory=dict)
     _constants: int = 0
 

@@ -116,7 +116,37 @@ def emit_qlinear_add(ctx: EmitContext, match: Match) -> Node:
 
 
 def emit_qmaxpool2d(ctx: EmitContext, match: Match) -> Node:
-    return ctx.call("qmaxpool2d", (match.x.node, *match.pool_args))
+    return ctx.call("qmaxpool2d", (match.x.node, *match.op_args))
+
+
+def record_fake_value(node: Node) -> Node:
+    """Give a node the emitter made the example value Dynamo records for the others (shape,
+    dtype, strides): later rules read it, e.g. the prepack of the next conv reads its shape."""
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), fake_value)
+    try:
+        node.meta["example_value"] = node.target(*args, **kwargs)
+    except Exception:  # an input without a recorded value: the node simply has none either
+        pass
+    return node
+
+
+def emit_int8_cat(ctx: EmitContext, match: Match) -> Node:
+    return ctx.call("cat", ([x.node for x in match.inputs], *match.op_args))
+
+
+def emit_int8_views(ctx: EmitContext, match: Match) -> Node:
+    """The chain's own view ops, re-applied to the int8 tensor: the dequantized input's, or
+    the float source quantized first (the quantize hoisted above the chain)."""
+    graph = ctx.gm.graph
+    if match.float_source is None:
+        value = match.x.node
+    else:
+        quant = match.result
+        value = record_fake_value(graph.call_function(quant.target, (match.float_source, *quant.args[1:]), dict(quant.kwargs)))
+        ctx.notes.append("quantize moved above the views")
+    for op in match.op_args:
+        value = record_fake_value(graph.call_function(op.target, (value, *op.args[1:]), dict(op.kwargs)))
+    return value
 
 
 COMMON: dict[str, Lowering] = {
@@ -126,4 +156,6 @@ COMMON: dict[str, Lowering] = {
     "qlinear_add": Lowering(emit_qlinear_add, ("qlinear_binary", "qlinear_prepack")),
     "qlinear_dynamic": Lowering(functools.partial(emit_qlinear, op="qlinear_tensor"), ("qlinear_tensor", "qlinear_prepack")),
     "qmaxpool2d": Lowering(emit_qmaxpool2d, ("qmaxpool2d",)),
+    "qcat": Lowering(emit_int8_cat, ("cat",)),
+    "qview": Lowering(emit_int8_views, ()),
 }

@@ -36,4 +36,6 @@ def _limits(match):
     return _uint8_activations(match) or _post_op(match)
 
 
-TABLE = {name: dataclasses.replace(lowering, limits=_limits) for name, lowering in COMMON.items()}
+# The rows that run an int8 kernel; the data-movement rows (cat, views) run plain ATen ops.
+KERNEL_ROWS = ("qconv", "qconv_add", "qlinear", "qlinear_add", "qlinear_dynamic", "qmaxpool2d")
+TABLE = {**COMMON, **{name: dataclasses.replace(COMMON[name], limits=_limits) for name in KERNEL_ROWS}}

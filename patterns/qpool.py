@@ -24,7 +24,7 @@ def select_qmaxpool2d(graph: GraphView, pool: Node) -> Match:
     quant = output_quantize(pool)
     require(quant is not None, "max_pool2d output is not quantized by its only consumer")
     require(quant[1] == x.qparams, "output qparams differ from the input's (a requantize, not a pure int8 max)")
-    return Match(None, pool, (pool, quant[0]), x, pool_args=max_pool2d_args(pool), output_quant=quant[1])
+    return Match(None, pool, (pool, quant[0]), x, op_args=max_pool2d_args(pool), output_quant=quant[1])
 
 
 def max_pool2d_args(pool: Node) -> tuple:

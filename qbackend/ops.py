@@ -39,6 +39,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "qlinear_prepack": ("onednn::qlinear_prepack",),
     # int8 pooling on plain uint8 tensors (50 us vs 350 us for dq + float pool + q here)
     "qmaxpool2d": ("quantized::max_pool2d",),
+    # int8 data movement on plain integer tensors
+    "cat": ("aten::cat",),
     # weight-only int4 / int8
     "int4_pack": ("aten::_convert_weight_to_int4pack_for_cpu", "aten::_convert_weight_to_int4pack"),
     "int4_mm": ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm"),
