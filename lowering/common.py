@@ -119,6 +119,15 @@ def emit_qmaxpool2d(ctx: EmitContext, match: Match) -> Node:
     return ctx.call("qmaxpool2d", (match.x.node, *match.op_args))
 
 
+def emit_qavgpool(ctx: EmitContext, match: Match) -> Node:
+    """The graph's own pool op on a quantized-tensor copy of the int8 input (the ATen pools
+    have int8 kernels only for quantized tensors), then back to a plain integer tensor."""
+    x = match.x.qparams
+    quantized = ctx.call("to_quantized_tensor", (match.x.node, x.scale, x.zero_point))
+    pooled = ctx.gm.graph.call_function(match.anchor.target, (quantized, *match.op_args))
+    return ctx.call("int_repr", (pooled,))
+
+
 def record_fake_value(node: Node) -> Node:
     """Give a node the emitter made the example value Dynamo records for the others (shape,
     dtype, strides): later rules read it, e.g. the prepack of the next conv reads its shape."""
@@ -156,6 +165,7 @@ COMMON: dict[str, Lowering] = {
     "qlinear_add": Lowering(emit_qlinear_add, ("qlinear_binary", "qlinear_prepack")),
     "qlinear_dynamic": Lowering(functools.partial(emit_qlinear, op="qlinear_tensor"), ("qlinear_tensor", "qlinear_prepack")),
     "qmaxpool2d": Lowering(emit_qmaxpool2d, ("qmaxpool2d",)),
+    "qavgpool": Lowering(emit_qavgpool, ("to_quantized_tensor", "int_repr")),
     "qcat": Lowering(emit_int8_cat, ("cat",)),
     "qview": Lowering(emit_int8_views, ()),
 }

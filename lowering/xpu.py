@@ -11,6 +11,7 @@ TABLE = {
     "qconv_add": Unsupported("binary conv on XPU is not verified yet (tracked by the XPU lowering issue)"),
     "qlinear_add": Unsupported("binary linear on XPU is not verified yet (tracked by the XPU lowering issue)"),
     "qmaxpool2d": Unsupported("int8 max pool on XPU is not verified yet (tracked by the XPU lowering issue)"),
+    "qavgpool": Unsupported("int8 average pool on XPU is not verified yet (tracked by the XPU lowering issue)"),
     # plain ATen data movement, exact on any device that has the op
     "qcat": COMMON["qcat"],
     "qview": COMMON["qview"],

@@ -6,21 +6,22 @@ from .qconv import CONV_ANCHORS, QCONV
 from .qconv_binary import QCONV_ADD
 from .qlinear import LINEAR_ANCHORS, QLINEAR, QLINEAR_DYNAMIC
 from .qlinear_binary import QLINEAR_ADD
+from .qavgpool import AVG_POOL_ANCHORS, QAVGPOOL
 from .qpool import POOL_ANCHORS, QMAXPOOL2D
 from .qcat import CAT_ANCHORS, QCAT
 from .qview import QVIEW, VIEW_ANCHORS
 
-RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR_ADD, QLINEAR, QLINEAR_DYNAMIC, QMAXPOOL2D, QCAT, QVIEW)
+RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR_ADD, QLINEAR, QLINEAR_DYNAMIC, QMAXPOOL2D, QAVGPOOL, QCAT, QVIEW)
 
 # The node kinds the report accounts for, one line each.
-ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS, "pool": POOL_ANCHORS}
+ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS, "pool": POOL_ANCHORS, "avgpool": AVG_POOL_ANCHORS}
 # Int8 data movement: rewritten like the others, but counted in one report line, not one line
 # per node (a model has many views and cats, most of them never quantized).
 MOVES = {"view": VIEW_ANCHORS, "cat": CAT_ANCHORS}
 # The pass visits the graph once per sweep, each in graph order. Views go first: hoisting a
 # quantize above a view chain puts it next to its producer, where the rules of the later
 # sweeps (a cat, pool, conv or linear folding its output quantize) then find it.
-SWEEPS: tuple[tuple[str, ...], ...] = (("view",), ("cat",), ("conv", "linear", "pool"))
+SWEEPS: tuple[tuple[str, ...], ...] = (("view",), ("cat",), ("conv", "linear", "pool", "avgpool"))
 
 
 def _check_registry():

@@ -327,3 +327,26 @@ def view_float_consumer():
     """The view chain ends in the graph output (float), not in a quantize."""
     inputs = (torch.randn(2, 12),)
     return _convert(LinearViewOut(), inputs), inputs
+
+
+class ConvAvgPoolHead(nn.Module):
+    """conv -> avg_pool2d (3x3, padded) -> conv -> adaptive_avg_pool2d(1) -> flatten -> linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.relu1 = nn.Conv2d(3, 16, 3, padding=1), nn.ReLU()
+        self.pool = nn.AvgPool2d(3, stride=2, padding=1)
+        self.conv2, self.relu2 = nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()
+        self.head, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(16, 10)
+
+    def forward(self, x):
+        y = self.relu2(self.conv2(self.pool(self.relu1(self.conv1(x)))))
+        return self.fc(torch.flatten(self.head(y), 1))
+
+
+def conv_avgpool_head():
+    return ConvAvgPoolHead(), (torch.randn(2, 3, 16, 16),)
+
+
+def avgpool_requantize():
+    return _requantized_output(conv_avgpool_head, torch.ops.aten.avg_pool2d.default)

@@ -13,7 +13,7 @@ from torch.fx import Node
 
 from . import examples
 from .base import GraphView, Match, NearMiss, Rule, require
-from .qdq import dequantized_activation, output_quantize
+from .qdq import dequantized_activation, quantized_output, same_qparams
 
 aten = torch.ops.aten
 CAT_OPS = {aten.cat.default}
@@ -29,9 +29,8 @@ def select_qcat(graph: GraphView, cat: Node) -> Match:
     qparams = inputs[0].qparams
     differing = [i for i, x in enumerate(inputs) if x.qparams != qparams]
     require(not differing, f"cat inputs {differing} have other qparams than input 0 (a requantize, not a pure int8 cat)")
-    quant = output_quantize(cat)
-    require(quant is not None, "cat output is not quantized by its only consumer")
-    require(quant[1] == qparams, "output qparams differ from the inputs' (a requantize, not a pure int8 cat)")
+    quant = quantized_output(cat, "cat")
+    same_qparams(quant[1], qparams, "cat")
     dim = cat.args[1] if len(cat.args) > 1 else 0
     return Match(None, cat, (cat, quant[0]), inputs[0], inputs=inputs, op_args=(dim,), output_quant=quant[1])
 

@@ -13,7 +13,7 @@ from torch.fx import Node
 
 from . import examples
 from .base import GraphView, Match, NearMiss, Rule, fake_value, require
-from .qdq import dequantized_activation, is_op, output_quantize, single_user
+from .qdq import dequantized_activation, is_op, quantized_output, same_qparams, single_user
 
 aten = torch.ops.aten
 # Ops that rearrange (or only relabel) elements; argument 0 is the tensor, the rest is kept.
@@ -43,12 +43,11 @@ def select_qview(graph: GraphView, first: Node) -> Match:
     require(not (_is_view_op(source) and single_user(source) is first),
             "inside a view chain (the chain is anchored at its first op)")
     chain = view_chain(first)
-    quant = output_quantize(chain[-1])
-    require(quant is not None, "view chain output is not quantized by its only consumer")
+    quant = quantized_output(chain[-1], "view chain")
     nodes = (*chain, quant[0])
     if any(is_op(source, name) for name in DEQUANTIZE_OPS):
         x = dequantized_activation(source, "view input")
-        require(x.qparams == quant[1], "output qparams differ from the input's (a requantize, not a pure int8 view)")
+        same_qparams(quant[1], x.qparams, "view")
         return Match(None, first, nodes, x, op_args=tuple(chain), output_quant=quant[1])
     value = fake_value(source)
     require(value is not None and value.is_floating_point(), "view input is neither dequantized nor a float tensor")

@@ -18,8 +18,8 @@ def test_resnet_everything_lowered(build, shape):
     assert not report.kept, str(report)
     kinds = [d.kind for d in report.decisions]
     assert kinds.count("linear") == 1 and kinds.count("conv") >= 7
-    assert {d.rule for d in report.decisions} == {"qconv", "qconv_add", "qlinear", "qmaxpool2d"}
-    assert kinds.count("pool") == 1
+    assert {d.rule for d in report.decisions} == {"qconv", "qconv_add", "qlinear", "qmaxpool2d", "qavgpool"}
+    assert kinds.count("pool") == 1 and kinds.count("avgpool") == 1
     float_convs = [n for _, _, lowered, _ in captured.graphs for n in lowered.graph.nodes if n.target in CONV_OPS]
     assert not float_convs, float_convs
 
