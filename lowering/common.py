@@ -99,7 +99,7 @@ def emit_qlinear(ctx: EmitContext, match: Match, op: str = "qlinear") -> Node:
     ))
 
 
-def emit_qlinear_add(ctx: EmitContext, match: Match) -> Node:
+def emit_qlinear_add(ctx: EmitContext, match: Match, op: str = "qlinear_binary") -> Node:
     """'sum' writes into the float residual (no new buffer) when it is dead and dense, as the
     kernel requires; 'add' otherwise."""
     x = match.x.qparams
@@ -109,7 +109,7 @@ def emit_qlinear_add(ctx: EmitContext, match: Match) -> Node:
                      "residual added out of place" + (f" ({match.accum_clobber_reason})" if match.accum_clobber_reason else ""))
     w, w_scale, w_zp = _prepacked_linear_weight(ctx, match)
     unary = match.post_op or NO_POST_OP
-    return ctx.call("qlinear_binary", (
+    return ctx.call(op, (
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.accum_float, match.bias, *output_args(match),
         1.0, 0, "sum" if in_place else "add", 1.0, unary.name, list(unary.scalars), unary.algorithm,
     ))
@@ -164,6 +164,8 @@ COMMON: dict[str, Lowering] = {
     "qlinear": Lowering(emit_qlinear, ("qlinear", "qlinear_prepack")),
     "qlinear_add": Lowering(emit_qlinear_add, ("qlinear_binary", "qlinear_prepack")),
     "qlinear_dynamic": Lowering(functools.partial(emit_qlinear, op="qlinear_tensor"), ("qlinear_tensor", "qlinear_prepack")),
+    "qlinear_add_dynamic": Lowering(functools.partial(emit_qlinear_add, op="qlinear_binary_tensor"),
+                                    ("qlinear_binary_tensor", "qlinear_prepack")),
     "qmaxpool2d": Lowering(emit_qmaxpool2d, ("qmaxpool2d",)),
     "qavgpool": Lowering(emit_qavgpool, ("to_quantized_tensor", "int_repr")),
     "qcat": Lowering(emit_int8_cat, ("cat",)),

@@ -37,6 +37,6 @@ def _limits(match):
 
 
 # The rows that run an int8 kernel; the data-movement rows (cat, views) run plain ATen ops.
-KERNEL_ROWS = ("qconv", "qconv_add", "qlinear", "qlinear_add", "qlinear_dynamic", "qmaxpool2d")
+KERNEL_ROWS = ("qconv", "qconv_add", "qlinear", "qlinear_add", "qlinear_dynamic", "qlinear_add_dynamic", "qmaxpool2d")
 TABLE = {**COMMON, **{name: dataclasses.replace(COMMON[name], limits=_limits) for name in KERNEL_ROWS}}
 TABLE["qavgpool"] = dataclasses.replace(COMMON["qavgpool"], limits=lambda match: _uint8_activations(match) or quantized_tensor_pool_refusal("cpu"))

@@ -8,6 +8,7 @@ TABLE = {
     "qconv": COMMON["qconv"],
     "qlinear": COMMON["qlinear"],
     "qlinear_dynamic": Unsupported("XPUInductorQuantizer has no dynamic quantization"),
+    "qlinear_add_dynamic": Unsupported("XPUInductorQuantizer has no dynamic quantization"),
     "qconv_add": Unsupported("binary conv on XPU is not verified yet (tracked by the XPU lowering issue)"),
     "qlinear_add": Unsupported("binary linear on XPU is not verified yet (tracked by the XPU lowering issue)"),
     "qmaxpool2d": Unsupported("int8 max pool on XPU is not verified yet (tracked by the XPU lowering issue)"),

@@ -5,13 +5,13 @@ from .base import GraphView, Match, Reject, Rule
 from .qconv import CONV_ANCHORS, QCONV
 from .qconv_binary import QCONV_ADD
 from .qlinear import LINEAR_ANCHORS, QLINEAR, QLINEAR_DYNAMIC
-from .qlinear_binary import QLINEAR_ADD
+from .qlinear_binary import QLINEAR_ADD, QLINEAR_ADD_DYNAMIC
 from .qavgpool import AVG_POOL_ANCHORS, QAVGPOOL
 from .qpool import POOL_ANCHORS, QMAXPOOL2D
 from .qcat import CAT_ANCHORS, QCAT
 from .qview import QVIEW, VIEW_ANCHORS
 
-RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR_ADD, QLINEAR, QLINEAR_DYNAMIC, QMAXPOOL2D, QAVGPOOL, QCAT, QVIEW)
+RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR_ADD_DYNAMIC, QLINEAR_ADD, QLINEAR, QLINEAR_DYNAMIC, QMAXPOOL2D, QAVGPOOL, QCAT, QVIEW)
 
 # The node kinds the report accounts for, one line each.
 ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS, "pool": POOL_ANCHORS, "avgpool": AVG_POOL_ANCHORS}

@@ -278,6 +278,11 @@ def linear_residual():
     return LinearResidual(), (torch.randn(2, 5, 16),)
 
 
+def static_linear_residual():
+    module, inputs = linear_residual()
+    return _convert(module, inputs), inputs
+
+
 class LinearAddBroadcast(nn.Module):
     def __init__(self):
         super().__init__()
