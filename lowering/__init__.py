@@ -32,7 +32,7 @@ def support_matrix() -> str:
         cells = []
         for device in devices:
             entry = TABLES[device][rule.name]
-            cells.append(f"no: {entry.reason}" if isinstance(entry, Unsupported) else "yes: " + ", ".join(entry.needs))
+            cells.append(f"no: {entry.reason}" if isinstance(entry, Unsupported) else "yes: " + (", ".join(entry.needs) or "the graph's own ops"))
         rows.append(f"| {rule.name} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

@@ -40,6 +40,7 @@ class EmitContext:
     weight_only_compute: str = "auto"  # how float activations meet weight-only kernels (weight_only.COMPUTE_CHOICES)
     notes: list = field(default_factory=list)  # what the last emit decided that the report should say
     kernel: str = ""  # the last emit's kernel, when its result node is not the kernel call
+    erased: set = field(default_factory=set)  # nodes the emitted matches removed from the graph
     _resolved: dict = field(default_factory=dict)
     _constants: int = 0
 

@@ -7,6 +7,7 @@ a tiny input and is cached for the process.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Optional
 
 import torch
@@ -89,3 +90,21 @@ def linear_binary_post_op_refusal(device: str, attr: str, scalars: tuple, algori
                        1.0, 0, "add", 1.0, attr, list(scalars), algorithm)
 
     return _ask(device, ("qlinear_binary", "qlinear_prepack"), run)
+
+
+@functools.lru_cache(maxsize=None)
+def quantized_tensor_pool_refusal(device: str) -> Optional[str]:
+    """None if the device average-pools a quantized view of a uint8 tensor.
+
+    The probe also takes torch's once-per-process deprecation warning for quantized tensors,
+    which would reach users who never made one (qbackend uses them internally). It goes
+    through the Python binding: from an op overload, torch prints that warning straight to
+    stderr instead of raising it as a Python warning that can be filtered."""
+    def run(to_quantized, int_repr):
+        x = torch.full((1, 1, 2, 2), 3, dtype=torch.uint8, device=device)
+        torch._make_per_tensor_quantized_tensor(x, 1.0, 0)
+        int_repr(torch.ops.aten.avg_pool2d.default(to_quantized(x, 1.0, 0), [2, 2]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _ask(device, ("to_quantized_tensor", "int_repr"), run)

@@ -99,7 +99,7 @@ def emit_qlinear(ctx: EmitContext, match: Match, op: str = "qlinear") -> Node:
     ))
 
 
-def emit_qlinear_add(ctx: EmitContext, match: Match) -> Node:
+def emit_qlinear_add(ctx: EmitContext, match: Match, op: str = "qlinear_binary") -> Node:
     """'sum' writes into the float residual (no new buffer) when it is dead and dense, as the
     kernel requires; 'add' otherwise."""
     x = match.x.qparams
@@ -109,14 +109,53 @@ def emit_qlinear_add(ctx: EmitContext, match: Match) -> Node:
                      "residual added out of place" + (f" ({match.accum_clobber_reason})" if match.accum_clobber_reason else ""))
     w, w_scale, w_zp = _prepacked_linear_weight(ctx, match)
     unary = match.post_op or NO_POST_OP
-    return ctx.call("qlinear_binary", (
+    return ctx.call(op, (
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.accum_float, match.bias, *output_args(match),
         1.0, 0, "sum" if in_place else "add", 1.0, unary.name, list(unary.scalars), unary.algorithm,
     ))
 
 
 def emit_qmaxpool2d(ctx: EmitContext, match: Match) -> Node:
-    return ctx.call("qmaxpool2d", (match.x.node, *match.pool_args))
+    return ctx.call("qmaxpool2d", (match.x.node, *match.op_args))
+
+
+def emit_qavgpool(ctx: EmitContext, match: Match) -> Node:
+    """The graph's own pool op on a quantized-tensor copy of the int8 input (the ATen pools
+    have int8 kernels only for quantized tensors), then back to a plain integer tensor."""
+    x = match.x.qparams
+    quantized = ctx.call("to_quantized_tensor", (match.x.node, x.scale, x.zero_point))
+    pooled = ctx.gm.graph.call_function(match.anchor.target, (quantized, *match.op_args))
+    return ctx.call("int_repr", (pooled,))
+
+
+def record_fake_value(node: Node) -> Node:
+    """Give a node the emitter made the example value Dynamo records for the others (shape,
+    dtype, strides): later rules read it, e.g. the prepack of the next conv reads its shape."""
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), fake_value)
+    try:
+        node.meta["example_value"] = node.target(*args, **kwargs)
+    except Exception:  # an input without a recorded value: the node simply has none either
+        pass
+    return node
+
+
+def emit_int8_cat(ctx: EmitContext, match: Match) -> Node:
+    return ctx.call("cat", ([x.node for x in match.inputs], *match.op_args))
+
+
+def emit_int8_views(ctx: EmitContext, match: Match) -> Node:
+    """The chain's own view ops, re-applied to the int8 tensor: the dequantized input's, or
+    the float source quantized first (the quantize hoisted above the chain)."""
+    graph = ctx.gm.graph
+    if match.float_source is None:
+        value = match.x.node
+    else:
+        quant = match.result
+        value = record_fake_value(graph.call_function(quant.target, (match.float_source, *quant.args[1:]), dict(quant.kwargs)))
+        ctx.notes.append("quantize moved above the views")
+    for op in match.op_args:
+        value = record_fake_value(graph.call_function(op.target, (value, *op.args[1:]), dict(op.kwargs)))
+    return value
 
 
 COMMON: dict[str, Lowering] = {
@@ -125,5 +164,10 @@ COMMON: dict[str, Lowering] = {
     "qlinear": Lowering(emit_qlinear, ("qlinear", "qlinear_prepack")),
     "qlinear_add": Lowering(emit_qlinear_add, ("qlinear_binary", "qlinear_prepack")),
     "qlinear_dynamic": Lowering(functools.partial(emit_qlinear, op="qlinear_tensor"), ("qlinear_tensor", "qlinear_prepack")),
+    "qlinear_add_dynamic": Lowering(functools.partial(emit_qlinear_add, op="qlinear_binary_tensor"),
+                                    ("qlinear_binary_tensor", "qlinear_prepack")),
     "qmaxpool2d": Lowering(emit_qmaxpool2d, ("qmaxpool2d",)),
+    "qavgpool": Lowering(emit_qavgpool, ("to_quantized_tensor", "int_repr")),
+    "qcat": Lowering(emit_int8_cat, ("cat",)),
+    "qview": Lowering(emit_int8_views, ()),
 }

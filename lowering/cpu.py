@@ -6,7 +6,7 @@ import dataclasses
 import torch
 
 from .capabilities import (conv_binary_post_op_refusal, conv_post_op_refusal, linear_binary_post_op_refusal,
-                           linear_post_op_refusal)
+                           linear_post_op_refusal, quantized_tensor_pool_refusal)
 from .base import Lowering
 from .common import COMMON
 from .weight_only import emit_weight_only
@@ -39,6 +39,9 @@ def _limits(match):
     return _uint8_activations(match) or _post_op(match)
 
 
-TABLE = {name: dataclasses.replace(lowering, limits=_limits) for name, lowering in COMMON.items()}
+# The rows that run an int8 kernel; the data-movement rows (cat, views) run plain ATen ops.
+KERNEL_ROWS = ("qconv", "qconv_add", "qlinear", "qlinear_add", "qlinear_dynamic", "qlinear_add_dynamic", "qmaxpool2d")
+TABLE = {**COMMON, **{name: dataclasses.replace(COMMON[name], limits=_limits) for name in KERNEL_ROWS}}
+TABLE["qavgpool"] = dataclasses.replace(COMMON["qavgpool"], limits=lambda match: _uint8_activations(match) or quantized_tensor_pool_refusal("cpu"))
 TABLE["int4_weight_linear"] = Lowering(emit_weight_only, ("int4_pack", "int4_mm"), weight_only_limits)
 TABLE["int8_weight_linear"] = Lowering(emit_weight_only, ("int8_weight_only_mm",), weight_only_limits)

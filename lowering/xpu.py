@@ -8,9 +8,14 @@ TABLE = {
     "qconv": COMMON["qconv"],
     "qlinear": COMMON["qlinear"],
     "qlinear_dynamic": Unsupported("XPUInductorQuantizer has no dynamic quantization"),
+    "qlinear_add_dynamic": Unsupported("XPUInductorQuantizer has no dynamic quantization"),
     "qconv_add": Unsupported("binary conv on XPU is not verified yet (tracked by the XPU lowering issue)"),
     "qlinear_add": Unsupported("binary linear on XPU is not verified yet (tracked by the XPU lowering issue)"),
     "qmaxpool2d": Unsupported("int8 max pool on XPU is not verified yet (tracked by the XPU lowering issue)"),
     "int4_weight_linear": Unsupported("XPU int4 packing is not written yet (tracked by the XPU lowering issue)"),
     "int8_weight_linear": Unsupported("XPU int8 weight-only is not verified yet (tracked by the XPU lowering issue)"),
+    "qavgpool": Unsupported("int8 average pool on XPU is not verified yet (tracked by the XPU lowering issue)"),
+    # plain ATen data movement, exact on any device that has the op
+    "qcat": COMMON["qcat"],
+    "qview": COMMON["qview"],
 }

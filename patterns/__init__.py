@@ -5,15 +5,25 @@ from .base import GraphView, Match, Reject, Rule
 from .qconv import CONV_ANCHORS, QCONV
 from .qconv_binary import QCONV_ADD
 from .qlinear import LINEAR_ANCHORS, QLINEAR, QLINEAR_DYNAMIC
-from .qlinear_binary import QLINEAR_ADD
+from .qlinear_binary import QLINEAR_ADD, QLINEAR_ADD_DYNAMIC
+from .qavgpool import AVG_POOL_ANCHORS, QAVGPOOL
 from .qpool import POOL_ANCHORS, QMAXPOOL2D
+from .qcat import CAT_ANCHORS, QCAT
+from .qview import QVIEW, VIEW_ANCHORS
 from .weight_only import INT4_WEIGHT_LINEAR, INT8_WEIGHT_LINEAR, is_weight_matmul
 
-RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR_ADD, QLINEAR, QLINEAR_DYNAMIC, QMAXPOOL2D, INT4_WEIGHT_LINEAR,
-                           INT8_WEIGHT_LINEAR)
+RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR_ADD_DYNAMIC, QLINEAR_ADD, QLINEAR, QLINEAR_DYNAMIC, QMAXPOOL2D, QAVGPOOL,
+                           QCAT, QVIEW, INT4_WEIGHT_LINEAR, INT8_WEIGHT_LINEAR)
 
 # The node kinds the report accounts for, one line each.
-ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS, "pool": POOL_ANCHORS}
+ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS, "pool": POOL_ANCHORS, "avgpool": AVG_POOL_ANCHORS}
+# Int8 data movement: rewritten like the others, but counted in one report line, not one line
+# per node (a model has many views and cats, most of them never quantized).
+MOVES = {"view": VIEW_ANCHORS, "cat": CAT_ANCHORS}
+# The pass visits the graph once per sweep, each in graph order. Views go first: hoisting a
+# quantize above a view chain puts it next to its producer, where the rules of the later
+# sweeps (a cat, pool, conv or linear folding its output quantize) then find it.
+SWEEPS: tuple[tuple[str, ...], ...] = (("view",), ("cat",), ("conv", "linear", "pool", "avgpool"))
 
 
 def _check_registry():
@@ -22,18 +32,21 @@ def _check_registry():
     if duplicates:
         raise RuntimeError(f"duplicate rule names: {sorted(duplicates)}")
     for rule in RULES:
-        if rule.anchors not in ANCHORS:
+        if rule.anchors not in ANCHORS and rule.anchors not in MOVES:
             raise RuntimeError(f"rule {rule.name} anchors on unknown kind {rule.anchors!r}")
+    swept = [kind for sweep in SWEEPS for kind in sweep]
+    if sorted(swept) != sorted({**ANCHORS, **MOVES}):
+        raise RuntimeError(f"every anchor kind must be in exactly one sweep: {swept}")
 
 
 _check_registry()
 
 
 def anchor_kind(node) -> str | None:
-    """'conv' / 'linear' / 'pool' for the nodes the report must account for, else None."""
+    """The anchor kind of ``node`` (a key of ANCHORS or MOVES), else None."""
     if node.op != "call_function":
         return None
-    for kind, targets in ANCHORS.items():
+    for kind, targets in {**ANCHORS, **MOVES}.items():
         if node.target in targets:
             return kind
     return "linear" if is_weight_matmul(node) else None
@@ -58,4 +71,4 @@ def rules_for_all() -> list[Rule]:
     return sorted(RULES, key=lambda r: (r.anchors, -r.priority))
 
 
-__all__ = ["RULES", "ANCHORS", "GraphView", "Match", "Reject", "Rule", "anchor_kind", "rules_for", "table"]
+__all__ = ["RULES", "ANCHORS", "MOVES", "SWEEPS", "GraphView", "Match", "Reject", "Rule", "anchor_kind", "rules_for", "table"]

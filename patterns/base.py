@@ -72,7 +72,9 @@ class Match:
     weight: Optional[QuantizedWeight] = None
     bias: Optional[Node] = None
     conv: Optional[ConvParams] = None
-    pool_args: tuple = ()  # pooling rules: the pool's own arguments after the input
+    op_args: tuple = ()  # pool / cat / view rules: what the op needs besides its int8 input(s)
+    inputs: tuple = ()  # multi-input rules (cat): every int8 operand, ``x`` first
+    float_source: Optional[Node] = None  # view rules hoisting a quantize: the float tensor it reads
     post_op: Optional[PostOp] = None
     output_quant: Optional[QParams] = None  # None: the result stays float
     float_dtype: torch.dtype = torch.float32

@@ -210,19 +210,59 @@ def conv_maxpool_conv():
     return module, (torch.randn(2, 3, 16, 16),)
 
 
-def maxpool_requantize():
-    """The quantize after max_pool2d uses other qparams than its input: a requantize."""
+def _rescale(gm, quant, factor=2.0):
+    """Give a quantize and the dequantizes reading it another scale (a consistent graph whose
+    qparams PT2E would not have chosen)."""
     from qbackend.ops import graph_op
 
-    module, inputs = conv_maxpool_conv()
-    gm = _convert(module, inputs)
-    pool = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.max_pool2d.default)
-    quant = next(iter(pool.users))
-    assert quant.target is graph_op("quantize_per_tensor")
+    assert quant.target is graph_op("quantize_per_tensor"), quant
     for node in (quant, *quant.users):
-        node.args = (node.args[0], node.args[1] * 2, *node.args[2:])
+        node.args = (node.args[0], node.args[1] * factor, *node.args[2:])
     gm.recompile()
-    return gm, inputs
+    return gm
+
+
+def _requantized_output(build, target):
+    """The converted example of ``build`` with the quantize after the first ``target`` node
+    rescaled: the op's output no longer shares its input's qparams."""
+    module, inputs = build()
+    gm = _convert(module, inputs)
+    node = next(n for n in gm.graph.nodes if n.target is target)
+    return _rescale(gm, next(iter(node.users))), inputs
+
+
+def maxpool_requantize():
+    """The quantize after max_pool2d uses other qparams than its input: a requantize."""
+    return _requantized_output(conv_maxpool_conv, torch.ops.aten.max_pool2d.default)
+
+
+class TwoBranchCat(nn.Module):
+    """Two conv + relu branches concatenated along channels, then a conv (Inception-style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(3, 8, 1)
+        self.relu_left, self.relu_right = nn.ReLU(), nn.ReLU()
+        self.head = nn.Conv2d(16, 8, 3)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.relu_left(self.left(x)), self.relu_right(self.right(x))], 1))
+
+
+def two_branch_cat():
+    return TwoBranchCat(), (torch.randn(2, 3, 12, 12),)
+
+
+def cat_mixed_qparams():
+    """The second cat input is quantized with another scale than the first."""
+    module, inputs = two_branch_cat()
+    gm = _convert(module, inputs)
+    cat = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.cat.default)
+    return _rescale(gm, cat.args[0][1].args[0]), inputs
+
+
+def cat_requantize():
+    return _requantized_output(two_branch_cat, torch.ops.aten.cat.default)
 
 
 class LinearResidual(nn.Module):
@@ -238,6 +278,11 @@ class LinearResidual(nn.Module):
 
 def linear_residual():
     return LinearResidual(), (torch.randn(2, 5, 16),)
+
+
+def static_linear_residual():
+    module, inputs = linear_residual()
+    return _convert(module, inputs), inputs
 
 
 class LinearAddBroadcast(nn.Module):
@@ -326,3 +371,63 @@ def int8_asymmetric_weight():
     layer = GroupDequantLinear(64, 32, 8, None, form="affine")
     layer.w_zero += 3
     return layer, (torch.randn(4, 64),)
+
+
+class ConvFlattenLinear(nn.Module):
+    """conv + relu -> flatten -> linear -> view / permute / reshape -> linear: a flatten between
+    int8 tensors, and a float view chain in front of a quantize."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.relu = nn.Conv2d(3, 4, 3, stride=2), nn.ReLU()
+        self.fc1, self.fc2 = nn.Linear(4 * 5 * 5, 12), nn.Linear(12, 6)
+
+    def forward(self, x):
+        y = self.fc1(torch.flatten(self.relu(self.conv(x)), 1))
+        return self.fc2(y.view(-1, 2, 6).permute(0, 2, 1).reshape(-1, 12))
+
+
+def conv_flatten_linear():
+    return ConvFlattenLinear(), (torch.randn(2, 3, 12, 12),)
+
+
+def flatten_requantize():
+    return _requantized_output(conv_flatten_linear, torch.ops.aten.flatten.using_ints)
+
+
+class LinearViewOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 12)
+
+    def forward(self, x):
+        return self.fc(x).view(-1, 3, 4).transpose(1, 2)
+
+
+def view_float_consumer():
+    """The view chain ends in the graph output (float), not in a quantize."""
+    inputs = (torch.randn(2, 12),)
+    return _convert(LinearViewOut(), inputs), inputs
+
+
+class ConvAvgPoolHead(nn.Module):
+    """conv -> avg_pool2d (3x3, padded) -> conv -> adaptive_avg_pool2d(1) -> flatten -> linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.relu1 = nn.Conv2d(3, 16, 3, padding=1), nn.ReLU()
+        self.pool = nn.AvgPool2d(3, stride=2, padding=1)
+        self.conv2, self.relu2 = nn.Conv2d(16, 16, 3, padding=1), nn.ReLU()
+        self.head, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(16, 10)
+
+    def forward(self, x):
+        y = self.relu2(self.conv2(self.pool(self.relu1(self.conv1(x)))))
+        return self.fc(torch.flatten(self.head(y), 1))
+
+
+def conv_avgpool_head():
+    return ConvAvgPoolHead(), (torch.randn(2, 3, 16, 16),)
+
+
+def avgpool_requantize():
+    return _requantized_output(conv_avgpool_head, torch.ops.aten.avg_pool2d.default)

@@ -78,6 +78,19 @@ def output_quantize(node: Node) -> Optional[tuple[Node, QParams]]:
         return None
 
 
+def quantized_output(node: Node, what: str) -> tuple[Node, QParams]:
+    """The quantize that is ``node``'s only consumer (NoMatch if there is none)."""
+    quant = output_quantize(node)
+    require(quant is not None, f"{what} output is not quantized by its only consumer")
+    return quant
+
+
+def same_qparams(qparams: QParams, expected: QParams, what: str) -> None:
+    """An op that only moves or averages int8 values is exact on the int8 tensor only when its
+    output is quantized as its input was."""
+    require(qparams == expected, f"output qparams differ from the input's (a requantize, not a pure int8 {what})")
+
+
 def float_dtype(node: Node) -> torch.dtype:
     value = fake_value(node)
     return value.dtype if value is not None and value.is_floating_point() else torch.float32

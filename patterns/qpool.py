@@ -10,7 +10,7 @@ from torch.fx import Node
 
 from . import examples
 from .base import GraphView, Match, NearMiss, Rule, per_dim, require
-from .qdq import dequantized_activation, output_quantize
+from .qdq import dequantized_activation, quantized_output, same_qparams
 
 aten = torch.ops.aten
 MAX_POOL_OPS = {aten.max_pool2d.default}
@@ -21,10 +21,9 @@ def select_qmaxpool2d(graph: GraphView, pool: Node) -> Match:
     require(pool.target in MAX_POOL_OPS, "pool is not an ATen max_pool2d call (not a PT2E graph)")
     require(not pool.kwargs, f"max_pool2d arguments passed by keyword: {sorted(pool.kwargs)}")
     x = dequantized_activation(pool.args[0])
-    quant = output_quantize(pool)
-    require(quant is not None, "max_pool2d output is not quantized by its only consumer")
-    require(quant[1] == x.qparams, "output qparams differ from the input's (a requantize, not a pure int8 max)")
-    return Match(None, pool, (pool, quant[0]), x, pool_args=max_pool2d_args(pool), output_quant=quant[1])
+    quant = quantized_output(pool, "max_pool2d")
+    same_qparams(quant[1], x.qparams, "max")
+    return Match(None, pool, (pool, quant[0]), x, op_args=max_pool2d_args(pool), output_quant=quant[1])
 
 
 def max_pool2d_args(pool: Node) -> tuple:

@@ -1,5 +1,7 @@
-"""Select and emit: for each conv / linear, in graph order, the first rule that matches AND
-that the device can run is emitted; every other outcome is recorded with its reason.
+"""Select and emit: for each anchor (conv / linear / pool, and the int8 data movement: views,
+cats), sweep by sweep (``patterns.SWEEPS``) and in graph order within a sweep, the first rule
+that matches AND that the device can run is emitted; every other outcome is recorded with its
+reason.
 
 ``qbackend.explain`` runs this same function: the report and the pass cannot disagree.
 """
@@ -10,7 +12,7 @@ from typing import Optional
 from torch.fx import GraphModule, Node
 
 from qbackend.lowering import TABLES, EmitContext, Lowering, Unsupported
-from qbackend.patterns import GraphView, Reject, anchor_kind, rules_for
+from qbackend.patterns import ANCHORS, SWEEPS, GraphView, Reject, anchor_kind, rules_for
 
 from .report import Attempt, Decision, Report, source_of
 
@@ -55,6 +57,7 @@ def _emit(ctx: EmitContext, lowering: Lowering, match) -> Node:
     for node in reversed(match.nodes):
         if not node.users:
             graph.erase_node(node)
+            ctx.erased.add(node)
     return new
 
 
@@ -99,17 +102,22 @@ def lower(gm: GraphModule, device: str, registry=None, weight_only_compute: str 
     report = Report(device)
     anchors = [(n, anchor_kind(n)) for n in gm.graph.nodes]
     anchors = [(n, kind) for n, kind in anchors if kind is not None]
+    order = {n.name: i for i, (n, _) in enumerate(anchors)}
     table = TABLES.get(device)
     if table is None:
         reason = f"no lowering table for device {device!r} (qbackend knows {sorted(TABLES)}); ran unlowered"
         report.notes.append(reason)
-        report.decisions = [Decision(n.name, kind, source_of(n), False, reason=reason) for n, kind in anchors]
+        report.decisions = [Decision(n.name, kind, source_of(n), False, reason=reason) for n, kind in anchors if kind in ANCHORS]
         return report
     view, ctx = GraphView(gm), EmitContext(gm, device, registry, weight_only_compute)
     for name, entry in table.items():
         unresolved = [r for r in map(ctx.op, getattr(entry, "needs", ())) if not r]
         if unresolved:
             report.notes.append(f"rule {name} disabled on {device}: {unresolved[0].reason}")
-    for anchor, kind in anchors:
-        report.decisions.append(decide(view, ctx, table, anchor, kind))
+    for sweep in SWEEPS:
+        for anchor, kind in anchors:
+            if kind in sweep and anchor not in ctx.erased:  # (a view chain's later ops go with its first)
+                decisions = report.decisions if kind in ANCHORS else report.moves
+                decisions.append(decide(view, ctx, table, anchor, kind))
+    report.decisions.sort(key=lambda d: order[d.node])
     return report

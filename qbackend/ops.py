@@ -17,9 +17,10 @@ from typing import Callable, Optional
 import torch
 
 # Dispatch keys a tensor of that device can reach. The CPU list holds MkldnnCPU because the
-# prepacked oneDNN weight is an Mkldnn tensor: ops like qconv2d_pointwise register only there.
+# prepacked oneDNN weight is an Mkldnn tensor: ops like qconv2d_pointwise register only there;
+# and QuantizedCPU for the int8 pools that run on a quantized view of a uint8 tensor.
 DEVICE_DISPATCH_KEYS: dict[str, tuple[str, ...]] = {
-    "cpu": ("CPU", "MkldnnCPU"),
+    "cpu": ("CPU", "MkldnnCPU", "QuantizedCPU"),
     "xpu": ("XPU",),
 }
 
@@ -41,6 +42,13 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "qlinear_prepack": ("onednn::qlinear_prepack",),
     # int8 pooling on plain uint8 tensors (50 us vs 350 us for dq + float pool + q here)
     "qmaxpool2d": ("quantized::max_pool2d",),
+    # int8 average pools: the ATen pool on a quantized-tensor copy of the uint8 tensor, then
+    # its integer values (2-5x faster than dequantize + float pool + quantize here). Quantized
+    # tensors are deprecated: when these go, the rule is disabled with this reason.
+    "to_quantized_tensor": ("aten::_make_per_tensor_quantized_tensor",),
+    "int_repr": ("aten::int_repr",),
+    # int8 data movement on plain integer tensors
+    "cat": ("aten::cat",),
     # weight-only int4 / int8
     "int4_pack": ("aten::_convert_weight_to_int4pack_for_cpu", "aten::_convert_weight_to_int4pack"),
     "int4_mm": ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm"),

@@ -1,6 +1,12 @@
-"""One line per conv / linear: what it became, or the first reason it stayed as it was."""
+"""One line per conv / linear / pool: what it became, or the first reason it stayed as it was.
+
+Int8 data movement (view chains, cats) gets one line for all of them: how many of each kind
+now run on int8. Their per-node decisions are in ``Report.moves`` (most views and cats of a
+model never touch a quantized tensor; a line each would bury the conv / linear lines).
+"""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -56,6 +62,7 @@ class Report:
     decisions: list = field(default_factory=list)
     notes: list = field(default_factory=list)  # graph-level facts (missing ops, fallbacks)
     graphs: int = 1
+    moves: list = field(default_factory=list)  # a Decision per view chain / cat, lowered or not
 
     @property
     def lowered(self) -> list:
@@ -67,11 +74,20 @@ class Report:
 
     def merge(self, other: "Report") -> "Report":
         return Report(self.device if self.device == other.device else f"{self.device},{other.device}",
-                      self.decisions + other.decisions, self.notes + other.notes, self.graphs + other.graphs)
+                      self.decisions + other.decisions, self.notes + other.notes, self.graphs + other.graphs,
+                      self.moves + other.moves)
+
+    def moves_line(self) -> str:
+        """e.g. 'int8 flow: 2 view chains, 1 cat run on int8' (empty when none does)."""
+        counts = Counter(d.kind for d in self.moves if d.lowered)
+        labels = {"view": "view chain"}
+        parts = [f"{n} {labels.get(kind, kind)}{'s' * (n != 1)}" for kind, n in sorted(counts.items(), reverse=True)]
+        return f"int8 flow: {', '.join(parts)} run on int8" if parts else ""
 
     def summary(self) -> str:
         return (f"qbackend [{self.device}]: {len(self.lowered)} of {len(self.decisions)} conv/linear/pool ops lowered"
                 f" in {self.graphs} graph(s), {len(self.kept)} kept")
 
     def __str__(self) -> str:
-        return "\n".join([self.summary()] + [d.line() for d in self.decisions] + [f"note: {n}" for n in self.notes])
+        moves = [self.moves_line()] if self.moves_line() else []
+        return "\n".join([self.summary()] + [d.line() for d in self.decisions] + moves + [f"note: {n}" for n in self.notes])

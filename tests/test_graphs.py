@@ -2,7 +2,8 @@
 import expecttest
 import torch
 
-from qbackend.patterns.examples import HandQuantized, conv_relu, linear_relu, residual_block
+from qbackend.patterns.examples import (HandQuantized, conv_flatten_linear, conv_relu, linear_relu, residual_block,
+                                        two_branch_cat)
 
 from .helpers import compile_and_run, quantize, short_graph
 
@@ -12,6 +13,13 @@ def lowered_graph(module, inputs, quantized=True, **options) -> str:
     module = quantize(module, inputs) if quantized else module
     _, _, captured = compile_and_run(module, inputs, **options)
     return short_graph(captured.lowered)
+
+
+def seeded(build):
+    """The example built from a fixed seed: its weights and inputs, and so its qparams, are
+    the same whichever tests ran before."""
+    torch.manual_seed(0)
+    return build()
 
 
 class TestLoweredGraphs(expecttest.TestCase):
@@ -51,3 +59,26 @@ qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.
 y_1 = aten.relu(qconv_pointwise_default)
 quantize_dequantize_per_tensor = fast_qdq.quantize_dequantize_per_tensor(y_1, 0.03, 100, 0, 255, uint8, out_dtype=None)
 return (quantize_dequantize_per_tensor)""")
+
+    def test_cat_on_int8(self):
+        self.assertExpectedInline(lowered_graph(*seeded(two_branch_cat)), """\
+l_x_ = input
+quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.025, 139, 0, 255, uint8)
+qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.025, 139, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.0103, 0, uint8, 'relu', [], '')
+qconv_pointwise_default_1 = onednn.qconv_pointwise(quantize_per_tensor_default, 0.025, 139, <const>, <const>, <const>, <const>, [1, 1], [0, 0], [1, 1], 1, 0.0103, 0, uint8, 'relu', [], '')
+cat_default = aten.cat([qconv_pointwise_default, qconv_pointwise_default_1], 1)
+qconv_pointwise_default_2 = onednn.qconv_pointwise(cat_default, 0.0103, 0, <const>, <const>, <const>, <const>, [1, 1], [0, 0], [1, 1], 1, 1, 0, float32, 'none', [], '')
+return (qconv_pointwise_default_2)""")
+
+    def test_views_on_int8_and_quantize_moved_above_views(self):
+        self.assertExpectedInline(lowered_graph(*seeded(conv_flatten_linear)), """\
+l_x_ = input
+quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.0282, 123, 0, 255, uint8)
+qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0282, 123, <const>, <const>, <const>, <const>, [2, 2], [0, 0], [1, 1], 1, 0.00599, 0, uint8, 'relu', [], '')
+flatten_using_ints = aten.flatten.using_ints(qconv_pointwise_default, 1)
+qlinear_pointwise_default = onednn.qlinear_pointwise(flatten_using_ints, 0.00599, 0, <const>, <const>, <const>, <const>, 0.00462, 139, uint8, 'none', [], '')
+view_default = aten.reshape(qlinear_pointwise_default, [-1, 2, 6])
+permute_default = aten.permute(view_default, [0, 2, 1])
+reshape_default = aten.reshape(permute_default, [-1, 12])
+qlinear_pointwise_default_1 = onednn.qlinear_pointwise(reshape_default, 0.00462, 139, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')
+return (qlinear_pointwise_default_1)""")

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from qbackend.models import bert_encoder_like, resnet18_like, tiny_resnet
+from qbackend.patterns import RULES
 from qbackend.patterns.qconv import CONV_OPS
 
 from .helpers import assert_matches_reference, quantize
@@ -17,8 +18,8 @@ def test_resnet_everything_lowered(build, shape):
     assert not report.kept, str(report)
     kinds = [d.kind for d in report.decisions]
     assert kinds.count("linear") == 1 and kinds.count("conv") >= 7
-    assert {d.rule for d in report.decisions} == {"qconv", "qconv_add", "qlinear", "qmaxpool2d"}
-    assert kinds.count("pool") == 1
+    assert {d.rule for d in report.decisions} == {"qconv", "qconv_add", "qlinear", "qmaxpool2d", "qavgpool"}
+    assert kinds.count("pool") == 1 and kinds.count("avgpool") == 1
     float_convs = [n for _, _, lowered, _ in captured.graphs for n in lowered.graph.nodes if n.target in CONV_OPS]
     assert not float_convs, float_convs
 
@@ -37,6 +38,7 @@ def test_every_prepack_is_tuned_for_the_static_input_shape():
 
     inputs = (torch.randn(2, 3, 32, 32),)
     captured = assert_matches_reference(quantize(tiny_resnet(), inputs), inputs, intermediates=False)
-    lowered = [n for n in captured.lowered.graph.nodes if "qbackend_rule" in n.meta and n.meta["qbackend_rule"] != "qmaxpool2d"]
+    kind = {rule.name: rule.anchors for rule in RULES}
+    lowered = [n for n in captured.lowered.graph.nodes if kind.get(n.meta.get("qbackend_rule")) in ("conv", "linear")]
     assert len(lowered) == 11  # 10 convs and the fc
     assert all(static_shape(n.args[0]) is not None for n in lowered)

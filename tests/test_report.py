@@ -83,3 +83,19 @@ def test_report_goes_to_the_qbackend_logger(converted):
         logger.removeHandler(handler)
         logger.setLevel(old_level)
     assert any("3 of 3 conv/linear/pool ops lowered" in m for m in handler.messages), handler.messages
+
+
+
+@pytest.mark.parametrize("build,kind,line", [
+    ("conv_flatten_linear", "view", "int8 flow: 2 view chains run on int8"),
+    ("two_branch_cat", "cat", "int8 flow: 1 cat run on int8"),
+])
+def test_int8_data_movement_is_one_line_with_its_decisions_in_moves(build, kind, line):
+    from qbackend.patterns import examples
+
+    module, inputs = getattr(examples, build)()
+    torch._dynamo.reset()
+    report = qbackend.explain(quantize(module, inputs), *inputs)
+    assert line in str(report).splitlines(), str(report)
+    assert all(d.kind in ("conv", "linear") for d in report.decisions)
+    assert {d.kind for d in report.moves if d.lowered} == {kind}
