@@ -37,6 +37,7 @@ from qbackend.quantized_tensor import QuantizedLinearWeight  # noqa: E402
 from common import NUM_THREADS, Settings, cosine, fmt, log, machine_description, measure_interleaved, short_error  # noqa: E402
 
 HIDDEN, INTERMEDIATE, GROUP = 4096, 11008, 128
+DENSE_ROWS = 16  # the measured crossover of the int4 kernel and dense bf16 (lowering/weight_only.py)
 FULL = Settings(calibration_batches=0, warmup_calls=3, target_seconds=4.0, min_iters=10, max_iters=300)
 QUICK = Settings(calibration_batches=0, warmup_calls=2, target_seconds=1.0, min_iters=3, max_iters=50)
 
@@ -69,11 +70,13 @@ def weight_only(model, bits, dtype):
     return qbackend.quantize_weights(quantized, bits=bits, group_size=GROUP)
 
 
-def torchao_int4(model):
-    from torchao.quantization import Int4WeightOnlyConfig, quantize_
+def torchao_int4(model, dtype):
+    """torchao 0.18's CPU int4 weight-only (Int4OpaqueTensor: the same _for_cpu kernels)."""
+    from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+    from torchao.quantization import quantize_
 
-    quantized = copy.deepcopy(model).to(torch.bfloat16)
-    quantize_(quantized, Int4WeightOnlyConfig(group_size=GROUP, int4_packing_format="opaque", set_inductor_config=False))
+    quantized = copy.deepcopy(model).to(dtype)
+    quantize_(quantized, PrototypeInt4WeightOnlyConfig(group_size=GROUP, set_inductor_config=False))
     return quantized
 
 
@@ -99,17 +102,22 @@ def measure_bandwidth(megabytes=512, repeats=10) -> float:
 
 def paths_for(dtype, fp32_model, models):
     """{path name: (callable, input dtype, weight bytes streamed or None)}."""
-    compiled = lambda m: torch.compile(m, backend="qbackend")  # noqa: E731
+    def compiled(model, **options):
+        return torch.compile(model, backend="qbackend", options=options)
+
     name = "bf16" if dtype == torch.bfloat16 else "fp32"
+    int4 = models[f"int4 {name}"]
     paths = {
         "dense fp32 eager": (fp32_model, torch.float32, None),
         "dense bf16 eager": (models["bf16"], torch.bfloat16, None),
-        f"qbackend int4 g{GROUP} ({name} model)": (compiled(models[f"int4 {name}"]), dtype, packed_bytes(4)),
-        f"qbackend int4 g{GROUP} eager ({name} model)": (models[f"int4 {name}"], dtype, packed_bytes(4)),
+        f"qbackend int4 g{GROUP} ({name} model)": (compiled(int4), dtype, packed_bytes(4)),
+        f"qbackend int4 g{GROUP}, dense from {DENSE_ROWS} rows ({name} model)":
+            (compiled(int4, weight_only_dense_rows=DENSE_ROWS), dtype, packed_bytes(4)),
+        f"qbackend int4 g{GROUP} eager ({name} model)": (int4, dtype, packed_bytes(4)),
         f"qbackend int8 ({name} model)": (compiled(models[f"int8 {name}"]), dtype, packed_bytes(8)),
     }
-    if "torchao int4" in models and dtype == torch.bfloat16:
-        paths[f"torchao int4 g{GROUP} (bf16 model)"] = (models["torchao int4"], dtype, packed_bytes(4))
+    if f"torchao int4 {name}" in models:
+        paths[f"torchao int4 g{GROUP} eager ({name} model)"] = (models[f"torchao int4 {name}"], dtype, packed_bytes(4))
     return paths
 
 
@@ -122,10 +130,11 @@ def benchmark(settings, token_counts, bandwidth):
     for bits in (4, 8):
         for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
             models[f"int{bits} {name}"] = weight_only(fp32_model, bits, dtype)
-    try:
-        models["torchao int4"] = torchao_int4(fp32_model)
-    except Exception as error:  # a missing or changed torchao must not stop the run
-        log(f"torchao int4 unavailable: {short_error(error)}")
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        try:
+            models[f"torchao int4 {name}"] = torchao_int4(fp32_model, dtype)
+        except Exception as error:  # a missing or changed torchao must not stop the run
+            log(f"torchao int4 unavailable: {short_error(error)}")
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         for tokens in token_counts:
@@ -163,25 +172,45 @@ def memory_child(checkpoint: str, dtype_name: str) -> None:
     with torch.device("meta"):  # the model's structure only: no fp32 weights are ever made
         model = GatedMLP().to(dtype)
     qbackend.quantize_weights(model, bits=4, group_size=GROUP)
-    # Dynamo and the backend's modules cost ~250 MB of RSS once per process, whatever the model:
-    # a tiny model of the same kind pays it before the baseline
     tiny = qbackend.quantize_weights(GatedMLP(256, 256).to(dtype), bits=4, group_size=GROUP)
-    with torch.no_grad():
-        torch.compile(tiny, backend="qbackend")(torch.randn(1, 1, 256, dtype=dtype))
-    torch._dynamo.reset()
-    rss_before = _rss_bytes()
+
+    def compile_and_run(m, width):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(m, backend="qbackend")(torch.randn(1, 1, width, dtype=dtype))
+
+    compile_and_run(tiny, 256)  # Dynamo's and qbackend's modules: ~250 MB once per process
+    _reset_peak_rss()
+    before = _rss_bytes()
+    compile_and_run(tiny, 256)  # what any compile costs for a moment, whatever the model
+    compiler = _peak_rss_bytes() - before
+    _reset_peak_rss()
+    before = _rss_bytes()
     with torch.serialization.safe_globals([QuantizedLinearWeight]):
         state = torch.load(checkpoint, weights_only=True)
     model.load_state_dict(state, assign=True)
-    with torch.no_grad():
-        torch.compile(model, backend="qbackend")(torch.randn(1, 1, HIDDEN, dtype=dtype))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"peak_bytes": peak - rss_before}))
+    loaded = _rss_bytes() - before
+    compile_and_run(model, HIDDEN)
+    print(json.dumps({"peak": _peak_rss_bytes() - before, "resident": _rss_bytes() - before, "loaded": loaded,
+                      "compiler": compiler}))
 
 
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # resets VmHWM to the current RSS
+
+
+def _peak_rss_bytes() -> int:
+    """This process image's peak RSS. (Not ru_maxrss: Linux carries it over an exec, so a child
+    started from the benchmark process would report the parent's peak.)"""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 def measure_peak_memory(models) -> dict:
@@ -194,7 +223,7 @@ def measure_peak_memory(models) -> dict:
         if child.returncode != 0:
             results[name] = f"failed: {child.stderr.strip().splitlines()[-1:]}"
             continue
-        results[name] = json.loads(child.stdout.strip().splitlines()[-1])["peak_bytes"]
+        results[name] = json.loads(child.stdout.strip().splitlines()[-1])
     return results
 
 
@@ -222,11 +251,19 @@ def report(rows, bandwidth, memory, quick, machine):
     for r in rows:
         lines.append(f"| {r.model} | {r.tokens} | {r.path} | {fmt(r.latency_ms, '.2f')} | {fmt(r.speedup, '.1f')} "
                      f"| {fmt(r.bandwidth_x, '.2f')} | {fmt(r.cos_vs_fp32, '.5f')} | {r.notes} |")
-    lines += ["", f"Peak memory of a fresh process that loads the int4 checkpoint, compiles with qbackend and runs"
-              f" one token (RSS growth; fp32 weights are {fp32_weight_bytes / 1e6:.0f} MB):", ""]
-    for name, peak in memory.items():
-        value = f"{peak / 1e6:.0f} MB = {peak / fp32_weight_bytes:.3f}x the fp32 weights" if isinstance(peak, int) else peak
-        lines.append(f"- {name} model: {value}")
+    lines += ["", "Memory of a fresh process that builds the model on the meta device (no fp32 weights), loads the"
+              " int4 checkpoint, compiles with qbackend and runs one token: RSS growth from before the load, as a"
+              f" fraction of the fp32 weights ({fp32_weight_bytes / 1e6:.0f} MB). `compiler` is the transient any"
+              " compile costs (measured on a 256-wide MLP in the same process); `peak - compiler` is the model's own peak.",
+              "", "| model | loaded checkpoint | resident after the run | peak | compiler | peak - compiler |",
+              "|---|---|---|---|---|---|"]
+    for name, m in memory.items():
+        if isinstance(m, str):
+            lines.append(f"| {name} | {m} | | | | |")
+            continue
+        cell = lambda b: f"{b / 1e6:.0f} MB ({b / fp32_weight_bytes:.3f}x)"  # noqa: E731
+        lines.append(f"| {name} | {cell(m['loaded'])} | {cell(m['resident'])} | {cell(m['peak'])} "
+                     f"| {cell(m['compiler'])} | {cell(m['peak'] - m['compiler'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -38,6 +38,7 @@ class EmitContext:
     device: str
     registry: object = None
     weight_only_compute: str = "auto"  # how float activations meet weight-only kernels (weight_only.COMPUTE_CHOICES)
+    weight_only_dense_rows: Optional[int] = None  # from this many rows on, weight-only linears run dense
     notes: list = field(default_factory=list)  # what the last emit decided that the report should say
     kernel: str = ""  # the last emit's kernel, when its result node is not the kernel call
     erased: set = field(default_factory=set)  # nodes the emitted matches removed from the graph

@@ -32,6 +32,9 @@ class Options:
     report: bool = False  # print the report to stderr (also: QBACKEND_REPORT=1)
     report_sink: Optional[Callable[[Report], None]] = None  # receives each graph's report
     weight_only_compute: str = "auto"  # weight-only linears: "auto" (bf16 on CPU), "bf16" or "activation"
+    # weight-only linears: from this many rows (tokens) on, run a dense matmul on a dequantized
+    # copy kept in memory (+0.5x the fp32 weight in bf16); None: always the packed kernel
+    weight_only_dense_rows: Optional[int] = None
 
     @classmethod
     def parse(cls, options) -> "Options":
@@ -74,7 +77,7 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
     device = options.device or graph_device(example_inputs, gm)
     work = GraphModule(gm, copy.deepcopy(gm.graph))
     runtime_inputs = freeze(work, example_inputs)
-    report = lower(work, device, registry, options.weight_only_compute)
+    report = lower(work, device, registry, options.weight_only_compute, options.weight_only_dense_rows)
     cleanup(work)
     return _runner(work, runtime_inputs, len(example_inputs)), report, work
 

@@ -98,7 +98,8 @@ def _op_name(node: Node) -> str:
     return target.name() if hasattr(target, "name") else str(target)
 
 
-def lower(gm: GraphModule, device: str, registry=None, weight_only_compute: str = "auto") -> Report:
+def lower(gm: GraphModule, device: str, registry=None, weight_only_compute: str = "auto",
+          weight_only_dense_rows: Optional[int] = None) -> Report:
     report = Report(device)
     anchors = [(n, anchor_kind(n)) for n in gm.graph.nodes]
     anchors = [(n, kind) for n, kind in anchors if kind is not None]
@@ -109,7 +110,8 @@ def lower(gm: GraphModule, device: str, registry=None, weight_only_compute: str 
         report.notes.append(reason)
         report.decisions = [Decision(n.name, kind, source_of(n), False, reason=reason) for n, kind in anchors if kind in ANCHORS]
         return report
-    view, ctx = GraphView(gm), EmitContext(gm, device, registry, weight_only_compute)
+    view, ctx = GraphView(gm), EmitContext(gm, device, registry, weight_only_compute=weight_only_compute,
+                                            weight_only_dense_rows=weight_only_dense_rows)
     for name, entry in table.items():
         unresolved = [r for r in map(ctx.op, getattr(entry, "needs", ())) if not r]
         if unresolved:

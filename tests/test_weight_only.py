@@ -172,3 +172,20 @@ def test_int4_packing_in_row_chunks_gives_the_one_shot_bytes():
     weight = quantize(torch.randn(n, 128), 4, 32)
     whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.rows().to(torch.int32) + 8, 8)
     assert torch.equal(pack(weight, "cpu", torch.float32).args[0], whole)
+
+
+def test_dense_from_a_row_count_when_asked(monkeypatch):
+    from qbackend.lowering import weight_only
+
+    model, reference = quantized_and_reference(4, 128)
+    calls = []
+    original = weight_only.packed_or_dense
+    monkeypatch.setattr(weight_only, "packed_or_dense", lambda rows, dense, *a: calls.append((rows.shape[0], dense.dtype))
+                        or original(rows, dense, *a))
+    for tokens in (1, 32):
+        x = torch.randn(1, tokens, 256)
+        actual, _, captured = compile_and_run(model.gate, (x,), weight_only_dense_rows=16)
+        with torch.no_grad():
+            assert_weight_only_close(actual, reference.gate.float()(x), f"{tokens} tokens")
+        assert "dense torch.bfloat16 matmul from 16 rows on" in captured.report.decisions[0].reason
+    assert calls == [(1, torch.bfloat16), (32, torch.bfloat16)]
