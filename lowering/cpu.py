@@ -9,8 +9,7 @@ from .capabilities import (conv_binary_post_op_refusal, conv_post_op_refusal, li
                            linear_post_op_refusal, quantized_tensor_pool_refusal)
 from .base import Lowering
 from .common import COMMON
-from .weight_only import emit_weight_only
-from .weight_only import limits as weight_only_limits
+from .weight_only import emit_weight_only, limits_for
 
 
 def _uint8_activations(match):
@@ -43,5 +42,5 @@ def _limits(match):
 KERNEL_ROWS = ("qconv", "qconv_add", "qlinear", "qlinear_add", "qlinear_dynamic", "qlinear_add_dynamic", "qmaxpool2d")
 TABLE = {**COMMON, **{name: dataclasses.replace(COMMON[name], limits=_limits) for name in KERNEL_ROWS}}
 TABLE["qavgpool"] = dataclasses.replace(COMMON["qavgpool"], limits=lambda match: _uint8_activations(match) or quantized_tensor_pool_refusal("cpu"))
-TABLE["int4_weight_linear"] = Lowering(emit_weight_only, ("int4_pack", "int4_mm"), weight_only_limits)
-TABLE["int8_weight_linear"] = Lowering(emit_weight_only, ("int8_weight_only_mm",), weight_only_limits)
+TABLE["int4_weight_linear"] = Lowering(emit_weight_only, ("int4_pack", "int4_mm"), limits_for("cpu"))
+TABLE["int8_weight_linear"] = Lowering(emit_weight_only, ("int8_weight_only_mm",), limits_for("cpu"))

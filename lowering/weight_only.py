@@ -13,16 +13,11 @@ import torch
 
 from qbackend.ops import resolve
 from qbackend.patterns.base import fake_value
-from qbackend.weight_quant import GroupQuantized
+from qbackend.weight_quant import GroupQuantized, pack_int4
 
 aten = torch.ops.aten
 
-# How fp32 / fp16 activations meet the packed kernels. Measured on torch 2.13 CPU (one
-# 4096x11008 layer, batch 1): int4 1.0 ms with bf16 activations vs 80 ms with fp32 (50 ms
-# fp16); int8 1.3 ms vs 40 ms. So CPU runs them in bf16 (cast in, cast out) unless the user
-# asks for the activation's own dtype.
-COMPUTE_CHOICES = ("auto", "bf16", "activation")
-FAST_COMPUTE_DTYPE = {"cpu": torch.bfloat16, "xpu": None}  # None: the activation's own dtype
+COMPUTE_CHOICES = ("auto", "bf16", "activation")  # how activations meet the kernels (option)
 
 
 def compute_dtype(device: str, activation: torch.dtype, choice: str = "auto") -> torch.dtype:
@@ -32,7 +27,7 @@ def compute_dtype(device: str, activation: torch.dtype, choice: str = "auto") ->
         return activation
     if choice == "bf16":
         return torch.bfloat16
-    return FAST_COMPUTE_DTYPE.get(device) or activation
+    return DEVICES[device].auto_compute.get(activation, activation)
 
 
 @dataclass(frozen=True)
@@ -66,35 +61,75 @@ def _cpu_refusal(weight: GroupQuantized) -> Optional[str]:
 PACK_ROWS = 64
 
 
-def _cpu_int4(weight: GroupQuantized, dtype: torch.dtype, device: str, op: Callable) -> PackedLinear:
+def _cpu_int4(weight: GroupQuantized, dtype: torch.dtype, op: Callable) -> PackedLinear:
     # The kernel reads w = (u - 8) * scale + zero with u = q + 8 in [0, 15], scales and
     # zeros as [K / group, N, 2] in the activation's dtype.
     n, packed = weight.shape[0], None
     for start in range(0, n, PACK_ROWS):
-        chunk = op("int4_pack")(weight.rows(start, start + PACK_ROWS).to(device, torch.int32).add_(8), 8)
+        chunk = op("int4_pack")(weight.rows(start, start + PACK_ROWS).to(torch.int32).add_(8), 8)
         if packed is None:  # the output's first dim is proportional to the rows (N or N / 8)
             per_row = chunk.shape[0] / min(PACK_ROWS, n)
             packed = chunk if n <= PACK_ROWS else chunk.new_empty((int(n * per_row), *chunk.shape[1:]))
         packed[int(start * per_row):int(start * per_row) + chunk.shape[0]] = chunk
     scales_zeros = torch.stack((weight.scale.float().t(), weight.float_offset().t()), dim=-1)
-    return PackedLinear("int4_mm", (packed, weight.group_size, scales_zeros.to(device, dtype).contiguous()),
+    return PackedLinear("int4_mm", (packed, weight.group_size, scales_zeros.to(dtype).contiguous()),
                         weight.shape[1], dtype)
 
 
-def _int8(weight: GroupQuantized, dtype: torch.dtype, device: str, op: Callable) -> PackedLinear:
-    return PackedLinear("int8_weight_only_mm", (weight.rows().to(device), weight.scale[:, 0].to(device, dtype)),
+def _int8(weight: GroupQuantized, dtype: torch.dtype, op: Callable) -> PackedLinear:
+    return PackedLinear("int8_weight_only_mm", (weight.rows(), weight.scale[:, 0].to(dtype)),
                         weight.shape[1], dtype)
 
 
-PACKERS: dict[tuple[str, int], Callable] = {("cpu", 4): _cpu_int4, ("cpu", 8): _int8}
-REFUSALS: dict[str, Callable] = {"cpu": _cpu_refusal}
+def _xpu_refusal(weight: GroupQuantized) -> Optional[str]:
+    """XPU's int4 kernel (oneDNN weight decompression) takes integer zero points and groups
+    that are a multiple of 32 (read from torch's XPU sources: no XPU here to run it)."""
+    if weight.bits == 4 and weight.group_size % 32:
+        return f"the XPU int4 kernel takes group sizes that are a multiple of 32, not {weight.group_size}"
+    if weight.bits == 4 and weight.offset is not None:
+        return "the XPU int4 kernel takes integer zero points; this weight has float offsets"
+    if weight.bits == 8 and not weight.is_symmetric():
+        return "the int8 weight-only kernel has no zero point (asymmetric weight)"
+    return None
+
+
+def _xpu_int4(weight: GroupQuantized, dtype: torch.dtype, op: Callable) -> PackedLinear:
+    # The XPU packer takes uint8 [N, K/2] with the even column in the low nibble (the neutral
+    # layout) and reads w = (u - zero) * scale with u and zero unsigned; scales / zeros [K/g, N].
+    nibbles = weight.stored if weight.nibbles else pack_int4(weight.rows())
+    packed = op("int4_pack")(nibbles, 8)
+    zero = torch.zeros_like(weight.scale) if weight.zero_point is None else weight.zero_point
+    zeros = (zero.to(torch.int16) + 8).to(torch.int8).t().contiguous()
+    return PackedLinear("int4_mm_scales_zeros", (packed, weight.group_size, weight.scale.t().to(dtype).contiguous(), zeros),
+                        weight.shape[1], dtype)
+
+
+@dataclass(frozen=True)
+class WeightOnlyDevice:
+    """What one device's weight-only kernels need: a packer per bit width, the shapes they
+    refuse, and the dtype they compute in for each activation dtype under "auto"."""
+
+    packers: dict  # bits -> packer(weight, compute dtype, op) -> PackedLinear, on the weight's own device
+    refusal: Callable  # weight -> reason or None
+    auto_compute: dict  # activation dtype -> compute dtype
+
+
+DEVICES = {
+    # CPU, one 4096x11008 layer, 1 row: int4 0.64 ms with bf16 activations vs 80 ms fp32 / 50 ms
+    # fp16; int8 1.3 ms vs 40 ms. So every activation dtype computes in bf16.
+    "cpu": WeightOnlyDevice({4: _cpu_int4, 8: _int8}, _cpu_refusal,
+                            {torch.float32: torch.bfloat16, torch.float16: torch.bfloat16}),
+    # XPU's int4 kernel asserts on fp32 activations (fp16 / bf16 only, from its sources)
+    "xpu": WeightOnlyDevice({4: _xpu_int4, 8: _int8}, _xpu_refusal, {torch.float32: torch.bfloat16}),
+}
 
 
 def refusal(weight: GroupQuantized, device: str) -> Optional[str]:
     """Why ``device`` cannot run this weight (None if it can)."""
-    if (device, weight.bits) not in PACKERS:
+    kernels = DEVICES.get(device)
+    if kernels is None or weight.bits not in kernels.packers:
         return f"no int{weight.bits} weight-only kernel for device {device!r}"
-    return REFUSALS[device](weight) if device in REFUSALS else None
+    return kernels.refusal(weight)
 
 
 def pack(weight: GroupQuantized, device: str, activation: torch.dtype, choice: str = "auto",
@@ -105,12 +140,12 @@ def pack(weight: GroupQuantized, device: str, activation: torch.dtype, choice: s
     if reason is not None:
         raise ValueError(reason)
     op = op or (lambda logical: resolve(logical, device).op)
-    return PACKERS[(device, weight.bits)](weight, compute_dtype(device, activation, choice), device, op)
+    return DEVICES[device].packers[weight.bits](weight, compute_dtype(device, activation, choice), op)
 
 
-def limits(match) -> Optional[str]:
-    """The lowering table's view of ``refusal`` (CPU rows)."""
-    return REFUSALS["cpu"](match.weight_only)
+def limits_for(device: str) -> Callable:
+    """The lowering table's view of ``refusal``."""
+    return lambda match: refusal(match.weight_only, device)
 
 
 def emit_weight_only(ctx, match):

@@ -118,3 +118,20 @@ def short_graph(gm: GraphModule) -> str:
         elif node.op == "output":
             lines.append(f"return {fmt(node.args[0])}")
     return "\n".join(lines)
+
+
+def lower_without_running(module, inputs, registry=None, **options):
+    """(lowered GraphModule, report) for the graph Dynamo captures, without running the
+    lowered graph: for devices this machine lacks (XPU), checked at graph level."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(module, backend=capture)(*inputs)
+    assert len(graphs) == 1, f"expected one graph, got {len(graphs)}"
+    _, report, lowered = compile_graph(*graphs[0], Options(**options), registry)
+    return lowered, report
