@@ -49,6 +49,13 @@ def measure_interleaved(runners, inputs, settings):
     return {path: (statistics.median(times), len(times)) for path, times in samples.items()}
 
 
+def measure_back_to_back(runner, inputs, calls: int) -> float:
+    """Median seconds per call of ``calls`` consecutive calls: what a loop over one model sees,
+    with whatever of its weights the caches keep between calls (the interleaved rounds above
+    flush them with the other paths' weights)."""
+    return statistics.median(time_one_call(runner, inputs) for _ in range(calls))
+
+
 def cosine(a, b):
     return float(F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
 
