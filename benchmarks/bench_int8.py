@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -34,6 +34,7 @@ if importlib.util.find_spec("qbackend") is None:  # not installed: use this chec
 
 from qbackend import models, pt2e_flow  # noqa: E402
 
+import ort_peer  # noqa: E402
 from common import (NUM_THREADS, Settings, clone_inputs, cosine, fmt, log, machine_description,  # noqa: E402
                     max_abs_diff, measure_interleaved, short_error)
 
@@ -51,6 +52,8 @@ DISPLAY_NAMES = {
     "bert_encoder_like": "BERT-base-like encoder (4 layers, seq 128)",
 }
 BASELINE_PATH = "Inductor int8"
+ORT_PATH = "ONNX Runtime int8 (static QDQ)"
+CNNS = ("resnet18_like", "mobilenet_v2_like")
 
 
 FULL = Settings(calibration_batches=4, warmup_calls=3, target_seconds=3.0, min_iters=10, max_iters=500)
@@ -74,61 +77,89 @@ class Row:
 # --- the paths being compared: each returns a callable taking *inputs ------
 
 
-def build_fp32_eager(model, converted, inputs):
-    return model
+@dataclass
+class Case:
+    name: str
+    model: torch.nn.Module
+    converted: torch.nn.Module
+    inputs: tuple
+    calibration: list
+    cache: dict = field(default_factory=dict)  # what a path may build once per case (an ORT session)
 
 
-def build_inductor_fp32(model, converted, inputs):
-    return torch.compile(model)
+def build_fp32_eager(case):
+    return case.model
 
 
-def build_inductor_int8(model, converted, inputs):
+def build_inductor_fp32(case):
+    return torch.compile(case.model)
+
+
+def build_inductor_int8(case):
     # Compiles (first call) inside the freezing patch; see pt2e_flow.
-    return pt2e_flow.inductor_int8(converted, inputs)
+    return pt2e_flow.inductor_int8(case.converted, case.inputs)
 
 
-def build_qbackend_int8(model, converted, inputs):
+def build_qbackend_int8(case):
     # "qbackend" comes from the package's torch_dynamo_backends entry point, so
     # it only resolves once the package is pip-installed (pip install -e .).
-    return torch.compile(converted, backend="qbackend")
+    return torch.compile(case.converted, backend="qbackend")
 
 
-def build_pt2e_reference(model, converted, inputs):
-    return converted
+def build_pt2e_reference(case):
+    return case.converted
+
+
+def build_ort_int8(case):
+    if case.name not in CNNS:
+        raise NotApplicable("ONNX Runtime is the peer for the CNNs only")
+    if "ort" not in case.cache:
+        case.cache["ort"] = ort_peer.int8_session(case.model, case.inputs, case.calibration, NUM_THREADS)
+    return case.cache["ort"]
 
 
 PATHS = [
     ("fp32 eager", build_fp32_eager),
     ("Inductor fp32", build_inductor_fp32),
     (BASELINE_PATH, build_inductor_int8),
+    (ORT_PATH, build_ort_int8),
     ("qbackend int8", build_qbackend_int8),
     ("PT2E reference (eager)", build_pt2e_reference),
 ]
+PEERS = (BASELINE_PATH, ORT_PATH)  # qbackend's latency target: <= 0.95x the best of these
+
+
+class NotApplicable(Exception):
+    pass
 
 
 # --- measurements ----------------------------------------------------------
 
 
-def measure_first_call(build, model, converted, inputs):
+def measure_first_call(build, case, inputs):
     """Build the runner and call it once; the wall time includes compilation."""
     torch._dynamo.reset()  # no cached graphs from the previous path
     start = time.perf_counter()
-    runner = build(model, converted, inputs)
+    runner = build(case)
     output = runner(*inputs)
     return runner, output, time.perf_counter() - start
 
 
-def measure_path(row, build, model, converted, inputs, reference, fp32_output):
+def measure_path(row, build, case, reference, fp32_output):
     """Compile time (cold: Dynamo reset first) and accuracy; returns the runner or None."""
+    inputs = case.inputs
     try:
         own_inputs = clone_inputs(inputs)
-        runner, output, row.compile_s = measure_first_call(build, model, converted, own_inputs)
+        runner, output, row.compile_s = measure_first_call(build, case, own_inputs)
         if not all(torch.equal(mine, original) for mine, original in zip(own_inputs, inputs)):
             row.notes = "writes into its input tensors"
         row.max_abs_vs_ref = max_abs_diff(output, reference)
         row.cos_vs_ref = cosine(output, reference)
         row.cos_vs_fp32 = cosine(output, fp32_output)
         return runner
+    except NotApplicable as why:
+        row.notes = str(why)
+        return None
     except Exception as exc:  # one broken path must not hide the others
         row.notes = short_error(exc)
         return None
@@ -148,6 +179,7 @@ def benchmark_config(name, batch, settings):
     inputs = models.example_inputs(name, batch)
     calibration = models.calibration_batches(name, batch, settings.calibration_batches)
     converted = pt2e_flow.quantize_x86(model, inputs, calibration)
+    case = Case(name, model, converted, inputs, calibration)
     reference = converted(*clone_inputs(inputs))
     fp32_output = model(*clone_inputs(inputs))
     rows, builds = [], {}
@@ -155,12 +187,12 @@ def benchmark_config(name, batch, settings):
         log(f"{name} batch {batch}: compile {path}")
         row = Row(DISPLAY_NAMES[name], batch, path)
         rows.append(row)
-        if measure_path(row, build, model, converted, inputs, reference, fp32_output) is not None:
+        if measure_path(row, build, case, reference, fp32_output) is not None:
             builds[path] = build
     # Latency: every path compiled again side by side (a Dynamo reset above would have dropped
     # the earlier ones), then timed in interleaved rounds.
     torch._dynamo.reset()
-    runners = {path: build(model, converted, inputs) for path, build in builds.items()}
+    runners = {path: build(case) for path, build in builds.items()}
     for runner in runners.values():
         runner(*clone_inputs(inputs))
     log(f"{name} batch {batch}: timing {len(runners)} paths interleaved")
@@ -178,16 +210,22 @@ def benchmark_config(name, batch, settings):
 
 def markdown_table(rows):
     header = ("| Model | Batch | Path | First call / compile (s) | Median latency (ms) "
-              "| vs Inductor int8 | max abs diff vs ref | cos vs ref | cos vs fp32 | timed calls | Notes |")
+              "| vs Inductor int8 | vs best peer | max abs diff vs ref | cos vs ref | cos vs fp32 | timed calls | Notes |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     baselines = {(r.model, r.batch): r.latency_ms for r in rows if r.path == BASELINE_PATH}
+    best_peer = {}
     for r in rows:
-        baseline = baselines.get((r.model, r.batch))
+        if r.path in PEERS and r.latency_ms:
+            key = (r.model, r.batch)
+            best_peer[key] = min(best_peer.get(key, r.latency_ms), r.latency_ms)
+    for r in rows:
+        baseline, peer = baselines.get((r.model, r.batch)), best_peer.get((r.model, r.batch))
         ratio = r.latency_ms / baseline if r.latency_ms and baseline else None
+        peer_ratio = r.latency_ms / peer if r.latency_ms and peer else None
         notes = r.notes.replace("|", "\\|")
         lines.append(
             f"| {r.model} | {r.batch} | {r.path} | {fmt(r.compile_s, '.1f')} "
-            f"| {fmt(r.latency_ms, '.2f')} | {fmt(ratio, '.2f')} "
+            f"| {fmt(r.latency_ms, '.2f')} | {fmt(ratio, '.2f')} | {fmt(peer_ratio, '.2f')} "
             f"| {fmt(r.max_abs_vs_ref, '.3g')} | {fmt(r.cos_vs_ref, '.6f')} "
             f"| {fmt(r.cos_vs_fp32, '.6f')} | {fmt(r.iters, 'd')} | {notes} |"
         )
