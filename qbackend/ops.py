@@ -47,6 +47,9 @@ ALIASES: dict[str, tuple[str, ...]] = {
     # tensors are deprecated: when these go, the rule is disabled with this reason.
     "to_quantized_tensor": ("aten::_make_per_tensor_quantized_tensor",),
     "int_repr": ("aten::int_repr",),
+    # boundary q/dq in one vectorised pass (qbackend/fast_qdq.py), same deprecation caveat
+    "quantize_to_quantized_tensor": ("aten::quantize_per_tensor",),
+    "dequantize_quantized_tensor": ("aten::dequantize.self",),
     # int8 data movement on plain integer tensors
     "cat": ("aten::cat",),
     # weight-only int4 / int8
