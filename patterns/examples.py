@@ -328,9 +328,9 @@ class GroupDequantLinear(nn.Module):
         if self.form == "per_channel_group":
             return torch.ops.quantized_decomposed.dequantize_per_channel_group.default(
                 w_int, self.w_scale, self.w_zero, qmin, qmax, torch.int8, self.group_size, torch.float32)
-        if self.form == "affine":
-            return torch.ops.torchao.dequantize_affine.default(
-                w_int, [1, self.group_size], self.w_scale, self.w_zero, torch.int8, qmin, qmax)
+        if self.form == "affine":  # called through the packet, with a keyword, as torchao writes it
+            return torch.ops.torchao.dequantize_affine(
+                w_int, [1, self.group_size], self.w_scale, self.w_zero, torch.int8, qmin, qmax, output_dtype=torch.float32)
         return torch.ops.quantized_decomposed.dequantize_per_channel.default(
             w_int, self.w_scale, self.w_zero, 0, qmin, qmax, torch.int8)
 

@@ -15,9 +15,13 @@ from .base import GraphView, NoMatch, QParams, QuantizedValue, QuantizedWeight, 
 FULL_RANGE = {torch.uint8: (0, 255), torch.int8: (-128, 127)}
 
 
-def is_op(node, name: str) -> bool:
+def is_op(node, name: str, packet: bool = False) -> bool:
+    """``node`` calls the PT2E op ``name``; with ``packet``, also through its packet when that
+    has one overload (Dynamo records ``torch.ops.torchao.dequantize_affine(...)`` as written)."""
     op = graph_op(name)
-    return op is not None and isinstance(node, Node) and node.op == "call_function" and node.target is op
+    if op is None or not isinstance(node, Node) or node.op != "call_function":
+        return False
+    return node.target is op or (packet and node.target is op.overloadpacket and len(op.overloadpacket.overloads()) == 1)
 
 
 def _per_tensor_qparams(node: Node, what: str) -> QParams:

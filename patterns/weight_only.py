@@ -55,7 +55,7 @@ def is_weight_matmul(node: Node) -> bool:
     if node.op != "call_function" or node.target not in MATMUL_TARGETS or len(node.args) != 2:
         return False
     source = _transposed_source(node.args[1])
-    return isinstance(source, Node) and (source.op == "get_attr" or any(is_op(source, n) for n in WEIGHT_DEQUANTIZE))
+    return isinstance(source, Node) and (source.op == "get_attr" or any(is_op(source, n, packet=True) for n in WEIGHT_DEQUANTIZE))
 
 
 def _integers(graph: GraphView, node, qmin: int, qmax: int, zero_point) -> tuple[int, torch.Tensor, Optional[torch.Tensor]]:
@@ -121,11 +121,11 @@ def weight_only_weight(graph: GraphView, node, transposed: bool) -> GroupQuantiz
     if isinstance(value, QuantizedLinearWeight):
         require(not value.transposed, "the quantized weight is a transposed view ([in, out]), not [out, in]")
         return value.group_quantized()
-    if is_op(node, "dequantize_per_channel_group"):
+    if is_op(node, "dequantize_per_channel_group", packet=True):
         return _per_channel_group(graph, node)
-    if is_op(node, "dequantize_affine"):
+    if is_op(node, "dequantize_affine", packet=True):
         return _affine(graph, node)
-    if is_op(node, "dequantize_per_channel"):
+    if is_op(node, "dequantize_per_channel", packet=True):
         return _per_channel_int8(graph, node)
     raise NoMatch("weight is not quantized: no dequantize or quantized weight tensor produces it")
 
