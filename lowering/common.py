@@ -123,6 +123,7 @@ def emit_qavgpool(ctx: EmitContext, match: Match) -> Node:
     """The graph's own pool op on a quantized-tensor copy of the int8 input (the ATen pools
     have int8 kernels only for quantized tensors), then back to a plain integer tensor."""
     x = match.x.qparams
+    ctx.kernel = f"{match.anchor.target.name()} (quantized tensor)"
     quantized = ctx.call("to_quantized_tensor", (match.x.node, x.scale, x.zero_point))
     pooled = ctx.gm.graph.call_function(match.anchor.target, (quantized, *match.op_args))
     return ctx.call("int_repr", (pooled,))
