@@ -129,6 +129,11 @@ def emit_qavgpool(ctx: EmitContext, match: Match) -> Node:
     return ctx.call("int_repr", (pooled,))
 
 
+def emit_sdpa(ctx: EmitContext, match: Match) -> Node:
+    q, k, v, mask, scale = match.op_args
+    return ctx.gm.graph.call_function(ctx.op("sdpa").op, (q, k, v), {"attn_mask": mask, "scale": scale})
+
+
 def record_fake_value(node: Node) -> Node:
     """Give a node the emitter made the example value Dynamo records for the others (shape,
     dtype, strides): later rules read it, e.g. the prepack of the next conv reads its shape."""
@@ -171,4 +176,5 @@ COMMON: dict[str, Lowering] = {
     "qavgpool": Lowering(emit_qavgpool, ("to_quantized_tensor", "int_repr")),
     "qcat": Lowering(emit_int8_cat, ("cat",)),
     "qview": Lowering(emit_int8_views, ()),
+    "sdpa": Lowering(emit_sdpa, ("sdpa",)),
 }

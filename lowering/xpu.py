@@ -19,4 +19,5 @@ TABLE = {
     # plain ATen data movement, exact on any device that has the op
     "qcat": COMMON["qcat"],
     "qview": COMMON["qview"],
+    "sdpa": COMMON["sdpa"],  # composite: torch picks XPU's own attention kernel
 }

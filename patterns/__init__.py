@@ -1,6 +1,7 @@
 """WHAT qbackend matches: one row per rule, in a list you can print (``python -m qbackend.patterns``)."""
 from __future__ import annotations
 
+from .attention import ATTENTION_ANCHORS, SDPA
 from .base import GraphView, Match, Reject, Rule
 from .qconv import CONV_ANCHORS, QCONV
 from .qconv_binary import QCONV_ADD
@@ -13,17 +14,18 @@ from .qview import QVIEW, VIEW_ANCHORS
 from .weight_only import INT4_WEIGHT_LINEAR, INT8_WEIGHT_LINEAR, is_weight_matmul
 
 RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR_ADD_DYNAMIC, QLINEAR_ADD, QLINEAR, QLINEAR_DYNAMIC, QMAXPOOL2D, QAVGPOOL,
-                           QCAT, QVIEW, INT4_WEIGHT_LINEAR, INT8_WEIGHT_LINEAR)
+                           QCAT, QVIEW, INT4_WEIGHT_LINEAR, INT8_WEIGHT_LINEAR, SDPA)
 
 # The node kinds the report accounts for, one line each.
-ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS, "pool": POOL_ANCHORS, "avgpool": AVG_POOL_ANCHORS}
+ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS, "pool": POOL_ANCHORS, "avgpool": AVG_POOL_ANCHORS,
+           "attention": ATTENTION_ANCHORS}
 # Int8 data movement: rewritten like the others, but counted in one report line, not one line
 # per node (a model has many views and cats, most of them never quantized).
 MOVES = {"view": VIEW_ANCHORS, "cat": CAT_ANCHORS}
 # The pass visits the graph once per sweep, each in graph order. Views go first: hoisting a
 # quantize above a view chain puts it next to its producer, where the rules of the later
 # sweeps (a cat, pool, conv or linear folding its output quantize) then find it.
-SWEEPS: tuple[tuple[str, ...], ...] = (("view",), ("cat",), ("conv", "linear", "pool", "avgpool"))
+SWEEPS: tuple[tuple[str, ...], ...] = (("view",), ("cat",), ("conv", "linear", "pool", "avgpool", "attention"))
 
 
 def _check_registry():

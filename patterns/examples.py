@@ -431,3 +431,28 @@ def conv_avgpool_head():
 
 def avgpool_requantize():
     return _requantized_output(conv_avgpool_head, torch.ops.aten.avg_pool2d.default)
+
+
+def attention_block():
+    """A small BERT-style self-attention (q / k / v / out projections around float attention)."""
+    from qbackend.models import SelfAttention
+
+    return SelfAttention(hidden=32, heads=4), (torch.randn(2, 8, 32),)
+
+
+class AttentionReturningProbs(nn.Module):
+    """Attention that also returns its probabilities: they must exist, so no fusion."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x):
+        q, k, v = (t.view(2, 8, 4, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        probs = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) / 8 ** 0.5, dim=-1)
+        return torch.matmul(probs, v), probs
+
+
+def attention_probs_returned():
+    inputs = (torch.randn(2, 8, 32),)
+    return _convert(AttentionReturningProbs(), inputs), inputs

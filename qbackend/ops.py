@@ -23,6 +23,8 @@ DEVICE_DISPATCH_KEYS: dict[str, tuple[str, ...]] = {
     "cpu": ("CPU", "MkldnnCPU", "QuantizedCPU"),
     "xpu": ("XPU",),
 }
+# A composite op has no kernel of its own: it runs on any device whose ops it calls have one.
+COMPOSITE_KEYS = ("CompositeImplicitAutograd",)
 
 # Logical op -> candidate real overloads, newest name first.
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -52,6 +54,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "dequantize_quantized_tensor": ("aten::dequantize.self",),
     # int8 data movement on plain integer tensors
     "cat": ("aten::cat",),
+    # float attention, fused (composite: picks the device's flash / math kernel itself)
+    "sdpa": ("aten::scaled_dot_product_attention",),
     # weight-only int4 / int8
     "int4_pack": ("aten::_convert_weight_to_int4pack_for_cpu", "aten::_convert_weight_to_int4pack"),
     "int4_mm": ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm"),
@@ -147,7 +151,7 @@ def _resolve(logical: str, device: str, registry, need_meta: bool) -> Resolved:
         if op is None:
             missing.append(f"{qualname} does not exist")
             continue
-        if not any(registry.has_kernel(qualname, key) for key in keys):
+        if not any(registry.has_kernel(qualname, key) for key in keys + COMPOSITE_KEYS):
             missing.append(f"{qualname} has no {device} kernel")
             continue
         if need_meta and not registry.has_kernel(qualname, "Meta"):

@@ -85,7 +85,7 @@ class Report:
         return f"int8 flow: {', '.join(parts)} run on int8" if parts else ""
 
     def summary(self) -> str:
-        return (f"qbackend [{self.device}]: {len(self.lowered)} of {len(self.decisions)} conv/linear/pool ops lowered"
+        return (f"qbackend [{self.device}]: {len(self.lowered)} of {len(self.decisions)} conv / linear / pool / attention ops lowered"
                 f" in {self.graphs} graph(s), {len(self.kept)} kept")
 
     def __str__(self) -> str:

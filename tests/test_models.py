@@ -24,11 +24,12 @@ def test_resnet_everything_lowered(build, shape):
     assert not float_convs, float_convs
 
 
-def test_small_encoder_every_linear_lowered():
+def test_small_encoder_every_linear_lowered_and_attention_fused():
     inputs = (torch.randn(2, 16, 64),)
     model = bert_encoder_like(num_layers=2, hidden=64, heads=4, ffn=128)
     report = assert_matches_reference(quantize(model, inputs), inputs, intermediates=False).report
-    assert not report.kept and len(report.decisions) == 12, str(report)
+    kinds = [d.kind for d in report.decisions]
+    assert not report.kept and kinds.count("linear") == 12 and kinds.count("attention") == 2, str(report)
 
 
 def test_every_prepack_is_tuned_for_the_static_input_shape():

@@ -29,7 +29,7 @@ def test_report_lines_name_the_rule_op_and_source(converted):
     model, inputs = converted
     torch._dynamo.reset()
     lines = str(qbackend.explain(model, *inputs)).splitlines()
-    assert lines[0] == "qbackend [cpu]: 3 of 3 conv/linear/pool ops lowered in 1 graph(s), 0 kept"
+    assert lines[0] == "qbackend [cpu]: 3 of 3 conv / linear / pool / attention ops lowered in 1 graph(s), 0 kept"
     assert lines[1].startswith("LOWERED  conv   conv2d (0): qconv -> onednn::qconv_pointwise + relu, quantize(torch.uint8)")
     assert lines[3].startswith("LOWERED  conv   conv2d_2 (2.conv2): qconv_add -> onednn::qconv2d_pointwise.binary + add, relu")
 
@@ -82,7 +82,7 @@ def test_report_goes_to_the_qbackend_logger(converted):
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
-    assert any("3 of 3 conv/linear/pool ops lowered" in m for m in handler.messages), handler.messages
+    assert any("3 of 3 conv / linear / pool / attention ops lowered" in m for m in handler.messages), handler.messages
 
 
 

@@ -1,0 +1,90 @@
+"""Float attention: matmul(q, k^T) -> [/ c | * c] -> [+ mask] -> softmax -> matmul(., v).
+
+X86InductorQuantizer leaves attention in float. Written out, it runs as two batched matmuls on
+transposed views plus a softmax over a materialised [B, H, L, S] score tensor; fused
+scaled-dot-product attention reads q, k, v once (Inductor fuses the same pattern).
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch.fx import Node
+
+from . import examples
+from .base import GraphView, Match, NearMiss, Rule, fake_value, require
+from .qdq import single_user
+
+aten = torch.ops.aten
+SOFTMAX_OPS = {aten.softmax.int, aten._softmax.default}
+ATTENTION_ANCHORS = SOFTMAX_OPS | {torch.softmax, torch.nn.functional.softmax}
+MATMUL_OPS = {aten.matmul.default}
+
+
+def _calls(node, targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _only_feeds(node: Node, consumer: Node, what: str) -> None:
+    require(single_user(node) is consumer, f"{what} is also read elsewhere (it would have to be materialised)")
+
+
+def _transposed_last_two(node) -> Node:
+    """``k`` for ``k.transpose(-2, -1)`` (any spelling of the last two dims)."""
+    require(_calls(node, {aten.transpose.int}), "the key operand is not a transpose of the keys")
+    rank = fake_value(node.args[0]).dim()
+    require({d % rank for d in node.args[1:3]} == {rank - 2, rank - 1}, "the key transpose is not over the last two dims")
+    return node.args[0]
+
+
+def select_sdpa(graph: GraphView, softmax: Node) -> Match:
+    require(softmax.target in SOFTMAX_OPS, "softmax is not an ATen softmax call (not a PT2E graph)")
+    scores, dim = softmax.args[:2]
+    cast = softmax.args[2] if len(softmax.args) > 2 else None
+    require(not cast, "softmax changes the dtype")  # (_softmax: half_to_float; softmax.int: dtype)
+    require(dim % fake_value(softmax).dim() == fake_value(softmax).dim() - 1, "softmax is not over the last dim")
+    require(len(softmax.users) == 1, "the attention probabilities are also read elsewhere (they would have to be materialised)")
+    out = next(iter(softmax.users))
+    require(_calls(out, MATMUL_OPS) and out.args[0] is softmax, "softmax output is not multiplied by values")
+    nodes, mask, scale = [softmax, out], None, 1.0
+    node, consumer = scores, softmax  # walk back from the softmax input
+    if _calls(node, {aten.add.Tensor}):
+        _only_feeds(node, consumer, "the masked scores")
+        left, right = node.args[:2]
+        inner, mask = (left, right) if _calls(left, {aten.div.Tensor, aten.mul.Tensor, *MATMUL_OPS}) else (right, left)
+        require(isinstance(mask, Node) and fake_value(mask) is not None, "the added term is not a tensor mask")
+        require(fake_value(mask).dtype == fake_value(softmax).dtype, "the mask is not an additive float mask")
+        nodes.insert(0, node)
+        node, consumer = inner, node
+    if _calls(node, {aten.div.Tensor, aten.mul.Tensor}):
+        _only_feeds(node, consumer, "the scaled scores")
+        factor = node.args[1]
+        require(isinstance(factor, numbers.Number) and factor != 0, "scores are scaled by a tensor, not a constant")
+        scale = 1.0 / factor if node.target is aten.div.Tensor else float(factor)
+        nodes.insert(0, node)
+        node, consumer = node.args[0], node
+    require(_calls(node, MATMUL_OPS), "softmax input is not a matmul of queries and keys")
+    _only_feeds(node, consumer, "the raw scores")
+    nodes.insert(0, node)
+    scores = node
+    q, v = scores.args[0], out.args[1]
+    k = _transposed_last_two(scores.args[1])
+    shapes = [fake_value(t) for t in (q, k, v)]
+    require(all(s is not None and s.dim() >= 3 for s in shapes), "queries, keys or values are not batched matrices")
+    require(len({s.dim() for s in shapes}) == 1, "queries, keys and values differ in rank")
+    require(shapes[0].shape[-1] == shapes[1].shape[-1] and shapes[1].shape[-2] == shapes[2].shape[-2],
+            "queries, keys and values do not line up as attention")
+    require(shapes[0].dtype in (torch.float32, torch.bfloat16, torch.float16), "attention is not in float")
+    return Match(None, softmax, tuple(nodes), op_args=(q, k, v, mask, scale), float_dtype=shapes[0].dtype)
+
+
+SDPA = Rule(
+    name="sdpa",
+    anchors="attention",
+    pattern="matmul(q, k^T) -> [/ c | * c] -> [+ mask] -> softmax(-1) -> matmul(., v)",
+    doc="float attention => fused scaled-dot-product attention (no materialised score matrix)",
+    select_fn=select_sdpa,
+    priority=0,
+    example=examples.attention_block,
+    near_misses=(NearMiss(examples.attention_probs_returned, "also read elsewhere"),),
+)
