@@ -4,19 +4,7 @@ from qbackend.ops import ALIASES, TorchRegistry, resolve
 from qbackend.patterns.examples import residual_block
 
 from .helpers import assert_matches_reference, quantize
-
-
-class FakeRegistry:
-    """{qualname: set of dispatch keys with a kernel}; ops not listed do not exist."""
-
-    def __init__(self, kernels: dict):
-        self.kernels = kernels
-
-    def lookup(self, qualname):
-        return (lambda *args: qualname) if qualname in self.kernels else None
-
-    def has_kernel(self, qualname, key):
-        return key in self.kernels.get(qualname, ())
+from .xpu_builds import Generation as FakeRegistry
 
 
 OLD_TORCH = FakeRegistry({"onednn::qconv2d_pointwise.default": {"MkldnnCPU", "Meta"}})
