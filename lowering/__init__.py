@@ -7,6 +7,8 @@ from . import cpu, xpu
 from .base import EmitContext, Lowering, Unsupported
 
 TABLES = {"cpu": cpu.TABLE, "xpu": xpu.TABLE}
+# Exact graph rewrites a device needs before its rules run (e.g. signed -> unsigned activations).
+PREPARE = {"cpu": cpu.PREPARE, "xpu": xpu.PREPARE}
 
 
 def check_tables(tables=TABLES, rules=RULES) -> None:
@@ -37,4 +39,4 @@ def support_matrix() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["TABLES", "EmitContext", "Lowering", "Unsupported", "check_tables", "support_matrix"]
+__all__ = ["TABLES", "PREPARE", "EmitContext", "Lowering", "Unsupported", "check_tables", "support_matrix"]

@@ -30,6 +30,10 @@ class Lowering:
     emit: Callable
     needs: tuple[str, ...]  # logical ops (qbackend.ops) the emitter calls; all must resolve
     limits: Optional[Callable] = None
+    needs_for: Optional[Callable] = None  # match -> logical ops that depend on it (a conv's rank)
+
+    def needs_of(self, match) -> tuple[str, ...]:
+        return self.needs + (tuple(self.needs_for(match)) if self.needs_for is not None else ())
 
 
 @dataclass
@@ -37,6 +41,7 @@ class EmitContext:
     gm: GraphModule
     device: str
     registry: object = None
+    need_meta: bool = False  # the lowered graph will be traced with fake tensors: Meta kernels only
     weight_only_compute: str = "auto"  # how float activations meet weight-only kernels (weight_only.COMPUTE_CHOICES)
     weight_only_dense_rows: Optional[int] = None  # from this many rows on, weight-only linears run dense
     notes: list = field(default_factory=list)  # what the last emit decided that the report should say
@@ -47,7 +52,7 @@ class EmitContext:
 
     def op(self, logical: str) -> Resolved:
         if logical not in self._resolved:
-            self._resolved[logical] = resolve(logical, self.device, self.registry)
+            self._resolved[logical] = resolve(logical, self.device, self.registry, need_meta=self.need_meta)
         return self._resolved[logical]
 
     def call_now(self, logical: str, *args):

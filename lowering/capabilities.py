@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from qbackend.ops import resolve
+from qbackend.ops import qconv_for_rank, resolve
 
 
 def _ask(device: str, logical_ops: tuple, run) -> Optional[str]:
@@ -51,7 +51,7 @@ def conv_post_op_refusal(device: str, spatial_rank: int, attr: str, scalars: tup
         packed = prepack(w, w_scale, 1.0, 0, ones, zeros, ones, 1, None)
         qconv(x, 1.0, 0, packed, w_scale, w_zp, None, ones, zeros, ones, 1, 1.0, 0, None, attr, list(scalars), algorithm)
 
-    return _ask(device, ("qconv", "qconv_prepack"), run)
+    return _ask(device, (qconv_for_rank(spatial_rank), "qconv_prepack"), run)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,13 +1,15 @@
 """Emitters shared by every device: weights are prepacked here, once, at compile time."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
 import torch
 from torch.fx import Node
 
-from qbackend.patterns.base import Match, PostOp, fake_value
+from qbackend.ops import qconv_for_rank
+from qbackend.patterns.base import Match, PostOp, QuantizedValue, fake_value
 
 from .base import EmitContext, Lowering
 
@@ -50,7 +52,7 @@ def emit_qconv(ctx: EmitContext, match: Match) -> Node:
     p, x = match.conv, match.x.qparams
     w, w_scale, w_zp = _prepacked_conv_weight(ctx, match)
     post = match.post_op or NO_POST_OP
-    return ctx.call("qconv", (
+    return ctx.call(qconv_for_rank(p.spatial_rank), (
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.bias,
         p.stride, p.padding, p.dilation, p.groups, *output_args(match),
         post.name, list(post.scalars), post.algorithm,
@@ -86,6 +88,10 @@ def emit_qconv_add(ctx: EmitContext, match: Match) -> Node:
 
 def _prepacked_linear_weight(ctx: EmitContext, match: Match):
     packed = ctx.call_now("qlinear_prepack", match.weight.int8, static_shape(match.x.node))
+    if not packed.is_mkldnn:
+        # XPU's prepack is a transposed view ([K, N] over the [N, K] weight) that its kernel
+        # makes contiguous on every call: store it contiguous once (the same values).
+        packed = packed.contiguous()
     return weight_constants(ctx, match, packed, "qlinear_w")
 
 
@@ -97,6 +103,19 @@ def emit_qlinear(ctx: EmitContext, match: Match, op: str = "qlinear") -> Node:
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.bias, *output_args(match),
         post.name, list(post.scalars), post.algorithm,
     ))
+
+
+def emit_qlinear_2d(ctx: EmitContext, match: Match) -> Node:
+    """For kernels that take 2-D input only (XPU): the leading dims are flattened into rows
+    before the kernel and restored after it (the limits require a static input shape)."""
+    shape = static_shape(match.x.node)
+    if len(shape) == 2:
+        return emit_qlinear(ctx, match)
+    graph = ctx.gm.graph
+    rows = record_fake_value(graph.call_function(aten.reshape.default, (match.x.node, [-1, shape[-1]])))
+    out = emit_qlinear(ctx, dataclasses.replace(match, x=QuantizedValue(rows, match.x.qparams)))
+    ctx.kernel = ctx.op("qlinear").op.name()
+    return graph.call_function(aten.reshape.default, (out, [*shape[:-1], match.weight.int8.shape[0]]))
 
 
 def emit_qlinear_add(ctx: EmitContext, match: Match, op: str = "qlinear_binary") -> Node:
@@ -165,7 +184,7 @@ def emit_int8_views(ctx: EmitContext, match: Match) -> Node:
 
 
 COMMON: dict[str, Lowering] = {
-    "qconv": Lowering(emit_qconv, ("qconv", "qconv_prepack")),
+    "qconv": Lowering(emit_qconv, ("qconv", "qconv_prepack"), needs_for=lambda match: (qconv_for_rank(match.conv.spatial_rank),)),
     "qconv_add": Lowering(emit_qconv_add, ("qconv_binary", "qconv_prepack")),
     "qlinear": Lowering(emit_qlinear, ("qlinear", "qlinear_prepack")),
     "qlinear_add": Lowering(emit_qlinear_add, ("qlinear_binary", "qlinear_prepack")),

@@ -9,14 +9,17 @@ from .capabilities import (conv_binary_post_op_refusal, conv_post_op_refusal, li
                            linear_post_op_refusal, quantized_tensor_pool_refusal)
 from .base import Lowering
 from .common import COMMON
+from .signed_int8 import signed_activations_as_unsigned
 from .weight_only import emit_weight_only, limits_for
 
 
 def _uint8_activations(match):
     # The CPU int8 conv/linear kernels read unsigned activations only (signed int8 raises
-    # "Input tensor should have uint8 ... data type").
+    # "Input tensor should have uint8 ... data type"). PREPARE turns signed activations into
+    # unsigned ones wherever only dequantizes read them; this catches the rest.
     if match.x.qparams.dtype != torch.uint8:
-        return f"CPU int8 kernels take uint8 activations, this one is {match.x.qparams.dtype}"
+        return (f"CPU int8 kernels take uint8 activations, this one is {match.x.qparams.dtype}"
+                " (and not convertible: something other than a dequantize reads the signed tensor)")
     return None
 
 
@@ -44,3 +47,6 @@ TABLE = {**COMMON, **{name: dataclasses.replace(COMMON[name], limits=_limits) fo
 TABLE["qavgpool"] = dataclasses.replace(COMMON["qavgpool"], limits=lambda match: _uint8_activations(match) or quantized_tensor_pool_refusal("cpu"))
 TABLE["int4_weight_linear"] = Lowering(emit_weight_only, ("int4_pack", "int4_mm"), limits_for("cpu"))
 TABLE["int8_weight_linear"] = Lowering(emit_weight_only, ("int8_weight_only_mm",), limits_for("cpu"))
+
+# Graph rewrites run before the rules (each returns a report note or None).
+PREPARE = (signed_activations_as_unsigned,)

@@ -35,6 +35,9 @@ class Options:
     # weight-only linears: from this many rows (tokens) on, run a dense matmul on a dequantized
     # copy kept in memory (+0.5x the fp32 weight in bf16); None: always the packed kernel
     weight_only_dense_rows: Optional[int] = None
+    # the lowered graph will be traced again with fake tensors (export, another compiler): use
+    # only op names that have a Meta kernel (torch 2.13's legacy qconv1d/qconv3d have none)
+    need_meta: bool = False
 
     @classmethod
     def parse(cls, options) -> "Options":
@@ -77,7 +80,7 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
     device = options.device or graph_device(example_inputs, gm)
     work = GraphModule(gm, copy.deepcopy(gm.graph))
     runtime_inputs = freeze(work, example_inputs)
-    report = lower(work, device, registry, options.weight_only_compute, options.weight_only_dense_rows)
+    report = lower(work, device, registry, options.weight_only_compute, options.weight_only_dense_rows, options.need_meta)
     cleanup(work)
     return _runner(work, runtime_inputs, len(example_inputs)), report, work
 

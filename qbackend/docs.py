@@ -42,7 +42,9 @@ def devices_md() -> str:
         lines.append(f"| {logical} | " + " | ".join(cells) + " |")
     lines += ["", "## Rule support", "", lowering.support_matrix(), "",
               "A rule whose ops do not resolve on a device is disabled there at compile time, with the reason in the report.", "",
-              "## Post-ops the CPU kernels accept (asked of the kernels, `lowering/capabilities.py`)", "", post_op_matrix("cpu"), ""]
+              "## Post-ops the CPU kernels accept (asked of the kernels, `lowering/capabilities.py`)", "", post_op_matrix("cpu"), "",
+              "## Post-ops the XPU kernels accept (read from torch's XPU kernel source, `lowering/xpu.py`; asked of the kernel where an XPU is present)",
+              "", xpu_post_op_matrix(), ""]
     return "\n".join(lines)
 
 
@@ -62,6 +64,19 @@ def post_op_matrix(device: str) -> str:
     for name in POST_OP_CALLS:
         post = post_op_of(name)
         rows.append(f"| {name} | " + " | ".join("yes" if ask(post) is None else "no" for ask in kernels.values()) + " |")
+    return "\n".join(rows)
+
+
+def xpu_post_op_matrix() -> str:
+    from qbackend.lowering import xpu
+    from qbackend.patterns.examples import POST_OP_CALLS, post_op_of
+
+    kernels = {**{f"conv{rank}d": names for rank, names in xpu.CONV_POST_OPS.items()},
+               "conv2d + sum": xpu.BINARY_POST_OPS, "linear": xpu.LINEAR_POST_OPS, "linear + add": xpu.BINARY_POST_OPS}
+    rows = ["| post-op | " + " | ".join(kernels) + " |", "|---" * (len(kernels) + 1) + "|"]
+    for name in POST_OP_CALLS:
+        post = post_op_of(name).name
+        rows.append(f"| {name} | " + " | ".join("yes" if post in names else "no" for names in kernels.values()) + " |")
     return "\n".join(rows)
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 
 from torch.fx import GraphModule, Node
 
-from qbackend.lowering import TABLES, EmitContext, Lowering, Unsupported
+from qbackend.lowering import PREPARE, TABLES, EmitContext, Lowering, Unsupported
 from qbackend.patterns import ANCHORS, SWEEPS, GraphView, Reject, anchor_kind, rules_for
 
 from .report import Attempt, Decision, Report, source_of
@@ -21,7 +21,7 @@ def _unavailable(ctx: EmitContext, entry, match) -> Optional[str]:
     """Why this device cannot run ``entry`` for this match (None if it can)."""
     if isinstance(entry, Unsupported):
         return entry.reason
-    for logical in entry.needs:
+    for logical in entry.needs_of(match):
         resolved = ctx.op(logical)
         if not resolved:
             return resolved.reason
@@ -99,7 +99,7 @@ def _op_name(node: Node) -> str:
 
 
 def lower(gm: GraphModule, device: str, registry=None, weight_only_compute: str = "auto",
-          weight_only_dense_rows: Optional[int] = None) -> Report:
+          weight_only_dense_rows: Optional[int] = None, need_meta: bool = False) -> Report:
     report = Report(device)
     anchors = [(n, anchor_kind(n)) for n in gm.graph.nodes]
     anchors = [(n, kind) for n, kind in anchors if kind is not None]
@@ -110,8 +110,12 @@ def lower(gm: GraphModule, device: str, registry=None, weight_only_compute: str 
         report.notes.append(reason)
         report.decisions = [Decision(n.name, kind, source_of(n), False, reason=reason) for n, kind in anchors if kind in ANCHORS]
         return report
-    view, ctx = GraphView(gm), EmitContext(gm, device, registry, weight_only_compute=weight_only_compute,
+    view, ctx = GraphView(gm), EmitContext(gm, device, registry, need_meta=need_meta, weight_only_compute=weight_only_compute,
                                             weight_only_dense_rows=weight_only_dense_rows)
+    for prepare in PREPARE[device]:
+        note = prepare(gm)
+        if note:
+            report.notes.append(note)
     for name, entry in table.items():
         unresolved = [r for r in map(ctx.op, getattr(entry, "needs", ())) if not r]
         if unresolved:

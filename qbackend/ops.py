@@ -28,8 +28,11 @@ COMPOSITE_KEYS = ("CompositeImplicitAutograd",)
 
 # Logical op -> candidate real overloads, newest name first.
 ALIASES: dict[str, tuple[str, ...]] = {
-    # int8 conv / linear (oneDNN)
+    # int8 conv / linear (oneDNN). torch 2.1-2.7 named the conv per rank; 2.8+ has one N-d
+    # qconv_pointwise and keeps the old names (in 2.13 qconv1d/qconv3d have no Meta kernel).
     "qconv": ("onednn::qconv_pointwise", "onednn::qconv2d_pointwise"),
+    "qconv1d": ("onednn::qconv_pointwise", "onednn::qconv1d_pointwise"),
+    "qconv3d": ("onednn::qconv_pointwise", "onednn::qconv3d_pointwise"),
     "qconv_tensor": ("onednn::qconv_pointwise.tensor", "onednn::qconv2d_pointwise.tensor"),
     "qconv_binary": ("onednn::qconv_pointwise.binary", "onednn::qconv2d_pointwise.binary"),
     "qconv_binary_tensor": (
@@ -62,6 +65,10 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "int4_mm_scales_zeros": ("aten::_weight_int4pack_mm_with_scales_and_zeros",),
     "int8_weight_only_mm": ("aten::_weight_int8pack_mm",),
 }
+
+# Ops qbackend runs once at compile time (weight packing) and never places in a graph: a
+# graph traced with fake tensors does not need their Meta kernels.
+COMPILE_TIME = frozenset({"qconv_prepack", "qlinear_prepack", "int4_pack"})
 
 # Ops qbackend *matches* in PT2E graphs. They are registered by torchao / torch.ao when a PT2E
 # flow runs; qbackend never imports those modules itself, so an unregistered op simply means
@@ -126,8 +133,10 @@ def resolve(logical: str, device: str, registry=None, *, need_meta: bool = False
     """The newest candidate of ``logical`` that exists and has a kernel for ``device``.
 
     ``need_meta`` also demands a Meta kernel, for graphs that will be traced with fake tensors
-    (torch 2.13's legacy qconv1d/qconv3d/qconv2d.tensor names have none).
+    (torch 2.13's legacy qconv1d/qconv3d/qconv2d.tensor names have none); compile-time ops
+    (COMPILE_TIME) are exempt, as they never reach the graph.
     """
+    need_meta = need_meta and logical not in COMPILE_TIME
     if registry is None:
         return _resolve_cached(logical, device, need_meta)
     return _resolve(logical, device, registry, need_meta)
@@ -154,7 +163,7 @@ def _resolve(logical: str, device: str, registry, need_meta: bool) -> Resolved:
         if not any(registry.has_kernel(qualname, key) for key in keys + COMPOSITE_KEYS):
             missing.append(f"{qualname} has no {device} kernel")
             continue
-        if need_meta and not registry.has_kernel(qualname, "Meta"):
+        if need_meta and not any(registry.has_kernel(qualname, key) for key in ("Meta",) + COMPOSITE_KEYS):
             missing.append(f"{qualname} has no Meta kernel")
             continue
         return Resolved(logical, device, qualname, op, f"{qualname} has a {device} kernel")
@@ -175,8 +184,13 @@ def graph_op(name: str):
     return op
 
 
-def resolve_all(device: str, registry=None) -> dict[str, Resolved]:
-    return {logical: resolve(logical, device, registry) for logical in ALIASES}
+def resolve_all(device: str, registry=None, *, need_meta: bool = False) -> dict[str, Resolved]:
+    return {logical: resolve(logical, device, registry, need_meta=need_meta) for logical in ALIASES}
+
+
+def qconv_for_rank(spatial_rank: int) -> str:
+    """The logical qconv op for a conv of this rank (each has its own legacy name)."""
+    return {1: "qconv1d", 2: "qconv", 3: "qconv3d"}[spatial_rank]
 
 
 # Old call sites. torch <= 2.5 code calls aten._convert_weight_to_int4pack and

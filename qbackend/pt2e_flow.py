@@ -9,7 +9,7 @@ importing this module.
 
 import torch
 
-__all__ = ["quantize_x86", "inductor_int8"]
+__all__ = ["quantize_x86", "quantize_xpu", "inductor_int8"]
 
 
 def _x86_quantizer(is_qat, is_dynamic):
@@ -19,6 +19,21 @@ def _x86_quantizer(is_qat, is_dynamic):
         is_qat=is_qat, is_dynamic=is_dynamic
     )
     return xiq.X86InductorQuantizer().set_global(config)
+
+
+def _xpu_quantizer():
+    import torchao.quantization.pt2e.quantizer.xpu_inductor_quantizer as xpuiq
+
+    return xpuiq.XPUInductorQuantizer().set_global(xpuiq.get_default_xpu_inductor_quantization_config())
+
+
+def quantize_xpu(model, example_inputs, calibration):
+    """Export, prepare, calibrate and convert ``model`` with torchao's XPUInductorQuantizer:
+    signed int8 activations, per-channel symmetric int8 weights, max_pool2d left float; the
+    quantizer has no QAT or dynamic options. The model may live on any device (the quantizer
+    only annotates the graph): on CPU the result lowers through the CPU table, whose kernels
+    read the signed activations as unsigned ones (exact, see ``lowering/signed_int8.py``)."""
+    return _convert(model, example_inputs, calibration, _xpu_quantizer(), is_qat=False)
 
 
 def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic=False):
@@ -56,6 +71,10 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
     _annotate_conv2d_binary_unary``). Strict export records one source
     per call, each ReLU partition has a single output, and the flow works.
     """
+    return _convert(model, example_inputs, calibration, _x86_quantizer(is_qat, is_dynamic), is_qat)
+
+
+def _convert(model, example_inputs, calibration, quantizer, is_qat):
     from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import (
         convert_pt2e,
@@ -67,7 +86,7 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
     exported = torch.export.export(model, tuple(example_inputs), strict=True).module()
     model.eval()
     prepare = prepare_qat_pt2e if is_qat else prepare_pt2e
-    prepared = prepare(exported, _x86_quantizer(is_qat, is_dynamic))
+    prepared = prepare(exported, quantizer)
     if is_qat:
         move_exported_model_to_eval(prepared)
     with torch.no_grad():

@@ -4,19 +4,7 @@ from qbackend.ops import ALIASES, TorchRegistry, resolve
 from qbackend.patterns.examples import residual_block
 
 from .helpers import assert_matches_reference, quantize
-
-
-class FakeRegistry:
-    """{qualname: set of dispatch keys with a kernel}; ops not listed do not exist."""
-
-    def __init__(self, kernels: dict):
-        self.kernels = kernels
-
-    def lookup(self, qualname):
-        return (lambda *args: qualname) if qualname in self.kernels else None
-
-    def has_kernel(self, qualname, key):
-        return key in self.kernels.get(qualname, ())
+from .xpu_builds import Generation as FakeRegistry
 
 
 OLD_TORCH = FakeRegistry({"onednn::qconv2d_pointwise.default": {"MkldnnCPU", "Meta"}})
@@ -91,3 +79,73 @@ def test_older_torch_lowers_through_the_2d_name_end_to_end():
     registry = _LiveOps({f"onednn::{name}" + ("" if "." in name else ".default"): {"MkldnnCPU", "CPU"} for name in old})
     report = assert_matches_reference(quantize(module, inputs), inputs, registry).report
     assert [d.op for d in report.decisions] == ["onednn::qconv2d_pointwise", "onednn::qconv2d_pointwise", "onednn::qconv2d_pointwise.binary"]
+
+
+# --- simulated torch generations: which op each device resolves to -------------------------
+
+from .xpu_builds import CURRENT_XPU, PER_RANK_NAMES, RENAMED_CPU_ONLY, Generation, SimulatedXpuBuild  # noqa: E402
+
+GENERATIONS = {"2.1-2.7": Generation(PER_RANK_NAMES), "2.8+": Generation(RENAMED_CPU_ONLY), "current": SimulatedXpuBuild()}
+CONVS = ("qconv1d", "qconv", "qconv3d", "qconv_binary", "qlinear", "qlinear_binary")
+
+
+def _resolved(generation, device, need_meta=False):
+    return {logical: resolve(logical, device, GENERATIONS[generation], need_meta=need_meta).qualname for logical in CONVS}
+
+
+def test_per_rank_names_only():
+    assert _resolved("2.1-2.7", "cpu") == {
+        "qconv1d": "onednn::qconv1d_pointwise.default", "qconv": "onednn::qconv2d_pointwise.default",
+        "qconv3d": "onednn::qconv3d_pointwise.default", "qconv_binary": "onednn::qconv2d_pointwise.binary",
+        "qlinear": "onednn::qlinear_pointwise.default", "qlinear_binary": "onednn::qlinear_pointwise.binary"}
+    assert _resolved("2.1-2.7", "xpu") == {
+        "qconv1d": "onednn::qconv1d_pointwise.default", "qconv": "onednn::qconv2d_pointwise.default",
+        "qconv3d": "onednn::qconv3d_pointwise.default", "qconv_binary": None,
+        "qlinear": "onednn::qlinear_pointwise.default", "qlinear_binary": None}
+
+
+def test_renamed_on_cpu_only_keeps_xpu_on_the_per_rank_names():
+    """The case that broke XPU lowering: qconv_pointwise exists (CPU) but XPU still registers
+    only the per-rank names; each device resolves to the name it has a kernel for."""
+    assert set(_resolved("2.8+", "cpu")[c] for c in ("qconv1d", "qconv", "qconv3d")) == {"onednn::qconv_pointwise.default"}
+    xpu = _resolved("2.8+", "xpu")
+    assert (xpu["qconv1d"], xpu["qconv"], xpu["qconv3d"]) == (
+        "onednn::qconv1d_pointwise.default", "onednn::qconv2d_pointwise.default", "onednn::qconv3d_pointwise.default")
+
+
+def test_legacy_names_without_meta_never_reach_a_traced_graph():
+    """Graphs traced with fake tensors (need_meta): XPU conv1d / conv3d on the 2.8+ build
+    resolve to nothing, with the reason, rather than to qconv1d/3d_pointwise (no Meta)."""
+    xpu = _resolved("2.8+", "xpu", need_meta=True)
+    assert xpu["qconv1d"] is None and xpu["qconv3d"] is None and xpu["qconv"] == "onednn::qconv2d_pointwise.default"
+    reason = resolve("qconv1d", "xpu", GENERATIONS["2.8+"], need_meta=True).reason
+    assert "onednn::qconv1d_pointwise.default has no Meta kernel" in reason
+    assert resolve("qconv_prepack", "xpu", GENERATIONS["2.8+"], need_meta=True)  # compile-time only: exempt
+
+
+def test_current_build_resolves_every_device_to_the_canonical_name():
+    for device in ("cpu", "xpu"):
+        ops = _resolved("current", device, need_meta=True)
+        assert ops["qconv1d"] == ops["qconv"] == ops["qconv3d"] == "onednn::qconv_pointwise.default", (device, ops)
+        assert ops["qconv_binary"] == "onednn::qconv2d_pointwise.binary" and ops["qlinear_binary"], (device, ops)
+
+
+def test_no_device_ever_resolves_to_an_op_without_a_kernel_for_it():
+    from qbackend.ops import COMPOSITE_KEYS, DEVICE_DISPATCH_KEYS
+
+    for name, registry in GENERATIONS.items():
+        for device, keys in DEVICE_DISPATCH_KEYS.items():
+            for need_meta in (False, True):
+                for logical in ALIASES:
+                    resolved = resolve(logical, device, registry, need_meta=need_meta)
+                    if resolved:
+                        composite = any(registry.has_kernel(resolved.qualname, key) for key in COMPOSITE_KEYS)
+                        assert composite or any(registry.has_kernel(resolved.qualname, key) for key in keys), \
+                            (name, device, logical)
+                        assert not need_meta or logical in ("qconv_prepack", "qlinear_prepack", "int4_pack") or \
+                            composite or registry.has_kernel(resolved.qualname, "Meta"), (name, device, logical)
+
+
+def test_every_current_xpu_op_is_an_alias_candidate():
+    candidates = {f"{c}.default" if "." not in c.split("::")[1] else c for cs in ALIASES.values() for c in cs}
+    assert CURRENT_XPU - {"aten::cat.default"} <= candidates

@@ -92,7 +92,7 @@ def test_forced_xpu_on_a_cpu_only_torch_keeps_everything_with_reasons():
     report = captured.report
     assert not report.lowered and report.device == "xpu"
     reasons = {d.node: d.reason for d in report.decisions}
-    assert reasons["max_pool2d"].startswith("qmaxpool2d matched but xpu cannot run it: int8 max pool on XPU is not verified yet")
+    assert reasons["max_pool2d"].startswith("qmaxpool2d matched but xpu cannot run it: quantized::max_pool2d has CPU kernels only")
     assert reasons["conv2d"].startswith("qconv matched but xpu cannot run it: no qconv op for xpu: onednn::qconv_pointwise.default has no xpu kernel")
     assert any(note.startswith("rule qconv disabled on xpu") for note in report.notes)
 

@@ -5,30 +5,10 @@ import pytest
 import torch
 
 import qbackend
-from qbackend.ops import TorchRegistry
 from qbackend.weight_quant import unpack_int4
 
 from .helpers import lower_without_running, short_graph
-
-# ops an XPU build of torch >= 2.7 registers for the XPU key (torch-xpu-ops packs int4)
-XPU_KERNELS = {
-    "aten::_convert_weight_to_int4pack.default",
-    "aten::_weight_int4pack_mm_with_scales_and_zeros.default",
-    "aten::_weight_int8pack_mm.default",
-}
-
-
-class SimulatedXpuBuild(TorchRegistry):
-    """The live ops, with XPU kernels for XPU_KERNELS. The XPU int4 packer (which only
-    reinterprets the neutral uint8 [N, K/2] as int32 [N, K/8]) is emulated so packing runs here."""
-
-    def lookup(self, qualname):
-        if qualname == "aten::_convert_weight_to_int4pack.default":
-            return lambda nibbles, inner_k_tiles: nibbles.contiguous().view(torch.int32)
-        return super().lookup(qualname)
-
-    def has_kernel(self, qualname, dispatch_key):
-        return dispatch_key == "XPU" and qualname in XPU_KERNELS or super().has_kernel(qualname, dispatch_key)
+from .xpu_builds import SimulatedXpuBuild, requires_xpu
 
 
 def lowered_for_xpu(model, x, **options):
@@ -82,10 +62,6 @@ def test_float_offsets_are_refused_on_xpu():
     linear.weight = torch.nn.Parameter(from_old_cpu_int4(packed, torch.rand(2, 32, 2), 32), requires_grad=False)
     _, report = lowered_for_xpu(linear, torch.randn(2, 64))
     assert "takes integer zero points" in report.kept[0].reason, str(report)
-
-
-requires_xpu = pytest.mark.skipif(not (hasattr(torch, "xpu") and torch.xpu.is_available()),
-                                  reason="needs an Intel GPU (XPU): none on this machine")
 
 
 @requires_xpu
