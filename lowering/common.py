@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
+from qbackend import fast_qdq
 from qbackend.patterns.base import Match, PostOp, fake_value
 
 from .base import EmitContext, Lowering
@@ -158,6 +159,12 @@ def emit_int8_views(ctx: EmitContext, match: Match) -> Node:
     return value
 
 
+def emit_smooth_quantize(ctx: EmitContext, match: Match) -> Node:
+    q = match.output_quant
+    return ctx.gm.graph.call_function(fast_qdq.scale_quantize_per_tensor, (
+        match.float_source, match.op_args[0], q.scale, q.zero_point, q.qmin, q.qmax, q.dtype))
+
+
 COMMON: dict[str, Lowering] = {
     "qconv": Lowering(emit_qconv, ("qconv", "qconv_prepack")),
     "qconv_add": Lowering(emit_qconv_add, ("qconv_binary", "qconv_prepack")),
@@ -170,4 +177,5 @@ COMMON: dict[str, Lowering] = {
     "qavgpool": Lowering(emit_qavgpool, ("to_quantized_tensor", "int_repr")),
     "qcat": Lowering(emit_int8_cat, ("cat",)),
     "qview": Lowering(emit_int8_views, ()),
+    "qsmooth": Lowering(emit_smooth_quantize, ()),
 }

@@ -19,4 +19,5 @@ TABLE = {
     # plain ATen data movement, exact on any device that has the op
     "qcat": COMMON["qcat"],
     "qview": COMMON["qview"],
+    "qsmooth": COMMON["qsmooth"],
 }

@@ -431,3 +431,33 @@ def conv_avgpool_head():
 
 def avgpool_requantize():
     return _requantized_output(conv_avgpool_head, torch.ops.aten.avg_pool2d.default)
+
+
+class SmoothedLinear(nn.Module):
+    """LayerNorm -> x * (1/s) -> linear, as ``qbackend.smooth_quant`` leaves an explicit
+    smoothing multiply; ``factors`` of shape [16] (per channel) or [1] (a near miss);
+    ``also_return`` makes the scaled tensor a graph output too (a float consumer)."""
+
+    def __init__(self, factors=16, also_return=False):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 8)
+        self.register_buffer("inv_s", torch.linspace(0.25, 4.0, factors))
+        self.also_return = also_return
+
+    def forward(self, x):
+        scaled = self.norm(x) * self.inv_s
+        return (self.fc(scaled), scaled) if self.also_return else self.fc(scaled)
+
+
+def smoothed_linear():
+    return SmoothedLinear(), (torch.randn(2, 5, 16),)
+
+
+def smoothing_by_one_factor():
+    inputs = (torch.randn(2, 5, 16),)
+    return _convert(SmoothedLinear(factors=1), inputs), inputs
+
+
+def smoothed_value_returned():
+    inputs = (torch.randn(2, 5, 16),)
+    return _convert(SmoothedLinear(also_return=True), inputs), inputs
