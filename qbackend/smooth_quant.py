@@ -158,7 +158,12 @@ def smooth_quant(gm: GraphModule, calibration: Sequence[tuple], alpha: AlphaSpec
             or "search": per group of linears sharing an input, the alpha of ``alphas`` with the
             lowest int8 calibration loss, or none when no alpha lowers it by ``min_gain``.
             Linears sharing an input share s; the first one's alpha applies to the group.
+        min_gain: the search smooths a group only if its loss drops by this fraction.
         max_rows: calibration rows sampled per activation for the search.
+        observer: the search's activation quantizer, a factory of observers with
+            ``calculate_qparams`` (e.g. the quantizer's HistogramObserver); default: min / max
+            over every calibration row. On MiniLM the histogram made the search 7x slower and
+            no more accurate (docs/design-notes.md).
     """
     groups = _groups(gm)
     stats = observe(gm, calibration, set(groups), max_rows if alpha == "search" else 0)
