@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
+from qbackend import fast_qdq
 from qbackend.ops import qconv_for_rank
 from qbackend.patterns.base import Match, PostOp, QuantizedValue, fake_value
 
@@ -183,6 +184,12 @@ def emit_int8_views(ctx: EmitContext, match: Match) -> Node:
     return value
 
 
+def emit_smooth_quantize(ctx: EmitContext, match: Match) -> Node:
+    q = match.output_quant
+    return ctx.gm.graph.call_function(fast_qdq.scale_quantize_per_tensor, (
+        match.float_source, match.op_args[0], q.scale, q.zero_point, q.qmin, q.qmax, q.dtype))
+
+
 COMMON: dict[str, Lowering] = {
     "qconv": Lowering(emit_qconv, ("qconv", "qconv_prepack"), needs_for=lambda match: (qconv_for_rank(match.conv.spatial_rank),)),
     "qconv_add": Lowering(emit_qconv_add, ("qconv_binary", "qconv_prepack")),
@@ -196,4 +203,5 @@ COMMON: dict[str, Lowering] = {
     "qcat": Lowering(emit_int8_cat, ("cat",)),
     "qview": Lowering(emit_int8_views, ()),
     "sdpa": Lowering(emit_sdpa, ("sdpa",)),
+    "qsmooth": Lowering(emit_smooth_quantize, ()),
 }

@@ -114,4 +114,5 @@ TABLE = {
     "qcat": COMMON["qcat"],
     "qview": COMMON["qview"],
     "sdpa": COMMON["sdpa"],  # composite: torch picks XPU's own attention kernel
+    "qsmooth": COMMON["qsmooth"],
 }

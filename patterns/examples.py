@@ -456,3 +456,33 @@ class AttentionReturningProbs(nn.Module):
 def attention_probs_returned():
     inputs = (torch.randn(2, 8, 32),)
     return _convert(AttentionReturningProbs(), inputs), inputs
+
+
+class SmoothedLinear(nn.Module):
+    """LayerNorm -> x * (1/s) -> linear, as ``qbackend.smooth_quant`` leaves an explicit
+    smoothing multiply; ``factors`` of shape [16] (per channel) or [1] (a near miss);
+    ``also_return`` makes the scaled tensor a graph output too (a float consumer)."""
+
+    def __init__(self, factors=16, also_return=False):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 8)
+        self.register_buffer("inv_s", torch.linspace(0.25, 4.0, factors))
+        self.also_return = also_return
+
+    def forward(self, x):
+        scaled = self.norm(x) * self.inv_s
+        return (self.fc(scaled), scaled) if self.also_return else self.fc(scaled)
+
+
+def smoothed_linear():
+    return SmoothedLinear(), (torch.randn(2, 5, 16),)
+
+
+def smoothing_by_one_factor():
+    inputs = (torch.randn(2, 5, 16),)
+    return _convert(SmoothedLinear(factors=1), inputs), inputs
+
+
+def smoothed_value_returned():
+    inputs = (torch.randn(2, 5, 16),)
+    return _convert(SmoothedLinear(also_return=True), inputs), inputs

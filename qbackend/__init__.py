@@ -3,6 +3,7 @@
     torch.compile(converted_pt2e_module, backend="qbackend")   # no import needed
     qbackend.explain(converted_pt2e_module, *example_inputs)   # what was lowered, and why not
     qbackend.quantize_weights(float_model, bits=4, group_size=128)  # weight-only int4 / int8
+    qbackend.smooth_quant(exported_module, calibration_batches)    # SmoothQuant pre-pass (PT2E)
 
 Importing qbackend changes no global torch or Inductor state and does not import torchao.
 """
@@ -15,6 +16,7 @@ import torch
 from .legacy_int4 import from_old_cpu_int4
 from .quantized_tensor import QuantizedLinearWeight, quantize_weights
 from .report import Report
+from .smooth_quant import SmoothReport, smooth_quant
 
 __version__ = "0.1.0"
 
@@ -34,4 +36,4 @@ def explain(model, *example_inputs, device: str | None = None) -> Report:
     return functools.reduce(Report.merge, reports)
 
 
-__all__ = ["explain", "Report", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]
+__all__ = ["explain", "Report", "smooth_quant", "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch.fx import GraphModule
 
-from .cleanup import cleanup
+from .cleanup import cleanup, drop_inference_dropout
 from .freeze import freeze
 from .lower import lower
 from .report import Report
@@ -80,6 +80,7 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
     device = options.device or graph_device(example_inputs, gm)
     work = GraphModule(gm, copy.deepcopy(gm.graph))
     runtime_inputs = freeze(work, example_inputs)
+    drop_inference_dropout(work)
     report = lower(work, device, registry, options.weight_only_compute, options.weight_only_dense_rows, options.need_meta)
     cleanup(work)
     return _runner(work, runtime_inputs, len(example_inputs)), report, work

@@ -1,5 +1,7 @@
 """After lowering: drop dead nodes, fold constant subgraphs, run the q/dq that remain on the
-fast exact implementations, and keep views valid on channels-last kernel outputs."""
+fast exact implementations, and keep views valid on channels-last kernel outputs. Before
+lowering: drop inference-mode dropouts, which return their input and would hide a residual
+add from the linear that feeds it."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +12,20 @@ from .freeze import drop_unused_constants, set_constant
 from .ops import graph_op
 
 aten = torch.ops.aten
+
+
+def drop_inference_dropout(gm: GraphModule) -> int:
+    """``aten.dropout(x, p, train=False)`` returns ``x`` itself (ATen's early return): every
+    reader reads ``x`` instead. Exported transformers keep these between a linear and its
+    residual add (HF BERT: dense -> dropout -> + input -> LayerNorm)."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.dropout.default and not node.kwargs \
+                and len(node.args) == 3 and node.args[2] is False:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            dropped += 1
+    return dropped
 
 
 def _is_constant(gm: GraphModule, arg) -> bool:

@@ -56,7 +56,10 @@ def _integer_view(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _scaled_rounded(x: torch.Tensor, scale: float, zero_point: int, qmin: int, qmax: int) -> torch.Tensor:
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.to(torch.float32)
-    y = x * (1.0 / scale)  # the reference multiplies by the inverse scale, not divides
+    return _to_grid_(x * (1.0 / scale), zero_point, qmin, qmax)  # (times the inverse scale, as the reference)
+
+
+def _to_grid_(y: torch.Tensor, zero_point: int, qmin: int, qmax: int) -> torch.Tensor:
     y.round_()
     y.add_(zero_point)
     return y.clamp_(qmin, qmax)
@@ -74,6 +77,17 @@ def dequantize_per_tensor(q, scale: float, zero_point: int, qmin: int, qmax: int
     y = q.to(out_dtype or torch.float32)
     y.sub_(zero_point)
     return y.mul_(scale)
+
+
+def scale_quantize_per_tensor(x, factors: torch.Tensor, scale: float, zero_point: int, qmin: int, qmax: int,
+                              dtype: torch.dtype):
+    """quantize_per_tensor(x * factors): the graph's float32 product, then the quantize steps in
+    place on it (one buffer instead of the product's and the quantize's)."""
+    y = torch.mul(x, factors)
+    if y.dtype in (torch.float16, torch.bfloat16):
+        y = y.to(torch.float32)
+    y.mul_(1.0 / scale)
+    return _to_grid_(y, zero_point, qmin, qmax).to(dtype)
 
 
 def quantize_dequantize_per_tensor(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, out_dtype=None):
@@ -99,6 +113,6 @@ def dequantize_per_tensor_tensor(q, scale: torch.Tensor, zero_point: torch.Tenso
 
 
 # Each returns a tensor it allocated: the in-place safety analysis may treat it as fresh.
-for _fn in (quantize_per_tensor, dequantize_per_tensor, quantize_dequantize_per_tensor,
+for _fn in (quantize_per_tensor, dequantize_per_tensor, quantize_dequantize_per_tensor, scale_quantize_per_tensor,
             quantize_per_tensor_tensor, dequantize_per_tensor_tensor):
     _fn.fresh_output = True

@@ -78,11 +78,15 @@ class Report:
                       self.moves + other.moves)
 
     def moves_line(self) -> str:
-        """e.g. 'int8 flow: 2 view chains, 1 cat run on int8' (empty when none does)."""
+        """e.g. 'int8 flow: 2 view chains, 1 cat run on int8; 3 smoothing multiplies fused into
+        their quantize' (empty when none does)."""
         counts = Counter(d.kind for d in self.moves if d.lowered)
+        smooth = counts.pop("smooth", 0)
         labels = {"view": "view chain"}
         parts = [f"{n} {labels.get(kind, kind)}{'s' * (n != 1)}" for kind, n in sorted(counts.items(), reverse=True)]
-        return f"int8 flow: {', '.join(parts)} run on int8" if parts else ""
+        text = [f"{', '.join(parts)} run on int8"] if parts else []
+        text += [f"{smooth} smoothing multipl{'ies' if smooth != 1 else 'y'} fused into {'their' if smooth != 1 else 'its'} quantize"] if smooth else []
+        return f"int8 flow: {'; '.join(text)}" if text else ""
 
     def summary(self) -> str:
         return (f"qbackend [{self.device}]: {len(self.lowered)} of {len(self.decisions)} conv / linear / pool / attention ops lowered"
