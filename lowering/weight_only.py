@@ -48,8 +48,6 @@ def _cpu_refusal(weight: GroupQuantized) -> Optional[str]:
         return f"the CPU int4 kernel takes group sizes 32, 64, 128, 256, not {weight.group_size}"
     if weight.bits == 4 and n % 16:
         return f"the CPU int4 kernel needs out_features divisible by 16, got {n}"
-    if weight.bits == 8 and not weight.is_symmetric():
-        return "the int8 weight-only kernel has no zero point (asymmetric weight)"
     if weight.bits == 8 and k % 16:
         return f"in_features {k} is not a multiple of 16: the CPU int8 weight-only kernel computes wrong values for it"
     return None
@@ -88,8 +86,6 @@ def _xpu_refusal(weight: GroupQuantized) -> Optional[str]:
         return f"the XPU int4 kernel takes group sizes that are a multiple of 32, not {weight.group_size}"
     if weight.bits == 4 and weight.offset is not None:
         return "the XPU int4 kernel takes integer zero points; this weight has float offsets"
-    if weight.bits == 8 and not weight.is_symmetric():
-        return "the int8 weight-only kernel has no zero point (asymmetric weight)"
     return None
 
 
@@ -129,6 +125,8 @@ def refusal(weight: GroupQuantized, device: str) -> Optional[str]:
     kernels = DEVICES.get(device)
     if kernels is None or weight.bits not in kernels.packers:
         return f"no int{weight.bits} weight-only kernel for device {device!r}"
+    if weight.bits == 8 and not weight.is_symmetric():  # _weight_int8pack_mm takes scales only, everywhere
+        return "the int8 weight-only kernel has no zero point (asymmetric weight)"
     return kernels.refusal(weight)
 
 

@@ -74,8 +74,15 @@ def _integers(graph: GraphView, node, qmin: int, qmax: int, zero_point) -> tuple
     return bits, (values.to(torch.int16) + shift).to(torch.int8), zero
 
 
-def _grouped(values, scale, zero, bits, group_size, what) -> GroupQuantized:
+def _grouped(graph: GraphView, qweight, scales, zero_points, qmin: int, qmax: int, group_size: Optional[int],
+             what: str) -> GroupQuantized:
+    """The constant weight, scales and zero points behind a dequantize (``group_size`` None:
+    one group per row)."""
+    scale = graph.constant(scales)
+    require(scale is not None, "weight scales are not a constant")
+    bits, values, zero = _integers(graph, qweight, qmin, qmax, zero_points)
     n, k = values.shape
+    group_size = k if group_size is None else group_size
     require(k % group_size == 0, f"in_features {k} is not a multiple of the group size {group_size}")
     groups = k // group_size
     require(scale.numel() == n * groups, f"{what} scales have {scale.numel()} values, expected {n} x {groups}")
@@ -86,10 +93,7 @@ def _grouped(values, scale, zero, bits, group_size, what) -> GroupQuantized:
 
 def _per_channel_group(graph: GraphView, node: Node) -> GroupQuantized:
     qweight, scales, zero_points, qmin, qmax, _dtype, group_size = node.args[:7]
-    scale = graph.constant(scales)
-    require(scale is not None, "weight scales are not a constant")
-    bits, values, zero = _integers(graph, qweight, qmin, qmax, zero_points)
-    return _grouped(values, scale, zero, bits, group_size, "dequantize_per_channel_group")
+    return _grouped(graph, qweight, scales, zero_points, qmin, qmax, group_size, "dequantize_per_channel_group")
 
 
 def _affine(graph: GraphView, node: Node) -> GroupQuantized:
@@ -98,19 +102,13 @@ def _affine(graph: GraphView, node: Node) -> GroupQuantized:
     qmin, qmax = node.kwargs.get("quant_min", qmin), node.kwargs.get("quant_max", qmax)
     require(qmin is not None and qmax is not None, "dequantize_affine without quant_min / quant_max")
     require(len(block_size) == 2 and block_size[0] == 1, f"block_size {list(block_size)} is not [1, group]")
-    scale = graph.constant(scales)
-    require(scale is not None, "weight scales are not a constant")
-    bits, values, zero = _integers(graph, qweight, int(qmin), int(qmax), zero_points)
-    return _grouped(values, scale, zero, bits, block_size[1], "dequantize_affine")
+    return _grouped(graph, qweight, scales, zero_points, int(qmin), int(qmax), block_size[1], "dequantize_affine")
 
 
 def _per_channel_int8(graph: GraphView, node: Node) -> GroupQuantized:
     qweight, scales, zero_points, axis, qmin, qmax = node.args[:6]
     require(axis == 0, f"weight is quantized along axis {axis}, not the output-channel axis")
-    scale = graph.constant(scales)
-    require(scale is not None, "weight scales are not a constant")
-    bits, values, zero = _integers(graph, qweight, qmin, qmax, zero_points)
-    return _grouped(values, scale, zero, bits, values.shape[1], "dequantize_per_channel")
+    return _grouped(graph, qweight, scales, zero_points, qmin, qmax, None, "dequantize_per_channel")
 
 
 def weight_only_weight(graph: GraphView, node, transposed: bool) -> GroupQuantized:

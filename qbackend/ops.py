@@ -197,7 +197,7 @@ def qconv_for_rank(spatial_rank: int) -> str:
 # aten._weight_int4pack_mm on CPU; torch >= 2.6 has CPU kernels only under the _for_cpu names.
 # Replace ``torch.ops.aten.X`` by ``qbackend.ops.X`` and such code runs again; weights packed
 # by the old op (int32 4-D) are re-packed once and cached.
-_repacked: dict[int, tuple] = {}  # id(old packed tensor) -> (weakref, version, new packed tensor)
+_repacked: dict[int, tuple] = {}  # id(old packed tensor) -> (version, new packed tensor), while it lives
 
 
 def _deprecated(old: str, new: str) -> None:
@@ -230,9 +230,11 @@ def _repack_old(packed: torch.Tensor, in_features: int) -> torch.Tensor:
     from .legacy_int4 import unpack_old_cpu_int4
 
     cached = _repacked.get(id(packed))
-    if cached is not None and cached[0]() is packed and cached[1] == packed._version:
-        return cached[2]
+    if cached is not None and cached[0] == packed._version:
+        return cached[1]
     unsigned = unpack_old_cpu_int4(packed, in_features).to(torch.int32) + 8
     new = resolve("int4_pack", packed.device.type).op(unsigned, 8)
-    _repacked[id(packed)] = (weakref.ref(packed), packed._version, new)
+    if id(packed) not in _repacked:  # dropped with the old weight, so its id cannot be reused stale
+        weakref.finalize(packed, _repacked.pop, id(packed), None)
+    _repacked[id(packed)] = (packed._version, new)
     return new
