@@ -80,13 +80,17 @@ def linear_post_op_refusal(device: str, attr: str, scalars: tuple, algorithm: st
 
 
 @functools.lru_cache(maxsize=None)
-def linear_binary_post_op_refusal(device: str, attr: str, scalars: tuple, algorithm: str) -> Optional[str]:
-    """None if the device's int8 linear + add runs unary ``attr`` after the add."""
+def linear_binary_post_op_refusal(device: str, attr: str, scalars: tuple, algorithm: str,
+                                  residual_dtype: torch.dtype = torch.float32,
+                                  output_dtype: torch.dtype = torch.float32) -> Optional[str]:
+    """None if the device's int8 linear + add runs unary ``attr`` after the add, for these
+    residual / output dtypes (without avx512_bf16, oneDNN builds no matmul adding a bf16
+    residual)."""
     x, w, w_scale, w_zp = _tiny_linear(device)
 
     def run(qlinear_binary, prepack):
-        other = torch.zeros((1, 4), device=device)
-        qlinear_binary(x, 1.0, 0, prepack(w, None), w_scale, w_zp, other, None, 1.0, 0, torch.float32,
+        other = torch.zeros((1, 4), dtype=residual_dtype, device=device)
+        qlinear_binary(x, 1.0, 0, prepack(w, None), w_scale, w_zp, other, None, 1.0, 0, output_dtype,
                        1.0, 0, "add", 1.0, attr, list(scalars), algorithm)
 
     return _ask(device, ("qlinear_binary", "qlinear_prepack"), run)
@@ -108,3 +112,32 @@ def quantized_tensor_pool_refusal(device: str) -> Optional[str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return _ask(device, ("to_quantized_tensor", "int_repr"), run)
+
+
+INT16_MAX = 32767
+
+
+@functools.lru_cache(maxsize=None)
+def int8_pairs_saturate(device: str, kind: str) -> bool:
+    """Whether the device's int8 ``kind`` ("conv" / "linear") kernel sums pairs of uint8 x int8
+    products in int16 with saturation (x86 without VNNI: vpmaddubsw), asked with 255 x 127 over
+    two input channels, whose exact pair sum 64770 does not fit. A missing op: False (nothing
+    is lowered through it anyway)."""
+    x = torch.full((1, 2, 1, 1) if kind == "conv" else (1, 2), 255, dtype=torch.uint8, device=device)
+    w = torch.full((1, 2, 1, 1) if kind == "conv" else (1, 2), 127, dtype=torch.int8, device=device)
+    scale, zp = torch.ones(1, device=device), torch.zeros(1, dtype=torch.int64, device=device)
+    result = []
+
+    def run_conv(qconv, prepack):
+        packed = prepack(w, scale, 1.0, 0, [1, 1], [0, 0], [1, 1], 1, None)
+        result.append(qconv(x, 1.0, 0, packed, scale, zp, None, [1, 1], [0, 0], [1, 1], 1, 1.0, 0, torch.float32,
+                            "none", [], ""))
+
+    def run_linear(qlinear, prepack):
+        result.append(qlinear(x, 1.0, 0, prepack(w, None), scale, zp, None, 1.0, 0, torch.float32, "none", [], ""))
+
+    if kind == "conv":
+        _ask(device, (qconv_for_rank(2), "qconv_prepack"), run_conv)
+    else:
+        _ask(device, ("qlinear", "qlinear_prepack"), run_linear)
+    return bool(result) and result[0].flatten()[0].item() != 2 * 255 * 127

@@ -32,6 +32,16 @@ def output_args(match: Match) -> tuple:
     return (q.scale, q.zero_point, q.dtype) if q is not None else (1.0, 0, match.float_dtype)
 
 
+def within_output_range(ctx: EmitContext, match: Match, kernel: Node) -> Node:
+    """The kernel's int8 output, clamped to the output quantize's range when that is reduced
+    (reduce_range=True: [0, 127]); the kernels clamp to the dtype's full range only."""
+    q = match.output_quant
+    if q is None or (q.qmin, q.qmax) == fast_qdq.FULL_RANGE[q.dtype]:
+        return kernel
+    ctx.kernel = kernel.target.name()
+    return ctx.gm.graph.call_function(fast_qdq.clamp_to_range_, (kernel, q.qmin, q.qmax))
+
+
 def weight_constants(ctx: EmitContext, match: Match, packed: torch.Tensor, hint: str) -> tuple[Node, Node, Node]:
     return (
         ctx.constant(packed, hint),
@@ -53,11 +63,11 @@ def emit_qconv(ctx: EmitContext, match: Match) -> Node:
     p, x = match.conv, match.x.qparams
     w, w_scale, w_zp = _prepacked_conv_weight(ctx, match)
     post = match.post_op or NO_POST_OP
-    return ctx.call(qconv_for_rank(p.spatial_rank), (
+    return within_output_range(ctx, match, ctx.call(qconv_for_rank(p.spatial_rank), (
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.bias,
         p.stride, p.padding, p.dilation, p.groups, *output_args(match),
         post.name, list(post.scalars), post.algorithm,
-    ))
+    )))
 
 
 def _accumulator(ctx: EmitContext, match: Match) -> Node:
@@ -79,12 +89,12 @@ def emit_qconv_add(ctx: EmitContext, match: Match) -> Node:
     accum = _accumulator(ctx, match)
     acc_q = match.accum.qparams if match.accum is not None else None
     unary = match.post_op or NO_POST_OP
-    return ctx.call("qconv_binary", (
+    return within_output_range(ctx, match, ctx.call("qconv_binary", (
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, accum, match.bias,
         p.stride, p.padding, p.dilation, p.groups, *output_args(match),
         acc_q.scale if acc_q else 1.0, acc_q.zero_point if acc_q else 0,
         "sum", 1.0, unary.name, list(unary.scalars), unary.algorithm,
-    ))
+    )))
 
 
 def _prepacked_linear_weight(ctx: EmitContext, match: Match):
@@ -100,10 +110,10 @@ def emit_qlinear(ctx: EmitContext, match: Match, op: str = "qlinear") -> Node:
     x = match.x.qparams
     w, w_scale, w_zp = _prepacked_linear_weight(ctx, match)
     post = match.post_op or NO_POST_OP
-    return ctx.call(op, (
+    return within_output_range(ctx, match, ctx.call(op, (
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.bias, *output_args(match),
         post.name, list(post.scalars), post.algorithm,
-    ))
+    )))
 
 
 def emit_qlinear_2d(ctx: EmitContext, match: Match) -> Node:
@@ -129,10 +139,10 @@ def emit_qlinear_add(ctx: EmitContext, match: Match, op: str = "qlinear_binary")
                      "residual added out of place" + (f" ({match.accum_clobber_reason})" if match.accum_clobber_reason else ""))
     w, w_scale, w_zp = _prepacked_linear_weight(ctx, match)
     unary = match.post_op or NO_POST_OP
-    return ctx.call(op, (
+    return within_output_range(ctx, match, ctx.call(op, (
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.accum_float, match.bias, *output_args(match),
         1.0, 0, "sum" if in_place else "add", 1.0, unary.name, list(unary.scalars), unary.algorithm,
-    ))
+    )))
 
 
 def emit_qmaxpool2d(ctx: EmitContext, match: Match) -> Node:

@@ -5,10 +5,12 @@ import dataclasses
 
 import torch
 
-from .capabilities import (conv_binary_post_op_refusal, conv_post_op_refusal, linear_binary_post_op_refusal,
-                           linear_post_op_refusal, quantized_tensor_pool_refusal)
+from .capabilities import (INT16_MAX, conv_binary_post_op_refusal, conv_post_op_refusal, int8_pairs_saturate,
+                           linear_binary_post_op_refusal, linear_post_op_refusal, quantized_tensor_pool_refusal)
 from .base import Lowering
-from .common import COMMON
+from qbackend.patterns.base import fake_value
+
+from .common import COMMON, NO_POST_OP
 from .signed_int8 import signed_activations_as_unsigned
 from .weight_only import emit_weight_only, limits_for
 
@@ -24,21 +26,45 @@ def _uint8_activations(match):
 
 
 def _post_op(match):
-    post = match.post_op
-    if post is None:
-        return None
+    post = match.post_op or NO_POST_OP
     binary = match.accum is not None or match.accum_float is not None
     if match.conv is not None and binary:
         return conv_binary_post_op_refusal("cpu", post.name, post.scalars, post.algorithm)
     if match.conv is not None:
         return conv_post_op_refusal("cpu", match.conv.spatial_rank, post.name, post.scalars, post.algorithm)
     if binary:
-        return linear_binary_post_op_refusal("cpu", post.name, post.scalars, post.algorithm)
+        output_dtype = match.output_quant.dtype if match.output_quant is not None else match.float_dtype
+        return linear_binary_post_op_refusal("cpu", post.name, post.scalars, post.algorithm,
+                                             fake_value(match.accum_float).dtype, output_dtype)
     return linear_post_op_refusal("cpu", post.name, post.scalars, post.algorithm)
 
 
+def _largest_pair_sum(weight: torch.Tensor) -> int:
+    """The largest |w_a| + |w_b| of two input channels meeting the same output (channel and
+    kernel position): a bound on what the kernel adds in int16 per unit of activation."""
+    magnitudes = weight.to(torch.int32).abs()  # (int8 abs of -128 is -128)
+    if magnitudes.shape[1] == 1:  # one input channel per group (depthwise): no pairs
+        return int(magnitudes.amax())
+    return int(magnitudes.topk(2, dim=1).values.sum(dim=1).amax())
+
+
+def _exact_int8_products(match):
+    # Without VNNI, oneDNN adds pairs of uint8 x int8 products in int16 and saturates: full
+    # 8-bit activations times full-range weights come out wrong (measured: off by 18445 on a
+    # random 64-wide dot). Lowered only where no pair can overflow, which reduce_range's
+    # 7-bit activations guarantee (127 x 256 <= 32767).
+    if match.weight is None or not int8_pairs_saturate("cpu", "conv" if match.conv is not None else "linear"):
+        return None
+    bound = match.x.qparams.qmax * _largest_pair_sum(match.weight.int8)
+    if bound <= INT16_MAX:
+        return None
+    return (f"this CPU's int8 kernel adds pairs of products in int16 (no VNNI) and this layer's can reach {bound}"
+            f" > {INT16_MAX}: kept so its result stays exact; quantize activations with reduce_range=True"
+            " (7-bit, [0, 127]) to lower it")
+
+
 def _limits(match):
-    return _uint8_activations(match) or _post_op(match)
+    return _uint8_activations(match) or _exact_int8_products(match) or _post_op(match)
 
 
 # The rows that run an int8 kernel; the data-movement rows (cat, views) run plain ATen ops.

@@ -32,10 +32,10 @@ def _per_tensor_qparams(node: Node, what: str) -> QParams:
     require(static or (isinstance(scale, Node) and isinstance(zero_point, Node)),
             f"{what} scale / zero point are neither constants nor tensors")
     require(dtype in FULL_RANGE, f"{what} dtype {dtype} is not uint8/int8")
-    require(
-        (qmin, qmax) == FULL_RANGE[dtype],
-        f"{what} range [{qmin}, {qmax}] is not the full {dtype} range {FULL_RANGE[dtype]}",
-    )
+    low, high = FULL_RANGE[dtype]
+    # A reduced range (reduce_range=True: uint8 [0, 127]) reads the same; a kernel writing
+    # it clamps its output to [qmin, qmax] (lowering/common.py).
+    require(low <= qmin < qmax <= high, f"{what} range [{qmin}, {qmax}] is not within the {dtype} range {FULL_RANGE[dtype]}")
     return QParams(float(scale) if static else scale, int(zero_point) if static else zero_point, qmin, qmax, dtype)
 
 

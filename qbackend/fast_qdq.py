@@ -39,8 +39,8 @@ def _quantized_tensor_kernels() -> bool:
     return True
 
 
-def _vectorised(t: torch.Tensor, qmin: int, qmax: int, dtype: torch.dtype) -> bool:
-    return t.device.type == "cpu" and FULL_RANGE.get(dtype) == (qmin, qmax) and _quantized_tensor_kernels()
+def _vectorised(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.device.type == "cpu" and dtype in FULL_RANGE and _quantized_tensor_kernels()
 
 
 def _quantized(x: torch.Tensor, scale: float, zero_point: int, dtype: torch.dtype) -> torch.Tensor:
@@ -51,6 +51,16 @@ def _quantized(x: torch.Tensor, scale: float, zero_point: int, dtype: torch.dtyp
 def _integer_view(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The integers of a quantized tensor, sharing its bytes (int_repr would copy them)."""
     return torch.empty(0, dtype=dtype, device=q.device).set_(q.untyped_storage(), q.storage_offset(), q.size(), q.stride())
+
+
+def _quantized_integers(x: torch.Tensor, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype):
+    """(quantized tensor, its integer view); a reduced range (reduce_range's [0, 127]) is
+    clamped in place: clamp(clamp(v, 0, 255), qmin, qmax) == clamp(v, qmin, qmax)."""
+    q = _quantized(x, scale, zero_point, dtype)
+    integers = _integer_view(q, dtype)
+    if (qmin, qmax) != FULL_RANGE[dtype]:
+        integers.clamp_(qmin, qmax)
+    return q, integers
 
 
 def _scaled_rounded(x: torch.Tensor, scale: float, zero_point: int, qmin: int, qmax: int) -> torch.Tensor:
@@ -66,13 +76,13 @@ def _to_grid_(y: torch.Tensor, zero_point: int, qmin: int, qmax: int) -> torch.T
 
 
 def quantize_per_tensor(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype):
-    if _vectorised(x, qmin, qmax, dtype):
-        return _integer_view(_quantized(x, scale, zero_point, dtype), dtype)
+    if _vectorised(x, dtype):
+        return _quantized_integers(x, scale, zero_point, qmin, qmax, dtype)[1]
     return _scaled_rounded(x, scale, zero_point, qmin, qmax).to(dtype)
 
 
 def dequantize_per_tensor(q, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, *, out_dtype=None):
-    if out_dtype in (None, torch.float32) and q.dtype == dtype and _vectorised(q, qmin, qmax, dtype):
+    if out_dtype in (None, torch.float32) and q.dtype == dtype and _vectorised(q, dtype):
         return torch._make_per_tensor_quantized_tensor(q, scale, zero_point).dequantize()
     y = q.to(out_dtype or torch.float32)
     y.sub_(zero_point)
@@ -93,8 +103,8 @@ def scale_quantize_per_tensor(x, factors: torch.Tensor, scale: float, zero_point
 def quantize_dequantize_per_tensor(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, out_dtype=None):
     """dq(q(x)) without materialising the integer tensor: exact, because the rounded,
     clamped value is an integer-valued float32 that the integer cast would keep unchanged."""
-    if out_dtype in (None, torch.float32) and _vectorised(x, qmin, qmax, dtype):
-        return _quantized(x, scale, zero_point, dtype).dequantize()
+    if out_dtype in (None, torch.float32) and _vectorised(x, dtype):
+        return _quantized_integers(x, scale, zero_point, qmin, qmax, dtype)[0].dequantize()
     y = _scaled_rounded(x, scale, zero_point, qmin, qmax)
     if out_dtype not in (None, torch.float32):
         y = y.to(out_dtype)
@@ -112,7 +122,13 @@ def dequantize_per_tensor_tensor(q, scale: torch.Tensor, zero_point: torch.Tenso
     return dequantize_per_tensor(q, scale.item(), zero_point.item(), qmin, qmax, dtype, out_dtype=out_dtype)
 
 
-# Each returns a tensor it allocated: the in-place safety analysis may treat it as fresh.
+def clamp_to_range_(q: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """An int8 kernel's own fresh output, clamped in place to a reduced range: the kernels
+    clamp to the dtype's full range only."""
+    return q.clamp_(qmin, qmax)
+
+
+# Each returns a tensor it allocated (clamp_to_range_: its input, the kernel's fresh buffer): the in-place safety analysis may treat it as fresh.
 for _fn in (quantize_per_tensor, dequantize_per_tensor, quantize_dequantize_per_tensor, scale_quantize_per_tensor,
-            quantize_per_tensor_tensor, dequantize_per_tensor_tensor):
+            quantize_per_tensor_tensor, dequantize_per_tensor_tensor, clamp_to_range_):
     _fn.fresh_output = True

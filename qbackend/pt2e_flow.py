@@ -9,14 +9,24 @@ importing this module.
 
 import torch
 
-__all__ = ["quantize_x86", "quantize_xpu", "inductor_int8"]
+__all__ = ["quantize_x86", "quantize_xpu", "inductor_int8", "cpu_needs_reduce_range"]
 
 
-def _x86_quantizer(is_qat, is_dynamic):
+def cpu_needs_reduce_range() -> bool:
+    """True on x86 CPUs whose int8 kernels add product pairs in int16 (no VNNI): there
+    8-bit activations overflow, 7-bit ones (reduce_range) are exact (lowering/capabilities.py)."""
+    from .lowering.capabilities import int8_pairs_saturate
+
+    return int8_pairs_saturate("cpu", "conv") or int8_pairs_saturate("cpu", "linear")
+
+
+def _x86_quantizer(is_qat, is_dynamic, reduce_range):
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
 
+    if reduce_range is None:
+        reduce_range = cpu_needs_reduce_range()
     config = xiq.get_default_x86_inductor_quantization_config(
-        is_qat=is_qat, is_dynamic=is_dynamic
+        is_qat=is_qat, is_dynamic=is_dynamic, reduce_range=reduce_range
     )
     return xiq.X86InductorQuantizer().set_global(config)
 
@@ -36,7 +46,7 @@ def quantize_xpu(model, example_inputs, calibration):
     return _convert(model, example_inputs, calibration, _xpu_quantizer(), is_qat=False)
 
 
-def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic=False, smooth=None):
+def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic=False, reduce_range=None, smooth=None):
     """Export, prepare, calibrate and convert ``model`` with X86InductorQuantizer.
 
     Args:
@@ -52,6 +62,9 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             the QAT graph after zero training steps. Exporting in eval mode
             instead ran but was inaccurate (tiny_resnet cosine vs fp32 0.976
             after 4 calibration batches, 0.900 after 32; 0.9999 this way).
+        reduce_range: 7-bit activations ([0, 127]), as torchao advises for CPUs without
+            VNNI. None (default): True exactly when this CPU's int8 kernels would overflow
+            8-bit ones (``cpu_needs_reduce_range``), so the result lowers exactly here.
         smooth: None, or keyword arguments of ``qbackend.smooth_quant`` (e.g.
             ``{"alpha": "search"}``): SmoothQuant runs on the exported graph with
             the same calibration batches before ``prepare_pt2e``; its report is
@@ -75,7 +88,7 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
     _annotate_conv2d_binary_unary``). Strict export records one source
     per call, each ReLU partition has a single output, and the flow works.
     """
-    return _convert(model, example_inputs, calibration, _x86_quantizer(is_qat, is_dynamic), is_qat, smooth)
+    return _convert(model, example_inputs, calibration, _x86_quantizer(is_qat, is_dynamic, reduce_range), is_qat, smooth)
 
 
 def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None):

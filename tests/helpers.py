@@ -11,8 +11,10 @@ from .tolerances import assert_int8_close, assert_outputs_close
 
 
 def quantize(module, inputs, **flags):
+    """7-bit activations unless asked otherwise: exact on every x86 CPU (without VNNI the
+    kernels overflow 8-bit ones), so the lowered graphs are the same on every machine."""
     torch.manual_seed(0)
-    return quantize_x86(module, inputs, [inputs], **flags)
+    return quantize_x86(module, inputs, [inputs], **{"reduce_range": True, **flags})
 
 
 class Captured:
@@ -144,3 +146,21 @@ def lower_without_running(module, inputs, registry=None, **options):
     assert len(graphs) == 1, f"expected one graph, got {len(graphs)}"
     _, report, lowered = compile_graph(*graphs[0], Options(**options), registry)
     return lowered, report
+
+
+SATURATION_REASON = "adds pairs of products in int16"
+
+
+def cpu_saturates() -> bool:
+    """Whether this machine's int8 kernels overflow 8-bit activations (x86 without VNNI)."""
+    from qbackend.lowering.capabilities import int8_pairs_saturate
+
+    return int8_pairs_saturate("cpu", "conv") or int8_pairs_saturate("cpu", "linear")
+
+
+def simulate_cpu(monkeypatch, saturates: bool):
+    """Lower as on a CPU whose int8 kernels do (no VNNI) or do not saturate; graph-level only
+    when that is not this machine."""
+    import qbackend.lowering.cpu as cpu
+
+    monkeypatch.setattr(cpu, "int8_pairs_saturate", lambda device, kind: saturates)

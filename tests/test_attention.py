@@ -51,5 +51,5 @@ class TestAttentionGraph(expecttest.TestCase):
         sdpa = [line for line in graph.splitlines() if "scaled_dot_product" in line]
         self.assertExpectedInline("\n".join(sdpa), """\
 scaled_dot_product_attention_default = aten.scaled_dot_product_attention(transpose, transpose_1, transpose_2, attn_mask=l_mask_, scale=0.354)
-quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(scaled_dot_product_attention_default, 0.00654, 106, 0, 255, uint8)""")
+quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(scaled_dot_product_attention_default, 0.0131, 53, 0, 127, uint8)""")
         assert "softmax" not in graph and "matmul" not in graph

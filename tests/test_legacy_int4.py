@@ -67,7 +67,7 @@ def test_old_checkpoint_becomes_a_neutral_weight_with_the_same_values():
 
 
 def test_old_call_sites_run_through_the_shim_with_a_deprecation_warning():
-    packed, scales_zeros, dense = old_checkpoint()
+    packed, scales_zeros, dense = old_checkpoint(isa=current_isa())  # old code packed on this machine
     x = torch.randn(3, 256)
     with pytest.raises(NotImplementedError):  # what old code hits on this torch
         torch.ops.aten._weight_int4pack_mm(x, packed, 64, scales_zeros)

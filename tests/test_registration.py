@@ -11,7 +11,7 @@ QUANTIZE = textwrap.dedent("""
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.Flatten(), nn.Linear(8 * 8 * 8, 10)).eval()
     example_inputs = (torch.randn(2, 3, 12, 12),)
     m = torch.export.export(model, example_inputs, strict=True).module()
-    m = prepare_pt2e(m, xiq.X86InductorQuantizer().set_global(xiq.get_default_x86_inductor_quantization_config()))
+    m = prepare_pt2e(m, xiq.X86InductorQuantizer().set_global(xiq.get_default_x86_inductor_quantization_config(reduce_range=True)))
     m(*example_inputs)
     m = convert_pt2e(m)
 """)

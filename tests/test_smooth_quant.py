@@ -83,7 +83,7 @@ def test_alpha_per_layer_and_search():
 
 def test_smoothed_int8_model_lowers_every_linear_and_the_multiply():
     module, inputs = sm.TinyPostLNBlock().eval(), sm.outlier_inputs()
-    converted = quantize_x86(module, inputs, [inputs, sm.outlier_inputs(seed=1)], smooth={"alpha": 0.5})
+    converted = quantize_x86(module, inputs, [inputs, sm.outlier_inputs(seed=1)], reduce_range=True, smooth={"alpha": 0.5})
     assert len(converted.meta["smooth_quant"].smoothed) == 2
     captured = assert_matches_reference(converted, inputs)
     report = captured.report
@@ -92,9 +92,9 @@ def test_smoothed_int8_model_lowers_every_linear_and_the_multiply():
     assert_expected_inline(short_graph(captured.lowered), """\
 l_x_ = input
 layer_norm = aten.layer_norm(l_x_, [16], <const>, <const>, 1e-05, False)
-scale_quantize_per_tensor = fast_qdq.scale_quantize_per_tensor(layer_norm, <const>, 0.0265, 127, 0, 255, uint8)
-qlinear_pointwise_default = onednn.qlinear_pointwise(scale_quantize_per_tensor, 0.0265, 127, <const>, <const>, <const>, <const>, 1, 0, float32, 'gelu', [], 'none')
-scale_quantize_per_tensor_1 = fast_qdq.scale_quantize_per_tensor(qlinear_pointwise_default, <const>, 0.00567, 10, 0, 255, uint8)
-qlinear_pointwise_binary = onednn.qlinear_pointwise.binary(scale_quantize_per_tensor_1, 0.00567, 10, <const>, <const>, <const>, layer_norm, <const>, 1, 0, float32, 1, 0, 'sum', 1, 'none', [], '')
+scale_quantize_per_tensor = fast_qdq.scale_quantize_per_tensor(layer_norm, <const>, 0.0532, 63, 0, 127, uint8)
+qlinear_pointwise_default = onednn.qlinear_pointwise(scale_quantize_per_tensor, 0.0532, 63, <const>, <const>, <const>, <const>, 1, 0, float32, 'gelu', [], 'none')
+scale_quantize_per_tensor_1 = fast_qdq.scale_quantize_per_tensor(qlinear_pointwise_default, <const>, 0.0114, 5, 0, 127, uint8)
+qlinear_pointwise_binary = onednn.qlinear_pointwise.binary(scale_quantize_per_tensor_1, 0.0114, 5, <const>, <const>, <const>, layer_norm, <const>, 1, 0, float32, 1, 0, 'sum', 1, 'none', [], '')
 layer_norm_1 = aten.layer_norm(qlinear_pointwise_binary, [16], <const>, <const>, 1e-05, False)
 return (layer_norm_1)""")

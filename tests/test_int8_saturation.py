@@ -1,0 +1,67 @@
+"""x86 CPUs without VNNI add pairs of uint8 x int8 products in int16 and saturate: 8-bit
+activations times full-range weights come out wrong. qbackend asks the kernel, lowers only
+where no pair can overflow, and keeps the rest exact with the reason."""
+import torch
+import torch.nn as nn
+
+from qbackend.lowering.capabilities import INT16_MAX, int8_pairs_saturate
+from qbackend.lowering.cpu import _largest_pair_sum
+from qbackend.pt2e_flow import cpu_needs_reduce_range
+
+from .helpers import SATURATION_REASON, assert_matches_reference, compile_and_run, quantize, simulate_cpu
+from .tolerances import assert_outputs_close
+
+
+def test_the_probe_says_what_the_kernel_computes_on_random_data():
+    """A full-range dot product through the real kernel is exact exactly when the probe says
+    this CPU does not saturate."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (4, 64), dtype=torch.uint8)
+    w = torch.randint(-128, 128, (8, 64), dtype=torch.int8)
+    scale, zp = torch.ones(8), torch.zeros(8, dtype=torch.int64)
+    packed = torch.ops.onednn.qlinear_prepack(w, [4, 64])
+    got = torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, packed, scale, zp, None, 1.0, 0, torch.float32, "none", [], "")
+    exact = x.double() @ w.double().t()
+    assert torch.equal(got.double(), exact) == (not int8_pairs_saturate("cpu", "linear"))
+    assert cpu_needs_reduce_range() == (int8_pairs_saturate("cpu", "conv") or int8_pairs_saturate("cpu", "linear"))
+
+
+def _conv_linear():
+    return nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 6 * 6, 10))
+
+
+def test_full_range_model_runs_exact_and_unlowered_where_the_kernel_saturates(monkeypatch):
+    simulate_cpu(monkeypatch, saturates=True)
+    inputs = (torch.randn(2, 8, 6, 6),)
+    model = quantize(_conv_linear(), inputs, reduce_range=False)
+    actual, expected, captured = compile_and_run(model, inputs)
+    assert_outputs_close(actual, expected, "full-range model")
+    report = captured.report
+    assert [d.node for d in report.kept] == ["conv2d", "linear"], str(report)
+    assert all(SATURATION_REASON in d.reason and "reduce_range=True" in d.reason for d in report.kept), str(report)
+
+
+def test_seven_bit_activations_lower_where_the_kernel_saturates(monkeypatch):
+    simulate_cpu(monkeypatch, saturates=True)
+    inputs = (torch.randn(2, 8, 6, 6),)
+    report = assert_matches_reference(quantize(_conv_linear(), inputs, reduce_range=True), inputs).report
+    assert not report.kept, str(report)
+
+
+def test_depthwise_conv_has_no_pairs_and_lowers_with_full_range_activations(monkeypatch):
+    """One input channel per group: no two products share an int16 sum (measured exact on an
+    AVX2-only CPU), so 8-bit activations lower even where the kernel saturates."""
+    simulate_cpu(monkeypatch, saturates=True)
+    inputs = (torch.randn(2, 8, 10, 10),)
+    model = quantize(nn.Sequential(nn.Conv2d(8, 8, 3, groups=8), nn.ReLU(), nn.Conv2d(8, 8, 1)), inputs, reduce_range=False)
+    report = assert_matches_reference(model, inputs).report
+    assert [(d.node, d.lowered) for d in report.decisions] == [("conv2d", True), ("conv2d_1", False)], str(report)
+
+
+def test_pair_bound_reads_input_channel_pairs_per_output_and_kernel_position():
+    w = torch.zeros(2, 3, 2, 2, dtype=torch.int8)
+    w[0, 0, 0, 0], w[0, 1, 0, 0], w[0, 2, 1, 1] = 127, -100, 127  # one pair at (0, 0); (1, 1) is alone
+    w[1, :, 0, 1] = torch.tensor([50, 60, -70], dtype=torch.int8)
+    assert _largest_pair_sum(w) == 227
+    assert _largest_pair_sum(torch.full((4, 1, 3, 3), -128, dtype=torch.int8)) == 128  # depthwise
+    assert 127 * 256 <= INT16_MAX < 255 * 2 * 127
