@@ -114,7 +114,8 @@ def build_ort_int8(case):
     if case.name not in CNNS:
         raise NotApplicable("ONNX Runtime is the peer for the CNNs only")
     if "ort" not in case.cache:
-        case.cache["ort"] = ort_peer.int8_session(case.model, case.inputs, case.calibration, NUM_THREADS)
+        case.cache["ort"] = ort_peer.int8_session(case.model, case.inputs, case.calibration, NUM_THREADS,
+                                                  reduce_range=pt2e_flow.cpu_needs_reduce_range())
     return case.cache["ort"]
 
 
@@ -239,6 +240,7 @@ def report(rows, quick, machine):
         "",
         f"- Machine: {machine}",
         f"- Date: {datetime.date.today().isoformat()}",
+        f"- int8 activations: {'7-bit (reduce_range=True: this CPU has no VNNI, its int8 kernels overflow 8-bit ones)' if pt2e_flow.cpu_needs_reduce_range() else '8-bit'}, chosen by `quantize_x86`, the same model for every int8 path",
         f"- Mode: {mode}; command: `python benchmarks/bench_int8.py{' --quick' if quick else ''}`",
         "- ref = PT2E converted module run eagerly; latency ratio is relative to Inductor int8"
         " (PT2E + freezing); first call of the eager paths is just their first run.",

@@ -78,7 +78,8 @@ def machine_description(num_threads=NUM_THREADS):
     except (OSError, subprocess.CalledProcessError, StopIteration):
         model_name = "unknown CPU"
     load_1min = os.getloadavg()[0]  # other work on a shared machine skews latencies
-    return (f"{model_name}, {os.cpu_count()} CPUs, {num_threads} torch threads, "
+    capability = torch.backends.cpu.get_cpu_capability()  # the widest vector ISA ATen uses here
+    return (f"{model_name} ({capability}), {os.cpu_count()} CPUs, {num_threads} torch threads, "
             f"load average {load_1min:.2f} at start; "
             f"torch {torch.__version__}, torchao {importlib.metadata.version('torchao')}")
 

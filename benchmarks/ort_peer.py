@@ -9,8 +9,9 @@ import tempfile
 import torch
 
 
-def int8_session(model, inputs, calibration, threads: int):
-    """A callable taking the model's torch inputs and returning a torch tensor."""
+def int8_session(model, inputs, calibration, threads: int, reduce_range: bool = False):
+    """A callable taking the model's torch inputs and returning a torch tensor. ``reduce_range``:
+    ORT's own advice for CPUs without VNNI (7-bit weights; its kernels saturate too)."""
     import onnxruntime as ort
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -31,9 +32,13 @@ def int8_session(model, inputs, calibration, threads: int):
                           opset_version=17, dynamo=False)
         quant_pre_process(fp32, prepared)  # shape inference + graph optimisation, as ORT recommends
         quantize_static(prepared, int8, Batches(), quant_format=QuantFormat.QDQ, per_channel=True,
-                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, reduce_range=reduce_range)
         options = ort.SessionOptions()
         options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+        # ORT's idle threads spin after each run by default: on 2 cores that took the CPU from
+        # whichever path the interleaved timing ran next (qbackend ResNet-18 b1: 36 ms right
+        # after ORT, 13-15 ms alone); the other paths' thread pools sleep when idle.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         session = ort.InferenceSession(int8, options, providers=["CPUExecutionProvider"])
 
     def run(*tensors):

@@ -13,7 +13,7 @@ import time
 import torch
 
 from qbackend import models
-from qbackend.pt2e_flow import inductor_int8, quantize_x86
+from qbackend.pt2e_flow import cpu_needs_reduce_range, inductor_int8, quantize_x86
 
 
 def median_ms(fn, inputs, iters=30) -> float:
@@ -37,6 +37,8 @@ def main(argv=None):
     model = models.resnet18_like().eval()
     inputs = models.example_inputs("resnet18_like", args.batch)
     print("1. PT2E: export (strict=True), prepare with X86InductorQuantizer, calibrate, convert")
+    if cpu_needs_reduce_range():
+        print("   this CPU has no VNNI: its int8 kernels overflow 8-bit activations, so they are 7-bit (reduce_range=True)")
     converted = quantize_x86(model, inputs, models.calibration_batches("resnet18_like", args.batch, 4))
 
     print("2. torch.compile(converted, backend='qbackend')")
