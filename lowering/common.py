@@ -12,6 +12,7 @@ from qbackend import fast_qdq
 from qbackend.ops import qconv_for_rank
 from qbackend.patterns.base import Match, PostOp, QuantizedValue, fake_value
 
+from . import capabilities
 from .base import EmitContext, Lowering
 
 aten = torch.ops.aten
@@ -32,12 +33,54 @@ def output_args(match: Match) -> tuple:
     return (q.scale, q.zero_point, q.dtype) if q is not None else (1.0, 0, match.float_dtype)
 
 
-def within_output_range(ctx: EmitContext, match: Match, kernel: Node) -> Node:
-    """The kernel's int8 output, clamped to the output quantize's range when that is reduced
-    (reduce_range=True: [0, 127]); the kernels clamp to the dtype's full range only."""
+CLIP_PROBE = (0.0, 6.0)  # the kernels' acceptance of hardtanh does not depend on its bounds
+
+
+def _takes_clip(ctx: EmitContext, match: Match) -> bool:
+    """Whether this kernel (rank, binary or not, dtypes) accepts a hardtanh post-op."""
+    binary = match.accum is not None or match.accum_float is not None
+    if match.conv is not None:
+        refusal = (capabilities.conv_binary_post_op_refusal(ctx.device, "hardtanh", CLIP_PROBE, "") if binary else
+                   capabilities.conv_post_op_refusal(ctx.device, match.conv.spatial_rank, "hardtanh", CLIP_PROBE, ""))
+    elif binary:
+        refusal = capabilities.linear_binary_post_op_refusal(ctx.device, "hardtanh", CLIP_PROBE, "",
+                                                             fake_value(match.accum_float).dtype, match.output_quant.dtype)
+    else:
+        refusal = capabilities.linear_post_op_refusal(ctx.device, "hardtanh", CLIP_PROBE, "")
+    return refusal is None
+
+
+def _reduced_range(match: Match) -> bool:
     q = match.output_quant
-    if q is None or (q.qmin, q.qmax) == fast_qdq.FULL_RANGE[q.dtype]:
+    return q is not None and (q.qmin, q.qmax) != fast_qdq.FULL_RANGE[q.dtype]
+
+
+def kernel_post_op(ctx: EmitContext, match: Match) -> PostOp:
+    """The unary post-op the kernel runs. The kernels clamp an int8 output to the dtype's full
+    range only; for a reduced output range (reduce_range=True: [0, 127]) none / relu / hardtanh
+    become one hardtanh that also clips at the range's float bounds, which quantize to exactly
+    qmin / qmax (rounding of an in-range value is unchanged). Other post-ops, or a kernel
+    refusing hardtanh, get a clamp after the call (``within_output_range``)."""
+    post = match.post_op or NO_POST_OP
+    if not _reduced_range(match) or post.name not in ("none", "relu", "hardtanh"):
+        return post
+    q = match.output_quant
+    low, high = (q.qmin - q.zero_point) * q.scale, (q.qmax - q.zero_point) * q.scale
+    if post.name == "relu":
+        low = max(low, 0.0)
+    elif post.name == "hardtanh":
+        low, high = max(low, post.scalars[0]), min(high, post.scalars[1])
+    if low > high or not _takes_clip(ctx, match):
+        return post
+    return PostOp("hardtanh", (low, high), "")
+
+
+def within_output_range(ctx: EmitContext, match: Match, kernel: Node, post: PostOp) -> Node:
+    """The kernel's int8 output, clamped to a reduced output range unless ``post`` (from
+    ``kernel_post_op``) already clips it."""
+    if not _reduced_range(match) or post != (match.post_op or NO_POST_OP):
         return kernel
+    q = match.output_quant
     ctx.kernel = kernel.target.name()
     return ctx.gm.graph.call_function(fast_qdq.clamp_to_range_, (kernel, q.qmin, q.qmax))
 
@@ -62,12 +105,12 @@ def _prepacked_conv_weight(ctx: EmitContext, match: Match):
 def emit_qconv(ctx: EmitContext, match: Match) -> Node:
     p, x = match.conv, match.x.qparams
     w, w_scale, w_zp = _prepacked_conv_weight(ctx, match)
-    post = match.post_op or NO_POST_OP
+    post = kernel_post_op(ctx, match)
     return within_output_range(ctx, match, ctx.call(qconv_for_rank(p.spatial_rank), (
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.bias,
         p.stride, p.padding, p.dilation, p.groups, *output_args(match),
         post.name, list(post.scalars), post.algorithm,
-    )))
+    )), post)
 
 
 def _accumulator(ctx: EmitContext, match: Match) -> Node:
@@ -88,13 +131,13 @@ def emit_qconv_add(ctx: EmitContext, match: Match) -> Node:
     w, w_scale, w_zp = _prepacked_conv_weight(ctx, match)
     accum = _accumulator(ctx, match)
     acc_q = match.accum.qparams if match.accum is not None else None
-    unary = match.post_op or NO_POST_OP
+    unary = kernel_post_op(ctx, match)
     return within_output_range(ctx, match, ctx.call("qconv_binary", (
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, accum, match.bias,
         p.stride, p.padding, p.dilation, p.groups, *output_args(match),
         acc_q.scale if acc_q else 1.0, acc_q.zero_point if acc_q else 0,
         "sum", 1.0, unary.name, list(unary.scalars), unary.algorithm,
-    )))
+    )), unary)
 
 
 def _prepacked_linear_weight(ctx: EmitContext, match: Match):
@@ -109,11 +152,11 @@ def _prepacked_linear_weight(ctx: EmitContext, match: Match):
 def emit_qlinear(ctx: EmitContext, match: Match, op: str = "qlinear") -> Node:
     x = match.x.qparams
     w, w_scale, w_zp = _prepacked_linear_weight(ctx, match)
-    post = match.post_op or NO_POST_OP
+    post = kernel_post_op(ctx, match)
     return within_output_range(ctx, match, ctx.call(op, (
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.bias, *output_args(match),
         post.name, list(post.scalars), post.algorithm,
-    )))
+    )), post)
 
 
 def emit_qlinear_2d(ctx: EmitContext, match: Match) -> Node:
@@ -138,11 +181,11 @@ def emit_qlinear_add(ctx: EmitContext, match: Match, op: str = "qlinear_binary")
     ctx.notes.append("residual updated in place" if in_place else
                      "residual added out of place" + (f" ({match.accum_clobber_reason})" if match.accum_clobber_reason else ""))
     w, w_scale, w_zp = _prepacked_linear_weight(ctx, match)
-    unary = match.post_op or NO_POST_OP
+    unary = kernel_post_op(ctx, match)
     return within_output_range(ctx, match, ctx.call(op, (
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.accum_float, match.bias, *output_args(match),
         1.0, 0, "sum" if in_place else "add", 1.0, unary.name, list(unary.scalars), unary.algorithm,
-    )))
+    )), unary)
 
 
 def emit_qmaxpool2d(ctx: EmitContext, match: Match) -> Node:

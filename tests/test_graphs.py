@@ -27,31 +27,27 @@ class TestLoweredGraphs(expecttest.TestCase):
         self.assertExpectedInline(lowered_graph(*conv_relu()), """\
 l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0509, 54, 0, 127, uint8)
-qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0509, 54, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.0166, 0, uint8, 'relu', [], '')
-clamp_to_range_ = fast_qdq.clamp_to_range_(qconv_pointwise_default, 0, 127)
-qconv_pointwise_default_1 = onednn.qconv_pointwise(clamp_to_range_, 0.0166, 0, <const>, <const>, <const>, <const>, [2, 2], [0, 0], [1, 1], 1, 1, 0, float32, 'none', [], '')
+qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0509, 54, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.0166, 0, uint8, 'hardtanh', [0, 2.11], '')
+qconv_pointwise_default_1 = onednn.qconv_pointwise(qconv_pointwise_default, 0.0166, 0, <const>, <const>, <const>, <const>, [2, 2], [0, 0], [1, 1], 1, 1, 0, float32, 'none', [], '')
 return (qconv_pointwise_default_1)""")
 
     def test_residual_block(self):
         self.assertExpectedInline(lowered_graph(*residual_block()), """\
 l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0536, 58, 0, 127, uint8)
-qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0536, 58, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.0163, 0, uint8, 'relu', [], '')
-clamp_to_range_ = fast_qdq.clamp_to_range_(qconv_pointwise_default, 0, 127)
-dequantize_per_tensor_default_3 = fast_qdq.dequantize_per_tensor(clamp_to_range_, 0.0163, 0, 0, 127, uint8)
-qconv_pointwise_default_1 = onednn.qconv_pointwise(clamp_to_range_, 0.0163, 0, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.00767, 0, uint8, 'relu', [], '')
-clamp_to_range__1 = fast_qdq.clamp_to_range_(qconv_pointwise_default_1, 0, 127)
+qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0536, 58, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.0163, 0, uint8, 'hardtanh', [0, 2.07], '')
+dequantize_per_tensor_default_3 = fast_qdq.dequantize_per_tensor(qconv_pointwise_default, 0.0163, 0, 0, 127, uint8)
+qconv_pointwise_default_1 = onednn.qconv_pointwise(qconv_pointwise_default, 0.0163, 0, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.00767, 0, uint8, 'hardtanh', [0, 0.974], '')
 contiguous_default = aten.contiguous(dequantize_per_tensor_default_3, memory_format=torch.channels_last)
-qconv2d_pointwise_binary = onednn.qconv2d_pointwise.binary(clamp_to_range__1, 0.00767, 0, <const>, <const>, <const>, contiguous_default, <const>, [1, 1], [1, 1], [1, 1], 1, 1, 0, float32, 1, 0, 'sum', 1, 'relu', [], '')
+qconv2d_pointwise_binary = onednn.qconv2d_pointwise.binary(qconv_pointwise_default_1, 0.00767, 0, <const>, <const>, <const>, contiguous_default, <const>, [1, 1], [1, 1], [1, 1], 1, 1, 0, float32, 1, 0, 'sum', 1, 'relu', [], '')
 return (qconv2d_pointwise_binary)""")
 
     def test_linear_nd_relu(self):
         self.assertExpectedInline(lowered_graph(*linear_relu()), """\
 l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0474, 61, 0, 127, uint8)
-qlinear_pointwise_default = onednn.qlinear_pointwise(quantize_per_tensor_default, 0.0474, 61, <const>, <const>, <const>, <const>, 0.0109, 0, uint8, 'relu', [], '')
-clamp_to_range_ = fast_qdq.clamp_to_range_(qlinear_pointwise_default, 0, 127)
-qlinear_pointwise_default_1 = onednn.qlinear_pointwise(clamp_to_range_, 0.0109, 0, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')
+qlinear_pointwise_default = onednn.qlinear_pointwise(quantize_per_tensor_default, 0.0474, 61, <const>, <const>, <const>, <const>, 0.0109, 0, uint8, 'hardtanh', [0, 1.39], '')
+qlinear_pointwise_default_1 = onednn.qlinear_pointwise(qlinear_pointwise_default, 0.0109, 0, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')
 return (qlinear_pointwise_default_1)""")
 
     def test_conv3d_relu_left_unfused_by_the_kernel(self):
@@ -68,11 +64,9 @@ return (quantize_dequantize_per_tensor)""")
         self.assertExpectedInline(lowered_graph(*seeded(two_branch_cat)), """\
 l_x_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.0501, 69, 0, 127, uint8)
-qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0501, 69, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.0206, 0, uint8, 'relu', [], '')
-clamp_to_range_ = fast_qdq.clamp_to_range_(qconv_pointwise_default, 0, 127)
-qconv_pointwise_default_1 = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0501, 69, <const>, <const>, <const>, <const>, [1, 1], [0, 0], [1, 1], 1, 0.0206, 0, uint8, 'relu', [], '')
-clamp_to_range__1 = fast_qdq.clamp_to_range_(qconv_pointwise_default_1, 0, 127)
-cat_default = aten.cat([clamp_to_range_, clamp_to_range__1], 1)
+qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0501, 69, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.0206, 0, uint8, 'hardtanh', [0, 2.62], '')
+qconv_pointwise_default_1 = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0501, 69, <const>, <const>, <const>, <const>, [1, 1], [0, 0], [1, 1], 1, 0.0206, 0, uint8, 'hardtanh', [0, 2.62], '')
+cat_default = aten.cat([qconv_pointwise_default, qconv_pointwise_default_1], 1)
 qconv_pointwise_default_2 = onednn.qconv_pointwise(cat_default, 0.0206, 0, <const>, <const>, <const>, <const>, [1, 1], [0, 0], [1, 1], 1, 1, 0, float32, 'none', [], '')
 return (qconv_pointwise_default_2)""")
 
@@ -80,12 +74,10 @@ return (qconv_pointwise_default_2)""")
         self.assertExpectedInline(lowered_graph(*seeded(conv_flatten_linear)), """\
 l_x_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.0567, 61, 0, 127, uint8)
-qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0567, 61, <const>, <const>, <const>, <const>, [2, 2], [0, 0], [1, 1], 1, 0.012, 0, uint8, 'relu', [], '')
-clamp_to_range_ = fast_qdq.clamp_to_range_(qconv_pointwise_default, 0, 127)
-flatten_using_ints = aten.flatten.using_ints(clamp_to_range_, 1)
-qlinear_pointwise_default = onednn.qlinear_pointwise(flatten_using_ints, 0.012, 0, <const>, <const>, <const>, <const>, 0.00928, 69, uint8, 'none', [], '')
-clamp_to_range__1 = fast_qdq.clamp_to_range_(qlinear_pointwise_default, 0, 127)
-view_default = aten.reshape(clamp_to_range__1, [-1, 2, 6])
+qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0567, 61, <const>, <const>, <const>, <const>, [2, 2], [0, 0], [1, 1], 1, 0.012, 0, uint8, 'hardtanh', [0, 1.53], '')
+flatten_using_ints = aten.flatten.using_ints(qconv_pointwise_default, 1)
+qlinear_pointwise_default = onednn.qlinear_pointwise(flatten_using_ints, 0.012, 0, <const>, <const>, <const>, <const>, 0.00928, 69, uint8, 'hardtanh', [-0.64, 0.538], '')
+view_default = aten.reshape(qlinear_pointwise_default, [-1, 2, 6])
 permute_default = aten.permute(view_default, [0, 2, 1])
 reshape_default = aten.reshape(permute_default, [-1, 12])
 qlinear_pointwise_default_1 = onednn.qlinear_pointwise(reshape_default, 0.00928, 69, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')

@@ -1,14 +1,17 @@
 """x86 CPUs without VNNI add pairs of uint8 x int8 products in int16 and saturate: 8-bit
 activations times full-range weights come out wrong. qbackend asks the kernel, lowers only
 where no pair can overflow, and keeps the rest exact with the reason."""
+import pytest
 import torch
 import torch.nn as nn
 
 from qbackend.lowering.capabilities import INT16_MAX, int8_pairs_saturate
 from qbackend.lowering.cpu import _largest_pair_sum
+from qbackend.patterns.examples import HandQuantized
 from qbackend.pt2e_flow import cpu_needs_reduce_range
 
-from .helpers import SATURATION_REASON, assert_matches_reference, compile_and_run, quantize, simulate_cpu
+from .helpers import (SATURATION_REASON, assert_matches_reference, compile_and_run, quantize, short_graph,
+                      simulate_cpu)
 from .tolerances import assert_outputs_close
 
 
@@ -65,3 +68,18 @@ def test_pair_bound_reads_input_channel_pairs_per_output_and_kernel_position():
     assert _largest_pair_sum(w) == 227
     assert _largest_pair_sum(torch.full((4, 1, 3, 3), -128, dtype=torch.int8)) == 128  # depthwise
     assert 127 * 256 <= INT16_MAX < 255 * 2 * 127
+
+
+@pytest.mark.parametrize("post_op,clipped_by", [(None, "hardtanh"), ("relu", "hardtanh"), ("relu6", "hardtanh"),
+                                                ("gelu", "clamp_to_range_")])
+def test_seven_bit_outputs_are_clipped_to_their_range(post_op, clipped_by):
+    """The kernels clamp int8 outputs to [0, 255]; a 7-bit output is clipped to [0, 127] by a
+    hardtanh folded into the kernel or, for other post-ops, a clamp after it. Inputs drive
+    most outputs past the range's top, so a missing clip shows in the int8 comparison."""
+    model = HandQuantized(rank=0, in_ch=256, out_ch=16, post_op=post_op)
+    inputs = (torch.full((4, 256), 2.5),)
+    with torch.no_grad():
+        assert (model(*inputs) >= 4.6).float().mean() > 0.3  # (127 - 50) * 0.06: the top of the range
+    captured = assert_matches_reference(model, inputs)
+    graph = short_graph(captured.lowered)
+    assert clipped_by in graph, graph
