@@ -253,7 +253,7 @@ def report(rows, bandwidth, memory, quick, machine):
         " machine's 32 MB L3 then keeps part of the 68 MB of int4 weights. Speedups are against dense fp32"
         " eager timed the same way; `x BW limit` uses the faster of the two. cos is against the fp32 model's output.",
         "- The fp32 qbackend paths run the packed kernels with bf16 activations (cast in, cast out): measured, that is"
-        " 50-80x faster than the kernels' fp32 path (see docs/design-notes.md).",
+        " 6-13x (AVX2) to 30-120x (avx512_bf16) faster than the kernels' fp32 path (see docs/design-notes.md).",
         "",
         "| model | tokens | path | cold ms | cold speedup | warm ms | warm speedup | x BW limit | cos vs fp32 | notes |",
         "|---|---|---|---|---|---|---|---|---|---|",

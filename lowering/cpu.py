@@ -5,11 +5,11 @@ import dataclasses
 
 import torch
 
+from qbackend.patterns.base import fake_value
+
 from .capabilities import (INT16_MAX, conv_binary_post_op_refusal, conv_post_op_refusal, int8_pairs_saturate,
                            linear_binary_post_op_refusal, linear_post_op_refusal, quantized_tensor_pool_refusal)
 from .base import Lowering
-from qbackend.patterns.base import fake_value
-
 from .common import COMMON, NO_POST_OP
 from .signed_int8 import signed_activations_as_unsigned
 from .weight_only import emit_weight_only, limits_for
