@@ -240,7 +240,7 @@ def report(rows, quick, machine):
         "",
         f"- Machine: {machine}",
         f"- Date: {datetime.date.today().isoformat()}",
-        f"- int8 activations: {'7-bit (reduce_range=True: this CPU has no VNNI, its int8 kernels overflow 8-bit ones)' if pt2e_flow.cpu_needs_reduce_range() else '8-bit'}, chosen by `quantize_x86`, the same model for every int8 path",
+        f"- int8 weights: {'7-bit (this CPU has no VNNI: its int8 kernels overflow 8-bit x 8-bit products; ONNX Runtime with its own reduce_range, also 7-bit weights)' if pt2e_flow.cpu_needs_reduce_range() else '8-bit'}, chosen by `quantize_x86`, the same model for every PT2E path",
         f"- Mode: {mode}; command: `python benchmarks/bench_int8.py{' --quick' if quick else ''}`",
         "- ref = PT2E converted module run eagerly; latency ratio is relative to Inductor int8"
         " (PT2E + freezing); first call of the eager paths is just their first run.",

@@ -51,16 +51,16 @@ def _largest_pair_sum(weight: torch.Tensor) -> int:
 def _exact_int8_products(match):
     # Without VNNI, oneDNN adds pairs of uint8 x int8 products in int16 and saturates: full
     # 8-bit activations times full-range weights come out wrong (measured: off by 18445 on a
-    # random 64-wide dot). Lowered only where no pair can overflow, which reduce_range's
-    # 7-bit activations guarantee (127 x 256 <= 32767).
+    # random 64-wide dot). Lowered only where no pair can overflow, which 7-bit weights
+    # (255 x 128) or 7-bit activations (127 x 256) guarantee: both <= 32767.
     if match.weight is None or not int8_pairs_saturate("cpu", "conv" if match.conv is not None else "linear"):
         return None
     bound = match.x.qparams.qmax * _largest_pair_sum(match.weight.int8)
     if bound <= INT16_MAX:
         return None
     return (f"this CPU's int8 kernel adds pairs of products in int16 (no VNNI) and this layer's can reach {bound}"
-            f" > {INT16_MAX}: kept so its result stays exact; quantize activations with reduce_range=True"
-            " (7-bit, [0, 127]) to lower it")
+            f" > {INT16_MAX}: kept so its result stays exact; quantize with 7-bit weights ([-64, 63],"
+            " qbackend.pt2e_flow.quantize_x86's default on such a CPU) or 7-bit activations to lower it")
 
 
 def _limits(match):

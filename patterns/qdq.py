@@ -60,7 +60,7 @@ def dequantized_weight(graph: GraphView, node, out_channels_axis: int = 0) -> Qu
     scales_t, zero_points_t = graph.constant(scales), graph.constant(zero_points)
     require(scales_t is not None and zero_points_t is not None, "weight scales / zero points are not constants")
     require(dtype == torch.int8 and int8.dtype == torch.int8, f"weight dtype is {dtype}, not int8")
-    require((qmin, qmax) == (-128, 127), f"weight range [{qmin}, {qmax}] is not [-128, 127]")
+    require(-128 <= qmin < qmax <= 127, f"weight range [{qmin}, {qmax}] is not within [-128, 127]")  # 7-bit: [-64, 63]
     require(axis == out_channels_axis, f"weight is quantized along axis {axis}, not the output-channel axis")
     require(bool((zero_points_t == 0).all()), "weight zero points are not all 0 (asymmetric weight)")
     return QuantizedWeight(int8, scales_t.to(torch.float32), zero_points_t)

@@ -41,13 +41,18 @@ def test_full_range_model_runs_exact_and_unlowered_where_the_kernel_saturates(mo
     assert_outputs_close(actual, expected, "full-range model")
     report = captured.report
     assert [d.node for d in report.kept] == ["conv2d", "linear"], str(report)
-    assert all(SATURATION_REASON in d.reason and "reduce_range=True" in d.reason for d in report.kept), str(report)
+    assert all(SATURATION_REASON in d.reason and "7-bit weights" in d.reason for d in report.kept), str(report)
 
 
-def test_seven_bit_activations_lower_where_the_kernel_saturates(monkeypatch):
+@pytest.mark.parametrize("reduce_range", ["activations", "weights"])
+def test_seven_bit_activations_or_weights_lower_where_the_kernel_saturates(monkeypatch, reduce_range):
     simulate_cpu(monkeypatch, saturates=True)
     inputs = (torch.randn(2, 8, 6, 6),)
-    report = assert_matches_reference(quantize(_conv_linear(), inputs, reduce_range=True), inputs).report
+    model = quantize(_conv_linear(), inputs, reduce_range=reduce_range)
+    weights = [n.args[0] for n in model.graph.nodes if "dequantize_per_channel" in str(n.target)]
+    ranges = {tuple(getattr(model, w.target).aminmax()) for w in weights}
+    assert max(hi for _, hi in ranges) <= (63 if reduce_range == "weights" else 127), ranges
+    report = assert_matches_reference(model, inputs).report
     assert not report.kept, str(report)
 
 
@@ -83,3 +88,8 @@ def test_seven_bit_outputs_are_clipped_to_their_range(post_op, clipped_by):
     captured = assert_matches_reference(model, inputs)
     graph = short_graph(captured.lowered)
     assert clipped_by in graph, graph
+
+
+def test_unknown_reduce_range_is_a_clear_error():
+    with pytest.raises(ValueError, match="reduce_range must be None or one of"):
+        quantize(_conv_linear(), (torch.randn(2, 8, 6, 6),), reduce_range="both")
