@@ -123,7 +123,8 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None)
         from .smooth_quant import smooth_quant
 
         calibration = list(calibration)
-        smooth_report = smooth_quant(exported, calibration, **smooth)
+        weight = quantizer.global_config.weight  # the search simulates the weights' real range
+        smooth_report = smooth_quant(exported, calibration, **{"weight_range": (weight.quant_min, weight.quant_max), **smooth})
     prepare = prepare_qat_pt2e if is_qat else prepare_pt2e
     prepared = prepare(exported, quantizer)
     if is_qat:

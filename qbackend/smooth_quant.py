@@ -147,7 +147,8 @@ def _smooth_group(gm, editor, x, linears, s) -> tuple[str, str]:
 
 
 def smooth_quant(gm: GraphModule, calibration: Sequence[tuple], alpha: AlphaSpec = "search", *,
-                 alphas: Sequence[float] = SEARCH_ALPHAS, min_gain: float = 0.05, max_rows: int = 2048, observer=None) -> SmoothReport:
+                 alphas: Sequence[float] = SEARCH_ALPHAS, min_gain: float = 0.05, max_rows: int = 2048, observer=None,
+                 weight_range: tuple = smooth_search.INT8_WEIGHTS) -> SmoothReport:
     """Smooth the linears of an exported module in place; return one line per linear.
 
     Args:
@@ -164,6 +165,8 @@ def smooth_quant(gm: GraphModule, calibration: Sequence[tuple], alpha: AlphaSpec
             ``calculate_qparams`` (e.g. the quantizer's HistogramObserver); default: min / max
             over every calibration row. On MiniLM the histogram made the search 7x slower and
             no more accurate (docs/design-notes.md).
+        weight_range: the integer range the weights will be quantized to, for the search's
+            simulation ((-64, 63) for 7-bit weights; ``quantize_x86`` passes its own).
     """
     groups = _groups(gm)
     stats = observe(gm, calibration, set(groups), max_rows if alpha == "search" else 0)
@@ -174,7 +177,7 @@ def smooth_quant(gm: GraphModule, calibration: Sequence[tuple], alpha: AlphaSpec
         if x not in stats:
             chosen, reason = None, "its input was never computed during calibration"
         elif alpha == "search":
-            chosen, losses = smooth_search.choose(stats[x], weights, alphas, min_gain, observer)
+            chosen, losses = smooth_search.choose(stats[x], weights, alphas, min_gain, observer, weight_range)
             reason = f"no alpha in {list(alphas)} lowers the int8 calibration loss by {min_gain:.0%}"
         else:
             chosen, reason = _alpha_for(alpha, linears[0]), "no alpha given for it"

@@ -38,12 +38,17 @@ def _fake_quant_activation(x: torch.Tensor, low: float, high: float, observer=No
     return (torch.clamp(torch.round(x / scale) + zero_point, 0, 255) - zero_point) * scale
 
 
-def _fake_quant_weight(w: torch.Tensor) -> torch.Tensor:
-    scale = (w.abs().amax(1, keepdim=True) / 127.5).clamp(min=1e-12)
-    return torch.clamp(torch.round(w / scale), -128, 127) * scale
+INT8_WEIGHTS = (-128, 127)
 
 
-def int8_loss(stats: ChannelStats, weights: Sequence[torch.Tensor], s: Optional[torch.Tensor], observer=None) -> float:
+def _fake_quant_weight(w: torch.Tensor, weight_range: tuple = INT8_WEIGHTS) -> torch.Tensor:
+    low, high = weight_range
+    scale = (w.abs().amax(1, keepdim=True) / ((high - low) / 2)).clamp(min=1e-12)
+    return torch.clamp(torch.round(w / scale), low, high) * scale
+
+
+def int8_loss(stats: ChannelStats, weights: Sequence[torch.Tensor], s: Optional[torch.Tensor], observer=None,
+              weight_range: tuple = INT8_WEIGHTS) -> float:
     """Relative squared error of the int8 layer outputs with smoothing factors ``s`` (None: none)."""
     x = stats.sample()
     s = torch.ones(x.shape[1]) if s is None else s
@@ -53,17 +58,17 @@ def int8_loss(stats: ChannelStats, weights: Sequence[torch.Tensor], s: Optional[
     for w in weights:
         w = w.detach().float()
         y = x @ w.T
-        total += float(((xq @ _fake_quant_weight(w * s).T - y) ** 2).sum() / (y ** 2).sum().clamp(min=1e-30))
+        total += float(((xq @ _fake_quant_weight(w * s, weight_range).T - y) ** 2).sum() / (y ** 2).sum().clamp(min=1e-30))
     return total
 
 
 def choose(stats: ChannelStats, weights: Sequence[torch.Tensor], alphas: Sequence[float],
-           min_gain: float, observer=None) -> tuple[Optional[float], dict]:
+           min_gain: float, observer=None, weight_range: tuple = INT8_WEIGHTS) -> tuple[Optional[float], dict]:
     """(best alpha, or None when no alpha lowers the loss by ``min_gain`` of the unsmoothed
     loss; {alpha or None: loss})."""
-    losses = {None: int8_loss(stats, weights, None, observer)}
+    losses = {None: int8_loss(stats, weights, None, observer, weight_range)}
     for alpha in alphas:
-        losses[alpha] = int8_loss(stats, weights, factors(stats, weights, alpha), observer)
+        losses[alpha] = int8_loss(stats, weights, factors(stats, weights, alpha), observer, weight_range)
     best = min(alphas, key=lambda a: losses[a]) if alphas else None
     if best is None or losses[best] > (1 - min_gain) * losses[None]:
         return None, losses

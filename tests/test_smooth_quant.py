@@ -19,12 +19,12 @@ def _seeded():
     torch.manual_seed(0)  # the models' initial weights (the pinned graph shows qparams)
 
 
-def _smooth(module, alpha=0.5):
+def _smooth(module, alpha=0.5, **options):
     inputs = sm.outlier_inputs()
     gm = torch.export.export(module.eval(), inputs, strict=True).module()
     with torch.no_grad():
         before = gm(*inputs)
-        report = qbackend.smooth_quant(gm, [inputs, sm.outlier_inputs(seed=1)], alpha=alpha)
+        report = qbackend.smooth_quant(gm, [inputs, sm.outlier_inputs(seed=1)], alpha=alpha, **options)
         after = gm(*inputs)
     relative = ((after - before).abs().max() / before.abs().max()).item()
     assert relative <= FLOAT_RELATIVE, f"float output moved by {relative:.2e}\n{report}"
@@ -79,6 +79,14 @@ def test_alpha_per_layer_and_search():
     assert all(line.losses and None in line.losses for line in searched.lines), str(searched)
     fc1 = _only(searched, "fc1")
     assert fc1.smoothed and fc1.losses[fc1.alpha] < fc1.losses[None], str(searched)
+
+
+def test_search_simulates_the_weights_range():
+    """7-bit weights (the default on CPUs without VNNI) quantize coarser: the search's loss of
+    every choice is higher than with 8-bit weights, so it weighs them as they will run."""
+    eight = _only(_smooth(sm.TinyPostLNBlock(), alpha="search"), "fc1").losses
+    seven = _only(_smooth(sm.TinyPostLNBlock(), alpha="search", weight_range=(-64, 63)), "fc1").losses
+    assert eight.keys() == seven.keys() and all(seven[a] > eight[a] for a in eight), (eight, seven)
 
 
 def test_smoothed_int8_model_lowers_every_linear_and_the_multiply():
