@@ -4,11 +4,15 @@ from __future__ import annotations
 from qbackend.patterns import RULES
 
 from . import cpu, xpu
+from .sibling_linears import merge_sibling_linears
 from .base import EmitContext, Lowering, Unsupported
 
 TABLES = {"cpu": cpu.TABLE, "xpu": xpu.TABLE}
 # Exact graph rewrites a device needs before its rules run (e.g. signed -> unsigned activations).
 PREPARE = {"cpu": cpu.PREPARE, "xpu": xpu.PREPARE}
+# Exact rewrites of the lowered graph (ctx, report) -> None. XPU: untested without the hardware,
+# and its 2-D-only qlinear gives each sibling its own reshaped input.
+FINISH = {"cpu": (merge_sibling_linears,), "xpu": ()}
 
 
 def check_tables(tables=TABLES, rules=RULES) -> None:
@@ -39,4 +43,4 @@ def support_matrix() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["TABLES", "PREPARE", "EmitContext", "Lowering", "Unsupported", "check_tables", "support_matrix"]
+__all__ = ["TABLES", "PREPARE", "FINISH", "EmitContext", "Lowering", "Unsupported", "check_tables", "support_matrix"]

@@ -149,14 +149,24 @@ def _prepacked_linear_weight(ctx: EmitContext, match: Match):
     return weight_constants(ctx, match, packed, "qlinear_w")
 
 
+SIBLING = "qbackend_sibling"  # node meta on an emitted qlinear: (anchor name, QuantizedWeight)
+
+
+def mark_sibling(node: Node, anchor: Node, weight) -> Node:
+    """Let the sibling merge (sibling_linears.py) find this qlinear and the int8 weight it was
+    packed from; the merge drops the mark, which keeps that weight alive."""
+    node.meta[SIBLING] = (anchor.name, weight)
+    return node
+
+
 def emit_qlinear(ctx: EmitContext, match: Match, op: str = "qlinear") -> Node:
     x = match.x.qparams
     w, w_scale, w_zp = _prepacked_linear_weight(ctx, match)
     post = kernel_post_op(ctx, match)
-    return within_output_range(ctx, match, ctx.call(op, (
+    return within_output_range(ctx, match, mark_sibling(ctx.call(op, (
         match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.bias, *output_args(match),
         post.name, list(post.scalars), post.algorithm,
-    )), post)
+    )), match.anchor, match.weight), post)
 
 
 def emit_qlinear_2d(ctx: EmitContext, match: Match) -> Node:
