@@ -32,6 +32,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 if importlib.util.find_spec("qbackend") is None:  # not installed: use this checkout
     sys.path.insert(0, str(PROJECT_ROOT))
 
+import qbackend  # noqa: E402
 from qbackend import models, pt2e_flow  # noqa: E402
 
 import ort_peer  # noqa: E402
@@ -53,6 +54,7 @@ DISPLAY_NAMES = {
 }
 BASELINE_PATH = "Inductor int8"
 ORT_PATH = "ONNX Runtime int8 (static QDQ)"
+DIRECT_PATH = "qbackend int8, qbackend.compile (no Dynamo)"
 CNNS = ("resnet18_like", "mobilenet_v2_like")
 
 
@@ -106,6 +108,10 @@ def build_qbackend_int8(case):
     return torch.compile(case.converted, backend="qbackend")
 
 
+def build_qbackend_direct(case):
+    return qbackend.compile(case.converted)  # the same lowering, without Dynamo's re-trace
+
+
 def build_pt2e_reference(case):
     return case.converted
 
@@ -125,6 +131,7 @@ PATHS = [
     (BASELINE_PATH, build_inductor_int8),
     (ORT_PATH, build_ort_int8),
     ("qbackend int8", build_qbackend_int8),
+    (DIRECT_PATH, build_qbackend_direct),
     ("PT2E reference (eager)", build_pt2e_reference),
 ]
 PEERS = (BASELINE_PATH, ORT_PATH)  # qbackend's latency target: <= 0.95x the best of these
@@ -172,6 +179,8 @@ def warm_up_compilers():
     # not charged to whichever path happens to compile first.
     torch.compile(lambda x: torch.relu(x) + 1)(torch.randn(8))
     torch.compile(lambda x: torch.relu(x) + 1, backend="qbackend")(torch.randn(8))
+    tiny = models.example_inputs("tiny_resnet", 1)
+    qbackend.compile(pt2e_flow.quantize_x86(models.build_model("tiny_resnet"), tiny, [tiny]))(*tiny)
     torch._dynamo.reset()
 
 
@@ -246,6 +255,9 @@ def report(rows, quick, machine):
         " (PT2E + freezing); first call of the eager paths is just their first run.",
         "- Compile times are cold (fresh, empty Inductor cache directory, Dynamo reset), measured after"
         " one throwaway compile per compiler that absorbs its one-time process start-up.",
+        "- `qbackend.compile` hands the converted module's graph to the same backend without Dynamo's"
+        " re-trace (Dynamo is most of `torch.compile`'s time here); its lowered graph and outputs are"
+        " the torch.compile path's.",
         "- Latencies: all paths compiled side by side, then timed in interleaved rounds (median), so"
         " drifting load on this shared machine hits every path alike.",
         "",

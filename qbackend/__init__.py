@@ -1,6 +1,7 @@
 """qbackend: a torch.compile backend that lowers PT2E-quantized models to oneDNN int8 kernels.
 
     torch.compile(converted_pt2e_module, backend="qbackend")   # no import needed
+    qbackend.compile(converted_pt2e_module)                     # the same, without Dynamo's re-trace
     qbackend.explain(converted_pt2e_module, *example_inputs)   # what was lowered, and why not
     qbackend.quantize_weights(float_model, bits=4, group_size=128)  # weight-only int4 / int8
     qbackend.smooth_quant(exported_module, calibration_batches)    # SmoothQuant pre-pass (PT2E)
@@ -13,6 +14,7 @@ import functools
 
 import torch
 
+from .direct import compile
 from .legacy_int4 import from_old_cpu_int4
 from .quantized_tensor import QuantizedLinearWeight, quantize_weights
 from .report import Report
@@ -36,4 +38,4 @@ def explain(model, *example_inputs, device: str | None = None) -> Report:
     return functools.reduce(Report.merge, reports)
 
 
-__all__ = ["explain", "Report", "smooth_quant", "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]
+__all__ = ["compile", "explain", "Report", "smooth_quant", "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]

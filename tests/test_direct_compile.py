@@ -1,0 +1,86 @@
+"""``qbackend.compile``: a converted PT2E module lowered without Dynamo gives what the
+torch.compile path gives (outputs bit for bit, the same report, prepacks tuned for the input
+shapes), lowers each new input signature once, and leaves the user's module as it was."""
+import torch
+import torch.nn as nn
+
+import qbackend
+from qbackend import fast_qdq
+from qbackend.backend import Options, compile_graph
+from qbackend.direct import CompiledGraphModule, _with_shapes
+from qbackend.lowering.common import static_shape
+from qbackend.models import bert_encoder_like, tiny_resnet
+
+from .helpers import quantize
+
+
+def _resnet():
+    inputs = (torch.randn(2, 3, 32, 32),)
+    return quantize(tiny_resnet(), inputs), inputs
+
+
+def _lines(report) -> list[str]:
+    return str(report).splitlines()
+
+
+def test_same_outputs_and_report_as_torch_compile_without_dynamo():
+    model, inputs = _resnet()
+    reports = []
+    torch._dynamo.reset()
+    with torch.no_grad():
+        through_dynamo = torch.compile(model, backend="qbackend", options={"report_sink": reports.append})(*inputs)
+        frames = torch._dynamo.utils.counters["frames"]["total"]
+        compiled = qbackend.compile(model, options={"report_sink": reports.append})
+        direct = compiled(*inputs)
+    assert isinstance(compiled, CompiledGraphModule)
+    assert torch._dynamo.utils.counters["frames"]["total"] == frames  # Dynamo traced nothing more
+    assert torch.equal(direct, through_dynamo)
+    assert len(reports) == 2 and _lines(reports[0]) == _lines(reports[1]) and not reports[1].kept, str(reports[1])
+
+
+def test_prepacks_see_the_shapes_convert_pt2e_left_unrecorded():
+    model, inputs = _resnet()
+    assert any("val" not in n.meta for n in model.graph.nodes if n.op == "call_function")  # (why the fake pass exists)
+    lowered = compile_graph(_with_shapes(model, list(inputs)), list(inputs), Options())[2]
+    lowered = [n for n in lowered.graph.nodes if n.meta.get("qbackend_rule") in ("qconv", "qconv_add", "qlinear")]
+    kernels = [n.args[0] if n.target is fast_qdq.clamp_to_range_ else n for n in lowered]  # 7-bit outputs: kernel, clamp
+    assert len(kernels) == 11 and all(static_shape(n.args[0]) is not None for n in kernels)
+
+
+def test_each_new_input_signature_is_lowered_once_and_matches_eager():
+    inputs = (torch.randn(2, 16, 64),)
+    model = quantize(bert_encoder_like(num_layers=1, hidden=64, heads=4, ffn=128), inputs)
+    compiled = qbackend.compile(model)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(compiled(*inputs), model(*inputs), atol=0.05, rtol=0.05)
+        half = (inputs[0].to(torch.bfloat16),)
+        try:
+            expected = model(*half)
+        except Exception as error:  # export fixed the dtype: the lowered copy raises the same error
+            expected = error
+        try:
+            actual = compiled(*half)
+        except Exception as error:
+            actual = error
+    assert len(compiled.lowered) == 2
+    assert type(actual) is type(expected) and (isinstance(actual, Exception) or actual.dtype == expected.dtype)
+
+
+def test_the_users_module_is_left_as_it_was():
+    model, inputs = _resnet()
+    code, state = model.code, {k: v.clone() for k, v in model.state_dict().items()}
+    metas = [dict(n.meta) for n in model.graph.nodes]
+    with torch.no_grad():
+        qbackend.compile(model)(*inputs)
+    assert model.code == code and [dict(n.meta) for n in model.graph.nodes] == metas
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_a_module_that_is_no_exported_graph_goes_through_torch_compile():
+    module = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    compiled = qbackend.compile(module)
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), module(x))
