@@ -25,7 +25,7 @@ REDUCE_RANGE_CHOICES = (False, True, "activations", "weights")
 SEVEN_BIT_WEIGHTS = (-64, 63)
 
 
-def _x86_quantizer(is_qat, is_dynamic, reduce_range):
+def _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float=()):
     import dataclasses
 
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
@@ -40,7 +40,10 @@ def _x86_quantizer(is_qat, is_dynamic, reduce_range):
     if reduce_range == "weights":
         low, high = SEVEN_BIT_WEIGHTS
         config = dataclasses.replace(config, weight=dataclasses.replace(config.weight, quant_min=low, quant_max=high))
-    return xiq.X86InductorQuantizer().set_global(config)
+    quantizer = xiq.X86InductorQuantizer().set_global(config)
+    for name in keep_float:
+        quantizer.set_module_name_qconfig(name, None)
+    return quantizer
 
 
 def _xpu_quantizer():
@@ -58,7 +61,8 @@ def quantize_xpu(model, example_inputs, calibration):
     return _convert(model, example_inputs, calibration, _xpu_quantizer(), is_qat=False)
 
 
-def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic=False, reduce_range=None, smooth=None):
+def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic=False, reduce_range=None, smooth=None,
+                 keep_float=()):
     """Export, prepare, calibrate and convert ``model`` with X86InductorQuantizer.
 
     Args:
@@ -85,6 +89,8 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             ``{"alpha": "search"}``): SmoothQuant runs on the exported graph with
             the same calibration batches before ``prepare_pt2e``; its report is
             ``result.meta["smooth_quant"]``.
+        keep_float: module paths (e.g. ``"bert.encoder.layer.5.output.dense"``) left
+            unquantized: they run in float, and qbackend's report lists them as kept.
 
     Returns:
         The converted ``torch.fx.GraphModule`` with quantize/dequantize ops
@@ -104,7 +110,8 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
     _annotate_conv2d_binary_unary``). Strict export records one source
     per call, each ReLU partition has a single output, and the flow works.
     """
-    return _convert(model, example_inputs, calibration, _x86_quantizer(is_qat, is_dynamic, reduce_range), is_qat, smooth)
+    quantizer = _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float)
+    return _convert(model, example_inputs, calibration, quantizer, is_qat, smooth)
 
 
 def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None):
