@@ -102,3 +102,20 @@ def conv_maxpool_residual():
 
     module = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), ResidualBlock(8))
     return module, (torch.randn(2, 3, 16, 16),)
+
+
+class TwoLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_a_linear_kept_float_by_the_quantizer_runs_float_with_its_reason():
+    inputs = (torch.randn(4, 16),)
+    captured = assert_matches_reference(quantize(TwoLinears(), inputs, keep_float=["fc2"]), inputs)
+    lines = {d.source: d.line() for d in captured.report.decisions}
+    assert lines["fc1"].startswith("LOWERED"), lines
+    assert lines["fc2"].startswith("KEPT") and "weight is not quantized" in lines["fc2"], lines
