@@ -10,6 +10,7 @@ recompile; anything that is not an ATen GraphModule goes through ``torch.compile
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Callable, Optional
 
@@ -69,7 +70,9 @@ class CompiledGraphModule:
     def _lower(self, inputs: list) -> Callable:
         return qbackend(_with_shapes(self.module, inputs), inputs, self.options)
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
+        if kwargs:  # (named as in the module's forward, e.g. attention_mask=...)
+            args = inspect.signature(self.module.forward).bind(*args, **kwargs).args
         inputs = list(self.module.graph.process_inputs(*args))
         key = tuple(map(_signature, inputs))
         if key not in self.lowered:

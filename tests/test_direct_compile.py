@@ -84,3 +84,20 @@ def test_a_module_that_is_no_exported_graph_goes_through_torch_compile():
     x = torch.randn(2, 4)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), module(x))
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        return self.fc(x) * mask
+
+
+def test_inputs_passed_by_name_as_to_the_module():
+    inputs = (torch.randn(2, 8), torch.ones(2, 8))
+    model = quantize(Masked(), inputs)
+    with torch.no_grad():
+        expected = model(inputs[0], mask=inputs[1])
+        torch.testing.assert_close(qbackend.compile(model)(inputs[0], mask=inputs[1]), expected, atol=0.05, rtol=0.05)
