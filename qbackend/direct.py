@@ -15,6 +15,7 @@ import logging
 from typing import Callable, Optional
 
 import torch
+import torch.utils._pytree as pytree
 from torch.fx import GraphModule
 
 from .backend import qbackend
@@ -60,20 +61,49 @@ def _with_shapes(gm: GraphModule, inputs: list) -> GraphModule:
     return work
 
 
+def _fits(recorded, value) -> bool:
+    """``value`` may stand where export recorded ``recorded``: same dtype and rank, and every
+    dim export fixed has that size (a symbolic dim takes any)."""
+    if not isinstance(recorded, torch.Tensor):
+        return True
+    return (isinstance(value, torch.Tensor) and value.dtype == recorded.dtype and value.dim() == recorded.dim()
+            and all(not isinstance(r, int) or r == v for r, v in zip(recorded.shape, value.shape)))
+
+
 class CompiledGraphModule:
-    """Calls a GraphModule through its lowered copies, one per input signature."""
+    """Calls a GraphModule through its lowered copies, one per input signature. Inputs the
+    graph was not exported for (another dtype, rank or fixed size, another structure, wrong
+    arguments) go to the module itself, which runs them or raises exactly as it would eagerly."""
 
     def __init__(self, gm: GraphModule, options: Optional[dict]):
         self.module, self.options = gm, dict(options or {})
         self.lowered: dict = {}  # input signature -> callable taking the graph's placeholders
+        self.recorded = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+        info = getattr(gm.graph._codegen, "pytree_info", None)
+        self.in_spec = info.in_spec if info is not None else None
+
+    def _placeholders(self, args, kwargs) -> Optional[list]:
+        try:
+            bound = inspect.signature(self.module.forward).bind(*args, **kwargs)
+        except TypeError:
+            return None
+        if self.in_spec is not None:
+            inputs, spec = pytree.tree_flatten((bound.args, {}))
+            if spec != self.in_spec:
+                return None
+        else:
+            inputs = list(bound.args)
+        if len(inputs) != len(self.recorded) or not all(map(_fits, self.recorded, inputs)):
+            return None
+        return inputs
 
     def _lower(self, inputs: list) -> Callable:
         return qbackend(_with_shapes(self.module, inputs), inputs, self.options)
 
     def __call__(self, *args, **kwargs):
-        if kwargs:  # (named as in the module's forward, e.g. attention_mask=...)
-            args = inspect.signature(self.module.forward).bind(*args, **kwargs).args
-        inputs = list(self.module.graph.process_inputs(*args))
+        inputs = self._placeholders(args, kwargs)
+        if inputs is None:
+            return self.module(*args, **kwargs)
         key = tuple(map(_signature, inputs))
         if key not in self.lowered:
             self.lowered[key] = self._lower(inputs)

@@ -47,24 +47,48 @@ def test_prepacks_see_the_shapes_convert_pt2e_left_unrecorded():
     assert len(kernels) == 11 and all(static_shape(n.args[0]) is not None for n in kernels)
 
 
+def _dynamic_batch_linear():
+    """A converted module exported with a symbolic batch dim (quantize_x86 exports static)."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from qbackend.pt2e_flow import _x86_quantizer
+
+    torch.manual_seed(0)
+    module, x = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval(), torch.randn(4, 16)
+    batch = torch.export.Dim("batch", min=2, max=64)
+    exported = torch.export.export(module, (x,), dynamic_shapes=({0: batch},), strict=True).module()
+    prepared = prepare_pt2e(exported, _x86_quantizer(False, False, True))
+    prepared(x)
+    return convert_pt2e(prepared)
+
+
 def test_each_new_input_signature_is_lowered_once_and_matches_eager():
-    inputs = (torch.randn(2, 16, 64),)
-    model = quantize(bert_encoder_like(num_layers=1, hidden=64, heads=4, ffn=128), inputs)
+    model = _dynamic_batch_linear()
     compiled = qbackend.compile(model)
     with torch.no_grad():
-        for _ in range(2):
-            torch.testing.assert_close(compiled(*inputs), model(*inputs), atol=0.05, rtol=0.05)
-        half = (inputs[0].to(torch.bfloat16),)
-        try:
-            expected = model(*half)
-        except Exception as error:  # export fixed the dtype: the lowered copy raises the same error
-            expected = error
-        try:
-            actual = compiled(*half)
-        except Exception as error:
-            actual = error
-    assert len(compiled.lowered) == 2
-    assert type(actual) is type(expected) and (isinstance(actual, Exception) or actual.dtype == expected.dtype)
+        for rows in (4, 9, 4):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(compiled(x), model(x), atol=0.05, rtol=0.05)
+    assert [key[0][1] for key in compiled.lowered] == [(4, 16), (9, 16)]
+
+
+def _outcome(fn, args):
+    try:
+        return tuple(fn(*args).shape)
+    except Exception as error:
+        return type(error), str(error).splitlines()[0]
+
+
+def test_inputs_the_export_does_not_take_behave_as_in_eager():
+    """Wrong arguments, another dtype, another fixed size, another structure: the module
+    itself runs them (here: raises), nothing is lowered for them."""
+    model, (x,) = _resnet()
+    compiled = qbackend.compile(model)
+    with torch.no_grad():
+        compiled(x)
+        for args in [(), (x, x), (x.to(torch.int64),), (torch.randn(3, 3, 32, 32),), ([x],)]:
+            assert _outcome(compiled, args) == _outcome(model, args)
+    assert len(compiled.lowered) == 1
 
 
 def test_the_users_module_is_left_as_it_was():
