@@ -37,15 +37,21 @@ SEQ, EVAL_BATCH = 64, 4
 # qbackend.smooth_quant's ``alpha``: one for every linear, per layer (fnmatch over the module
 # path; unmatched linears are not smoothed), or the per-layer search against the int8 loss.
 PER_LAYER = {"*.attention.self.*": 0.7, "*.intermediate.dense": 0.7, "*.layer.[013].output.dense": 0.7}
-ALL_INT8 = "alpha 0.7 per layer: Q/K/V, FFN1, FFN2 of layers 0, 1, 3"
+# Layer 0's FFN2 (it reads GELU's long-tailed output) matters most: of all 36 linears tried one
+# at a time in float it helped most, and of alphas 0.7-0.9 for it alone, 0.85 gave the best
+# embedding cosine on the calibration sentences (0.99752 vs 0.99714 at 0.7).
+CHOSEN_ALPHAS = {"*.attention.self.*": 0.7, "*.intermediate.dense": 0.7, "*.layer.[13].output.dense": 0.7,
+                 "*.layer.0.output.dense": 0.85}
+PREVIOUS = "alpha 0.7 per layer: Q/K/V, FFN1, FFN2 of layers 0, 1, 3"
 MIXED = "the same, layer 0's FFN2 left in float"
-# quantize_x86 keyword arguments per configuration. Layer 0's FFN2 (it reads GELU's long-tailed
-# output) was the linear whose float version helped most, of all 36 tried one at a time.
+ALL_INT8 = "alpha 0.7 per layer: Q/K/V, FFN1, FFN2 of layers 1, 3; 0.85 on layer 0's FFN2"
+# quantize_x86 keyword arguments per configuration.
 CONFIGS = {"no smoothing": {}, "alpha 0.5, every linear": {"smooth": {"alpha": 0.5}},
            "alpha 0.7, every linear": {"smooth": {"alpha": 0.7}}, "alpha searched per layer": {"smooth": {"alpha": "search"}},
-           ALL_INT8: {"smooth": {"alpha": PER_LAYER}},
-           MIXED: {"smooth": {"alpha": PER_LAYER}, "keep_float": ("bert.encoder.layer.0.output.dense",)}}
-CHOSEN = MIXED
+           PREVIOUS: {"smooth": {"alpha": PER_LAYER}},
+           MIXED: {"smooth": {"alpha": PER_LAYER}, "keep_float": ("bert.encoder.layer.0.output.dense",)},
+           ALL_INT8: {"smooth": {"alpha": CHOSEN_ALPHAS}}}
+CHOSEN = ALL_INT8
 TIMED = (ALL_INT8, MIXED)  # timed against the unsmoothed paths
 BACK_TO_BACK_CALLS = 50
 TIMING = Settings(calibration_batches=0, warmup_calls=3, target_seconds=4.0, min_iters=10, max_iters=300)
