@@ -2,9 +2,10 @@
 
 ``qbackend.smooth_quant`` leaves ``x * (1/s)`` (one factor per channel) where 1/s cannot be
 folded into x's producer; PT2E then quantizes its output per tensor for the linear that reads
-it (whose weight columns already carry s). The multiply and the quantize become one call that
-makes a single float buffer and quantizes it in place: the same float32 arithmetic in the
-same order as the reference, so the int8 result is identical.
+it (whose weight columns already carry s). The multiply and the quantize become one call:
+the reference's float32 product, then the quantize of it (``fast_qdq``: ATen's vectorised
+quantize on CPU, within one step of the reference on rounding ties like every boundary
+quantize; the reference's own float steps elsewhere).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ QSMOOTH = Rule(
     name="qsmooth",
     anchors="smooth",
     pattern="x * per-channel constant -> q",
-    doc="smoothing multiply + quant => one multiply-and-quantize call, one float buffer (exact)",
+    doc="smoothing multiply + quant => one multiply-and-quantize call (the product, then the vectorised quantize)",
     select_fn=select_qsmooth,
     priority=0,
     example=examples.smoothed_linear,
