@@ -6,6 +6,7 @@ from qbackend.patterns import RULES
 from . import cpu, xpu
 from .sibling_linears import merge_sibling_linears
 from .base import EmitContext, Lowering, Unsupported
+from .common import SIBLING
 
 TABLES = {"cpu": cpu.TABLE, "xpu": xpu.TABLE}
 # Exact graph rewrites a device needs before its rules run (e.g. signed -> unsigned activations).
@@ -13,6 +14,15 @@ PREPARE = {"cpu": cpu.PREPARE, "xpu": xpu.PREPARE}
 # Exact rewrites of the lowered graph (ctx, report) -> None. XPU: untested without the hardware,
 # and its 2-D-only qlinear gives each sibling its own reshaped input.
 FINISH = {"cpu": (merge_sibling_linears,), "xpu": ()}
+
+
+def finish(ctx: EmitContext, report) -> None:
+    """The device's rewrites of the lowered graph, then the emitters' marks dropped on every
+    device (a mark holds an int8 weight alive next to its packed copy)."""
+    for rewrite in FINISH[ctx.device]:
+        rewrite(ctx, report)
+    for node in ctx.gm.graph.nodes:
+        node.meta.pop(SIBLING, None)
 
 
 def check_tables(tables=TABLES, rules=RULES) -> None:
@@ -43,4 +53,4 @@ def support_matrix() -> str:
     return "\n".join(rows)
 
 
-__all__ = ["TABLES", "PREPARE", "FINISH", "EmitContext", "Lowering", "Unsupported", "check_tables", "support_matrix"]
+__all__ = ["TABLES", "PREPARE", "FINISH", "finish", "EmitContext", "Lowering", "Unsupported", "check_tables", "support_matrix"]

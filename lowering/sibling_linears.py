@@ -107,5 +107,3 @@ def merge_sibling_linears(ctx: EmitContext, report) -> None:
             note = f"one call with {', '.join(a for a in anchors if a != name)} (same input, weights concatenated)"
             decision = by_name[name]
             decision.reason = "; ".join(filter(None, (decision.reason, note)))
-    for node in ctx.gm.graph.nodes:
-        node.meta.pop(SIBLING, None)  # (it held the int8 weights alive)

@@ -11,7 +11,7 @@ from typing import Optional
 
 from torch.fx import GraphModule, Node
 
-from qbackend.lowering import FINISH, PREPARE, TABLES, EmitContext, Lowering, Unsupported
+from qbackend.lowering import PREPARE, TABLES, EmitContext, Lowering, Unsupported, finish
 from qbackend.patterns import ANCHORS, SWEEPS, GraphView, Reject, anchor_kind, rules_for
 
 from .report import Attempt, Decision, Report, source_of
@@ -125,7 +125,6 @@ def lower(gm: GraphModule, device: str, registry=None, weight_only_compute: str 
             if kind in sweep and anchor not in ctx.erased:  # (a view chain's later ops go with its first)
                 decisions = report.decisions if kind in ANCHORS else report.moves
                 decisions.append(decide(view, ctx, table, anchor, kind))
-    for finish in FINISH[device]:
-        finish(ctx, report)
+    finish(ctx, report)
     report.decisions.sort(key=lambda d: order[d.node])
     return report

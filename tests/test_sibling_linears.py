@@ -2,12 +2,13 @@
 one qlinear over their concatenated weights, bit for bit the separate calls; a sibling whose
 output a later kernel updates in place, or whose output arguments differ, keeps its own call."""
 import expecttest
+import pytest
 import torch
 import torch.nn as nn
 
 import qbackend.lowering as lowering
 
-from .helpers import assert_matches_reference, compile_and_run, quantize, short_graph
+from .helpers import assert_matches_reference, compile_and_run, lower_without_running, quantize, short_graph
 
 
 class Projections(nn.Module):
@@ -75,3 +76,18 @@ def test_sibling_updated_in_place_keeps_its_own_call():
     assert not any("slice" in line for line in _qlinear_lines(captured)), short_graph(captured.lowered)
     notes = {d.source: d.reason for d in captured.report.decisions if d.kind == "linear"}
     assert notes == {"q": "", "k": "", "out": "residual updated in place"}, str(captured.report)
+
+
+@pytest.mark.parametrize("device", ["cpu", "xpu"])
+def test_no_int8_weight_is_left_behind_in_the_lowered_graph(device):
+    """The emitters mark each qlinear with the int8 weight it was packed from, for the merge;
+    on every device the marks go once lowering ends, or each weight would stay in memory twice."""
+    from qbackend.lowering.common import SIBLING
+
+    from .xpu_builds import SimulatedXpuBuild
+
+    torch.manual_seed(0)
+    registry = SimulatedXpuBuild() if device == "xpu" else None
+    lowered, report = lower_without_running(quantize(Projections(), inputs()), inputs(), registry, device=device)
+    assert {"q", "k", "v"} <= {d.source for d in report.lowered}, str(report)
+    assert not [n.name for n in lowered.graph.nodes if SIBLING in n.meta]
