@@ -42,7 +42,7 @@ def _frozen_copy(gm: GraphModule) -> GraphModule:
         for part in node.target.split("."):
             value = getattr(value, part)
         if isinstance(value, torch.Tensor):
-            node.target = f"_frozen_{index}"
+            node.target = f"_qb_frozen_{index}"  # (a name export never uses)
             set_constant(work, node.target, value.detach())
     work.recompile()
     return work
