@@ -31,7 +31,7 @@ def explain(model, *example_inputs, device: str | None = None) -> Report:
     with torch.no_grad():  # (an exported graph goes to the backend directly: see qbackend.compile)
         compile(model, options={"report_sink": reports.append, "device": device})(*example_inputs)
     if not reports:
-        return Report(device or "?", notes=["Dynamo captured no graph (nothing to compile)"], graphs=0)
+        return Report(device or "?", notes=["no graph reached the backend (nothing to compile)"], graphs=0)
     return functools.reduce(Report.merge, reports)
 
 
