@@ -10,7 +10,7 @@ from qbackend.patterns.base import fake_value
 from .capabilities import (INT16_MAX, conv_binary_post_op_refusal, conv_post_op_refusal, int8_pairs_saturate,
                            linear_binary_post_op_refusal, linear_post_op_refusal, quantized_tensor_pool_refusal)
 from .base import Lowering
-from .common import COMMON, NO_POST_OP
+from .common import COMMON, NO_POST_OP, output_args
 from .signed_int8 import signed_activations_as_unsigned
 from .weight_only import emit_weight_only, limits_for
 
@@ -33,9 +33,8 @@ def _post_op(match):
     if match.conv is not None:
         return conv_post_op_refusal("cpu", match.conv.spatial_rank, post.name, post.scalars, post.algorithm)
     if binary:
-        output_dtype = match.output_quant.dtype if match.output_quant is not None else match.float_dtype
         return linear_binary_post_op_refusal("cpu", post.name, post.scalars, post.algorithm,
-                                             fake_value(match.accum_float).dtype, output_dtype)
+                                             fake_value(match.accum_float).dtype, output_args(match)[2])
     return linear_post_op_refusal("cpu", post.name, post.scalars, post.algorithm)
 
 

@@ -17,7 +17,8 @@ from collections import defaultdict
 import torch
 from torch.fx import Node
 
-from qbackend.patterns.base import fake_value
+from qbackend.patterns.base import constant_value, fake_value
+from qbackend.patterns.inplace import schema_writes
 
 from .base import EmitContext
 from .common import SIBLING, record_fake_value, static_shape
@@ -36,20 +37,13 @@ def _writes_into(user: Node, value: Node, binary_ops) -> bool:
     if user.target in binary_ops:
         return True
     if isinstance(user.target, torch._ops.OpOverload):
-        schema = user.target._schema
-        return any(given is value and arg.alias_info is not None and arg.alias_info.is_write
-                   for arg, given in zip(schema.arguments, user.args))
+        return schema_writes(user, value)
     return user.op != "call_function" or getattr(user.target, "__name__", "").endswith("_")
 
 
 def _bias(ctx: EmitContext, node, rows: int):
     """A sibling's bias as a tensor (zeros when it has none); None when it is not a constant."""
-    if node is None:
-        return torch.zeros(rows)
-    if isinstance(node, Node) and node.op == "get_attr":
-        value = getattr(ctx.gm, node.target, None)
-        return value if isinstance(value, torch.Tensor) else None
-    return None
+    return torch.zeros(rows) if node is None else constant_value(ctx.gm, node)
 
 
 def _groups(ctx: EmitContext) -> list[list[Node]]:

@@ -175,10 +175,7 @@ class GraphView:
     _order: dict = field(default_factory=dict)
 
     def constant(self, node) -> Optional[torch.Tensor]:
-        if isinstance(node, Node) and node.op == "get_attr":
-            value = getattr(self.gm, node.target, None)
-            return value if isinstance(value, torch.Tensor) else None
-        return None
+        return constant_value(self.gm, node)
 
     def is_graph_input(self, node: Node) -> bool:
         return node.op == "placeholder"
@@ -199,6 +196,14 @@ def per_dim(value, rank: int) -> list:
     """ATen's int-or-list arguments (stride=2, padding=[1]) as one value per spatial dim."""
     value = list(value) if isinstance(value, (list, tuple)) else [value]
     return value * rank if len(value) == 1 else value
+
+
+def constant_value(gm: GraphModule, node) -> Optional[torch.Tensor]:
+    """The tensor a get_attr node reads from ``gm`` (None for anything else)."""
+    if isinstance(node, Node) and node.op == "get_attr":
+        value = getattr(gm, node.target, None)
+        return value if isinstance(value, torch.Tensor) else None
+    return None
 
 
 def fake_value(node) -> Optional[torch.Tensor]:

@@ -29,15 +29,17 @@ def _returns_fresh_tensor(node: Node) -> bool:
     return False
 
 
+def schema_writes(user: Node, value: Node) -> bool:
+    """The user's op schema marks the argument ``value`` is passed as written in place."""
+    if not isinstance(user.target, torch._ops.OpOverload):
+        return False
+    return any(given is value and arg.alias_info is not None and arg.alias_info.is_write
+               for arg, given in zip(user.target._schema.arguments, user.args))
+
+
 def _only_reads(user: Node, value: Node) -> bool:
     """The user reads ``value`` without keeping a view of it or writing to it."""
-    if not _returns_fresh_tensor(user):
-        return False
-    if isinstance(user.target, torch._ops.OpOverload):
-        for arg, given in zip(user.target._schema.arguments, user.args):
-            if given is value and arg.alias_info is not None and arg.alias_info.is_write:
-                return False
-    return True
+    return _returns_fresh_tensor(user) and not schema_writes(user, value)
 
 
 def clobber_blocker(graph: GraphView, buffer: Node, reader: Node, write_at: Node) -> Optional[str]:

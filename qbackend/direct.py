@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import operator
 from typing import Callable, Optional
 
 import torch
@@ -38,9 +39,7 @@ def _frozen_copy(gm: GraphModule) -> GraphModule:
     graph.output(graph.graph_copy(gm.graph, {}))
     work = GraphModule(gm, graph)
     for index, node in enumerate(n for n in work.graph.nodes if n.op == "get_attr"):
-        value = gm
-        for part in node.target.split("."):
-            value = getattr(value, part)
+        value = operator.attrgetter(node.target)(gm)  # (a dotted path for a submodule's tensor)
         if isinstance(value, torch.Tensor):
             node.target = f"_qb_frozen_{index}"  # (a name export never uses)
             set_constant(work, node.target, value.detach())
@@ -79,12 +78,13 @@ class CompiledGraphModule:
         self.module, self.options = gm, dict(options or {})
         self.lowered: dict = {}  # input signature -> callable taking the graph's placeholders
         self.recorded = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+        self.parameters = inspect.signature(gm.forward)  # (binding runs on every call)
         info = getattr(gm.graph._codegen, "pytree_info", None)
         self.in_spec = info.in_spec if info is not None else None
 
     def _placeholders(self, args, kwargs) -> Optional[list]:
         try:
-            bound = inspect.signature(self.module.forward).bind(*args, **kwargs)
+            bound = self.parameters.bind(*args, **kwargs)
         except TypeError:
             return None
         if self.in_spec is not None:
