@@ -55,6 +55,7 @@ DISPLAY_NAMES = {
 BASELINE_PATH = "Inductor int8"
 ORT_PATH = "ONNX Runtime int8 (static QDQ)"
 DIRECT_PATH = "qbackend int8, qbackend.compile (no Dynamo)"
+REMAINDER_PATH = "qbackend int8 + Inductor for the float remainder (qbackend.compile, remainder='inductor')"
 CNNS = ("resnet18_like", "mobilenet_v2_like")
 
 
@@ -112,6 +113,10 @@ def build_qbackend_direct(case):
     return qbackend.compile(case.converted)  # the same lowering, without Dynamo's re-trace
 
 
+def build_qbackend_inductor_remainder(case):
+    return qbackend.compile(case.converted, {"remainder": "inductor"})  # the float ops around the kernels fused
+
+
 def build_pt2e_reference(case):
     return case.converted
 
@@ -132,6 +137,7 @@ PATHS = [
     (ORT_PATH, build_ort_int8),
     ("qbackend int8", build_qbackend_int8),
     (DIRECT_PATH, build_qbackend_direct),
+    (REMAINDER_PATH, build_qbackend_inductor_remainder),
     ("PT2E reference (eager)", build_pt2e_reference),
 ]
 PEERS = (BASELINE_PATH, ORT_PATH)  # qbackend's latency target: <= 0.95x the best of these
@@ -258,6 +264,9 @@ def report(rows, quick, machine):
         "- `qbackend.compile` hands the converted module's graph to the same backend without Dynamo's"
         " re-trace (Dynamo is most of `torch.compile`'s time here); its lowered graph and outputs are"
         " the torch.compile path's.",
+        "- `remainder='inductor'`: the same lowered graph, whose float ops (LayerNorm, softmax, GELU,"
+        " boundary q/dq) Inductor compiles around the oneDNN calls; opt-in, it needs Inductor's compile"
+        " time and a C++ compiler.",
         "- Latencies: all paths compiled side by side, then timed in interleaved rounds (median), so"
         " drifting load on this shared machine hits every path alike.",
         "",

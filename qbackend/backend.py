@@ -19,6 +19,7 @@ from torch.fx import GraphModule
 from .cleanup import cleanup, drop_inference_dropout
 from .freeze import freeze
 from .lower import lower
+from .remainder import MODES, compile_with_inductor
 from .report import Report
 
 log = logging.getLogger("qbackend")
@@ -38,6 +39,9 @@ class Options:
     # the lowered graph will be traced again with fake tensors (export, another compiler): use
     # only op names that have a Meta kernel (torch 2.13's legacy qconv1d/qconv3d have none)
     need_meta: bool = False
+    # what runs the ops qbackend does not lower: "eager" (ATen calls, no compiler needed) or
+    # "inductor" (fused C++ loops around the oneDNN calls; Inductor's compile time, see remainder.py)
+    remainder: str = "eager"
 
     @classmethod
     def parse(cls, options) -> "Options":
@@ -46,7 +50,10 @@ class Options:
         unknown = set(options) - known
         if unknown:
             raise ValueError(f"qbackend: unknown option(s) {sorted(unknown)}; valid options: {sorted(known)}")
-        return cls(**options)
+        parsed = cls(**options)
+        if parsed.remainder not in MODES:
+            raise ValueError(f"qbackend: remainder={parsed.remainder!r}; valid: {', '.join(map(repr, MODES))}")
+        return parsed
 
 
 def graph_device(example_inputs, gm: GraphModule) -> str:
@@ -62,8 +69,7 @@ def graph_device(example_inputs, gm: GraphModule) -> str:
     return "cpu"
 
 
-def _runner(gm: GraphModule, runtime_inputs: list[int], total: int) -> Callable:
-    forward = gm.forward
+def _runner(forward: Callable, runtime_inputs: list[int], total: int) -> Callable:
     if runtime_inputs == list(range(total)):
         return forward
     keep = tuple(runtime_inputs)
@@ -81,9 +87,12 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
     work = GraphModule(gm, copy.deepcopy(gm.graph))
     runtime_inputs = freeze(work, example_inputs)
     drop_inference_dropout(work)
-    report = lower(work, device, registry, options.weight_only_compute, options.weight_only_dense_rows, options.need_meta)
-    cleanup(work)
-    return _runner(work, runtime_inputs, len(example_inputs)), report, work
+    inductor = options.remainder == "inductor"  # (Inductor traces the graph: ops with Meta kernels, its own q/dq)
+    report = lower(work, device, registry, options.weight_only_compute, options.weight_only_dense_rows,
+                   options.need_meta or inductor)
+    cleanup(work, fast_boundary=not inductor)
+    compiled = inductor and compile_with_inductor(work, [example_inputs[i] for i in runtime_inputs], report)
+    return _runner(compiled or work.forward, runtime_inputs, len(example_inputs)), report, work
 
 
 def qbackend(gm: GraphModule, example_inputs, options=None, **_mode):

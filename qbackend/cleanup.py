@@ -107,11 +107,13 @@ def views_accept_any_layout(gm: GraphModule) -> None:
                 node.target = aten.reshape.default
 
 
-def cleanup(gm: GraphModule) -> None:
+def cleanup(gm: GraphModule, fast_boundary: bool = True) -> None:
+    """``fast_boundary=False`` keeps the reference q/dq ops (another compiler, Inductor, fuses them)."""
     gm.graph.eliminate_dead_code()
     fold_constants(gm)
     gm.graph.eliminate_dead_code()
-    fast_boundary_qdq(gm)
+    if fast_boundary:
+        fast_boundary_qdq(gm)
     views_accept_any_layout(gm)
     gm.graph.lint()
     gm.recompile()

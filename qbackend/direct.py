@@ -24,6 +24,8 @@ from .freeze import set_constant
 
 log = logging.getLogger("qbackend")
 
+EXPORT_GUARDS = "_guards_fn"  # the submodule torch.export calls to check its inputs' shapes
+
 
 def _signature(value):
     if isinstance(value, torch.Tensor):
@@ -37,6 +39,8 @@ def _frozen_copy(gm: GraphModule) -> GraphModule:
     every constant as a frozen one, as the Dynamo path does (``freeze.set_constant``)."""
     graph = torch.fx.Graph()  # (default codegen; node meta copied per node, so the user's stays as it is)
     graph.output(graph.graph_copy(gm.graph, {}))
+    for node in [n for n in graph.nodes if n.op == "call_module" and n.target == EXPORT_GUARDS]:
+        graph.erase_node(node)  # (checked once per input signature instead: ``CompiledGraphModule._lower``)
     work = GraphModule(gm, graph)
     for index, node in enumerate(n for n in work.graph.nodes if n.op == "get_attr"):
         value = operator.attrgetter(node.target)(gm)  # (a dotted path for a submodule's tensor)
@@ -98,6 +102,9 @@ class CompiledGraphModule:
         return inputs
 
     def _lower(self, inputs: list) -> Callable:
+        guards = getattr(self.module, EXPORT_GUARDS, None)
+        if guards is not None:  # export's input checks read shapes only, fixed per signature
+            guards(*inputs)
         return qbackend(_with_shapes(self.module, inputs), inputs, self.options)
 
     def __call__(self, *args, **kwargs):
@@ -108,9 +115,6 @@ class CompiledGraphModule:
         if key not in self.lowered:
             self.lowered[key] = self._lower(inputs)
         return self.module.graph.process_outputs(self.lowered[key](*inputs))
-
-
-EXPORT_GUARDS = "_guards_fn"  # the submodule torch.export calls to check its inputs' shapes
 
 
 def _is_aten_graph(model) -> bool:

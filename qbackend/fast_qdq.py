@@ -40,7 +40,9 @@ def _quantized_tensor_kernels() -> bool:
 
 
 def _vectorised(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    return t.device.type == "cpu" and dtype in FULL_RANGE and _quantized_tensor_kernels()
+    """(Not while a compiler traces the graph with fake tensors: quantized tensors do not
+    trace, the float steps do and fuse.)"""
+    return type(t) is torch.Tensor and t.device.type == "cpu" and dtype in FULL_RANGE and _quantized_tensor_kernels()
 
 
 def _quantized(x: torch.Tensor, scale: float, zero_point: int, dtype: torch.dtype) -> torch.Tensor:

@@ -58,7 +58,10 @@ def test_importing_and_using_qbackend_changes_no_global_state():
         with torch.no_grad():
             torch.compile(m, backend="qbackend")(*example_inputs)
             report = qbackend.explain(m, *example_inputs)
+            fused = []
+            qbackend.compile(m, {"remainder": "inductor", "report_sink": fused.append})(*example_inputs)
         after_use = snapshot()
+        print("remainder", fused[0].notes[-1])
         for stage, snap in (("import", after_import), ("use", after_use)):
             for key in before:
                 if before[key] != snap[key]:
@@ -69,3 +72,4 @@ def test_importing_and_using_qbackend_changes_no_global_state():
     """))
     assert "CHANGED" not in out, out
     assert "lowered 3 of 3" in out and "done" in out, out
+    assert "remainder (the ops around the lowered kernels) compiled by Inductor" in out, out

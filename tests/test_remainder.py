@@ -1,0 +1,79 @@
+"""``options={"remainder": "inductor"}``: Inductor compiles the float ops around the lowered
+oneDNN calls. The kernels still run, the float ops no longer run as ATen calls, the numerics
+are the reference's, no input is written, and a failing Inductor leaves the eager lowered graph."""
+import pytest
+import torch
+from torch.profiler import profile
+
+import qbackend
+from qbackend.models import bert_encoder_like, tiny_resnet
+
+from .helpers import quantize
+from .tolerances import assert_outputs_close
+
+INDUCTOR = {"remainder": "inductor"}
+COMPILED_NOTE = "remainder (the ops around the lowered kernels) compiled by Inductor"
+
+
+def _encoder():
+    inputs = (torch.randn(2, 16, 64),)
+    return quantize(bert_encoder_like(num_layers=1, hidden=64, heads=4, ffn=128), inputs), inputs
+
+
+def _ops_run(compiled, inputs) -> set:
+    with profile() as trace:
+        compiled(*inputs)
+    return {event.name for event in trace.events()}
+
+
+def test_encoder_kernels_stay_and_float_ops_fuse():
+    model, inputs = _encoder()
+    reports = []
+    eager = qbackend.compile(model)
+    fused = qbackend.compile(model, {**INDUCTOR, "report_sink": reports.append})
+    given = inputs[0].clone()
+    with torch.no_grad():
+        expected = model(*inputs)
+        assert_outputs_close(fused(*inputs), expected, "remainder by Inductor")
+    assert_outputs_close(fused(*inputs), expected, "called with grad enabled")
+    assert torch.equal(inputs[0], given)  # (Inductor's own int8 lowering writes into its input here)
+    report, = reports
+    assert COMPILED_NOTE in report.notes and report.lowered and not report.kept, str(report)
+    eager_ops, fused_ops = _ops_run(eager, inputs), _ops_run(fused, inputs)
+    assert "onednn::qlinear_pointwise" in fused_ops
+    assert "aten::native_layer_norm" in eager_ops and "aten::native_layer_norm" not in fused_ops
+
+
+def test_conv_residual_in_place_sum_through_dynamo():
+    """The in-place conv sum declares its write (``Tensor(a!)``): traced and lowered by Inductor."""
+    inputs = (torch.randn(2, 3, 32, 32),)
+    model = quantize(tiny_resnet(), inputs)
+    given = inputs[0].clone()
+    reports = []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="qbackend", options={**INDUCTOR, "report_sink": reports.append})
+    with torch.no_grad():
+        assert_outputs_close(compiled(*inputs), model(*inputs), "tiny_resnet, remainder by Inductor")
+    assert torch.equal(inputs[0], given)
+    assert COMPILED_NOTE in reports[0].notes, str(reports[0])
+    assert "onednn::qconv2d_pointwise" in _ops_run(compiled, inputs)
+
+
+def test_inductor_failure_runs_the_lowered_graph_eagerly(monkeypatch):
+    import torch._inductor.compile_fx as compile_fx
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(compile_fx, "compile_fx", fail)
+    model, inputs = _encoder()
+    reports = []
+    with torch.no_grad():
+        result = qbackend.compile(model, {**INDUCTOR, "report_sink": reports.append})(*inputs)
+        assert torch.equal(result, qbackend.compile(model)(*inputs))
+    assert "remainder runs eagerly: Inductor failed (RuntimeError: no C++ compiler found)" in reports[0].notes
+
+
+def test_unknown_remainder_is_refused():
+    with pytest.raises(ValueError, match="remainder='tvm'; valid: 'eager', 'inductor'"):
+        qbackend.compile(_encoder()[0], {"remainder": "tvm"})(torch.randn(2, 16, 64))
