@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
+from qbackend.patterns.base import constant_value
+
 from . import fast_qdq
 from .freeze import drop_unused_constants, set_constant
 from .ops import graph_op
@@ -28,10 +30,6 @@ def drop_inference_dropout(gm: GraphModule) -> int:
     return dropped
 
 
-def _is_constant(gm: GraphModule, arg) -> bool:
-    return isinstance(arg, Node) and arg.op == "get_attr" and isinstance(getattr(gm, arg.target, None), torch.Tensor)
-
-
 def _foldable(gm: GraphModule, node: Node) -> bool:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
@@ -39,7 +37,7 @@ def _foldable(gm: GraphModule, node: Node) -> bool:
     if schema.is_mutable or torch.Tag.nondeterministic_seeded in node.target.tags:
         return False
     inputs = node.all_input_nodes
-    return bool(inputs) and all(_is_constant(gm, n) for n in inputs)
+    return bool(inputs) and all(constant_value(gm, n) is not None for n in inputs)
 
 
 def fold_constants(gm: GraphModule) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
+from qbackend.patterns.inplace import schema_writes
+
 
 def _is_parameter_or_buffer(node: Node, value) -> bool:
     if not isinstance(value, torch.Tensor):
@@ -22,15 +24,8 @@ def _is_parameter_or_buffer(node: Node, value) -> bool:
 
 def _is_written(node: Node) -> bool:
     """The graph mutates this input in place (e.g. a cache buffer): it must stay an input."""
-    for user in node.users:
-        target = user.target
-        if isinstance(target, torch._ops.OpOverload):
-            for arg, value in zip(target._schema.arguments, user.args):
-                if value is node and arg.alias_info is not None and arg.alias_info.is_write:
-                    return True
-        elif user.op == "call_method" and str(target).endswith("_"):
-            return True
-    return False
+    return any(schema_writes(user, node) or (user.op == "call_method" and str(user.target).endswith("_"))
+               for user in node.users)
 
 
 def set_constant(gm: GraphModule, name: str, value: torch.Tensor) -> None:
