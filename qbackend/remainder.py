@@ -35,16 +35,34 @@ def _copy(gm: GraphModule) -> GraphModule:
     return work
 
 
+def _symbolic_shapes(gm: GraphModule) -> bool:
+    """Dynamo handed over a graph with symbolic sizes (a dynamic dim, after a recompile)."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value = node.meta.get("example_value", node.meta.get("val"))
+            sizes = value.shape if isinstance(value, torch.Tensor) else [value]
+            if any(isinstance(size, torch.SymInt) for size in sizes):
+                return True
+    return False
+
+
 def compile_with_inductor(gm: GraphModule, inputs: list, report: Report) -> Optional[Callable]:
     """Inductor's compiled ``gm``, or None (the note says why) if Inductor cannot compile it:
     the lowered graph then runs eagerly, as by default."""
+    import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
+    if _symbolic_shapes(gm):  # Inductor would compile for the example sizes only; this graph takes any
+        report.notes.append("remainder runs eagerly: the graph has symbolic sizes (Inductor is handed static ones here)")
+        return None
     work = _copy(gm)
     try:
-        # (an inference graph: with grad on, AOT would trace the oneDNN weights for autograd; outside
-        # Dynamo's tracing context, whose fake mode refuses the real prepacked weights)
-        with torch.inference_mode(), torch._guards.tracing(None):
+        # An inference graph: with grad on, AOT would trace the oneDNN weights for autograd; outside
+        # Dynamo's tracing context, whose fake mode refuses the real prepacked weights. Without
+        # Inductor's pattern passes: qbackend has matched what it can, and in torch 2.13 the
+        # attention pass rewrites a softmax over dim -2 into SDPA (over -1), silently wrong
+        # (tests/test_remainder.py); its scheduler still fuses the float ops.
+        with torch.inference_mode(), torch._guards.tracing(None), inductor_config.patch(pattern_matcher=False):
             compiled = compile_fx(work, inputs)
     except Exception as error:  # e.g. no C++ compiler: the eager graph is still correct
         log.exception("qbackend: Inductor could not compile the remainder")

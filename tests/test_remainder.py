@@ -77,3 +77,33 @@ def test_inductor_failure_runs_the_lowered_graph_eagerly(monkeypatch):
 def test_unknown_remainder_is_refused():
     with pytest.raises(ValueError, match="remainder='tvm'; valid: 'eager', 'inductor'"):
         qbackend.compile(_encoder()[0], {"remainder": "tvm"})(torch.randn(2, 16, 64))
+
+
+def test_softmax_over_queries_stays_correct():
+    """Inductor 2.13's attention pass rewrites matmul -> scale -> + mask -> softmax(dim=-2) ->
+    matmul into SDPA, which takes the softmax over -1: 0.13 off on this model (plain
+    ``torch.compile`` too). qbackend's sdpa rule rejects it, and Inductor runs without its passes."""
+    from .test_attention import MaskedAttention, inputs
+
+    model = quantize(MaskedAttention(dim=-2), inputs())
+    reports = []
+    with torch.no_grad():
+        result = qbackend.compile(model, {**INDUCTOR, "report_sink": reports.append})(*inputs())
+        torch.testing.assert_close(result, model(*inputs()), rtol=0, atol=1e-5)
+    assert COMPILED_NOTE in reports[0].notes
+    assert "softmax is not over the last dim" in reports[0].kept[0].reason, str(reports[0])
+
+
+def test_symbolic_sizes_keep_the_eager_remainder():
+    """Dynamo's dynamic graph takes any size; Inductor would be handed the example's."""
+    from qbackend.patterns.examples import HandQuantized
+
+    module, reports = HandQuantized(rank=2), []
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend="qbackend", dynamic=True, options={**INDUCTOR, "report_sink": reports.append})
+    with torch.no_grad():
+        for batch, size in ((2, 12), (3, 9)):
+            x = torch.randn(batch, 8, size, size)
+            assert (compiled(x) - module(x)).abs().max() <= 0.03 * 1.0001, (batch, size)  # within one output step
+    assert len(reports) == 1 and reports[0].lowered
+    assert "remainder runs eagerly: the graph has symbolic sizes (Inductor is handed static ones here)" in reports[0].notes
