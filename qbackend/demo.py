@@ -29,6 +29,15 @@ def median_ms(fn, inputs, iters=30) -> float:
     return statistics.median(times) * 1e3
 
 
+def compiled_row(name, build, inputs) -> tuple[str, float, float]:
+    """(name, median ms, seconds to build and make the first call, which compiles)."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        runner = build()
+        runner(*inputs)
+    return name, median_ms(runner, inputs), time.perf_counter() - start
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=1)
@@ -60,22 +69,14 @@ def main(argv=None):
           f"top-1 agreement with fp32 {(out.argmax(-1) == fp32.argmax(-1)).float().mean().item():.2f}")
 
     rows = [("fp32 eager", median_ms(model, inputs), 0.0), ("qbackend int8", median_ms(compiled, inputs), compile_s)]
-    start = time.perf_counter()
-    with torch.no_grad():
-        direct = qbackend.compile(converted)  # the same lowering without Dynamo's re-trace
-        direct(*inputs)
-    rows.append(("qbackend.compile int8", median_ms(direct, inputs), time.perf_counter() - start))
+    # the same lowering without Dynamo's re-trace
+    rows.append(compiled_row("qbackend.compile int8", lambda: qbackend.compile(converted), inputs))
     if not args.no_inductor:
-        start = time.perf_counter()
-        with torch.no_grad():
-            fused = qbackend.compile(converted, {"remainder": "inductor"})  # Inductor fuses the float ops between the kernels
-            fused(*inputs)
-        rows.append(("qbackend + Inductor remainder", median_ms(fused, inputs), time.perf_counter() - start))
+        # Inductor fuses the float ops between qbackend's kernels
+        rows.append(compiled_row("qbackend + Inductor remainder",
+                                 lambda: qbackend.compile(converted, {"remainder": "inductor"}), inputs))
         torch._dynamo.reset()
-        start = time.perf_counter()
-        inductor = inductor_int8(converted, inputs)
-        inductor(*inputs)
-        rows.append(("Inductor int8 (freezing)", median_ms(inductor, inputs), time.perf_counter() - start))
+        rows.append(compiled_row("Inductor int8 (freezing)", lambda: inductor_int8(converted, inputs), inputs))
     print(f"\n4. latency, batch {args.batch}, {torch.get_num_threads()} threads (median; the first compile"
           " also pays qbackend's one-time start-up):")
     for name, ms, compile_time in rows:
