@@ -11,16 +11,21 @@ from typing import Callable, Optional
 
 import torch
 
-from qbackend.ops import resolve
+from qbackend import native
+from qbackend.ops import Resolved, resolve
 from qbackend.patterns.base import fake_value
 from qbackend.weight_quant import GroupQuantized, pack_int4
 
 aten = torch.ops.aten
 
-COMPUTE_CHOICES = ("auto", "bf16", "activation")  # how activations meet the kernels (option)
+# How activations meet the kernels (option): "int16" quantizes them per group for qbackend's own
+# kernels (qbackend/native.py), "bf16" / "activation" run torch's kernels in that dtype, "auto"
+# picks int16 where the device has those kernels and they build, else the device's auto_compute.
+COMPUTE_CHOICES = ("auto", "int16", "bf16", "activation")
 
 
 def compute_dtype(device: str, activation: torch.dtype, choice: str = "auto") -> torch.dtype:
+    """The dtype torch's kernels compute in (the int16 kernels take float32)."""
     if choice not in COMPUTE_CHOICES:
         raise ValueError(f"weight_only_compute must be one of {COMPUTE_CHOICES}, got {choice!r}")
     if choice == "activation":
@@ -38,6 +43,7 @@ class PackedLinear:
     args: tuple  # packed tensors and ints, after the activation
     in_features: int
     compute_dtype: torch.dtype
+    note: Optional[str] = None  # what the report should say about the kernel choice
 
 
 def _cpu_refusal(weight: GroupQuantized) -> Optional[str]:
@@ -79,6 +85,21 @@ def _int8(weight: GroupQuantized, dtype: torch.dtype, op: Callable) -> PackedLin
                         weight.shape[1], dtype)
 
 
+def _cpu_int4_int16(weight: GroupQuantized) -> PackedLinear:
+    # w = q * scale + offset = u * scale + (offset - 8 * scale) with u = q + 8 in [0, 15]
+    (n, k), scale = weight.shape, weight.scale.float()
+    packed = torch.empty(n, k // 4, dtype=torch.int16)
+    for start in range(0, n, PACK_ROWS):  # a few MB of int32 at a time, as for torch's packer
+        packed[start:start + PACK_ROWS] = native.pack_int4(weight.rows(start, start + PACK_ROWS))
+    offset = (weight.float_offset() - 8 * scale).contiguous()
+    return PackedLinear("int4_mm_int16", (packed, scale.contiguous(), offset, weight.group_size), k, torch.float32)
+
+
+def _cpu_int8_int16(weight: GroupQuantized) -> PackedLinear:
+    return PackedLinear("int8_mm_int16", (weight.rows().contiguous(), weight.scale[:, 0].float().contiguous()),
+                        weight.shape[1], torch.float32)
+
+
 def _xpu_refusal(weight: GroupQuantized) -> Optional[str]:
     """XPU's int4 kernel (oneDNN weight decompression) takes integer zero points and groups
     that are a multiple of 32 (read from torch's XPU sources: no XPU here to run it)."""
@@ -108,38 +129,67 @@ class WeightOnlyDevice:
     packers: dict  # bits -> packer(weight, compute dtype, op) -> PackedLinear, on the weight's own device
     refusal: Callable  # weight -> reason or None
     auto_compute: dict  # activation dtype -> compute dtype
+    int16_packers: dict = dataclasses.field(default_factory=dict)  # bits -> packer(weight): qbackend's own kernels
 
 
 DEVICES = {
     # CPU, one 4096x11008 layer, 1 row: int4 0.64 ms with bf16 activations vs 80 ms fp32 / 50 ms
     # fp16; int8 1.3 ms vs 40 ms (avx512_bf16). AVX2 only: int4 3.6 vs 47 ms, int8 4.7 vs 28 ms.
-    # So every activation dtype computes in bf16.
+    # So every activation dtype computes in bf16. qbackend's int16 kernels beat both on AVX2
+    # (int4 1.5 vs 3.5-4.2 ms, int8 1.9 vs 3.2 ms; docs/benchmarks_weight_only.md): "auto" takes them.
     "cpu": WeightOnlyDevice({4: _cpu_int4, 8: _int8}, _cpu_refusal,
-                            {torch.float32: torch.bfloat16, torch.float16: torch.bfloat16}),
+                            {torch.float32: torch.bfloat16, torch.float16: torch.bfloat16},
+                            {4: _cpu_int4_int16, 8: _cpu_int8_int16}),
     # XPU's int4 kernel asserts on fp32 activations (fp16 / bf16 only, from its sources)
     "xpu": WeightOnlyDevice({4: _xpu_int4, 8: _int8}, _xpu_refusal, {torch.float32: torch.bfloat16}),
 }
 
 
-def refusal(weight: GroupQuantized, device: str) -> Optional[str]:
-    """Why ``device`` cannot run this weight (None if it can)."""
+def _int16_refusal(weight: GroupQuantized, device: str) -> Optional[str]:
+    """Why qbackend's int16 kernels cannot run this weight on ``device`` (None if they can)."""
+    if weight.bits not in DEVICES[device].int16_packers:
+        return f"qbackend has no int{weight.bits} int16 kernel for {device}"
+    return native.refusal(weight.bits, weight.shape[1], weight.group_size) or native.available()
+
+
+def refusal(weight: GroupQuantized, device: str, choice: str = "auto") -> Optional[str]:
+    """Why ``device`` cannot run this weight with ``choice`` (None if it can)."""
     kernels = DEVICES.get(device)
     if kernels is None or weight.bits not in kernels.packers:
         return f"no int{weight.bits} weight-only kernel for device {device!r}"
-    if weight.bits == 8 and not weight.is_symmetric():  # _weight_int8pack_mm takes scales only, everywhere
+    if weight.bits == 8 and not weight.is_symmetric():  # every int8 weight-only kernel takes scales only
         return "the int8 weight-only kernel has no zero point (asymmetric weight)"
+    if choice == "int16":
+        return _int16_refusal(weight, device)
+    if choice == "auto" and _int16_refusal(weight, device) is None:
+        return None
     return kernels.refusal(weight)
 
 
 def pack(weight: GroupQuantized, device: str, activation: torch.dtype, choice: str = "auto",
          op: Optional[Callable] = None) -> PackedLinear:
-    """Pack for ``device``; ``op(logical)`` resolves ops (default: the live registry).
+    """Pack for ``device``; ``op(logical)`` resolves torch's ops (default: the live registry).
     Raises ValueError with the reason when the device cannot run this weight."""
-    reason = refusal(weight, device)
+    reason = refusal(weight, device, choice)
     if reason is not None:
         raise ValueError(reason)
+    compute, note = compute_dtype(device, activation, choice), None  # (validates the choice)
+    if choice in ("auto", "int16"):
+        why_not = _int16_refusal(weight, device)
+        if why_not is None:
+            return DEVICES[device].int16_packers[weight.bits](weight)
+        if DEVICES[device].int16_packers:
+            note = f"torch's kernel: {why_not}"
     op = op or (lambda logical: resolve(logical, device).op)
-    return DEVICES[device].packers[weight.bits](weight, compute_dtype(device, activation, choice), op)
+    packed = DEVICES[device].packers[weight.bits](weight, compute, op)
+    return dataclasses.replace(packed, note=note)
+
+
+def kernel_of(logical: str, resolve_op: Callable) -> Resolved:
+    """The op a PackedLinear calls: qbackend's own, or torch's through ``resolve_op``."""
+    if logical in native.OPS:
+        return Resolved(logical, "cpu", f"{native.NAMESPACE}::{logical}.default", native.op(logical), "qbackend's own kernel")
+    return resolve_op(logical)
 
 
 def limits_for(device: str) -> Callable:
@@ -151,10 +201,15 @@ def emit_weight_only(ctx, match):
     x = match.float_input
     value = fake_value(x)
     packed = pack(match.weight_only, ctx.device, value.dtype, ctx.weight_only_compute, lambda name: ctx.op(name).op)
-    if packed.compute_dtype != value.dtype:
+    if packed.op in native.OPS:
+        ctx.notes.append(f"{value.dtype} activations quantized per group to int16 for qbackend's kernel "
+                         "(options={'weight_only_compute': 'bf16'} runs torch's)")
+    elif packed.compute_dtype != value.dtype:
         ctx.notes.append(f"{value.dtype} activations computed in {packed.compute_dtype} "
                          "(options={'weight_only_compute': 'activation'} keeps them)")
-    bits, kernel = match.weight_only.bits, ctx.op(packed.op)
+    if packed.note:
+        ctx.notes.append(packed.note)
+    bits, kernel = match.weight_only.bits, kernel_of(packed.op, ctx.op)
     ctx.kernel = kernel.qualname
     args = tuple(ctx.constant(a, f"int{bits}_w") if isinstance(a, torch.Tensor) else a for a in packed.args)
     dense = None
@@ -198,5 +253,5 @@ def linear_steps(call: Callable, x, x_rank: int, x_dtype: torch.dtype, packed: P
 
 def run(x: torch.Tensor, packed: PackedLinear, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Eager weight-only linear (used by the quantized-weight tensor)."""
-    kernel = resolve(packed.op, x.device.type).op
+    kernel = kernel_of(packed.op, lambda logical: resolve(logical, x.device.type)).op
     return linear_steps(lambda fn, *a, **k: fn(*a, **k), x, x.dim(), x.dtype, packed, kernel, bias)

@@ -32,7 +32,9 @@ class Options:
     device: Optional[str] = None  # lower for this device's table instead of the inputs' device
     report: bool = False  # print the report to stderr (also: QBACKEND_REPORT=1)
     report_sink: Optional[Callable[[Report], None]] = None  # receives each graph's report
-    weight_only_compute: str = "auto"  # weight-only linears: "auto" (bf16 on CPU), "bf16" or "activation"
+    # weight-only linears: "auto" (CPU: qbackend's int16 kernels where they build, else bf16),
+    # "int16", "bf16" or "activation" (lowering/weight_only.py COMPUTE_CHOICES)
+    weight_only_compute: str = "auto"
     # weight-only linears: from this many rows (tokens) on, run a dense matmul on a dequantized
     # copy kept in memory (+0.5x the fp32 weight in bf16); None: always the packed kernel
     weight_only_dense_rows: Optional[int] = None

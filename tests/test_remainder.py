@@ -3,13 +3,14 @@ oneDNN calls. The kernels still run, the float ops no longer run as ATen calls, 
 are the reference's, no input is written, and a failing Inductor leaves the eager lowered graph."""
 import pytest
 import torch
+import torch.nn as nn
 from torch.profiler import profile
 
 import qbackend
 from qbackend.models import bert_encoder_like, tiny_resnet
 
 from .helpers import quantize
-from .tolerances import assert_outputs_close
+from .tolerances import assert_outputs_close, assert_weight_only_close
 
 INDUCTOR = {"remainder": "inductor"}
 COMPILED_NOTE = "remainder (the ops around the lowered kernels) compiled by Inductor"
@@ -107,3 +108,20 @@ def test_symbolic_sizes_keep_the_eager_remainder():
             assert (compiled(x) - module(x)).abs().max() <= 0.03 * 1.0001, (batch, size)  # within one output step
     assert len(reports) == 1 and reports[0].lowered
     assert "remainder runs eagerly: the graph has symbolic sizes (Inductor is handed static ones here)" in reports[0].notes
+
+
+def test_weight_only_int16_kernel_stays_an_extern_call_under_inductor():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.SiLU(), nn.Linear(512, 256)).eval()
+    reference = nn.Sequential(nn.Linear(256, 512), nn.SiLU(), nn.Linear(512, 256)).eval()
+    qbackend.quantize_weights(model, bits=4, group_size=64)
+    reference.load_state_dict(model.state_dict())
+    x, reports = torch.randn(3, 256), []
+    compiled = qbackend.compile(model, {"remainder": "inductor", "report_sink": reports.append})
+    with torch.no_grad():
+        compiled(x)  # compiles
+        with profile() as trace:
+            actual = compiled(x)
+    assert_weight_only_close(actual, reference(x).detach(), "int16 under Inductor", "weight_only_int16")
+    assert "remainder (the ops around the lowered kernels) compiled by Inductor" in reports[0].notes
+    assert sum(e.name == "qbackend::int4_mm_int16" for e in trace.events()) == 2

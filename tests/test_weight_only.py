@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 import qbackend
+from qbackend import native
 from qbackend.quantized_tensor import QuantizedLinearWeight
 from qbackend.weight_quant import pack_int4, unpack_int4
 
@@ -27,32 +28,53 @@ class MLP(nn.Module):
         return h @ self.down.weight.T + self.down.bias
 
 
-def quantized_and_reference(bits, group_size, dtype=torch.float32, seed=0):
+def quantized_and_reference(bits, group_size, dtype=torch.float32, seed=0, compute="auto"):
     """(weight-only model, float model with the dequantized weights)."""
     torch.manual_seed(seed)
     model = MLP().to(dtype).eval()
-    qbackend.quantize_weights(model, bits=bits, group_size=group_size)
+    qbackend.quantize_weights(model, bits=bits, group_size=group_size, compute=compute)
     reference = MLP().to(dtype).eval()
     reference.load_state_dict(model.state_dict())  # a float model gets the dequantized values
     return model, reference
 
 
+KERNELS = {  # (compute choice, bits) -> the op the report names
+    ("int16", 4): "qbackend::int4_mm_int16.default", ("int16", 8): "qbackend::int8_mm_int16.default",
+    ("bf16", 4): "aten::_weight_int4pack_mm_for_cpu.default", ("bf16", 8): "aten::_weight_int8pack_mm.default",
+}
+
+
+@pytest.mark.parametrize("compute", ["auto", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (4, 128), (4, 256), (8, None)],
                          ids=["int4-g32", "int4-g64", "int4-g128", "int4-g256", "int8"])
-def test_compiled_and_eager_match_the_dequantized_float_model(bits, group_size, dtype):
-    model, reference = quantized_and_reference(bits, group_size, dtype)
+def test_compiled_and_eager_match_the_dequantized_float_model(bits, group_size, dtype, compute):
+    model, reference = quantized_and_reference(bits, group_size, dtype, compute=compute)
     x = torch.randn(2, 3, 256, dtype=dtype)
-    actual, _, captured = compile_and_run(model, (x,))
+    actual, _, captured = compile_and_run(model, (x,), weight_only_compute=compute)
     with torch.no_grad():
         expected = reference.float()(x.float()).to(dtype)  # exact up to fp32 rounding
         eager = model(x)
-    assert_weight_only_close(actual, expected, "compiled")
-    assert_weight_only_close(eager, expected, "eager")
+    # "auto" is qbackend's int16 kernel wherever it builds (this suite's machines: AVX2 + cc)
+    kernel = "int16" if compute == "auto" and native.available() is None else "bf16"
+    tolerance = "weight_only_int16" if kernel == "int16" and dtype == torch.float32 else "weight_only"
+    assert_weight_only_close(actual, expected, "compiled", tolerance)
+    assert_weight_only_close(eager, expected, "eager", tolerance)
     report = captured.report
     assert [d.rule for d in report.decisions] == [f"int{bits}_weight_linear"] * 3, str(report)
-    kernels = {"int4": "aten::_weight_int4pack_mm_for_cpu.default", "int8": "aten::_weight_int8pack_mm.default"}
-    assert {d.op for d in report.decisions} == {kernels[f"int{bits}"]}
+    assert {d.op for d in report.decisions} == {KERNELS[kernel, bits]}
+
+
+def test_auto_without_the_int16_kernels_runs_torchs_with_the_reason(monkeypatch):
+    monkeypatch.setattr(native, "available", lambda: "qbackend's int16 kernels are unavailable: no C compiler found")
+    model, reference = quantized_and_reference(4, 64)
+    x = torch.randn(3, 256)
+    actual, _, captured = compile_and_run(model, (x,))
+    with torch.no_grad():
+        assert_weight_only_close(actual, reference(x), "fallback")
+    decision = captured.report.decisions[0]
+    assert decision.op == KERNELS["bf16", 4]
+    assert "torch's kernel: qbackend's int16 kernels are unavailable: no C compiler found" in decision.reason
 
 
 class TestWeightOnlyGraphs(expecttest.TestCase):
@@ -60,9 +82,19 @@ class TestWeightOnlyGraphs(expecttest.TestCase):
         _, _, captured = compile_and_run(model, (x,), **options)
         return short_graph(captured.lowered), str(captured.report)
 
-    def test_int4_fp32_model_runs_the_kernel_in_bf16(self):
+    def test_int4_fp32_model_runs_qbackends_int16_kernel(self):
         model, _ = quantized_and_reference(4, 128)
-        graph, report = self.lowered(model.gate, torch.randn(4, 256))
+        graph, report = self.lowered(model.gate, torch.randn(4, 256), weight_only_compute="int16")
+        self.assertExpectedInline(graph, """\
+l_args_0_ = input
+int4_mm_int16_default = qbackend.int4_mm_int16(l_args_0_, <const>, <const>, <const>, 128)
+add_tensor = aten.add.Tensor(int4_mm_int16_default, <const>)
+return (add_tensor)""")
+        assert "float32 activations quantized per group to int16 for qbackend's kernel" in report
+
+    def test_int4_fp32_model_runs_torchs_kernel_in_bf16(self):
+        model, _ = quantized_and_reference(4, 128)
+        graph, report = self.lowered(model.gate, torch.randn(4, 256), weight_only_compute="bf16")
         self.assertExpectedInline(graph, """\
 l_args_0_ = input
 _to_copy_default = aten._to_copy(l_args_0_, dtype=bfloat16)
@@ -138,16 +170,40 @@ def test_kernel_limits_leave_the_linear_unlowered_with_the_reason():
     odd = nn.Sequential(nn.Linear(128, 40), nn.ReLU(), nn.Linear(40, 16))  # 40 outputs: int4 needs N % 16
     qbackend.quantize_weights(odd, bits=4, group_size=32, include=lambda name, m: m.in_features == 128)
     x = torch.randn(3, 128)
-    actual, expected, captured = compile_and_run(odd, (x,))
+    actual, expected, captured = compile_and_run(odd, (x,), weight_only_compute="bf16")
     assert_weight_only_close(actual, expected, "unlowered")
     kept = captured.report.kept
     assert any("divisible by 16, got 40" in d.reason for d in kept), str(captured.report)
 
     int8 = qbackend.quantize_weights(nn.Linear(40, 16), bits=8)  # K = 40: the bf16 int8 kernel is wrong there
     x = torch.randn(3, 40)
-    actual, expected, captured = compile_and_run(int8, (x,))
+    actual, expected, captured = compile_and_run(int8, (x,))  # and the int16 one takes K % 64 == 0 only
     assert_weight_only_close(actual, expected, "int8 K=40")
     assert "in_features 40 is not a multiple of 16" in captured.report.kept[0].reason
+
+
+def test_int16_limits_fall_back_to_torchs_kernel_with_the_reason():
+    torch.manual_seed(0)
+    model = qbackend.quantize_weights(nn.Linear(96, 32), bits=4, group_size=32)  # K = 96: not whole 64-blocks
+    x = torch.randn(3, 96)
+    actual, expected, captured = compile_and_run(model, (x,))
+    assert_weight_only_close(actual, expected, "K=96")
+    decision = captured.report.decisions[0]
+    assert decision.op == KERNELS["bf16", 4]
+    assert "torch's kernel: in_features 96 is not a multiple of 64" in decision.reason
+    with pytest.raises(ValueError, match="in_features 96 is not a multiple of 64"):
+        qbackend.lowering.weight_only.pack(model.weight.group_quantized(), "cpu", torch.float32, "int16")
+
+
+def test_int16_kernel_takes_40_outputs_torchs_int4_kernel_refuses():
+    torch.manual_seed(0)
+    model = qbackend.quantize_weights(nn.Linear(128, 40), bits=4, group_size=32, compute="int16")
+    x = torch.randn(5, 128)
+    actual, expected, captured = compile_and_run(model, (x,), weight_only_compute="int16")
+    assert_weight_only_close(actual, expected, "N=40", "weight_only_int16")
+    assert captured.report.decisions[0].op == KERNELS["int16", 4]
+    with torch.no_grad():
+        assert_weight_only_close(model(x), expected, "eager N=40", "weight_only_int16")
 
 
 def test_in_features_not_a_multiple_of_the_group_stay_float():
@@ -164,14 +220,25 @@ def test_other_compilers_see_through_the_tensor():
         assert_weight_only_close(actual, reference(x), "aot_eager")
 
 
-def test_int4_packing_in_row_chunks_gives_the_one_shot_bytes():
+@pytest.mark.parametrize("compute", ["bf16", "int16"])
+def test_int4_packing_in_row_chunks_gives_the_one_shot_bytes(compute):
     from qbackend.lowering.weight_only import PACK_ROWS, pack
     from qbackend.weight_quant import quantize
 
     n = PACK_ROWS + 48  # a second chunk that ends in a short block
     weight = quantize(torch.randn(n, 128), 4, 32)
-    whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.rows().to(torch.int32) + 8, 8)
-    assert torch.equal(pack(weight, "cpu", torch.float32).args[0], whole)
+    whole = {"bf16": lambda: torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.rows().to(torch.int32) + 8, 8),
+             "int16": lambda: native.pack_int4(weight.rows())}[compute]()
+    assert torch.equal(pack(weight, "cpu", torch.float32, compute).args[0], whole)
+
+
+def test_int16_layout_puts_column_16j_plus_i_in_nibble_j_of_lane_i():
+    values = torch.arange(128).remainder(16).sub(8).to(torch.int8).reshape(1, 128)  # u = column % 16
+    values[0, 64 + 16 * 3 + 5] = 7 - 8  # u = 7 at block 1, nibble 3, lane 5
+    words = native.pack_int4(values).view(torch.uint16).to(torch.int32).reshape(2, 16)
+    nibble = lambda block, lane, j: (words[block, lane] >> (4 * j)) & 0xF
+    assert [nibble(0, lane, 0) for lane in range(16)] == list(range(16))
+    assert nibble(1, 5, 3) == 7 and nibble(1, 5, 2) == 5
 
 
 def test_dense_from_a_row_count_when_asked(monkeypatch):
@@ -184,7 +251,7 @@ def test_dense_from_a_row_count_when_asked(monkeypatch):
                         or original(rows, dense, *a))
     for tokens in (1, 32):
         x = torch.randn(1, tokens, 256)
-        actual, _, captured = compile_and_run(model.gate, (x,), weight_only_dense_rows=16)
+        actual, _, captured = compile_and_run(model.gate, (x,), weight_only_dense_rows=16, weight_only_compute="bf16")
         with torch.no_grad():
             assert_weight_only_close(actual, reference.gate.float()(x), f"{tokens} tokens")
         assert "dense torch.bfloat16 matmul from 16 rows on" in captured.report.decisions[0].reason

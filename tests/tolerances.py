@@ -11,6 +11,9 @@ TOLERANCE = {
     # largest output. The kernels run bf16 activations by default; measured on the test MLPs:
     # fp32 models <= 0.4%, bf16 models (whose every intermediate is bf16) <= 1.1%
     "weight_only": {"min_cosine": 0.9999, "max_relative_error": {torch.float32: 0.01, torch.bfloat16: 0.02}},
+    # qbackend's int16 kernels on fp32 models: activations keep 15 bits per group (measured
+    # <= 3e-5). bf16 models are bound by their own bf16 intermediates: the row above.
+    "weight_only_int16": {"min_cosine": 0.999999, "max_relative_error": {torch.float32: 1e-4}},
 }
 
 
@@ -44,10 +47,10 @@ def assert_outputs_close(actual, expected, what: str = ""):
             assert_int8_close(a, e, f"{what} output {i}")
 
 
-def assert_weight_only_close(actual: torch.Tensor, expected: torch.Tensor, what: str = ""):
+def assert_weight_only_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "", kind: str = "weight_only"):
     """``expected``: the fp32 linear computed with the dequantized weight, cast to the model's dtype."""
     assert actual.shape == expected.shape and actual.dtype == expected.dtype, (what, actual.shape, expected.shape)
-    tol = TOLERANCE["weight_only"]
+    tol = TOLERANCE[kind]
     c = cosine(actual, expected)
     relative = ((actual.double() - expected.double()).abs().max() / expected.double().abs().max()).item()
     assert c >= tol["min_cosine"], f"{what}: cosine {c:.6f}"
