@@ -83,11 +83,12 @@ def torchao_int4(model, dtype):
     return quantized
 
 
-def packed_bytes(bits: int, compute_bytes: int = 2) -> int:
-    """Bytes the packed kernels stream per call: the weights plus their scales (and zeros)."""
+def packed_bytes(bits: int, scale_bytes: int = 2) -> int:
+    """Bytes the packed kernels stream per call: the weights plus their scales (and zeros):
+    bf16 for torch's kernels, fp32 for qbackend's int16 kernels."""
     total = 0
     for n, k in ((INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)):
-        total += n * k // 2 + (k // GROUP) * n * 2 * compute_bytes if bits == 4 else n * k + n * compute_bytes
+        total += n * k // 2 + (k // GROUP) * n * 2 * scale_bytes if bits == 4 else n * k + n * scale_bytes
     return total
 
 
@@ -110,15 +111,18 @@ def paths_for(dtype, tokens, fp32_model, models):
         return torch.compile(model, backend="qbackend", options=options)
 
     name = "bf16" if dtype == torch.bfloat16 else "fp32"
-    int4 = models[f"int4 {name}"]
+    int4, int8 = models[f"int4 {name}"], models[f"int8 {name}"]
+    torchs = {"weight_only_compute": "bf16"}
     paths = {
         "dense fp32 eager": (fp32_model, torch.float32, None),
         "dense bf16 eager": (models["bf16"], torch.bfloat16, None),
-        f"qbackend int4 g{GROUP} ({name} model)": (compiled(int4), dtype, packed_bytes(4)),
-        f"qbackend int4 g{GROUP}, dense from {DENSE_ROWS} rows ({name} model)":
-            (compiled(int4, weight_only_dense_rows=DENSE_ROWS), dtype, packed_bytes(4)),
-        f"qbackend int4 g{GROUP} eager ({name} model)": (int4, dtype, packed_bytes(4)),
-        f"qbackend int8 ({name} model)": (compiled(models[f"int8 {name}"]), dtype, packed_bytes(8)),
+        f"qbackend int4 g{GROUP} ({name} model)": (compiled(int4), dtype, packed_bytes(4, 4)),
+        f"qbackend int4 g{GROUP} eager ({name} model)": (int4, dtype, packed_bytes(4, 4)),
+        f"qbackend int4 g{GROUP}, torch's kernel in bf16 ({name} model)": (compiled(int4, **torchs), dtype, packed_bytes(4)),
+        f"qbackend int4 g{GROUP}, torch's kernel in bf16, dense from {DENSE_ROWS} rows ({name} model)":
+            (compiled(int4, weight_only_dense_rows=DENSE_ROWS, **torchs), dtype, packed_bytes(4)),
+        f"qbackend int8 ({name} model)": (compiled(int8), dtype, packed_bytes(8, 4)),
+        f"qbackend int8, torch's kernel in bf16 ({name} model)": (compiled(int8, **torchs), dtype, packed_bytes(8)),
     }
     # torchao runs fp32 activations through the kernels' fp32 path: 0.1 s per token, shown once
     if f"torchao int4 {name}" in models and (dtype == torch.bfloat16 or tokens == 1):
@@ -245,15 +249,19 @@ def report(rows, bandwidth, memory, quick, machine):
         f"- Machine: {machine}",
         f"- Date: {datetime.date.today().isoformat()}; command: `python benchmarks/bench_weight_only.py{' --quick' if quick else ''}`",
         f"- Measured bandwidth (512 MB copy, read + write): {bandwidth / 1e9:.1f} GB/s. Bandwidth limit of a path ="
-        f" bytes it must stream (int4: {packed_bytes(4) / 1e6:.1f} MB, int8: {packed_bytes(8) / 1e6:.1f} MB incl. scales)"
+        f" bytes it must stream incl. scales (int4: {packed_bytes(4, 4) / 1e6:.1f} MB for qbackend's kernel, whose scales are"
+        f" fp32, {packed_bytes(4) / 1e6:.1f} MB for torch's; int8: {packed_bytes(8, 4) / 1e6:.1f} / {packed_bytes(8) / 1e6:.1f} MB)"
         " / that bandwidth; `x BW limit` = latency / limit.",
         "- Two timings per path. *cold*: all paths timed in interleaved rounds, so every call finds its weights"
         " flushed from the caches by the other paths, as the layers of a real LLM do (median). *warm*: the path"
         " called back to back alone, as most benchmarks (and the issue's reference numbers) measure; this"
         " machine's 32 MB L3 then keeps part of the 68 MB of int4 weights. Speedups are against dense fp32"
         " eager timed the same way; `x BW limit` uses the faster of the two. cos is against the fp32 model's output.",
-        "- The fp32 qbackend paths run the packed kernels with bf16 activations (cast in, cast out): measured, that is"
-        " 6-13x (AVX2) to 30-120x (avx512_bf16) faster than the kernels' fp32 path (see docs/design-notes.md).",
+        "- `qbackend int4` / `int8` is the default (`weight_only_compute=\"auto\"`): on this CPU, qbackend's own kernels"
+        " (qbackend/native.py), which quantize the activations per group to int16 and multiply with integer AVX2"
+        " instructions. `torch's kernel in bf16` is `weight_only_compute=\"bf16\"`: torch's packed kernels with bf16"
+        " activations (cast in, cast out), 6-13x (AVX2) to 30-120x (avx512_bf16) faster than their fp32 path"
+        " (docs/design-notes.md).",
         "",
         "| model | tokens | path | cold ms | cold speedup | warm ms | warm speedup | x BW limit | cos vs fp32 | notes |",
         "|---|---|---|---|---|---|---|---|---|---|",

@@ -93,7 +93,10 @@ def available() -> Optional[str]:
 
 
 def op(name: str):
-    """The registered OpOverload (call ``available()`` first)."""
+    """The registered OpOverload; RuntimeError with the reason when the kernels are unavailable."""
+    reason = available()
+    if reason is not None:
+        raise RuntimeError(reason)
     return getattr(getattr(torch.ops, NAMESPACE), name).default
 
 
