@@ -14,7 +14,7 @@ import torch
 from qbackend import native
 from qbackend.ops import Resolved, resolve
 from qbackend.patterns.base import fake_value
-from qbackend.weight_quant import GroupQuantized, pack_int4
+from qbackend.weight_quant import GroupQuantized
 
 aten = torch.ops.aten
 
@@ -86,13 +86,12 @@ def _int8(weight: GroupQuantized, dtype: torch.dtype, op: Callable) -> PackedLin
 
 
 def _cpu_int4_int16(weight: GroupQuantized) -> PackedLinear:
-    # w = q * scale + offset = u * scale + (offset - 8 * scale) with u = q + 8 in [0, 15]
-    (n, k), scale = weight.shape, weight.scale.float()
-    packed = torch.empty(n, k // 4, dtype=torch.int16)
-    for start in range(0, n, PACK_ROWS):  # a few MB of int32 at a time, as for torch's packer
-        packed[start:start + PACK_ROWS] = native.pack_int4(weight.rows(start, start + PACK_ROWS))
+    # The kernel reads the neutral storage (uint8 [N, K/2], u = q + 8): no packed copy.
+    # w = q * scale + offset = u * scale + (offset - 8 * scale)
+    k, scale = weight.shape[1], weight.scale.float()
     offset = (weight.float_offset() - 8 * scale).contiguous()
-    return PackedLinear("int4_mm_int16", (packed, scale.contiguous(), offset, weight.group_size), k, torch.float32)
+    return PackedLinear("int4_mm_int16", (weight.nibble_storage(PACK_ROWS).contiguous(), scale.contiguous(), offset,
+                                          weight.group_size), k, torch.float32)
 
 
 def _cpu_int8_int16(weight: GroupQuantized) -> PackedLinear:
@@ -113,8 +112,7 @@ def _xpu_refusal(weight: GroupQuantized) -> Optional[str]:
 def _xpu_int4(weight: GroupQuantized, dtype: torch.dtype, op: Callable) -> PackedLinear:
     # The XPU packer takes uint8 [N, K/2] with the even column in the low nibble (the neutral
     # layout) and reads w = (u - zero) * scale with u and zero unsigned; scales / zeros [K/g, N].
-    nibbles = weight.stored if weight.nibbles else pack_int4(weight.rows())
-    packed = op("int4_pack")(nibbles, 8)
+    packed = op("int4_pack")(weight.nibble_storage(PACK_ROWS), 8)
     zero = torch.zeros_like(weight.scale) if weight.zero_point is None else weight.zero_point
     zeros = (zero.to(torch.int16) + 8).to(torch.int8).t().contiguous()
     return PackedLinear("int4_mm_scales_zeros", (packed, weight.group_size, weight.scale.t().to(dtype).contiguous(), zeros),

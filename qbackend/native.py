@@ -113,7 +113,7 @@ def _scratch(x: torch.Tensor, n: int):
 
 
 def _int4_mm(lib, x, weight, scale, offset, group_size):
-    n, k = weight.shape[0], weight.shape[1] * 4
+    n, k = weight.shape[0], weight.shape[1] * 2  # the neutral int4 storage: two columns per byte
     _check(x, k, "int4_mm_int16")
     x = x.contiguous()
     xq, xs, xsum, y = _scratch(x, n)
@@ -146,12 +146,3 @@ def refusal(bits: int, in_features: int, group_size: int) -> Optional[str]:
     if bits == 4 and group_size not in GROUPS:
         return f"group size {group_size} is neither 32 nor a multiple of {BLOCK}"
     return None
-
-
-def pack_int4(values: torch.Tensor) -> torch.Tensor:
-    """int8 [N, K] in [-8, 7] -> the kernel's int16 [N, K / 4]: in each block of 64 columns,
-    lane i holds columns 16j + i (j = 0..3) as unsigned nibbles, j = 0 lowest."""
-    n, k = values.shape
-    u = (values.to(torch.int32) + 8).reshape(n, k // BLOCK, 4, 16)
-    word = u[:, :, 0] | (u[:, :, 1] << 4) | (u[:, :, 2] << 8) | (u[:, :, 3] << 12)
-    return word.to(torch.uint16).view(torch.int16).reshape(n, k // 4)

@@ -41,6 +41,14 @@ class GroupQuantized:
         part = self.stored[start:stop]
         return unpack_int4(part) if self.nibbles else part
 
+    def nibble_storage(self, chunk_rows: int = 64) -> torch.Tensor:
+        """The neutral int4 storage (uint8 [N, K / 2]): ``stored`` itself, or packed from int8
+        values ``chunk_rows`` at a time (a few MB of int16 scratch, not 2 bytes per weight)."""
+        if self.nibbles:
+            return self.stored
+        n = self.shape[0]
+        return torch.cat([pack_int4(self.rows(start, start + chunk_rows)) for start in range(0, n, chunk_rows)])
+
     def float_offset(self) -> torch.Tensor:
         """The offset form of the zero point, ``w = q * scale + offset`` (float32 [N, G])."""
         if self.offset is not None:

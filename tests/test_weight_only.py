@@ -228,17 +228,17 @@ def test_int4_packing_in_row_chunks_gives_the_one_shot_bytes(compute):
     n = PACK_ROWS + 48  # a second chunk that ends in a short block
     weight = quantize(torch.randn(n, 128), 4, 32)
     whole = {"bf16": lambda: torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.rows().to(torch.int32) + 8, 8),
-             "int16": lambda: native.pack_int4(weight.rows())}[compute]()
+             "int16": lambda: pack_int4(weight.rows())}[compute]()
     assert torch.equal(pack(weight, "cpu", torch.float32, compute).args[0], whole)
 
 
-def test_int16_layout_puts_column_16j_plus_i_in_nibble_j_of_lane_i():
-    values = torch.arange(128).remainder(16).sub(8).to(torch.int8).reshape(1, 128)  # u = column % 16
-    values[0, 64 + 16 * 3 + 5] = 7 - 8  # u = 7 at block 1, nibble 3, lane 5
-    words = native.pack_int4(values).view(torch.uint16).to(torch.int32).reshape(2, 16)
-    nibble = lambda block, lane, j: (words[block, lane] >> (4 * j)) & 0xF
-    assert [nibble(0, lane, 0) for lane in range(16)] == list(range(16))
-    assert nibble(1, 5, 3) == 7 and nibble(1, 5, 2) == 5
+def test_int16_kernel_reads_the_stored_nibbles_without_a_copy():
+    from qbackend.lowering.weight_only import pack
+
+    model, _ = quantized_and_reference(4, 32)
+    weight = model.up.weight.group_quantized()
+    assert weight.nibbles
+    assert pack(weight, "cpu", torch.float32, "int16").args[0].data_ptr() == weight.stored.data_ptr()
 
 
 def test_dense_from_a_row_count_when_asked(monkeypatch):

@@ -6,9 +6,11 @@
  * below bf16 rounding), so the inner loop is integer multiply-adds (vpmaddwd, 16 per
  * instruction) on weights unpacked with two ops per 16 values.
  *
- * int4 layout: w[n][b][i] (uint16, b = block of 64 columns, i = 0..15) holds the unsigned
- * values u = q + 8 of columns 64b + 16j + i in nibble j, so nibble j of all 16 lanes lines up
- * with 16 consecutive activations. The weight is u * scale + offset per (row, group).
+ * int4 weights are read in qbackend's neutral storage, uint8 [N][K/2] with u = q + 8 and the
+ * even column in the low nibble, so nothing is repacked. Read as 16-bit lanes, lane i of a
+ * 64-column block holds columns 4i + j in nibble j: extracting nibble j of all 16 lanes gives
+ * columns j, 4 + j, ..., 60 + j, so the activations are quantized into that order
+ * (x'[16j + i] = x[4i + j]). The weight is u * scale + offset per (row, group).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -33,9 +35,11 @@ static inline __m256i dot4(__m256i w0, __m256i w1, __m256i w2, __m256i w3, const
 }
 
 /* Per-group int16 quantization of M rows of K floats: xs = group max / 32767, xsum = sum of
- * the quantized values times xs (what the weight offsets multiply). */
-static void quantize_rows(int M, int K, int group, const float* x, int16_t* xq, float* xs, float* xsum) {
-  const int G = K / group;
+ * the quantized values times xs (what the weight offsets multiply), per ``sum_group`` columns.
+ * ``interleave`` writes each 64-column block in the int4 kernels' order x'[16j + i] = x[4i + j]. */
+static void quantize_rows(int M, int K, int group, int sum_group, int interleave, const float* x, int16_t* xq, float* xs,
+                          float* xsum) {
+  const int G = K / group, S = K / sum_group;
   for (int m = 0; m < M; m++)
     for (int g = 0; g < G; g++) {
       const float* src = x + (size_t)m * K + (size_t)g * group;
@@ -43,23 +47,25 @@ static void quantize_rows(int M, int K, int group, const float* x, int16_t* xq, 
       float amax = 0.f;
       for (int k = 0; k < group; k++) amax = fmaxf(amax, fabsf(src[k]));
       const float scale = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / scale;
-      int sum = 0;
-      for (int k = 0; k < group; k++) {
-        const int q = (int)lrintf(src[k] * inv);
-        dst[k] = (int16_t)q;
-        sum += q;
-      }
       xs[(size_t)m * G + g] = scale;
-      xsum[(size_t)m * G + g] = (float)sum * scale;
+      for (int part = 0; part < group / sum_group; part++) {
+        int sum = 0;
+        for (int k = part * sum_group; k < (part + 1) * sum_group; k++) {
+          const int q = (int)lrintf(src[k] * inv);
+          dst[interleave ? (k & ~(BLOCK - 1)) + 16 * (k & 3) + ((k & (BLOCK - 1)) >> 2) : k] = (int16_t)q;
+          sum += q;
+        }
+        xsum[(size_t)m * S + (size_t)g * (group / sum_group) + part] = (float)sum * scale;
+      }
     }
 }
 
 /* int4, group >= 64: one integer sum per (row, group), then one float multiply-add. */
-static inline void int4_row(int mt, int N, int K, int group, int n, const uint16_t* w, const float* scale,
+static inline void int4_row(int mt, int N, int K, int group, int n, const uint8_t* w, const float* scale,
                             const float* offset, const int16_t* xq, const float* xs, const float* xsum, float* y) {
   const int G = K / group, blocks = group / BLOCK;
   const __m256i low4 = _mm256_set1_epi16(0x0F);
-  const uint16_t* wn = w + (size_t)n * (K / 4);
+  const uint8_t* wn = w + (size_t)n * (K / 2);
   __m256 acc[ROW_TILE];
   float tail[ROW_TILE];
   for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps(), tail[i] = 0.f;
@@ -67,7 +73,7 @@ static inline void int4_row(int mt, int N, int K, int group, int n, const uint16
     __m256i isum[ROW_TILE];
     for (int i = 0; i < mt; i++) isum[i] = _mm256_setzero_si256();
     for (int b = g * blocks; b < (g + 1) * blocks; b++) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(wn + (size_t)b * 16));
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(wn + (size_t)b * 32));
       const __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4), w3 = _mm256_srli_epi16(v, 12);
       for (int i = 0; i < mt; i++)
@@ -82,30 +88,27 @@ static inline void int4_row(int mt, int N, int K, int group, int n, const uint16
   for (int i = 0; i < mt; i++) y[(size_t)i * N + n] = sum8(acc[i]) + tail[i];
 }
 
-/* int4, group 32: a block holds two groups (nibbles 0-1 and 2-3); activations per block. */
-static inline void int4_row_g32(int mt, int N, int K, int n, const uint16_t* w, const float* scale, const float* offset,
+/* int4, group 32: the block's lanes 0-7 hold the first group, 8-15 the second, so the int32
+ * sums carry one group in each 128-bit half (activations share one scale per block). */
+static inline void int4_row_g32(int mt, int N, int K, int n, const uint8_t* w, const float* scale, const float* offset,
                                 const int16_t* xq, const float* xs, const float* xsum, float* y) {
   const int G = K / 32, B = K / BLOCK;
   const __m256i low4 = _mm256_set1_epi16(0x0F);
-  const uint16_t* wn = w + (size_t)n * (K / 4);
+  const uint8_t* wn = w + (size_t)n * (K / 2);
   __m256 acc[ROW_TILE];
   float tail[ROW_TILE];
   for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps(), tail[i] = 0.f;
   for (int b = 0; b < B; b++) {
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(wn + (size_t)b * 16));
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(wn + (size_t)b * 32));
     const __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
     const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4), w3 = _mm256_srli_epi16(v, 12);
-    const float s0 = scale[(size_t)n * G + 2 * b], s1 = scale[(size_t)n * G + 2 * b + 1];
-    const float o0 = offset[(size_t)n * G + 2 * b], o1 = offset[(size_t)n * G + 2 * b + 1];
+    const float* s = scale + (size_t)n * G + 2 * b;
+    const float* o = offset + (size_t)n * G + 2 * b;
     for (int i = 0; i < mt; i++) {
-      const __m256i* xv = (const __m256i*)(xq + (size_t)i * K + (size_t)b * BLOCK);
-      const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xv)), _mm256_madd_epi16(w1, _mm256_loadu_si256(xv + 1)));
-      const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(xv + 2)), _mm256_madd_epi16(w3, _mm256_loadu_si256(xv + 3)));
       const float x_scale = xs[(size_t)i * B + b];
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(s0 * x_scale), acc[i]);
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(s1 * x_scale), acc[i]);
-      /* the block's activation sum is split per group exactly: both halves share x_scale */
-      tail[i] += (o0 * xsum[(size_t)i * G + 2 * b] + o1 * xsum[(size_t)i * G + 2 * b + 1]);
+      const __m256 both = _mm256_set_m128(_mm_set1_ps(s[1] * x_scale), _mm_set1_ps(s[0] * x_scale));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(w0, w1, w2, w3, xq + (size_t)i * K + (size_t)b * BLOCK)), both, acc[i]);
+      tail[i] += o[0] * xsum[(size_t)i * G + 2 * b] + o[1] * xsum[(size_t)i * G + 2 * b + 1];
     }
   }
   for (int i = 0; i < mt; i++) y[(size_t)i * N + n] = sum8(acc[i]) + tail[i];
@@ -142,18 +145,10 @@ static inline void int8_row(int mt, int N, int K, int n, const int8_t* w, const 
   }
 
 /* y[M][N] = x[M][K] @ dequantized(w).T; xq / xs / xsum are scratch for the quantized x. */
-void qb_int4_mm(int threads, int M, int N, int K, int group, const float* x, const uint16_t* w, const float* scale,
+void qb_int4_mm(int threads, int M, int N, int K, int group, const float* x, const uint8_t* w, const float* scale,
                 const float* offset, int16_t* xq, float* xs, float* xsum, float* y) {
   const int xgroup = group < BLOCK ? BLOCK : group, G = K / group, XG = K / xgroup;
-  quantize_rows(M, K, xgroup, x, xq, xs, xsum);
-  if (group < BLOCK) /* split each block's activation sum per weight group */
-    for (int m = 0; m < M; m++)
-      for (int b = 0; b < XG; b++) {
-        int lo = 0, hi = 0;
-        for (int k = 0; k < 32; k++) lo += xq[(size_t)m * K + (size_t)b * BLOCK + k], hi += xq[(size_t)m * K + (size_t)b * BLOCK + 32 + k];
-        xsum[(size_t)m * G + 2 * b] = lo * xs[(size_t)m * XG + b];
-        xsum[(size_t)m * G + 2 * b + 1] = hi * xs[(size_t)m * XG + b];
-      }
+  quantize_rows(M, K, xgroup, group, 1, x, xq, xs, xsum);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int n = 0; n < N; n++) {
 #define INT4_CALL(T)                                                                                                  \
@@ -168,7 +163,7 @@ void qb_int4_mm(int threads, int M, int N, int K, int group, const float* x, con
 void qb_int8_mm(int threads, int M, int N, int K, const float* x, const int8_t* w, const float* scale, int16_t* xq,
                 float* xs, float* xsum, float* y) {
   const int B = K / BLOCK;
-  quantize_rows(M, K, BLOCK, x, xq, xs, xsum);
+  quantize_rows(M, K, BLOCK, BLOCK, 0, x, xq, xs, xsum);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int n = 0; n < N; n++) {
 #define INT8_CALL(T) int8_row(T, N, K, n, w, scale, xq + (size_t)m0 * K, xs + (size_t)m0 * B, y + (size_t)m0 * N)
