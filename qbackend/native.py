@@ -1,16 +1,18 @@
-"""qbackend's own CPU kernels: weight-only int4 / int8 matmul with int16 activations.
+"""qbackend's own CPU kernels (``csrc/*.c``, AVX2), for what torch's kernels do slowly here.
 
-torch 2.13's packed weight-only kernels are fast only with bf16 activations and, on CPUs
-without AVX512, compute-bound at 3-4x their memory-bandwidth time. ``csrc/weight_only_int16.c``
-quantizes the activations per group to int16 (finer than bf16 rounding) and multiplies with
-integer AVX2 instructions: measured on a 4096x11008 int4 layer, 1.5 ms vs 3.5-4.2 ms for
-``_weight_int4pack_mm_for_cpu`` with bf16 activations.
+- Weight-only int4 / int8 matmul with int16 activations (``weight_only_int16.c``): torch
+  2.13's packed kernels are fast only with bf16 activations and, without AVX512,
+  compute-bound at 3-4x their memory-bandwidth time; these quantize the activations per group
+  to int16 (finer than bf16 rounding) and multiply with integer instructions: 1.5 ms vs
+  3.5-4.2 ms on a 4096x11008 int4 layer.
+- Depthwise 3x3 int8 conv (``depthwise_conv_int8.c``): onednn::qconv_pointwise spends ~50 us
+  per call before computing and runs depthwise convs at 3-11 GMAC/s here.
 
-The source is compiled once per machine with the system C compiler (as Inductor does for its
-own kernels), cached by a hash of source and flags, loaded with ctypes, and registered as ops
-in qbackend's own ``qbackend::`` namespace so graphs (and Inductor, under
-``remainder="inductor"``) can call them. No AVX2, no compiler, or a failed build: ``available``
-says why and the lowering falls back to torch's kernels.
+The sources are compiled once per machine with the system C compiler (as Inductor does for
+its own kernels) into one library, cached by a hash of sources and flags, loaded with ctypes,
+and registered as ops in qbackend's own ``qbackend::`` namespace so graphs (and Inductor,
+under ``remainder="inductor"``) can call them. No AVX2, no compiler, or a failed build:
+``available`` says why and the lowering keeps torch's kernels.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Optional
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "weight_only_int16.c"
+SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 BLOCK = 64  # columns per weight block (the kernel's unit: K must be a multiple)
 GROUPS = (32,) + tuple(range(BLOCK, 4097, BLOCK))  # int4 group sizes the kernel takes
@@ -33,6 +35,8 @@ NAMESPACE = "qbackend"
 OPS = {
     "int4_mm_int16": "int4_mm_int16(Tensor x, Tensor weight, Tensor scale, Tensor offset, int group_size) -> Tensor",
     "int8_mm_int16": "int8_mm_int16(Tensor x, Tensor weight, Tensor scale) -> Tensor",
+    "qconv_dw3x3": "qconv_dw3x3(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int[] stride, "
+                   "int[] padding, float low, float high, float out_scale, int out_zero_point, int qmin, int qmax) -> Tensor",
 }
 
 
@@ -49,14 +53,15 @@ def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found (cc / gcc, or $CC)")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler,) + FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"{SOURCE.stem}-{key}.so"
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + " ".join((compiler,) + FLAGS).encode())
+    target = cache_dir() / f"qbackend_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.stem}.{os.getpid()}.partial.so")  # renamed when whole: safe across processes
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial)], capture_output=True, text=True,
+                              timeout=120)
     except (OSError, subprocess.TimeoutExpired) as error:
         raise RuntimeError(f"running {compiler} failed: {error}") from None
     if done.returncode:
@@ -74,11 +79,12 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     try:
         lib = ctypes.CDLL(str(_build()))
     except (RuntimeError, OSError) as error:
-        return None, f"qbackend's int16 kernels are unavailable: {error}"
-    pointer, i32 = ctypes.c_void_p, ctypes.c_int
+        return None, f"qbackend's own kernels are unavailable: {error}"
+    pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.qb_int4_mm.argtypes = [i32] * 5 + [pointer] * 8
     lib.qb_int8_mm.argtypes = [i32] * 4 + [pointer] * 7
-    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = None
+    lib.qb_dwconv3x3.argtypes = [i32] * 11 + [pointer, i32] + [pointer] * 3 + [f32] * 3 + [i32] * 3 + [pointer]
+    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3.restype = None
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
     for name, schema in OPS.items():
         _library.define(schema)
@@ -132,15 +138,40 @@ def _int8_mm(lib, x, weight, scale):
     return y
 
 
-_IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm}
+def conv_output_size(size: int, stride: int, padding: int, kernel: int = 3) -> int:
+    return (size + 2 * padding - kernel) // stride + 1
+
+
+def _dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax):
+    if x.dim() != 4 or x.dtype != torch.uint8 or x.device.type != "cpu" or x.shape[1] != mult.numel():
+        raise ValueError(f"qbackend::qconv_dw3x3 takes uint8 CPU activations [N, {mult.numel()}, H, W], "
+                         f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+    n, c, h, w = x.shape
+    oh, ow = conv_output_size(h, stride[0], padding[0]), conv_output_size(w, stride[1], padding[1])
+    x = x.contiguous(memory_format=torch.channels_last)
+    y = torch.empty((n, c, oh, ow), dtype=torch.uint8, memory_format=torch.channels_last)
+    lib.qb_dwconv3x3(torch.get_num_threads(), n, h, w, c, stride[0], stride[1], padding[0], padding[1], oh, ow,
+                     x.data_ptr(), x_zero_point, weight.data_ptr(), mult.data_ptr(), add.data_ptr(), low, high,
+                     1.0 / out_scale, out_zero_point, qmin, qmax, y.data_ptr())
+    return y
+
+
+def _dwconv3x3_fake(x, x_zero_point, weight, mult, add, stride, padding, *args):
+    n, c, h, w = x.shape
+    shape = (n, c, conv_output_size(h, stride[0], padding[0]), conv_output_size(w, stride[1], padding[1]))
+    return x.new_empty(shape, dtype=torch.uint8, memory_format=torch.channels_last)
+
+
+_IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_dw3x3": _dwconv3x3}
 _FAKES = {
     "int4_mm_int16": lambda x, weight, scale, offset, group_size: x.new_empty(x.shape[0], weight.shape[0]),
     "int8_mm_int16": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
+    "qconv_dw3x3": _dwconv3x3_fake,
 }
 
 
 def refusal(bits: int, in_features: int, group_size: int) -> Optional[str]:
-    """Why the kernels cannot take this weight shape (None if they can)."""
+    """Why the weight-only kernels cannot take this weight shape (None if they can)."""
     if in_features % BLOCK:
         return f"in_features {in_features} is not a multiple of {BLOCK}"
     if bits == 4 and group_size not in GROUPS:

@@ -66,7 +66,7 @@ def test_compiled_and_eager_match_the_dequantized_float_model(bits, group_size, 
 
 
 def test_auto_without_the_int16_kernels_runs_torchs_with_the_reason(monkeypatch):
-    monkeypatch.setattr(native, "available", lambda: "qbackend's int16 kernels are unavailable: no C compiler found")
+    monkeypatch.setattr(native, "available", lambda: "qbackend's own kernels are unavailable: no C compiler found")
     model, reference = quantized_and_reference(4, 64)
     x = torch.randn(3, 256)
     actual, _, captured = compile_and_run(model, (x,))
@@ -74,7 +74,7 @@ def test_auto_without_the_int16_kernels_runs_torchs_with_the_reason(monkeypatch)
         assert_weight_only_close(actual, reference(x), "fallback")
     decision = captured.report.decisions[0]
     assert decision.op == KERNELS["bf16", 4]
-    assert "torch's kernel: qbackend's int16 kernels are unavailable: no C compiler found" in decision.reason
+    assert "torch's kernel: qbackend's own kernels are unavailable: no C compiler found" in decision.reason
 
 
 class TestWeightOnlyGraphs(expecttest.TestCase):

@@ -1,0 +1,90 @@
+"""qbackend's depthwise 3x3 int8 kernel: the same integers as dequantize -> conv -> quantize,
+chosen for depthwise convs on CPU, and oneDNN (with the reason) for the ones it does not take."""
+import math
+
+import expecttest
+import pytest
+import torch
+import torch.nn as nn
+
+from qbackend import native
+from qbackend.lowering import depthwise
+
+from .helpers import compile_and_run, quantize, short_graph
+from .tolerances import assert_int8_close, assert_outputs_close
+
+CLAMPS = {"none": (-math.inf, math.inf), "relu": (0.0, math.inf), "relu6": (0.0, 6.0)}
+
+
+def reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, low, high, out_scale, out_zp, qmin, qmax):
+    """The PT2E reference: dequantize, float depthwise conv, clamp, quantize (round half to even)."""
+    xf = (x.float() - x_zp) * x_scale
+    wf = w.float() * w_scale[:, None, None, None]
+    y = nn.functional.conv2d(xf, wf, bias, stride, padding, groups=w.shape[0]).clamp(low, high)
+    return (torch.round(y / out_scale) + out_zp).clamp(qmin, qmax).to(torch.uint8)
+
+
+@pytest.mark.parametrize("post", sorted(CLAMPS))
+@pytest.mark.parametrize("stride,padding", [(1, 1), (2, 1), (1, 0), (2, 0)])
+@pytest.mark.parametrize("qmax", [255, 127], ids=["8-bit out", "7-bit out"])
+def test_kernel_gives_the_reference_integers(post, stride, padding, qmax):
+    torch.manual_seed(0)
+    channels, x_scale, x_zp, out_scale, out_zp = 48, 0.03, 7, 0.05, 60
+    x = torch.randint(0, 256, (2, channels, 9, 11), dtype=torch.uint8)  # odd sizes: every border case
+    w = torch.randint(-128, 128, (channels, 1, 3, 3), dtype=torch.int8)  # full 8-bit weights are exact here
+    w_scale, bias = torch.rand(channels) * 0.01 + 0.001, torch.randn(channels)
+    low, high = CLAMPS[post]
+    packed = depthwise.pack(w, w_scale, x_scale, x_zp, bias)
+    actual = native.op("qconv_dw3x3")(x, x_zp, *packed, [stride] * 2, [padding] * 2, low, high, out_scale, out_zp, 0, qmax)
+    expected = reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, low, high, out_scale, out_zp, 0, qmax)
+    assert actual.is_contiguous(memory_format=torch.channels_last)
+    assert_int8_close(actual, expected, f"{post} stride {stride} padding {padding}")
+    assert int(actual.max()) <= qmax
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1x1 expand -> ReLU6 -> depthwise 3x3 -> ReLU6 -> 1x1 project."""
+
+    def __init__(self, channels=8, expanded=32, stride=1):
+        super().__init__()
+        self.expand = nn.Sequential(nn.Conv2d(channels, expanded, 1), nn.ReLU6())
+        self.depthwise = nn.Sequential(nn.Conv2d(expanded, expanded, 3, stride, 1, groups=expanded), nn.ReLU6())
+        self.project = nn.Conv2d(expanded, channels, 1)
+
+    def forward(self, x):
+        return self.project(self.depthwise(self.expand(x)))
+
+
+DEPTHWISE_OP = "qbackend::qconv_dw3x3.default"
+
+
+class TestDepthwiseLowering(expecttest.TestCase):
+    def test_block_runs_the_depthwise_conv_on_qbackends_kernel(self):
+        x = torch.randn(2, 8, 14, 14)
+        model = quantize(InvertedResidual(stride=2).eval(), (x,))
+        actual, expected, captured = compile_and_run(model, (x,))
+        assert_outputs_close(actual, expected, "block")
+        ops = [d.op for d in captured.report.decisions]
+        assert ops == ["onednn::qconv_pointwise", DEPTHWISE_OP, "onednn::qconv_pointwise"], str(captured.report)
+        graph = short_graph(captured.lowered)
+        self.assertIn("qbackend.qconv_dw3x3(", graph)
+        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_dw3x3" in line][0], """qconv_dw3x3_default = qbackend.qconv_dw3x3(qconv_pointwise_default, 0, <const>, <const>, <const>, [2, 2], [1, 1], 0, 6, 0.012, 0, 0, 127)""")
+
+    def test_channels_the_kernel_does_not_take_stay_on_onednn_with_the_reason(self):
+        x = torch.randn(1, 8, 10, 10)
+        model = quantize(InvertedResidual(expanded=40).eval(), (x,))  # 40 channels: not whole 16-lane steps
+        actual, expected, captured = compile_and_run(model, (x,))
+        assert_outputs_close(actual, expected, "40 channels")
+        decision = captured.report.decisions[1]
+        assert decision.op == "onednn::qconv_pointwise"
+        assert "oneDNN, not qbackend's depthwise kernel: 40 channels: the kernel takes a multiple of 16" in decision.reason
+
+
+def test_without_the_kernels_onednn_runs_it(monkeypatch):
+    x = torch.randn(1, 8, 10, 10)
+    model = quantize(InvertedResidual().eval(), (x,))
+    monkeypatch.setattr(native, "available", lambda: "qbackend's own kernels are unavailable: no C compiler found")
+    actual, expected, captured = compile_and_run(model, (x,))
+    assert_outputs_close(actual, expected, "no kernels")
+    decision = captured.report.decisions[1]
+    assert decision.op == "onednn::qconv_pointwise" and "no C compiler found" in decision.reason
