@@ -9,9 +9,9 @@ from qbackend.patterns.base import fake_value
 
 from .capabilities import (INT16_MAX, conv_binary_post_op_refusal, conv_post_op_refusal, int8_pairs_saturate,
                            linear_binary_post_op_refusal, linear_post_op_refusal, quantized_tensor_pool_refusal)
-from . import depthwise
+from . import depthwise, pointwise
 from .base import Lowering
-from .common import COMMON, NO_POST_OP, emit_qconv, output_args
+from .common import COMMON, NO_POST_OP, emit_qconv, emit_qconv_add, output_args
 from .signed_int8 import signed_activations_as_unsigned
 from .weight_only import emit_weight_only, limits_for
 
@@ -70,17 +70,24 @@ def _limits(match):
 # The rows that run an int8 kernel; the data-movement rows (cat, views) run plain ATen ops.
 KERNEL_ROWS = ("qconv", "qconv_add", "qlinear", "qlinear_add", "qlinear_dynamic", "qlinear_add_dynamic", "qmaxpool2d")
 TABLE = {**COMMON, **{name: dataclasses.replace(COMMON[name], limits=_limits) for name in KERNEL_ROWS}}
-def _emit_qconv(ctx, match):
-    """qbackend's depthwise 3x3 kernel where it applies (lowering/depthwise.py), else oneDNN."""
-    reason = depthwise.refusal(ctx, match)
-    if reason is None:
-        return depthwise.emit(ctx, match)
-    if depthwise.is_depthwise_3x3(match):
-        ctx.notes.append(f"oneDNN, not qbackend's depthwise kernel: {reason}")
-    return emit_qconv(ctx, match)
+def _own_kernel_or(onednn_emit, kernels):
+    """An emitter that runs the first of qbackend's own conv kernels that takes the match
+    (lowering/depthwise.py, lowering/pointwise.py), else oneDNN, saying why in the report."""
+    def emit(ctx, match):
+        for kernel, applies in kernels:
+            if not applies(match):
+                continue
+            reason = kernel.refusal(ctx, match)
+            if reason is None:
+                return kernel.emit(ctx, match)
+            ctx.notes.append(f"oneDNN, not qbackend's {kernel.__name__.rsplit('.', 1)[-1]} kernel: {reason}")
+        return onednn_emit(ctx, match)
+    return emit
 
 
-TABLE["qconv"] = dataclasses.replace(TABLE["qconv"], emit=_emit_qconv)
+TABLE["qconv"] = dataclasses.replace(TABLE["qconv"], emit=_own_kernel_or(
+    emit_qconv, ((depthwise, depthwise.is_depthwise_3x3), (pointwise, pointwise.is_1x1))))
+TABLE["qconv_add"] = dataclasses.replace(TABLE["qconv_add"], emit=_own_kernel_or(emit_qconv_add, ((pointwise, pointwise.is_1x1),)))
 TABLE["qavgpool"] = dataclasses.replace(COMMON["qavgpool"], limits=lambda match: _uint8_activations(match) or quantized_tensor_pool_refusal("cpu"))
 TABLE["int4_weight_linear"] = Lowering(emit_weight_only, ("int4_pack", "int4_mm"), limits_for("cpu"))
 TABLE["int8_weight_linear"] = Lowering(emit_weight_only, ("int8_weight_only_mm",), limits_for("cpu"))

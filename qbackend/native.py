@@ -5,8 +5,9 @@
   compute-bound at 3-4x their memory-bandwidth time; these quantize the activations per group
   to int16 (finer than bf16 rounding) and multiply with integer instructions: 1.5 ms vs
   3.5-4.2 ms on a 4096x11008 int4 layer.
-- Depthwise 3x3 int8 conv (``depthwise_conv_int8.c``): onednn::qconv_pointwise spends ~50 us
-  per call before computing and runs depthwise convs at 3-11 GMAC/s here.
+- Depthwise 3x3 and 1x1 int8 convs (``depthwise_conv_int8.c``, ``pointwise_conv_int8.c``):
+  onednn::qconv_pointwise spends ~50 us per call before computing, and runs depthwise convs
+  at 3-11 GMAC/s here.
 
 The sources are compiled once per machine with the system C compiler (as Inductor does for
 its own kernels) into one library, cached by a hash of sources and flags, loaded with ctypes,
@@ -37,6 +38,8 @@ OPS = {
     "int8_mm_int16": "int8_mm_int16(Tensor x, Tensor weight, Tensor scale) -> Tensor",
     "qconv_dw3x3": "qconv_dw3x3(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int[] stride, "
                    "int[] padding, float low, float high, float out_scale, int out_zero_point, int qmin, int qmax) -> Tensor",
+    "qconv1x1": "qconv1x1(Tensor x, Tensor weight, Tensor mult, Tensor add, Tensor? residual, float residual_scale, "
+                "float low, float high, float out_scale, int out_zero_point, int qmin, int qmax) -> Tensor",
 }
 
 
@@ -84,7 +87,8 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_int4_mm.argtypes = [i32] * 5 + [pointer] * 8
     lib.qb_int8_mm.argtypes = [i32] * 4 + [pointer] * 7
     lib.qb_dwconv3x3.argtypes = [i32] * 11 + [pointer, i32] + [pointer] * 3 + [f32] * 3 + [i32] * 3 + [pointer]
-    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3.restype = None
+    lib.qb_conv1x1.argtypes = [i32] * 4 + [pointer] * 5 + [f32] * 4 + [i32] * 3 + [pointer]
+    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3.restype = lib.qb_conv1x1.restype = None
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
     for name, schema in OPS.items():
         _library.define(schema)
@@ -143,9 +147,7 @@ def conv_output_size(size: int, stride: int, padding: int, kernel: int = 3) -> i
 
 
 def _dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax):
-    if x.dim() != 4 or x.dtype != torch.uint8 or x.device.type != "cpu" or x.shape[1] != mult.numel():
-        raise ValueError(f"qbackend::qconv_dw3x3 takes uint8 CPU activations [N, {mult.numel()}, H, W], "
-                         f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+    _check_nchw_uint8(x, mult.numel(), "qconv_dw3x3")
     n, c, h, w = x.shape
     oh, ow = conv_output_size(h, stride[0], padding[0]), conv_output_size(w, stride[1], padding[1])
     x = x.contiguous(memory_format=torch.channels_last)
@@ -162,11 +164,40 @@ def _dwconv3x3_fake(x, x_zero_point, weight, mult, add, stride, padding, *args):
     return x.new_empty(shape, dtype=torch.uint8, memory_format=torch.channels_last)
 
 
-_IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_dw3x3": _dwconv3x3}
+def _check_nchw_uint8(x: torch.Tensor, channels: int, name: str) -> None:
+    if x.dim() != 4 or x.dtype != torch.uint8 or x.device.type != "cpu" or x.shape[1] != channels:
+        raise ValueError(f"qbackend::{name} takes uint8 CPU activations [N, {channels}, H, W], "
+                         f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+
+
+def _conv1x1(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax):
+    n, cin, h, w = x.shape
+    cout = mult.numel()
+    _check_nchw_uint8(x, weight.numel() // cout, "qconv1x1")
+    x = x.contiguous(memory_format=torch.channels_last)
+    y = torch.empty((n, cout, h, w), dtype=torch.uint8, memory_format=torch.channels_last)
+    if residual is not None:
+        _check_nchw_uint8(residual, cout, "qconv1x1 (residual)")
+        if residual.shape != y.shape:
+            raise ValueError(f"qbackend::qconv1x1: residual {tuple(residual.shape)} for output {tuple(y.shape)}")
+        residual = residual.contiguous(memory_format=torch.channels_last)
+    lib.qb_conv1x1(torch.get_num_threads(), n * h * w, cin, cout, x.data_ptr(), weight.data_ptr(), mult.data_ptr(),
+                   add.data_ptr(), residual.data_ptr() if residual is not None else None, residual_scale, low, high,
+                   1.0 / out_scale, out_zero_point, qmin, qmax, y.data_ptr())
+    return y
+
+
+def _conv1x1_fake(x, weight, mult, add, *args):
+    n, _, h, w = x.shape
+    return x.new_empty((n, mult.numel(), h, w), dtype=torch.uint8, memory_format=torch.channels_last)
+
+
+_IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_dw3x3": _dwconv3x3, "qconv1x1": _conv1x1}
 _FAKES = {
     "int4_mm_int16": lambda x, weight, scale, offset, group_size: x.new_empty(x.shape[0], weight.shape[0]),
     "int8_mm_int16": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
     "qconv_dw3x3": _dwconv3x3_fake,
+    "qconv1x1": _conv1x1_fake,
 }
 
 

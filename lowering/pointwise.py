@@ -1,0 +1,87 @@
+"""1x1 int8 convs on CPU: qbackend's own kernel (qbackend/csrc/pointwise_conv_int8.c).
+
+torch 2.13's onednn::qconv_pointwise costs ~50 us per call before any compute; a
+MobileNetV2 image makes 35 1x1 convs (10 with a residual add). The kernel here is a plain int8
+GEMM over NHWC pixels with the requantization, a clamp post-op and an int8 residual fused;
+every other conv keeps oneDNN.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from qbackend import native
+from qbackend.patterns.base import constant_value
+
+from .base import EmitContext
+from .capabilities import INT16_MAX
+
+CLAMPS = {"none": (-math.inf, math.inf), "relu": (0.0, math.inf)}  # and hardtanh: its own bounds
+
+
+def is_1x1(match) -> bool:
+    p, w = match.conv, match.weight
+    return (p is not None and w is not None and p.spatial_rank == 2 and p.groups == 1 and tuple(w.int8.shape[2:]) == (1, 1)
+            and list(p.stride) == [1, 1] and list(p.padding) == [0, 0])
+
+
+def _largest_adjacent_pair_sum(weight: torch.Tensor) -> int:
+    """max |w[o][2j]| + |w[o][2j+1]|: what the kernel's vpmaddubsw adds in int16 per unit of activation."""
+    magnitudes = weight.reshape(weight.shape[0], -1, 2).to(torch.int32).abs()
+    return int(magnitudes.sum(-1).amax())
+
+
+def refusal(ctx: EmitContext, match) -> Optional[str]:
+    """Why this conv is not for the 1x1 kernel (None if it is)."""
+    if not is_1x1(match):
+        return "not a 1x1 conv with stride 1 and no padding"
+    cout, cin = match.weight.int8.shape[:2]
+    if cin % 4 or cout % 8:
+        return f"{cin} -> {cout} channels: the kernel takes in_channels % 4 == 0 and out_channels % 8 == 0"
+    if match.accum_float is not None:
+        return "the kernel adds int8 residuals only"
+    quantized = [match.x.qparams, match.output_quant] + ([match.accum.qparams] if match.accum is not None else [])
+    if any(q is None or q.dtype != torch.uint8 for q in quantized):
+        return "the kernel reads and writes uint8"
+    post = match.post_op.name if match.post_op else "none"
+    if post not in CLAMPS and post != "hardtanh":
+        return f"post-op {post}: the kernel folds none / relu / hardtanh"
+    if bool(match.weight.zero_points.any()):
+        return "asymmetric weights"
+    bound = match.x.qparams.qmax * _largest_adjacent_pair_sum(match.weight.int8)
+    if bound > INT16_MAX:
+        return f"its int16 pair sums could reach {bound} > {INT16_MAX} (8-bit weights)"
+    if match.bias is not None and constant_value(ctx.gm, match.bias) is None:
+        return "the bias is not a constant"
+    return native.available()
+
+
+def pack(weight: torch.Tensor, w_scale: torch.Tensor, x_scale: float, x_zero_point: int, bias: Optional[torch.Tensor],
+         residual_shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weight as [Cout/8][Cin/4][8][4], multiplier, addend): y = acc * mult + add with
+    acc = sum_i x_u8[i] * w[i]; ``residual_shift`` (-zero point x scale) joins ``add``."""
+    cout, cin = weight.shape[:2]
+    blocks = weight.reshape(cout // 8, 8, cin // 4, 4).permute(0, 2, 1, 3).contiguous()
+    mult = x_scale * w_scale.double()
+    add = -mult * x_zero_point * weight.reshape(cout, cin).double().sum(1) + residual_shift
+    if bias is not None:
+        add = add + bias.double()
+    return blocks.reshape(-1), mult.float(), add.float()
+
+
+def emit(ctx: EmitContext, match):
+    x, out, residual = match.x.qparams, match.output_quant, match.accum
+    post = match.post_op
+    low, high = CLAMPS.get(post.name if post else "none") or tuple(post.scalars)
+    bias = constant_value(ctx.gm, match.bias) if match.bias is not None else None
+    shift = -residual.qparams.zero_point * residual.qparams.scale if residual is not None else 0.0
+    weight, mult, add = pack(match.weight.int8, match.weight.scales, x.scale, x.zero_point, bias, shift)
+    op = native.op("qconv1x1")
+    ctx.kernel = f"{native.NAMESPACE}::qconv1x1.default"
+    ctx.notes.append("qbackend's 1x1 conv kernel (oneDNN: ~50 us per call here)")
+    return ctx.gm.graph.call_function(op, (
+        match.x.node, ctx.constant(weight, "pw_w"), ctx.constant(mult, "pw_mult"), ctx.constant(add, "pw_add"),
+        residual.node if residual is not None else None, residual.qparams.scale if residual is not None else 0.0,
+        low, high, out.scale, out.zero_point, out.qmin, out.qmax))

@@ -1,0 +1,142 @@
+"""qbackend's own int8 conv kernels (depthwise 3x3, 1x1): the same integers as dequantize ->
+conv -> quantize, chosen on CPU where they apply, and oneDNN (with the reason) elsewhere."""
+import math
+
+import expecttest
+import pytest
+import torch
+import torch.nn as nn
+
+from qbackend import native
+from qbackend.lowering import capabilities, depthwise, pointwise
+
+from .helpers import compile_and_run, quantize, short_graph
+from .tolerances import assert_int8_close, assert_outputs_close
+
+CLAMPS = {"none": (-math.inf, math.inf), "relu": (0.0, math.inf), "relu6": (0.0, 6.0)}
+
+
+def reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, low, high, out_scale, out_zp, qmin, qmax,
+              residual=None, residual_scale=1.0, residual_zp=0):
+    """The PT2E reference: dequantize, float conv (+ dequantized residual), clamp, quantize
+    (round half to even)."""
+    xf = (x.float() - x_zp) * x_scale
+    wf = w.float() * w_scale[:, None, None, None]
+    groups = x.shape[1] // w.shape[1]
+    y = nn.functional.conv2d(xf, wf, bias, stride, padding, groups=groups)
+    if residual is not None:
+        y = y + (residual.float() - residual_zp) * residual_scale
+    y = y.clamp(low, high)
+    return (torch.round(y / out_scale) + out_zp).clamp(qmin, qmax).to(torch.uint8)
+
+
+@pytest.mark.parametrize("post", sorted(CLAMPS))
+@pytest.mark.parametrize("stride,padding", [(1, 1), (2, 1), (1, 0), (2, 0)])
+@pytest.mark.parametrize("qmax", [255, 127], ids=["8-bit out", "7-bit out"])
+def test_kernel_gives_the_reference_integers(post, stride, padding, qmax):
+    torch.manual_seed(0)
+    channels, x_scale, x_zp, out_scale, out_zp = 48, 0.03, 7, 0.05, 60
+    x = torch.randint(0, 256, (2, channels, 9, 11), dtype=torch.uint8)  # odd sizes: every border case
+    w = torch.randint(-128, 128, (channels, 1, 3, 3), dtype=torch.int8)  # full 8-bit weights are exact here
+    w_scale, bias = torch.rand(channels) * 0.01 + 0.001, torch.randn(channels)
+    low, high = CLAMPS[post]
+    packed = depthwise.pack(w, w_scale, x_scale, x_zp, bias)
+    actual = native.op("qconv_dw3x3")(x, x_zp, *packed, [stride] * 2, [padding] * 2, low, high, out_scale, out_zp, 0, qmax)
+    expected = reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, low, high, out_scale, out_zp, 0, qmax)
+    assert actual.is_contiguous(memory_format=torch.channels_last)
+    assert_int8_close(actual, expected, f"{post} stride {stride} padding {padding}")
+    assert int(actual.max()) <= qmax
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2's block: 1x1 expand -> ReLU6 -> depthwise 3x3 -> ReLU6 -> 1x1 project."""
+
+    def __init__(self, channels=8, expanded=32, stride=1, residual=False):
+        super().__init__()
+        self.residual = residual
+        self.expand = nn.Sequential(nn.Conv2d(channels, expanded, 1), nn.ReLU6())
+        self.depthwise = nn.Sequential(nn.Conv2d(expanded, expanded, 3, stride, 1, groups=expanded), nn.ReLU6())
+        self.project = nn.Conv2d(expanded, channels, 1)
+
+    def forward(self, x):
+        y = self.project(self.depthwise(self.expand(x)))
+        return x + y if self.residual else y
+
+
+DEPTHWISE_OP, POINTWISE_OP = "qbackend::qconv_dw3x3.default", "qbackend::qconv1x1.default"
+
+
+class TestDepthwiseLowering(expecttest.TestCase):
+    def test_block_runs_on_qbackends_kernels(self):
+        x = torch.randn(2, 8, 14, 14)
+        model = quantize(InvertedResidual(stride=2).eval(), (x,))
+        actual, expected, captured = compile_and_run(model, (x,))
+        assert_outputs_close(actual, expected, "block")
+        ops = [d.op for d in captured.report.decisions]
+        assert ops == [POINTWISE_OP, DEPTHWISE_OP, "onednn::qconv_pointwise"], str(captured.report)
+        assert "not qbackend's pointwise kernel: the kernel reads and writes uint8" in captured.report.decisions[2].reason
+        graph = short_graph(captured.lowered)
+        self.assertIn("qbackend.qconv_dw3x3(", graph)
+        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_dw3x3" in line][0], """qconv_dw3x3_default = qbackend.qconv_dw3x3(qconv1x1_default, 0, <const>, <const>, <const>, [2, 2], [1, 1], 0, 6, 0.012, 0, 0, 127)""")
+
+    def test_channels_the_kernel_does_not_take_stay_on_onednn_with_the_reason(self):
+        x = torch.randn(1, 8, 10, 10)
+        model = quantize(InvertedResidual(expanded=40).eval(), (x,))  # 40 channels: not whole 16-lane steps
+        actual, expected, captured = compile_and_run(model, (x,))
+        assert_outputs_close(actual, expected, "40 channels")
+        decision = captured.report.decisions[1]
+        assert decision.op == "onednn::qconv_pointwise"
+        assert "oneDNN, not qbackend's depthwise kernel: 40 channels: the kernel takes a multiple of 16" in decision.reason
+
+
+def test_without_the_kernels_onednn_runs_it(monkeypatch):
+    x = torch.randn(1, 8, 10, 10)
+    model = quantize(InvertedResidual().eval(), (x,))
+    monkeypatch.setattr(native, "available", lambda: "qbackend's own kernels are unavailable: no C compiler found")
+    actual, expected, captured = compile_and_run(model, (x,))
+    assert_outputs_close(actual, expected, "no kernels")
+    decision = captured.report.decisions[1]
+    assert decision.op == "onednn::qconv_pointwise" and "no C compiler found" in decision.reason
+
+
+@pytest.mark.parametrize("post", sorted(CLAMPS))
+@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
+@pytest.mark.parametrize("cout", [24, 48], ids=["8-wide tail", "16-wide tiles"])
+def test_1x1_kernel_gives_the_reference_integers(post, residual, cout):
+    torch.manual_seed(0)
+    cin, x_scale, x_zp, out_scale, out_zp, r_scale, r_zp = 36, 0.03, 7, 0.05, 60, 0.04, 11
+    x = torch.randint(0, 128, (2, cin, 3, 5), dtype=torch.uint8)  # 30 pixels: a 2-pixel tail tile
+    w = torch.randint(-128, 128, (cout, cin, 1, 1), dtype=torch.int8)  # 127 x 256 < 32767: exact
+    w_scale, bias = torch.rand(cout) * 0.01 + 0.001, torch.randn(cout)
+    r = torch.randint(0, 256, (2, cout, 3, 5), dtype=torch.uint8) if residual else None
+    low, high = CLAMPS[post]
+    weight, mult, add = pointwise.pack(w, w_scale, x_scale, x_zp, bias, -r_zp * r_scale if residual else 0.0)
+    actual = native.op("qconv1x1")(x, weight, mult, add, r, r_scale if residual else 0.0, low, high, out_scale, out_zp, 0, 255)
+    expected = reference(x, x_scale, x_zp, w, w_scale, bias, 1, 0, low, high, out_scale, out_zp, 0, 255, r, r_scale, r_zp)
+    assert actual.is_contiguous(memory_format=torch.channels_last)
+    assert_int8_close(actual, expected, f"1x1 {post} residual={residual} cout={cout}")
+
+
+def test_block_with_residual_adds_it_in_the_1x1_kernel():
+    x = torch.randn(2, 16, 10, 10)
+    block = nn.Sequential(InvertedResidual(channels=16, expanded=64, residual=True), nn.Conv2d(16, 8, 1))  # sum read as int8
+    model = quantize(block.eval(), (x,))
+    actual, expected, captured = compile_and_run(model, (x,))
+    assert_outputs_close(actual, expected, "residual block")
+    decisions = captured.report.decisions
+    assert [(d.rule, d.op) for d in decisions][:3] == [("qconv", POINTWISE_OP), ("qconv", DEPTHWISE_OP),
+                                                        ("qconv_add", POINTWISE_OP)], str(captured.report)
+
+
+def test_1x1_refuses_weights_whose_pair_sums_could_saturate(monkeypatch):
+    """On a CPU whose oneDNN kernels do not saturate (VNNI), 8-bit activations x 8-bit weights
+    reach the 1x1 kernel, whose int16 pair sums could: it hands them to oneDNN. Simulated here
+    (this CPU refuses them earlier); only the decision is checked, not this CPU's result."""
+    monkeypatch.setattr(capabilities, "int8_pairs_saturate", lambda *args: False)
+    monkeypatch.setattr("qbackend.lowering.cpu.int8_pairs_saturate", lambda *args: False)
+    x = torch.randn(1, 8, 6, 6)
+    model = quantize(nn.Sequential(nn.Conv2d(8, 16, 1), nn.ReLU(), nn.Conv2d(16, 8, 1)).eval(), (x,), reduce_range=False)
+    _, _, captured = compile_and_run(model, (x,))
+    decision = captured.report.decisions[0]
+    assert decision.op == "onednn::qconv_pointwise"
+    assert "oneDNN, not qbackend's pointwise kernel: its int16 pair sums could reach" in decision.reason
