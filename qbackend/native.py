@@ -142,6 +142,20 @@ def _int8_mm(lib, x, weight, scale):
     return y
 
 
+def _check_nchw_uint8(x: torch.Tensor, channels: int, name: str) -> None:
+    if x.dim() != 4 or x.dtype != torch.uint8 or x.device.type != "cpu" or x.shape[1] != channels:
+        raise ValueError(f"qbackend::{name} takes uint8 CPU activations [N, {channels}, H, W], "
+                         f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+
+
+def _check_constants(name: str, *expected) -> None:
+    """The packed constants the C code reads as raw memory: (tensor, dtype, element count)."""
+    for tensor, dtype, numel in expected:
+        if tensor.dtype != dtype or tensor.numel() != numel or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError(f"qbackend::{name}: expected a contiguous CPU {dtype} constant of {numel} elements, "
+                             f"got {tensor.dtype} {tuple(tensor.shape)}")
+
+
 def conv_output_size(size: int, stride: int, padding: int, kernel: int = 3) -> int:
     return (size + 2 * padding - kernel) // stride + 1
 
@@ -149,6 +163,9 @@ def conv_output_size(size: int, stride: int, padding: int, kernel: int = 3) -> i
 def _dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax):
     _check_nchw_uint8(x, mult.numel(), "qconv_dw3x3")
     n, c, h, w = x.shape
+    _check_constants("qconv_dw3x3", (weight, torch.int16, 10 * c), (mult, torch.float32, c), (add, torch.float32, c))
+    if c % 16:
+        raise ValueError(f"qbackend::qconv_dw3x3 takes a multiple of 16 channels, got {c}")
     oh, ow = conv_output_size(h, stride[0], padding[0]), conv_output_size(w, stride[1], padding[1])
     x = x.contiguous(memory_format=torch.channels_last)
     y = torch.empty((n, c, oh, ow), dtype=torch.uint8, memory_format=torch.channels_last)
@@ -164,16 +181,13 @@ def _dwconv3x3_fake(x, x_zero_point, weight, mult, add, stride, padding, *args):
     return x.new_empty(shape, dtype=torch.uint8, memory_format=torch.channels_last)
 
 
-def _check_nchw_uint8(x: torch.Tensor, channels: int, name: str) -> None:
-    if x.dim() != 4 or x.dtype != torch.uint8 or x.device.type != "cpu" or x.shape[1] != channels:
-        raise ValueError(f"qbackend::{name} takes uint8 CPU activations [N, {channels}, H, W], "
-                         f"got {x.dtype} {tuple(x.shape)} on {x.device}")
-
-
 def _conv1x1(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax):
     n, cin, h, w = x.shape
     cout = mult.numel()
     _check_nchw_uint8(x, weight.numel() // cout, "qconv1x1")
+    _check_constants("qconv1x1", (weight, torch.int8, cin * cout), (mult, torch.float32, cout), (add, torch.float32, cout))
+    if cin % 4 or cout % 8:
+        raise ValueError(f"qbackend::qconv1x1 takes in_channels % 4 == 0 and out_channels % 8 == 0, got {cin} -> {cout}")
     x = x.contiguous(memory_format=torch.channels_last)
     y = torch.empty((n, cout, h, w), dtype=torch.uint8, memory_format=torch.channels_last)
     if residual is not None:

@@ -140,3 +140,20 @@ def test_1x1_refuses_weights_whose_pair_sums_could_saturate(monkeypatch):
     decision = captured.report.decisions[0]
     assert decision.op == "onednn::qconv_pointwise"
     assert "oneDNN, not qbackend's pointwise kernel: its int16 pair sums could reach" in decision.reason
+
+
+def test_bad_inputs_get_a_clear_error_not_a_crash():
+    w = torch.zeros(16, 8, 1, 1, dtype=torch.int8)
+    weight, mult, add = pointwise.pack(w, torch.ones(16), 0.1, 0, None)
+    conv1x1 = native.op("qconv1x1")
+    with pytest.raises(ValueError, match="takes uint8 CPU activations"):
+        conv1x1(torch.zeros(1, 8, 4, 4), weight, mult, add, None, 0.0, 0.0, 6.0, 0.1, 0, 0, 255)
+    with pytest.raises(ValueError, match="expected a contiguous CPU torch.float32 constant"):
+        conv1x1(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), weight, mult.double(), add, None, 0.0, 0.0, 6.0, 0.1, 0, 0, 255)
+    with pytest.raises(ValueError, match="residual"):
+        conv1x1(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), weight, mult, add, torch.zeros(1, 16, 2, 2, dtype=torch.uint8),
+                0.1, 0.0, 6.0, 0.1, 0, 0, 255)
+    dw_weight, dw_mult, dw_add = depthwise.pack(torch.zeros(16, 1, 3, 3, dtype=torch.int8), torch.ones(16), 0.1, 0, None)
+    with pytest.raises(ValueError, match=r"takes uint8 CPU activations \[N, 16, H, W\]"):
+        native.op("qconv_dw3x3")(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), 0, dw_weight, dw_mult, dw_add, [1, 1], [1, 1],
+                                 0.0, 6.0, 0.1, 0, 0, 255)

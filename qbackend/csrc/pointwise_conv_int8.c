@@ -13,34 +13,35 @@
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #define PIXEL_TILE 4
 
 typedef struct {
   const float *mult, *add; /* per output channel: acc * mult + add is the float result */
   const uint8_t* residual; /* NULL, or uint8 [P][Cout] added as residual * residual_scale (+ folded zero point) */
-  float residual_scale, low, high, out_inv_scale, out_zp;
-  int qmin, qmax;
+  __m256 residual_scale, low, high, out_inv_scale, out_zp;
+  __m128i qmin, qmax;
 } epilogue_t;
 
-static inline void store8(const epilogue_t* e, __m256i acc, int o, int Cout, size_t pixel, uint8_t* y) {
-  __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(e->mult + o), _mm256_loadu_ps(e->add + o));
-  if (e->residual) {
-    const __m256i r = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(e->residual + pixel * Cout + o)));
-    f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r), _mm256_set1_ps(e->residual_scale), f);
+/* ``e`` is a local copy: read through a pointer, its constants would be reloaded after every
+ * uint8 store (which may alias them). */
+static inline void store8(const epilogue_t e, __m256i acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
+  __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(e.mult + o), _mm256_loadu_ps(e.add + o));
+  if (e.residual) {
+    const __m256i r = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(e.residual + pixel * Cout + o)));
+    f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r), e.residual_scale, f);
   }
-  f = _mm256_min_ps(_mm256_max_ps(f, _mm256_set1_ps(e->low)), _mm256_set1_ps(e->high));
-  f = _mm256_fmadd_ps(f, _mm256_set1_ps(e->out_inv_scale), _mm256_set1_ps(e->out_zp));
+  f = _mm256_fmadd_ps(_mm256_min_ps(_mm256_max_ps(f, e.low), e.high), e.out_inv_scale, e.out_zp);
   const __m256i q32 = _mm256_cvtps_epi32(f); /* round half to even, as torch's quantize does */
   const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
-  __m128i q8 = _mm_packus_epi16(q16, q16);
-  q8 = _mm_min_epu8(_mm_max_epu8(q8, _mm_set1_epi8((char)e->qmin)), _mm_set1_epi8((char)e->qmax));
+  const __m128i q8 = _mm_min_epu8(_mm_max_epu8(_mm_packus_epi16(q16, q16), e.qmin), e.qmax);
   _mm_storel_epi64((__m128i*)(y + pixel * Cout + o), q8);
 }
 
 /* ``pixels`` (1-4) pixels from ``p`` times ``blocks`` (1-2) blocks of 8 outputs from ``o``. */
-static inline void tile(int pixels, int blocks, int Cin, int Cout, size_t p, int o, const uint8_t* x, const int8_t* w,
-                        const epilogue_t* e, uint8_t* y) {
+static inline void tile(int pixels, int blocks, int Cin, int Cout, size_t p, int o, const uint8_t* restrict x,
+                        const int8_t* restrict w, const epilogue_t* shared, uint8_t* restrict y) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[PIXEL_TILE][2];
   for (int i = 0; i < pixels; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
@@ -50,11 +51,14 @@ static inline void tile(int pixels, int blocks, int Cin, int Cout, size_t p, int
     __m256i wv[2];
     for (int b = 0; b < blocks; b++) wv[b] = _mm256_loadu_si256((const __m256i*)(w0 + ((size_t)b * steps + k) * 32));
     for (int i = 0; i < pixels; i++) {
-      const __m256i xb = _mm256_set1_epi32(*(const int32_t*)(x + (p + i) * Cin + 4 * k));
+      int32_t four;
+      memcpy(&four, x + (p + i) * Cin + 4 * k, 4);
+      const __m256i xb = _mm256_set1_epi32(four);
       for (int b = 0; b < blocks; b++)
         acc[i][b] = _mm256_add_epi32(acc[i][b], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, wv[b]), ones));
     }
   }
+  const epilogue_t e = *shared; /* copied once the sums are done: no registers taken from the loop above */
   for (int i = 0; i < pixels; i++)
     for (int b = 0; b < blocks; b++) store8(e, acc[i][b], o + 8 * b, Cout, p + i, y);
 }
@@ -71,7 +75,9 @@ static inline void tile(int pixels, int blocks, int Cin, int Cout, size_t p, int
 void qb_conv1x1(int threads, int P, int Cin, int Cout, const uint8_t* x, const int8_t* w, const float* mult,
                 const float* add, const uint8_t* residual, float residual_scale, float low, float high, float out_inv_scale,
                 int out_zp, int qmin, int qmax, uint8_t* y) {
-  const epilogue_t e = {mult, add, residual, residual_scale, low, high, out_inv_scale, (float)out_zp, qmin, qmax};
+  const epilogue_t e = {mult, add, residual, _mm256_set1_ps(residual_scale), _mm256_set1_ps(low), _mm256_set1_ps(high),
+                        _mm256_set1_ps(out_inv_scale), _mm256_set1_ps((float)out_zp), _mm_set1_epi8((char)qmin),
+                        _mm_set1_epi8((char)qmax)};
   const int pixel_tiles = (P + PIXEL_TILE - 1) / PIXEL_TILE, output_tiles = (Cout + 15) / 16;
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
   for (int ot = 0; ot < output_tiles; ot++)
