@@ -76,7 +76,7 @@ def emit(ctx: EmitContext, match):
                                                                             tuple(post.scalars) if post else ())
     bias = constant_value(ctx.gm, match.bias) if match.bias is not None else None
     weight, mult, add = pack(match.weight.int8, match.weight.scales, x.scale, x.zero_point, bias)
-    op = native.op("qconv_dw3x3")
+    op = native.conv_kernel("qconv_dw3x3", traced=ctx.need_meta)
     ctx.kernel = f"{native.NAMESPACE}::qconv_dw3x3.default"
     ctx.notes.append("qbackend's depthwise kernel (oneDNN: ~50 us per call, 3-11 GMAC/s here)")
     return ctx.gm.graph.call_function(op, (

@@ -78,7 +78,7 @@ def emit(ctx: EmitContext, match):
     bias = constant_value(ctx.gm, match.bias) if match.bias is not None else None
     shift = -residual.qparams.zero_point * residual.qparams.scale if residual is not None else 0.0
     weight, mult, add = pack(match.weight.int8, match.weight.scales, x.scale, x.zero_point, bias, shift)
-    op = native.op("qconv1x1")
+    op = native.conv_kernel("qconv1x1", traced=ctx.need_meta)
     ctx.kernel = f"{native.NAMESPACE}::qconv1x1.default"
     ctx.notes.append("qbackend's 1x1 conv kernel (oneDNN: ~50 us per call here)")
     return ctx.gm.graph.call_function(op, (

@@ -75,9 +75,12 @@ class TestDepthwiseLowering(expecttest.TestCase):
         ops = [d.op for d in captured.report.decisions]
         assert ops == [POINTWISE_OP, DEPTHWISE_OP, "onednn::qconv_pointwise"], str(captured.report)
         assert "not qbackend's pointwise kernel: the kernel reads and writes uint8" in captured.report.decisions[2].reason
-        graph = short_graph(captured.lowered)
-        self.assertIn("qbackend.qconv_dw3x3(", graph)
-        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_dw3x3" in line][0], """qconv_dw3x3_default = qbackend.qconv_dw3x3(qconv1x1_default, 0, <const>, <const>, <const>, [2, 2], [1, 1], 0, 6, 0.012, 0, 0, 127)""")
+        graph = short_graph(captured.lowered)  # run eagerly: the kernels as plain functions
+        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_dw3x3" in line][0], """qconv_dw3x3 = native.qconv_dw3x3(qconv1x1, 0, <const>, <const>, <const>, [2, 2], [1, 1], 0, 6, 0.012, 0, 0, 127)""")
+        _, _, traced = compile_and_run(model, (x,), need_meta=True)  # to be traced: the registered ops
+        targets = {node.target for node in traced.lowered.graph.nodes}
+        assert {native.op("qconv_dw3x3"), native.op("qconv1x1")} <= targets
+        assert not {native.qconv_dw3x3, native.qconv1x1} & targets
 
     def test_channels_the_kernel_does_not_take_stay_on_onednn_with_the_reason(self):
         x = torch.randn(1, 8, 10, 10)
