@@ -72,7 +72,8 @@ KERNEL_ROWS = ("qconv", "qconv_add", "qlinear", "qlinear_add", "qlinear_dynamic"
 TABLE = {**COMMON, **{name: dataclasses.replace(COMMON[name], limits=_limits) for name in KERNEL_ROWS}}
 def _own_kernel_or(onednn_emit, kernels):
     """An emitter that runs the first of qbackend's own conv kernels that takes the match
-    (lowering/depthwise.py, lowering/pointwise.py), else oneDNN, saying why in the report."""
+    (lowering/depthwise.py, lowering/pointwise.py, lowering/own_conv.py), else oneDNN,
+    saying why in the report."""
     def emit(ctx, match):
         for kernel, applies in kernels:
             if not applies(match):

@@ -7,19 +7,17 @@ depthwise 3x3 convs at 3-11 GMAC/s on this AVX2 machine: 100 us for a 384-channe
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from qbackend import native
-from qbackend.patterns.base import constant_value
 
+from . import own_conv
 from .base import EmitContext
 
 LANES = 16  # channels per vector step of the kernel
 MAX_CHANNELS = 1 << 14  # the kernel keeps a row of zero-point bytes per channel on its stack
-CLAMPS = {"none", "relu", "hardtanh"}  # the post-ops the kernel folds (as one clamp)
 
 
 def is_depthwise_3x3(match) -> bool:
@@ -39,46 +37,26 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
         return f"stride {p.stride}, padding {p.padding}, dilation {p.dilation}: the kernel takes stride 1-2, padding 0-1"
     if channels % LANES or channels > MAX_CHANNELS:
         return f"{channels} channels: the kernel takes a multiple of {LANES} up to {MAX_CHANNELS}"
-    if match.x.qparams.dtype != torch.uint8 or match.output_quant is None or match.output_quant.dtype != torch.uint8:
-        return "the kernel reads and writes uint8"
-    if (match.post_op.name if match.post_op else "none") not in CLAMPS:
-        return f"post-op {match.post_op.name}: the kernel folds none / relu / hardtanh"
-    if bool(w.zero_points.any()):
-        return "asymmetric weights"
-    if match.bias is not None and constant_value(ctx.gm, match.bias) is None:
-        return "the bias is not a constant"
-    return native.available()
+    return own_conv.refusal(ctx, match, (match.x.qparams, match.output_quant))
 
 
-def pack(weight: torch.Tensor, w_scale: torch.Tensor, x_scale: float, x_zero_point: int,
-         bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(int16 weight pairs, per-channel multiplier, per-channel addend) in the kernel's order.
-
-    acc = sum over the 9 taps of x_u8 * w (padding reads the zero point), so
-    y = x_scale * w_scale * (acc - x_zero_point * sum(w)) + bias = acc * mult + add."""
+def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(int16 weight pairs, multiplier, addend) in the kernel's lane order."""
     channels = weight.shape[0]
     groups = channels // LANES
     taps = torch.nn.functional.pad(weight.reshape(channels, 9).to(torch.int16), (0, 1))  # a 10th, zero tap
     # channel = 16 g + 8 half + 4 part + i with part 0 -> "lo" sums, 1 -> "hi" (vpunpck order)
     pairs = taps.reshape(groups, 2, 2, 4, 5, 2).permute(4, 0, 2, 1, 3, 5).contiguous()
-    mult = x_scale * w_scale.double()
-    add = -mult * x_zero_point * weight.reshape(channels, 9).double().sum(1)
-    if bias is not None:
-        add = add + bias.double()
     order = lambda v: v.float().reshape(groups, 2, 2, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)  # noqa: E731
     return pairs.reshape(-1), order(mult), order(add)
 
 
 def emit(ctx: EmitContext, match):
-    p, x, out = match.conv, match.x.qparams, match.output_quant
-    post = match.post_op
-    low, high = {"none": (-math.inf, math.inf), "relu": (0.0, math.inf)}.get(post.name if post else "none",
-                                                                            tuple(post.scalars) if post else ())
-    bias = constant_value(ctx.gm, match.bias) if match.bias is not None else None
-    weight, mult, add = pack(match.weight.int8, match.weight.scales, x.scale, x.zero_point, bias)
-    op = native.conv_kernel("qconv_dw3x3", traced=ctx.need_meta)
+    p, out = match.conv, match.output_quant
+    low, high = own_conv.clamp_bounds(match.post_op)
+    weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match))
     ctx.kernel = f"{native.NAMESPACE}::qconv_dw3x3.default"
     ctx.notes.append("qbackend's depthwise kernel (oneDNN: ~50 us per call, 3-11 GMAC/s here)")
-    return ctx.gm.graph.call_function(op, (
-        match.x.node, x.zero_point, ctx.constant(weight, "dw_w"), ctx.constant(mult, "dw_mult"), ctx.constant(add, "dw_add"),
-        list(p.stride), list(p.padding), low, high, out.scale, out.zero_point, out.qmin, out.qmax))
+    return ctx.gm.graph.call_function(native.conv_kernel("qconv_dw3x3", traced=ctx.need_meta), (
+        match.x.node, match.x.qparams.zero_point, ctx.constant(weight, "dw_w"), ctx.constant(mult, "dw_mult"),
+        ctx.constant(add, "dw_add"), list(p.stride), list(p.padding), low, high, out.scale, out.zero_point, out.qmin, out.qmax))

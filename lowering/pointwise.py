@@ -7,18 +7,15 @@ every other conv keeps oneDNN.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
 from qbackend import native
-from qbackend.patterns.base import constant_value
 
+from . import own_conv
 from .base import EmitContext
 from .capabilities import INT16_MAX
-
-CLAMPS = {"none": (-math.inf, math.inf), "relu": (0.0, math.inf)}  # and hardtanh: its own bounds
 
 
 def is_1x1(match) -> bool:
@@ -42,46 +39,27 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
         return f"{cin} -> {cout} channels: the kernel takes in_channels % 4 == 0 and out_channels % 8 == 0"
     if match.accum_float is not None:
         return "the kernel adds int8 residuals only"
-    quantized = [match.x.qparams, match.output_quant] + ([match.accum.qparams] if match.accum is not None else [])
-    if any(q is None or q.dtype != torch.uint8 for q in quantized):
-        return "the kernel reads and writes uint8"
-    post = match.post_op.name if match.post_op else "none"
-    if post not in CLAMPS and post != "hardtanh":
-        return f"post-op {post}: the kernel folds none / relu / hardtanh"
-    if bool(match.weight.zero_points.any()):
-        return "asymmetric weights"
     bound = match.x.qparams.qmax * _largest_adjacent_pair_sum(match.weight.int8)
     if bound > INT16_MAX:
         return f"its int16 pair sums could reach {bound} > {INT16_MAX} (8-bit weights)"
-    if match.bias is not None and constant_value(ctx.gm, match.bias) is None:
-        return "the bias is not a constant"
-    return native.available()
+    residual = (match.accum.qparams,) if match.accum is not None else ()
+    return own_conv.refusal(ctx, match, (match.x.qparams, match.output_quant, *residual))
 
 
-def pack(weight: torch.Tensor, w_scale: torch.Tensor, x_scale: float, x_zero_point: int, bias: Optional[torch.Tensor],
-         residual_shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weight as [Cout/8][Cin/4][8][4], multiplier, addend): y = acc * mult + add with
-    acc = sum_i x_u8[i] * w[i]; ``residual_shift`` (-zero point x scale) joins ``add``."""
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight as [Cout/8][Cin/4][8][4]: one 32-byte load feeds 8 outputs x 4 inputs."""
     cout, cin = weight.shape[:2]
-    blocks = weight.reshape(cout // 8, 8, cin // 4, 4).permute(0, 2, 1, 3).contiguous()
-    mult = x_scale * w_scale.double()
-    add = -mult * x_zero_point * weight.reshape(cout, cin).double().sum(1) + residual_shift
-    if bias is not None:
-        add = add + bias.double()
-    return blocks.reshape(-1), mult.float(), add.float()
+    return weight.reshape(cout // 8, 8, cin // 4, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)
 
 
 def emit(ctx: EmitContext, match):
-    x, out, residual = match.x.qparams, match.output_quant, match.accum
-    post = match.post_op
-    low, high = CLAMPS.get(post.name if post else "none") or tuple(post.scalars)
-    bias = constant_value(ctx.gm, match.bias) if match.bias is not None else None
-    shift = -residual.qparams.zero_point * residual.qparams.scale if residual is not None else 0.0
-    weight, mult, add = pack(match.weight.int8, match.weight.scales, x.scale, x.zero_point, bias, shift)
-    op = native.conv_kernel("qconv1x1", traced=ctx.need_meta)
+    out, residual = match.output_quant, match.accum
+    low, high = own_conv.clamp_bounds(match.post_op)
+    shift = -residual.qparams.zero_point * residual.qparams.scale if residual is not None else 0.0  # its zero point
+    mult, add = own_conv.requantize_constants(ctx, match, shift)
     ctx.kernel = f"{native.NAMESPACE}::qconv1x1.default"
     ctx.notes.append("qbackend's 1x1 conv kernel (oneDNN: ~50 us per call here)")
-    return ctx.gm.graph.call_function(op, (
-        match.x.node, ctx.constant(weight, "pw_w"), ctx.constant(mult, "pw_mult"), ctx.constant(add, "pw_add"),
-        residual.node if residual is not None else None, residual.qparams.scale if residual is not None else 0.0,
-        low, high, out.scale, out.zero_point, out.qmin, out.qmax))
+    return ctx.gm.graph.call_function(native.conv_kernel("qconv1x1", traced=ctx.need_meta), (
+        match.x.node, ctx.constant(pack(match.weight.int8), "pw_w"), ctx.constant(mult.float(), "pw_mult"),
+        ctx.constant(add.float(), "pw_add"), residual.node if residual is not None else None,
+        residual.qparams.scale if residual is not None else 0.0, low, high, out.scale, out.zero_point, out.qmin, out.qmax))

@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from qbackend import native
 from qbackend.lowering import capabilities, depthwise, pointwise
+from qbackend.lowering.own_conv import scale_and_offset
 
 from .helpers import compile_and_run, quantize, short_graph
 from .tolerances import assert_int8_close, assert_outputs_close
@@ -40,7 +41,7 @@ def test_kernel_gives_the_reference_integers(post, stride, padding, qmax):
     w = torch.randint(-128, 128, (channels, 1, 3, 3), dtype=torch.int8)  # full 8-bit weights are exact here
     w_scale, bias = torch.rand(channels) * 0.01 + 0.001, torch.randn(channels)
     low, high = CLAMPS[post]
-    packed = depthwise.pack(w, w_scale, x_scale, x_zp, bias)
+    packed = depthwise.pack(w, *scale_and_offset(w, w_scale, x_scale, x_zp, bias))
     actual = native.op("qconv_dw3x3")(x, x_zp, *packed, [stride] * 2, [padding] * 2, low, high, out_scale, out_zp, 0, qmax)
     expected = reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, low, high, out_scale, out_zp, 0, qmax)
     assert actual.is_contiguous(memory_format=torch.channels_last)
@@ -113,7 +114,8 @@ def test_1x1_kernel_gives_the_reference_integers(post, residual, cout):
     w_scale, bias = torch.rand(cout) * 0.01 + 0.001, torch.randn(cout)
     r = torch.randint(0, 256, (2, cout, 3, 5), dtype=torch.uint8) if residual else None
     low, high = CLAMPS[post]
-    weight, mult, add = pointwise.pack(w, w_scale, x_scale, x_zp, bias, -r_zp * r_scale if residual else 0.0)
+    weight, (mult, add) = pointwise.pack(w), scale_and_offset(w, w_scale, x_scale, x_zp, bias, -r_zp * r_scale if residual else 0.0)
+    mult, add = mult.float(), add.float()
     actual = native.op("qconv1x1")(x, weight, mult, add, r, r_scale if residual else 0.0, low, high, out_scale, out_zp, 0, 255)
     expected = reference(x, x_scale, x_zp, w, w_scale, bias, 1, 0, low, high, out_scale, out_zp, 0, 255, r, r_scale, r_zp)
     assert actual.is_contiguous(memory_format=torch.channels_last)
@@ -147,7 +149,7 @@ def test_1x1_refuses_weights_whose_pair_sums_could_saturate(monkeypatch):
 
 def test_bad_inputs_get_a_clear_error_not_a_crash():
     w = torch.zeros(16, 8, 1, 1, dtype=torch.int8)
-    weight, mult, add = pointwise.pack(w, torch.ones(16), 0.1, 0, None)
+    weight, (mult, add) = pointwise.pack(w), (t.float() for t in scale_and_offset(w, torch.ones(16), 0.1, 0))
     conv1x1 = native.op("qconv1x1")
     with pytest.raises(ValueError, match="takes uint8 CPU activations"):
         conv1x1(torch.zeros(1, 8, 4, 4), weight, mult, add, None, 0.0, 0.0, 6.0, 0.1, 0, 0, 255)
@@ -156,7 +158,8 @@ def test_bad_inputs_get_a_clear_error_not_a_crash():
     with pytest.raises(ValueError, match="residual"):
         conv1x1(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), weight, mult, add, torch.zeros(1, 16, 2, 2, dtype=torch.uint8),
                 0.1, 0.0, 6.0, 0.1, 0, 0, 255)
-    dw_weight, dw_mult, dw_add = depthwise.pack(torch.zeros(16, 1, 3, 3, dtype=torch.int8), torch.ones(16), 0.1, 0, None)
+    dw = torch.zeros(16, 1, 3, 3, dtype=torch.int8)
+    dw_weight, dw_mult, dw_add = depthwise.pack(dw, *scale_and_offset(dw, torch.ones(16), 0.1, 0))
     with pytest.raises(ValueError, match=r"takes uint8 CPU activations \[N, 16, H, W\]"):
         native.op("qconv_dw3x3")(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), 0, dw_weight, dw_mult, dw_add, [1, 1], [1, 1],
                                  0.0, 6.0, 0.1, 0, 0, 255)

@@ -1,0 +1,50 @@
+"""What qbackend's own int8 conv kernels (lowering/depthwise.py, lowering/pointwise.py) share:
+the requantization constants, the clamp post-op, and the conditions on a match."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from qbackend import native
+from qbackend.patterns.base import constant_value
+
+# post-op -> the clamp the kernels apply to the float result (hardtanh: its own bounds)
+CLAMPS = {"none": (-math.inf, math.inf), "relu": (0.0, math.inf)}
+
+
+def clamp_bounds(post) -> tuple[float, float]:
+    name = post.name if post else "none"
+    return CLAMPS[name] if name in CLAMPS else tuple(post.scalars)
+
+
+def refusal(ctx, match, int8_values) -> Optional[str]:
+    """Conditions every own conv kernel has: uint8 ``int8_values`` (QParams or None for float),
+    a clamp post-op, symmetric weights, a constant bias, and the kernels built."""
+    if any(q is None or q.dtype != torch.uint8 for q in int8_values):
+        return "the kernel reads and writes uint8"
+    post = match.post_op.name if match.post_op else "none"
+    if post not in CLAMPS and post != "hardtanh":
+        return f"post-op {post}: the kernel folds none / relu / hardtanh"
+    if bool(match.weight.zero_points.any()):
+        return "asymmetric weights"
+    if match.bias is not None and constant_value(ctx.gm, match.bias) is None:
+        return "the bias is not a constant"
+    return native.available()
+
+
+def scale_and_offset(weight: torch.Tensor, w_scale: torch.Tensor, x_scale: float, x_zero_point: int,
+                     bias: Optional[torch.Tensor] = None, shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mult, add) per output channel, float64: with acc = sum of x_u8 * w over the kernel
+    window (padding reading the zero point), the float result is acc * mult + add, i.e.
+    x_scale * w_scale * (acc - x_zero_point * sum(w)) + bias + ``shift``."""
+    mult = x_scale * w_scale.double()
+    add = -mult * x_zero_point * weight.reshape(weight.shape[0], -1).double().sum(1) + shift
+    return mult, add if bias is None else add + bias.double()
+
+
+def requantize_constants(ctx, match, shift: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    x, w = match.x.qparams, match.weight
+    bias = constant_value(ctx.gm, match.bias) if match.bias is not None else None
+    return scale_and_offset(w.int8, w.scales, x.scale, x.zero_point, bias, shift)
