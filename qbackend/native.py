@@ -23,6 +23,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -48,6 +49,18 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def _writable(preferred: Path) -> Path:
+    """``preferred``, or a per-user temporary directory where it cannot be written (read-only home)."""
+    for directory in (preferred, Path(tempfile.gettempdir()) / f"qbackend-{os.getuid()}"):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(directory, os.W_OK):
+            return directory
+    raise RuntimeError(f"no writable directory for the compiled kernels ({preferred} or the temporary directory)")
+
+
 def _build() -> Path:
     """The shared library for this source and compiler, compiled if not cached.
     Raises RuntimeError with the reason when it cannot be built."""
@@ -57,10 +70,9 @@ def _build() -> Path:
     if not compiler:
         raise RuntimeError("no C compiler found (cc / gcc, or $CC)")
     key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + " ".join((compiler,) + FLAGS).encode())
-    target = cache_dir() / f"qbackend_kernels-{key.hexdigest()[:16]}.so"
+    target = _writable(cache_dir()) / f"qbackend_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.stem}.{os.getpid()}.partial.so")  # renamed when whole: safe across processes
     try:
         done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial)], capture_output=True, text=True,

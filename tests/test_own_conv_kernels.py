@@ -1,6 +1,7 @@
 """qbackend's own int8 conv kernels (depthwise 3x3, 1x1): the same integers as dequantize ->
 conv -> quantize, chosen on CPU where they apply, and oneDNN (with the reason) elsewhere."""
 import math
+import os
 
 import expecttest
 import pytest
@@ -163,3 +164,11 @@ def test_bad_inputs_get_a_clear_error_not_a_crash():
     with pytest.raises(ValueError, match=r"takes uint8 CPU activations \[N, 16, H, W\]"):
         native.op("qconv_dw3x3")(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), 0, dw_weight, dw_mult, dw_add, [1, 1], [1, 1],
                                  0.0, 6.0, 0.1, 0, 0, 255)
+
+
+def test_kernels_build_in_a_temporary_directory_when_the_cache_cannot_be_made(tmp_path, monkeypatch):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # a cache directory below a file cannot be created, even by root
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    assert native._writable(blocked / "qbackend") == tmp_path / "tmp" / f"qbackend-{os.getuid()}"
+    assert native._writable(tmp_path / "cache") == tmp_path / "cache"
