@@ -34,6 +34,15 @@ static inline __m256i dot4(__m256i w0, __m256i w1, __m256i w2, __m256i w3, const
   return _mm256_add_epi32(a, b);
 }
 
+/* The 64 weights of a block of neutral int4 storage as four vectors of 16: u[j] lane i = column 4i + j. */
+static inline void nibbles(const uint8_t* block, __m256i u[4]) {
+  const __m256i low4 = _mm256_set1_epi16(0x0F), v = _mm256_loadu_si256((const __m256i*)block);
+  u[0] = _mm256_and_si256(v, low4);
+  u[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  u[2] = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4);
+  u[3] = _mm256_srli_epi16(v, 12);
+}
+
 /* Per-group int16 quantization of M rows of K floats: xs = group max / 32767, xsum = sum of
  * the quantized values times xs (what the weight offsets multiply), per ``sum_group`` columns.
  * ``interleave`` writes each 64-column block in the int4 kernels' order x'[16j + i] = x[4i + j]. */
@@ -64,7 +73,6 @@ static void quantize_rows(int M, int K, int group, int sum_group, int interleave
 static inline void int4_row(int mt, int N, int K, int group, int n, const uint8_t* w, const float* scale,
                             const float* offset, const int16_t* xq, const float* xs, const float* xsum, float* y) {
   const int G = K / group, blocks = group / BLOCK;
-  const __m256i low4 = _mm256_set1_epi16(0x0F);
   const uint8_t* wn = w + (size_t)n * (K / 2);
   __m256 acc[ROW_TILE];
   float tail[ROW_TILE];
@@ -73,11 +81,10 @@ static inline void int4_row(int mt, int N, int K, int group, int n, const uint8_
     __m256i isum[ROW_TILE];
     for (int i = 0; i < mt; i++) isum[i] = _mm256_setzero_si256();
     for (int b = g * blocks; b < (g + 1) * blocks; b++) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(wn + (size_t)b * 32));
-      const __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4), w3 = _mm256_srli_epi16(v, 12);
+      __m256i u[4];
+      nibbles(wn + (size_t)b * 32, u);
       for (int i = 0; i < mt; i++)
-        isum[i] = _mm256_add_epi32(isum[i], dot4(w0, w1, w2, w3, xq + (size_t)i * K + (size_t)b * BLOCK));
+        isum[i] = _mm256_add_epi32(isum[i], dot4(u[0], u[1], u[2], u[3], xq + (size_t)i * K + (size_t)b * BLOCK));
     }
     const float s = scale[(size_t)n * G + g], o = offset[(size_t)n * G + g];
     for (int i = 0; i < mt; i++) {
@@ -93,21 +100,19 @@ static inline void int4_row(int mt, int N, int K, int group, int n, const uint8_
 static inline void int4_row_g32(int mt, int N, int K, int n, const uint8_t* w, const float* scale, const float* offset,
                                 const int16_t* xq, const float* xs, const float* xsum, float* y) {
   const int G = K / 32, B = K / BLOCK;
-  const __m256i low4 = _mm256_set1_epi16(0x0F);
   const uint8_t* wn = w + (size_t)n * (K / 2);
   __m256 acc[ROW_TILE];
   float tail[ROW_TILE];
   for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps(), tail[i] = 0.f;
   for (int b = 0; b < B; b++) {
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(wn + (size_t)b * 32));
-    const __m256i w0 = _mm256_and_si256(v, low4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-    const __m256i w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), low4), w3 = _mm256_srli_epi16(v, 12);
+    __m256i u[4];
+    nibbles(wn + (size_t)b * 32, u);
     const float* s = scale + (size_t)n * G + 2 * b;
     const float* o = offset + (size_t)n * G + 2 * b;
     for (int i = 0; i < mt; i++) {
       const float x_scale = xs[(size_t)i * B + b];
       const __m256 both = _mm256_set_m128(_mm_set1_ps(s[1] * x_scale), _mm_set1_ps(s[0] * x_scale));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(w0, w1, w2, w3, xq + (size_t)i * K + (size_t)b * BLOCK)), both, acc[i]);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(u[0], u[1], u[2], u[3], xq + (size_t)i * K + (size_t)b * BLOCK)), both, acc[i]);
       tail[i] += o[0] * xsum[(size_t)i * G + 2 * b] + o[1] * xsum[(size_t)i * G + 2 * b + 1];
     }
   }
