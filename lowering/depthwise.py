@@ -57,6 +57,6 @@ def emit(ctx: EmitContext, match):
     weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match))
     ctx.kernel = f"{native.NAMESPACE}::qconv_dw3x3.default"
     ctx.notes.append("qbackend's depthwise kernel (oneDNN: ~50 us per call, 3-11 GMAC/s here)")
-    return ctx.gm.graph.call_function(native.conv_kernel("qconv_dw3x3", traced=ctx.need_meta), (
+    return own_conv.call_kernel(ctx, "qconv_dw3x3", (
         match.x.node, match.x.qparams.zero_point, ctx.constant(weight, "dw_w"), ctx.constant(mult, "dw_mult"),
         ctx.constant(add, "dw_add"), list(p.stride), list(p.padding), low, high, out.scale, out.zero_point, out.qmin, out.qmax))

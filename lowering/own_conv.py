@@ -7,8 +7,10 @@ from typing import Optional
 
 import torch
 
+from torch.fx import Node
+
 from qbackend import native
-from qbackend.patterns.base import constant_value
+from qbackend.patterns.base import constant_value, fake_value
 
 # post-op -> the clamp the kernels apply to the float result (hardtanh: its own bounds)
 CLAMPS = {"none": (-math.inf, math.inf), "relu": (0.0, math.inf)}
@@ -48,3 +50,13 @@ def requantize_constants(ctx, match, shift: float = 0.0) -> tuple[torch.Tensor, 
     x, w = match.x.qparams, match.weight
     bias = constant_value(ctx.gm, match.bias) if match.bias is not None else None
     return scale_and_offset(w.int8, w.scales, x.scale, x.zero_point, bias, shift)
+
+
+def call_kernel(ctx, name: str, args: tuple) -> Node:
+    """The kernel's call node, with the example value Dynamo records for other nodes: later
+    rules read it (the next oneDNN conv prepacks for its input's shape)."""
+    node = ctx.gm.graph.call_function(native.conv_kernel(name, traced=ctx.need_meta), args)
+    values = [(constant_value(ctx.gm, a) if a.op == "get_attr" else fake_value(a)) if isinstance(a, Node) else a for a in args]
+    if values[0] is not None:
+        node.meta["example_value"] = native.FAKES[name](*values)
+    return node

@@ -59,7 +59,7 @@ def emit(ctx: EmitContext, match):
     mult, add = own_conv.requantize_constants(ctx, match, shift)
     ctx.kernel = f"{native.NAMESPACE}::qconv1x1.default"
     ctx.notes.append("qbackend's 1x1 conv kernel (oneDNN: ~50 us per call here)")
-    return ctx.gm.graph.call_function(native.conv_kernel("qconv1x1", traced=ctx.need_meta), (
+    return own_conv.call_kernel(ctx, "qconv1x1", (
         match.x.node, ctx.constant(pack(match.weight.int8), "pw_w"), ctx.constant(mult.float(), "pw_mult"),
         ctx.constant(add.float(), "pw_add"), residual.node if residual is not None else None,
         residual.qparams.scale if residual is not None else 0.0, low, high, out.scale, out.zero_point, out.qmin, out.qmax))

@@ -40,7 +40,7 @@ OPS = {
     "qconv_dw3x3": "qconv_dw3x3(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int[] stride, "
                    "int[] padding, float low, float high, float out_scale, int out_zero_point, int qmin, int qmax) -> Tensor",
     "qconv1x1": "qconv1x1(Tensor x, Tensor weight, Tensor mult, Tensor add, Tensor? residual, float residual_scale, "
-                "float low, float high, float out_scale, int out_zero_point, int qmin, int qmax) -> Tensor",
+                "float low, float high, float out_scale, int out_zero_point, int qmin, int qmax, bool float_out=False) -> Tensor",
 }
 
 
@@ -99,13 +99,13 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_int4_mm.argtypes = [i32] * 5 + [pointer] * 8
     lib.qb_int8_mm.argtypes = [i32] * 4 + [pointer] * 7
     lib.qb_dwconv3x3.argtypes = [i32] * 11 + [pointer, i32] + [pointer] * 3 + [f32] * 3 + [i32] * 3 + [pointer]
-    lib.qb_conv1x1.argtypes = [i32] * 4 + [pointer] * 5 + [f32] * 4 + [i32] * 3 + [pointer]
+    lib.qb_conv1x1.argtypes = [i32] * 4 + [pointer] * 5 + [f32] * 4 + [i32] * 3 + [pointer] * 2
     lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3.restype = lib.qb_conv1x1.restype = None
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
     for name, schema in OPS.items():
         _library.define(schema)
         _library.impl(name, functools.partial(_IMPLS[name], lib), "CPU")
-        torch.library.register_fake(f"{NAMESPACE}::{name}", _FAKES[name], lib=_library)
+        torch.library.register_fake(f"{NAMESPACE}::{name}", FAKES[name], lib=_library)
     return lib, None
 
 
@@ -187,13 +187,20 @@ def _dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, hi
     return y
 
 
+def _channels_last_like(x: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    """An empty NHWC-strided tensor of x's kind (fake under tracing): the kernels' output layout."""
+    n, c, h, w = shape
+    return x.new_empty_strided(shape, (h * w * c, 1, w * c, c), dtype=dtype)
+
+
 def _dwconv3x3_fake(x, x_zero_point, weight, mult, add, stride, padding, *args):
     n, c, h, w = x.shape
     shape = (n, c, conv_output_size(h, stride[0], padding[0]), conv_output_size(w, stride[1], padding[1]))
-    return x.new_empty(shape, dtype=torch.uint8, memory_format=torch.channels_last)
+    return _channels_last_like(x, shape, torch.uint8)
 
 
-def _conv1x1(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax):
+def _conv1x1(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax,
+             float_out=False):
     n, cin, h, w = x.shape
     cout = mult.numel()
     _check_nchw_uint8(x, weight.numel() // cout, "qconv1x1")
@@ -201,7 +208,7 @@ def _conv1x1(lib, x, weight, mult, add, residual, residual_scale, low, high, out
     if cin % 4 or cout % 8:
         raise ValueError(f"qbackend::qconv1x1 takes in_channels % 4 == 0 and out_channels % 8 == 0, got {cin} -> {cout}")
     x = x.contiguous(memory_format=torch.channels_last)
-    y = torch.empty((n, cout, h, w), dtype=torch.uint8, memory_format=torch.channels_last)
+    y = torch.empty((n, cout, h, w), dtype=torch.float32 if float_out else torch.uint8, memory_format=torch.channels_last)
     if residual is not None:
         _check_nchw_uint8(residual, cout, "qconv1x1 (residual)")
         if residual.shape != y.shape:
@@ -209,17 +216,19 @@ def _conv1x1(lib, x, weight, mult, add, residual, residual_scale, low, high, out
         residual = residual.contiguous(memory_format=torch.channels_last)
     lib.qb_conv1x1(torch.get_num_threads(), n * h * w, cin, cout, x.data_ptr(), weight.data_ptr(), mult.data_ptr(),
                    add.data_ptr(), residual.data_ptr() if residual is not None else None, residual_scale, low, high,
-                   1.0 / out_scale, out_zero_point, qmin, qmax, y.data_ptr())
+                   1.0 / out_scale, out_zero_point, qmin, qmax, None if float_out else y.data_ptr(),
+                   y.data_ptr() if float_out else None)
     return y
 
 
-def _conv1x1_fake(x, weight, mult, add, *args):
+def _conv1x1_fake(x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax,
+                  float_out=False):
     n, _, h, w = x.shape
-    return x.new_empty((n, mult.numel(), h, w), dtype=torch.uint8, memory_format=torch.channels_last)
+    return _channels_last_like(x, (n, mult.numel(), h, w), torch.float32 if float_out else torch.uint8)
 
 
 _IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_dw3x3": _dwconv3x3, "qconv1x1": _conv1x1}
-_FAKES = {
+FAKES = {
     "int4_mm_int16": lambda x, weight, scale, offset, group_size: x.new_empty(x.shape[0], weight.shape[0]),
     "int8_mm_int16": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
     "qconv_dw3x3": _dwconv3x3_fake,

@@ -172,3 +172,19 @@ def test_kernels_build_in_a_temporary_directory_when_the_cache_cannot_be_made(tm
     monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     assert native._writable(blocked / "qbackend") == tmp_path / "tmp" / f"qbackend-{os.getuid()}"
     assert native._writable(tmp_path / "cache") == tmp_path / "cache"
+
+
+def test_block_traced_by_inductor_runs_the_kernels_as_ops():
+    """remainder='inductor' traces the lowered graph with fake tensors: the kernels' fake
+    implementations give the NHWC uint8 outputs the real ones return."""
+    import qbackend
+
+    x = torch.randn(1, 16, 10, 10)
+    block = nn.Sequential(InvertedResidual(channels=16, expanded=64, residual=True), nn.Conv2d(16, 8, 1))
+    model = quantize(block.eval(), (x,))
+    reports = []
+    compiled = qbackend.compile(model, {"remainder": "inductor", "report_sink": reports.append})
+    with torch.no_grad():
+        assert_outputs_close(compiled(x), model(x), "through Inductor")
+    assert "remainder (the ops around the lowered kernels) compiled by Inductor" in reports[0].notes
+    assert [d.op for d in reports[0].decisions][:3] == [POINTWISE_OP, DEPTHWISE_OP, POINTWISE_OP]

@@ -20,6 +20,7 @@
 typedef struct {
   const float *mult, *add; /* per output channel: acc * mult + add is the float result */
   const uint8_t* residual; /* NULL, or uint8 [P][Cout] added as residual * residual_scale (+ folded zero point) */
+  float* float_out;        /* NULL, or float [P][Cout] written instead of the uint8 output (no requantization) */
   __m256 residual_scale, low, high, out_inv_scale, out_zp;
   __m128i qmin, qmax;
 } epilogue_t;
@@ -32,7 +33,12 @@ static inline void store8(const epilogue_t e, __m256i acc, int o, int Cout, size
     const __m256i r = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(e.residual + pixel * Cout + o)));
     f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r), e.residual_scale, f);
   }
-  f = _mm256_fmadd_ps(_mm256_min_ps(_mm256_max_ps(f, e.low), e.high), e.out_inv_scale, e.out_zp);
+  f = _mm256_min_ps(_mm256_max_ps(f, e.low), e.high);
+  if (e.float_out) {
+    _mm256_storeu_ps(e.float_out + pixel * Cout + o, f);
+    return;
+  }
+  f = _mm256_fmadd_ps(f, e.out_inv_scale, e.out_zp);
   const __m256i q32 = _mm256_cvtps_epi32(f); /* round half to even, as torch's quantize does */
   const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
   const __m128i q8 = _mm_min_epu8(_mm_max_epu8(_mm_packus_epi16(q16, q16), e.qmin), e.qmax);
@@ -71,11 +77,12 @@ static inline void tile(int pixels, int blocks, int Cin, int Cout, size_t p, int
     default: tile(PIXEL_TILE, BLOCKS, Cin, Cout, p, o, x, w, &e, y);   \
   }
 
-/* y[P][Cout] = requantize(x[P][Cin] @ w.T (+ residual)); Cin % 4 == 0, Cout % 8 == 0. */
+/* y[P][Cout] = requantize(x[P][Cin] @ w.T (+ residual)), or the float result into yf when
+ * yf is not NULL; Cin % 4 == 0, Cout % 8 == 0. */
 void qb_conv1x1(int threads, int P, int Cin, int Cout, const uint8_t* x, const int8_t* w, const float* mult,
                 const float* add, const uint8_t* residual, float residual_scale, float low, float high, float out_inv_scale,
-                int out_zp, int qmin, int qmax, uint8_t* y) {
-  const epilogue_t e = {mult, add, residual, _mm256_set1_ps(residual_scale), _mm256_set1_ps(low), _mm256_set1_ps(high),
+                int out_zp, int qmin, int qmax, uint8_t* y, float* yf) {
+  const epilogue_t e = {mult, add, residual, yf, _mm256_set1_ps(residual_scale), _mm256_set1_ps(low), _mm256_set1_ps(high),
                         _mm256_set1_ps(out_inv_scale), _mm256_set1_ps((float)out_zp), _mm_set1_epi8((char)qmin),
                         _mm_set1_epi8((char)qmax)};
   const int pixel_tiles = (P + PIXEL_TILE - 1) / PIXEL_TILE, output_tiles = (Cout + 15) / 16;
