@@ -70,25 +70,26 @@ def _limits(match):
 # The rows that run an int8 kernel; the data-movement rows (cat, views) run plain ATen ops.
 KERNEL_ROWS = ("qconv", "qconv_add", "qlinear", "qlinear_add", "qlinear_dynamic", "qlinear_add_dynamic", "qmaxpool2d")
 TABLE = {**COMMON, **{name: dataclasses.replace(COMMON[name], limits=_limits) for name in KERNEL_ROWS}}
-def _own_kernel_or(onednn_emit, kernels):
-    """An emitter that runs the first of qbackend's own conv kernels that takes the match
-    (lowering/depthwise.py, lowering/pointwise.py, lowering/own_conv.py), else oneDNN,
-    saying why in the report."""
+
+
+def _own_kernel_or(onednn_emit, *kernels):
+    """An emitter that runs the first of qbackend's own kernels (own_conv.OwnKernel) that
+    takes the match, else oneDNN, saying in the report why each that applies did not."""
     def emit(ctx, match):
-        for kernel, applies in kernels:
-            if not applies(match):
+        for kernel in kernels:
+            if not kernel.applies(match):
                 continue
             reason = kernel.refusal(ctx, match)
             if reason is None:
                 return kernel.emit(ctx, match)
-            ctx.notes.append(f"oneDNN, not qbackend's {kernel.__name__.rsplit('.', 1)[-1]} kernel: {reason}")
+            ctx.notes.append(f"oneDNN, not qbackend's {kernel.name} kernel: {reason}")
         return onednn_emit(ctx, match)
     return emit
 
 
-TABLE["qconv"] = dataclasses.replace(TABLE["qconv"], emit=_own_kernel_or(
-    emit_qconv, ((depthwise, depthwise.is_depthwise_3x3), (pointwise, pointwise.is_1x1))))
-TABLE["qconv_add"] = dataclasses.replace(TABLE["qconv_add"], emit=_own_kernel_or(emit_qconv_add, ((pointwise, pointwise.is_1x1),)))
+TABLE["qconv"] = dataclasses.replace(TABLE["qconv"], emit=_own_kernel_or(emit_qconv, depthwise.KERNEL, pointwise.CONV_KERNEL))
+TABLE["qconv_add"] = dataclasses.replace(TABLE["qconv_add"], emit=_own_kernel_or(emit_qconv_add, pointwise.CONV_KERNEL))
+TABLE["qlinear"] = dataclasses.replace(TABLE["qlinear"], emit=_own_kernel_or(TABLE["qlinear"].emit, pointwise.LINEAR_KERNEL))
 TABLE["qavgpool"] = dataclasses.replace(COMMON["qavgpool"], limits=lambda match: _uint8_activations(match) or quantized_tensor_pool_refusal("cpu"))
 TABLE["int4_weight_linear"] = Lowering(emit_weight_only, ("int4_pack", "int4_mm"), limits_for("cpu"))
 TABLE["int8_weight_linear"] = Lowering(emit_weight_only, ("int8_weight_only_mm",), limits_for("cpu"))

@@ -60,3 +60,6 @@ def emit(ctx: EmitContext, match):
     return own_conv.call_kernel(ctx, "qconv_dw3x3", (
         match.x.node, match.x.qparams.zero_point, ctx.constant(weight, "dw_w"), ctx.constant(mult, "dw_mult"),
         ctx.constant(add, "dw_add"), list(p.stride), list(p.padding), low, high, out.scale, out.zero_point, out.qmin, out.qmax))
+
+
+KERNEL = own_conv.OwnKernel("depthwise", is_depthwise_3x3, refusal, emit)

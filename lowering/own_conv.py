@@ -3,7 +3,8 @@ the requantization constants, the clamp post-op, and the conditions on a match."
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -11,6 +12,16 @@ from torch.fx import Node
 
 from qbackend import native
 from qbackend.patterns.base import constant_value, fake_value
+
+@dataclass(frozen=True)
+class OwnKernel:
+    """One of qbackend's own kernels as the CPU table uses it (lowering/cpu.py)."""
+
+    name: str  # as the report says it
+    applies: Callable  # match -> bool: the kind of op it is for (else it is not mentioned)
+    refusal: Callable  # (ctx, match) -> why this one cannot run on it, or None
+    emit: Callable  # (ctx, match) -> the node that replaces the match
+
 
 # post-op -> the clamp the kernels apply to the float result (hardtanh: its own bounds)
 CLAMPS = {"none": (-math.inf, math.inf), "relu": (0.0, math.inf)}

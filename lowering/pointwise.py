@@ -1,9 +1,11 @@
-"""1x1 int8 convs on CPU: qbackend's own kernel (qbackend/csrc/pointwise_conv_int8.c).
+"""1x1 int8 convs and few-row int8 linears on CPU: qbackend's own int8 GEMM kernel
+(qbackend/csrc/pointwise_conv_int8.c).
 
-torch 2.13's onednn::qconv_pointwise costs ~50 us per call before any compute; a
-MobileNetV2 image makes 35 1x1 convs (10 with a residual add). The kernel here is a plain int8
-GEMM over NHWC pixels with the requantization, a clamp post-op and an int8 residual fused;
-every other conv keeps oneDNN.
+torch 2.13's onednn::qconv_pointwise / qlinear_pointwise cost ~50 us per call before any
+compute; a MobileNetV2 image makes 35 1x1 convs (10 with a residual add) and a 1280 -> 1000
+classifier linear that takes 290 us for 1.3M multiply-adds. The kernel is a plain int8 GEMM
+over NHWC pixels (or linear rows) with the requantization, a clamp post-op and an int8
+residual fused; every other conv / linear keeps oneDNN.
 """
 from __future__ import annotations
 
@@ -11,11 +13,21 @@ from typing import Optional
 
 import torch
 
+import math
+
+from torch.fx import Node
+
 from qbackend import native
 
 from . import own_conv
 from .base import EmitContext
 from .capabilities import INT16_MAX
+from .common import record_fake_value, static_shape
+
+aten = torch.ops.aten
+# Linears with at most this many rows take the kernel: oneDNN's per-call cost dominates there,
+# while at encoder sizes (128+ rows) its tuned GEMM is the faster one.
+SMALL_ROWS = 16
 
 
 def is_1x1(match) -> bool:
@@ -30,20 +42,40 @@ def _largest_adjacent_pair_sum(weight: torch.Tensor) -> int:
     return int(magnitudes.sum(-1).amax())
 
 
+def _gemm_refusal(ctx: EmitContext, match, cout: int, cin: int, int8_values) -> Optional[str]:
+    if cin % 4 or cout % 8:
+        return f"{cin} -> {cout} channels: the kernel takes in_channels % 4 == 0 and out_channels % 8 == 0"
+    bound = match.x.qparams.qmax * _largest_adjacent_pair_sum(match.weight.int8)
+    if bound > INT16_MAX:
+        return f"its int16 pair sums could reach {bound} > {INT16_MAX} (8-bit weights)"
+    return own_conv.refusal(ctx, match, int8_values)
+
+
 def refusal(ctx: EmitContext, match) -> Optional[str]:
     """Why this conv is not for the 1x1 kernel (None if it is)."""
     if not is_1x1(match):
         return "not a 1x1 conv with stride 1 and no padding"
-    cout, cin = match.weight.int8.shape[:2]
-    if cin % 4 or cout % 8:
-        return f"{cin} -> {cout} channels: the kernel takes in_channels % 4 == 0 and out_channels % 8 == 0"
     if match.accum_float is not None:
         return "the kernel adds int8 residuals only"
-    bound = match.x.qparams.qmax * _largest_adjacent_pair_sum(match.weight.int8)
-    if bound > INT16_MAX:
-        return f"its int16 pair sums could reach {bound} > {INT16_MAX} (8-bit weights)"
     residual = (match.accum.qparams,) if match.accum is not None else ()
-    return own_conv.refusal(ctx, match, (match.x.qparams, match.output_quant, *residual))
+    return _gemm_refusal(ctx, match, *match.weight.int8.shape[:2], (match.x.qparams, match.output_quant, *residual))
+
+
+def is_small_linear(match) -> bool:
+    """An int8 linear without residual whose static input has at most SMALL_ROWS rows."""
+    if match.conv is not None or match.weight is None or match.weight.int8.dim() != 2 or match.accum is not None \
+            or match.accum_float is not None:
+        return False
+    shape = static_shape(match.x.node)
+    return shape is not None and math.prod(shape[:-1]) <= SMALL_ROWS
+
+
+def linear_refusal(ctx: EmitContext, match) -> Optional[str]:
+    """Why this few-row linear is not for the kernel (None if it is)."""
+    if match.output_quant is None and match.float_dtype != torch.float32:
+        return f"the kernel writes uint8 or float32, not {match.float_dtype}"
+    int8_values = (match.x.qparams,) + ((match.output_quant,) if match.output_quant is not None else ())
+    return _gemm_refusal(ctx, match, *match.weight.int8.shape, int8_values)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -52,14 +84,33 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return weight.reshape(cout // 8, 8, cin // 4, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)
 
 
-def emit(ctx: EmitContext, match):
-    out, residual = match.output_quant, match.accum
+def _call(ctx: EmitContext, match, x: Node, residual=None) -> Node:
+    out = match.output_quant
     low, high = own_conv.clamp_bounds(match.post_op)
     shift = -residual.qparams.zero_point * residual.qparams.scale if residual is not None else 0.0  # its zero point
     mult, add = own_conv.requantize_constants(ctx, match, shift)
     ctx.kernel = f"{native.NAMESPACE}::qconv1x1.default"
-    ctx.notes.append("qbackend's 1x1 conv kernel (oneDNN: ~50 us per call here)")
+    requantize = (out.scale, out.zero_point, out.qmin, out.qmax) if out is not None else (1.0, 0, 0, 255)
     return own_conv.call_kernel(ctx, "qconv1x1", (
-        match.x.node, ctx.constant(pack(match.weight.int8), "pw_w"), ctx.constant(mult.float(), "pw_mult"),
+        x, ctx.constant(pack(match.weight.int8), "pw_w"), ctx.constant(mult.float(), "pw_mult"),
         ctx.constant(add.float(), "pw_add"), residual.node if residual is not None else None,
-        residual.qparams.scale if residual is not None else 0.0, low, high, out.scale, out.zero_point, out.qmin, out.qmax))
+        residual.qparams.scale if residual is not None else 0.0, low, high, *requantize, out is None))
+
+
+def emit(ctx: EmitContext, match):
+    ctx.notes.append("qbackend's 1x1 conv kernel (oneDNN: ~50 us per call here)")
+    return _call(ctx, match, match.x.node, match.accum)
+
+
+def emit_linear(ctx: EmitContext, match):
+    """rows x in_features -> [rows, in_features, 1, 1], a 1x1 conv, and back."""
+    shape, (cout, cin) = static_shape(match.x.node), match.weight.int8.shape
+    rows = math.prod(shape[:-1])
+    graph = ctx.gm.graph
+    pixels = record_fake_value(graph.call_function(aten.reshape.default, (match.x.node, [rows, cin, 1, 1])))
+    ctx.notes.append(f"qbackend's int8 GEMM kernel for {rows} row(s) (oneDNN: ~50 us per call here)")
+    return graph.call_function(aten.reshape.default, (_call(ctx, match, pixels), [*shape[:-1], cout]))
+
+
+CONV_KERNEL = own_conv.OwnKernel("pointwise", is_1x1, refusal, emit)
+LINEAR_KERNEL = own_conv.OwnKernel("linear", is_small_linear, linear_refusal, emit_linear)

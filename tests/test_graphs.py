@@ -46,9 +46,13 @@ return (qconv2d_pointwise_binary)""")
         self.assertExpectedInline(lowered_graph(*linear_relu()), """\
 l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0474, 61, 0, 127, uint8)
-qlinear_pointwise_default = onednn.qlinear_pointwise(quantize_per_tensor_default, 0.0474, 61, <const>, <const>, <const>, <const>, 0.0109, 0, uint8, 'hardtanh', [0, 1.39], '')
-qlinear_pointwise_default_1 = onednn.qlinear_pointwise(qlinear_pointwise_default, 0.0109, 0, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')
-return (qlinear_pointwise_default_1)""")
+reshape_default = aten.reshape(quantize_per_tensor_default, [15, 16, 1, 1])
+qconv1x1 = native.qconv1x1(reshape_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0109, 0, 0, 127, False)
+reshape_default_1 = aten.reshape(qconv1x1, [3, 5, 24])
+reshape_default_2 = aten.reshape(reshape_default_1, [15, 24, 1, 1])
+qconv1x1_1 = native.qconv1x1(reshape_default_2, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True)
+reshape_default_3 = aten.reshape(qconv1x1_1, [3, 5, 8])
+return (reshape_default_3)""")
 
     def test_conv3d_relu_left_unfused_by_the_kernel(self):
         inputs = (torch.randn(2, 8, 6, 6, 6),)

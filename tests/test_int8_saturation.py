@@ -82,7 +82,7 @@ def test_seven_bit_outputs_are_clipped_to_their_range(post_op, clipped_by):
     hardtanh folded into the kernel or, for other post-ops, a clamp after it. Inputs drive
     most outputs past the range's top, so a missing clip shows in the int8 comparison."""
     model = HandQuantized(rank=0, in_ch=256, out_ch=16, post_op=post_op)
-    inputs = (torch.full((4, 256), 2.5),)
+    inputs = (torch.full((32, 256), 2.5),)  # 32 rows: oneDNN's kernel (qbackend's own takes <= 16, below)
     with torch.no_grad():
         assert (model(*inputs) >= 4.6).float().mean() > 0.3  # (127 - 50) * 0.06: the top of the range
     captured = assert_matches_reference(model, inputs)
@@ -93,3 +93,12 @@ def test_seven_bit_outputs_are_clipped_to_their_range(post_op, clipped_by):
 def test_unknown_reduce_range_is_a_clear_error():
     with pytest.raises(ValueError, match="reduce_range must be None or one of"):
         quantize(_conv_linear(), (torch.randn(2, 8, 6, 6),), reduce_range="both")
+
+
+@pytest.mark.parametrize("post_op", [None, "relu", "relu6"])
+def test_seven_bit_outputs_of_the_own_gemm_kernel_stay_in_range(post_op):
+    """qbackend's own int8 GEMM (few-row linears) clamps to the output's [qmin, qmax] itself."""
+    model = HandQuantized(rank=0, in_ch=256, out_ch=16, post_op=post_op)
+    captured = assert_matches_reference(model, (torch.full((4, 256), 2.5),))
+    graph = short_graph(captured.lowered)
+    assert "native.qconv1x1(" in graph and ", 0, 127, False)" in graph, graph
