@@ -1,5 +1,5 @@
-"""What qbackend's own int8 conv kernels (lowering/depthwise.py, lowering/pointwise.py) share:
-the requantization constants, the clamp post-op, and the conditions on a match."""
+"""What qbackend's own int8 conv / GEMM kernels (lowering/depthwise.py, lowering/pointwise.py)
+share: the requantization constants, the clamp post-op, and the conditions on a match."""
 from __future__ import annotations
 
 import math
@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-
 from torch.fx import Node
 
 from qbackend import native
 from qbackend.patterns.base import constant_value, fake_value
+
 
 @dataclass(frozen=True)
 class OwnKernel:

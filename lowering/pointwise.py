@@ -9,12 +9,10 @@ residual fused; every other conv / linear keeps oneDNN.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
-
-import math
-
 from torch.fx import Node
 
 from qbackend import native
@@ -25,8 +23,9 @@ from .capabilities import INT16_MAX
 from .common import record_fake_value, static_shape
 
 aten = torch.ops.aten
-# Linears with at most this many rows take the kernel: oneDNN's per-call cost dominates there,
-# while at encoder sizes (128+ rows) its tuned GEMM is the faster one.
+# Linears with at most this many rows take the kernel: 2-4x faster than oneDNN there (its
+# per-call cost dominates). At encoder sizes the two are level (docs/design-notes.md), and the
+# encoder's linears need GELU, a float residual and the Q/K/V merge, which this kernel lacks.
 SMALL_ROWS = 16
 
 
