@@ -122,36 +122,34 @@ def op(name: str):
     return getattr(getattr(torch.ops, NAMESPACE), name).default
 
 
-def _check(x: torch.Tensor, k: int, name: str) -> None:
+def _weight_only_mm(kernel, name: str, x: torch.Tensor, n: int, k: int, weights: tuple, *sizes: int) -> torch.Tensor:
+    """Run a weight-only kernel: ``kernel(threads, M, N, K, *sizes, x, *weights, scratch..., y)``;
+    ``weights`` are (tensor, dtype, element count) as ``_check_constants`` takes them."""
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] != k:
         raise ValueError(f"qbackend::{name} takes float32 CPU activations [M, {k}], got {x.dtype} {tuple(x.shape)} on {x.device}")
-
-
-def _scratch(x: torch.Tensor, n: int):
-    """Quantized activations, their per-group scales and sums, and the output."""
-    m, k = x.shape
-    return (torch.empty(m, k, dtype=torch.int16), torch.empty(m * (k // 32)), torch.empty(m * (k // 32)),
-            torch.empty(m, n))
+    _check_constants(name, *weights)
+    x, m = x.contiguous(), x.shape[0]
+    # int16 activations, their per-group scales and sums (groups of 32 or more), the output
+    xq, xs, xsum, y = torch.empty(m, k, dtype=torch.int16), torch.empty(m * (k // 32)), torch.empty(m * (k // 32)), torch.empty(m, n)
+    kernel(torch.get_num_threads(), m, n, k, *sizes, x.data_ptr(), *(w.data_ptr() for w, _, _ in weights),
+           xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), y.data_ptr())
+    return y
 
 
 def _int4_mm(lib, x, weight, scale, offset, group_size):
     n, k = weight.shape[0], weight.shape[1] * 2  # the neutral int4 storage: two columns per byte
-    _check(x, k, "int4_mm_int16")
-    x = x.contiguous()
-    xq, xs, xsum, y = _scratch(x, n)
-    lib.qb_int4_mm(torch.get_num_threads(), x.shape[0], n, k, group_size, x.data_ptr(), weight.data_ptr(),
-                   scale.data_ptr(), offset.data_ptr(), xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), y.data_ptr())
-    return y
+    if (reason := refusal(4, k, group_size)) is not None:
+        raise ValueError(f"qbackend::int4_mm_int16: {reason}")
+    groups = n * (k // group_size)
+    return _weight_only_mm(lib.qb_int4_mm, "int4_mm_int16", x, n, k, ((weight, torch.uint8, n * k // 2),
+                           (scale, torch.float32, groups), (offset, torch.float32, groups)), group_size)
 
 
 def _int8_mm(lib, x, weight, scale):
     n, k = weight.shape
-    _check(x, k, "int8_mm_int16")
-    x = x.contiguous()
-    xq, xs, xsum, y = _scratch(x, n)
-    lib.qb_int8_mm(torch.get_num_threads(), x.shape[0], n, k, x.data_ptr(), weight.data_ptr(), scale.data_ptr(),
-                   xq.data_ptr(), xs.data_ptr(), xsum.data_ptr(), y.data_ptr())
-    return y
+    if (reason := refusal(8, k, k)) is not None:
+        raise ValueError(f"qbackend::int8_mm_int16: {reason}")
+    return _weight_only_mm(lib.qb_int8_mm, "int8_mm_int16", x, n, k, ((weight, torch.int8, n * k), (scale, torch.float32, n)))
 
 
 def _check_nchw_uint8(x: torch.Tensor, channels: int, name: str) -> None:

@@ -256,3 +256,21 @@ def test_dense_from_a_row_count_when_asked(monkeypatch):
             assert_weight_only_close(actual, reference.gate.float()(x), f"{tokens} tokens")
         assert "dense torch.bfloat16 matmul from 16 rows on" in captured.report.decisions[0].reason
     assert calls == [(1, torch.bfloat16), (32, torch.bfloat16)]
+
+
+def test_weight_only_kernels_refuse_bad_inputs_with_a_clear_error():
+    from qbackend.weight_quant import quantize
+
+    weight = quantize(torch.randn(32, 128), 4, 64)
+    int4 = native.op("int4_mm_int16")
+    scale, offset = weight.scale.float().contiguous(), weight.float_offset().contiguous()
+    nibbles = weight.nibble_storage()
+    assert int4(torch.randn(2, 128), nibbles, scale, offset, 64).shape == (2, 32)
+    with pytest.raises(ValueError, match="takes float32 CPU activations"):
+        int4(torch.randn(2, 128).double(), nibbles, scale, offset, 64)
+    with pytest.raises(ValueError, match="expected a contiguous CPU torch.float32 constant of 64 elements"):
+        int4(torch.randn(2, 128), nibbles, scale[:, :1].contiguous(), offset, 64)
+    with pytest.raises(ValueError, match="group size 48 is neither 32 nor a multiple of 64"):
+        int4(torch.randn(2, 128), nibbles, scale, offset, 48)
+    with pytest.raises(ValueError, match="in_features 40 is not a multiple of 64"):
+        native.op("int8_mm_int16")(torch.randn(2, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
