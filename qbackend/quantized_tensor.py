@@ -195,7 +195,8 @@ def quantize_weights(model: torch.nn.Module, bits: int = 4, group_size: Optional
     weight-only quantized one, in place; returns ``model``. int4: asymmetric per group of
     ``group_size`` input columns; int8: symmetric per output channel (``group_size`` ignored).
     ``compute``: "auto" (the device's fast path: on CPU qbackend's int16 kernels, else bf16),
-    "int16", "bf16" or "activation" (the input's own dtype; lowering/weight_only.py). Linears whose in_features is not a multiple of ``group_size`` are skipped."""
+    "int16", "bf16" or "activation" (the input's own dtype; lowering/weight_only.py). Linears
+    whose in_features is not a multiple of ``group_size`` are skipped."""
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or isinstance(module.weight, QuantizedLinearWeight):
             continue

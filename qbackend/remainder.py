@@ -5,8 +5,9 @@ own int8 lowering emits the same ops); what Inductor adds is the float code betw
 LayerNorm, softmax, GELU, residual adds and the boundary quantize / dequantize fuse into a few
 C++ loops instead of one ATen call each. First measured on all-MiniLM-L6-v2 batch 1: 13.1 ms
 vs 15.4 ms with the remainder run eagerly and 14.7 ms for Inductor's own int8 lowering
-(docs/benchmarks_smoothquant.md has the current numbers, design-notes.md the details). The price is Inductor's compile time
-and a C++ compiler, so it is an option: the default needs neither.
+(docs/benchmarks_smoothquant.md has the current numbers, design-notes.md the details). The
+price is Inductor's compile time and a C++ compiler, so it is an option: the default needs
+neither.
 """
 from __future__ import annotations
 

@@ -117,11 +117,11 @@ def test_weight_only_int16_kernel_stays_an_extern_call_under_inductor():
     qbackend.quantize_weights(model, bits=4, group_size=64)
     reference.load_state_dict(model.state_dict())
     x, reports = torch.randn(3, 256), []
-    compiled = qbackend.compile(model, {"remainder": "inductor", "report_sink": reports.append})
+    compiled = qbackend.compile(model, {**INDUCTOR, "report_sink": reports.append})
     with torch.no_grad():
         compiled(x)  # compiles
         with profile() as trace:
             actual = compiled(x)
     assert_weight_only_close(actual, reference(x).detach(), "int16 under Inductor", "weight_only_int16")
-    assert "remainder (the ops around the lowered kernels) compiled by Inductor" in reports[0].notes
+    assert COMPILED_NOTE in reports[0].notes
     assert sum(e.name == "qbackend::int4_mm_int16" for e in trace.events()) == 2
