@@ -32,14 +32,15 @@ def clamp_bounds(post) -> tuple[float, float]:
     return CLAMPS[name] if name in CLAMPS else tuple(post.scalars)
 
 
-def refusal(ctx, match, int8_values) -> Optional[str]:
+def refusal(ctx, match, int8_values, activations=()) -> Optional[str]:
     """Conditions every own conv kernel has: uint8 ``int8_values`` (QParams or None for float),
-    a clamp post-op, symmetric weights, a constant bias, and the kernels built."""
+    a clamp post-op (or one of ``activations``), symmetric weights, a constant bias, and the
+    kernels built."""
     if any(q is None or q.dtype != torch.uint8 for q in int8_values):
         return "the kernel reads and writes uint8"
     post = match.post_op.name if match.post_op else "none"
-    if post not in CLAMPS and post != "hardtanh":
-        return f"post-op {post}: the kernel folds none / relu / hardtanh"
+    if post not in CLAMPS and post != "hardtanh" and post not in activations:
+        return f"post-op {post}: the kernel folds {' / '.join(('none', 'relu', 'hardtanh') + activations)}"
     if bool(match.weight.zero_points.any()):
         return "asymmetric weights"
     if match.bias is not None and constant_value(ctx.gm, match.bias) is None:

@@ -1,6 +1,8 @@
 """Sibling linears: lowered qlinears that read the same int8 activation with the same output
 arguments (a transformer's Q, K and V projections) run as one qlinear over their concatenated
-weights; each sibling then reads its own columns as a view.
+weights; each sibling then reads its own columns as a view. The same holds for linears on
+qbackend's own GEMM kernel (pointwise.py), whose packed weights and per-channel constants
+concatenate as they are (8 output channels per block).
 
 Exact: every output column comes from its own weight row, scale and bias alone, so the merged
 call gives bit for bit the columns of the separate calls (int32 accumulation; on CPUs without
@@ -13,13 +15,16 @@ Inductor 2.13 merges only weight-only int8 / int4 linears this way, never static
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Optional
 
 import torch
 from torch.fx import Node
 
+from qbackend import native
 from qbackend.patterns.base import constant_value, fake_value
 from qbackend.patterns.inplace import schema_writes
 
+from . import own_conv
 from .base import EmitContext
 from .common import SIBLING, record_fake_value, static_shape
 
@@ -46,18 +51,71 @@ def _bias(ctx: EmitContext, node, rows: int):
     return torch.zeros(rows) if node is None else constant_value(ctx.gm, node)
 
 
+def _own_kernel_output(node: Node) -> Optional[Node]:
+    """For an own-kernel linear (x -> [rows, in, 1, 1] -> kernel -> reshape): the final reshape."""
+    users = list(node.users)
+    return users[0] if len(users) == 1 and users[0].target is aten.reshape.default else None
+
+
+def _group_key(node: Node, qlinear, own_kernels) -> Optional[tuple]:
+    """What siblings share (input and every argument but the weight's), or None for a node
+    that is not a marked linear."""
+    if SIBLING not in node.meta:
+        return None
+    if node.target is qlinear:
+        x, x_scale, x_zp, _, _, _, _bias_node, *outputs = node.args
+        return (qlinear, x, x_scale, x_zp, tuple(map(_hashable, outputs)))
+    if node.target in own_kernels and node.args[4] is None and _own_kernel_output(node) is not None:
+        pixels, _, _, _, *outputs = node.args
+        return (node.target, pixels.args[0], tuple(map(_hashable, outputs)))
+    return None
+
+
 def _groups(ctx: EmitContext) -> list[list[Node]]:
     qlinear = ctx.op("qlinear").op
+    own_kernels = native.conv_kernels("qconv1x1") if native.available() is None else ()
     binary_ops = {r.op for r in (ctx.op("qlinear_binary"), ctx.op("qconv_binary")) if r}
     groups = defaultdict(list)
     for node in ctx.gm.graph.nodes:
-        if node.target is not qlinear or SIBLING not in node.meta:
+        key = _group_key(node, qlinear, own_kernels)
+        result = node if node.target is qlinear else _own_kernel_output(node)
+        if key is None or any(_writes_into(user, result, binary_ops) for user in result.users):
             continue
-        if any(_writes_into(user, node, binary_ops) for user in node.users):
-            continue
-        x, x_scale, x_zp, _, _, _, _bias_node, *outputs = node.args
-        groups[(x, x_scale, x_zp, tuple(map(_hashable, outputs)))].append(node)
+        groups[key].append(node)
     return [members for members in groups.values() if len(members) > 1]
+
+
+def _slice_columns(graph, merged: Node, members: list[Node], outputs: list[Node], widths: list[int]) -> None:
+    """Each member's output (``outputs``) replaced by its columns of ``merged``."""
+    start, previous = 0, merged
+    for member, output, n in zip(members, outputs, widths):
+        with graph.inserting_after(previous):
+            columns = record_fake_value(graph.call_function(aten.slice.Tensor, (merged, -1, start, start + n)))
+        columns.meta.update({k: v for k, v in member.meta.items() if k not in ("example_value", "val", SIBLING)})
+        output.replace_all_uses_with(columns)
+        start, previous = start + n, columns
+
+
+def _merge_own(ctx: EmitContext, members: list[Node]) -> bool:
+    """One own-kernel call for ``members``: their packed weights, multipliers and offsets
+    concatenated; the first member's input rows."""
+    graph, first = ctx.gm.graph, members[0]
+    outputs = [_own_kernel_output(m) for m in members]
+    widths = [m.meta[SIBLING][1].int8.shape[0] for m in members]
+    with graph.inserting_before(first):
+        constants = [ctx.constant(torch.cat([constant_value(ctx.gm, m.args[i]) for m in members]), hint)
+                     for i, hint in ((1, "pw_w"), (2, "pw_mult"), (3, "pw_add"))]
+        kernel = own_conv.call_kernel(ctx, "qconv1x1", (first.args[0], *constants, *first.args[4:]))
+    with graph.inserting_after(kernel):
+        merged = record_fake_value(graph.call_function(aten.reshape.default, (kernel, [*outputs[0].args[1][:-1], sum(widths)])))
+    _slice_columns(graph, merged, members, outputs, widths)
+    for member, output in zip(members, outputs):
+        pixels = member.args[0]
+        graph.erase_node(output)
+        graph.erase_node(member)
+        if not pixels.users:
+            graph.erase_node(pixels)
+    return True
 
 
 def _merge(ctx: EmitContext, members: list[Node]) -> bool:
@@ -80,14 +138,9 @@ def _merge(ctx: EmitContext, members: list[Node]) -> bool:
     values = [fake_value(m) for m in members]
     if all(v is not None for v in values):  # (the kernel's meta function cannot read a new constant)
         merged.meta["example_value"] = torch.cat(values, -1)
-    start, previous = 0, merged
-    for member, n in zip(members, rows):
-        with graph.inserting_after(previous):
-            columns = record_fake_value(graph.call_function(aten.slice.Tensor, (merged, -1, start, start + n)))
-        columns.meta.update({k: v for k, v in member.meta.items() if k not in ("example_value", "val", SIBLING)})
-        member.replace_all_uses_with(columns)
+    _slice_columns(graph, merged, members, members, rows)
+    for member in members:
         graph.erase_node(member)
-        start, previous = start + n, columns
     return True
 
 
@@ -95,7 +148,7 @@ def merge_sibling_linears(ctx: EmitContext, report) -> None:
     by_name = {d.node: d for d in report.decisions}
     for members in _groups(ctx):
         anchors = [m.meta[SIBLING][0] for m in members]
-        if not _merge(ctx, members):
+        if not (_merge(ctx, members) if members[0].target is ctx.op("qlinear").op else _merge_own(ctx, members)):
             continue
         for name in anchors:
             note = f"one call with {', '.join(a for a in anchors if a != name)} (same input, weights concatenated)"

@@ -40,8 +40,11 @@ OPS = {
     "qconv_dw3x3": "qconv_dw3x3(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int[] stride, "
                    "int[] padding, float low, float high, float out_scale, int out_zero_point, int qmin, int qmax) -> Tensor",
     "qconv1x1": "qconv1x1(Tensor x, Tensor weight, Tensor mult, Tensor add, Tensor? residual, float residual_scale, "
-                "float low, float high, float out_scale, int out_zero_point, int qmin, int qmax, bool float_out=False) -> Tensor",
+                "float low, float high, float out_scale, int out_zero_point, int qmin, int qmax, bool float_out=False, "
+                "str activation='none') -> Tensor",
 }
+# qconv1x1's unary post-ops besides its clamp (pointwise_conv_int8.c ``enum activation``)
+ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2}
 
 
 def cache_dir() -> Path:
@@ -99,7 +102,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_int4_mm.argtypes = [i32] * 5 + [pointer] * 8
     lib.qb_int8_mm.argtypes = [i32] * 4 + [pointer] * 7
     lib.qb_dwconv3x3.argtypes = [i32] * 11 + [pointer, i32] + [pointer] * 3 + [f32] * 3 + [i32] * 3 + [pointer]
-    lib.qb_conv1x1.argtypes = [i32] * 4 + [pointer] * 5 + [f32] * 4 + [i32] * 3 + [pointer] * 2
+    lib.qb_conv1x1.argtypes = [i32] * 4 + [pointer] * 5 + [i32, f32, i32] + [f32] * 3 + [i32] * 3 + [pointer] * 2
     lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3.restype = lib.qb_conv1x1.restype = None
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
     for name, schema in OPS.items():
@@ -200,7 +203,7 @@ def _dwconv3x3_fake(x, x_zero_point, weight, mult, add, stride, padding, *args):
 
 
 def _conv1x1(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax,
-             float_out=False, *, trusted=False):
+             float_out=False, activation="none", *, trusted=False):
     n, cin, h, w = x.shape
     cout = mult.numel()
     _check_nchw_uint8(x, weight.numel() // cout, "qconv1x1")
@@ -210,20 +213,24 @@ def _conv1x1(lib, x, weight, mult, add, residual, residual_scale, low, high, out
         raise ValueError(f"qbackend::qconv1x1 takes in_channels % 4 == 0 and out_channels % 8 == 0, got {cin} -> {cout}")
     x = x.contiguous(memory_format=torch.channels_last)
     y = torch.empty((n, cout, h, w), dtype=torch.float32 if float_out else torch.uint8, memory_format=torch.channels_last)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"qbackend::qconv1x1: activation {activation!r} is not one of {list(ACTIVATIONS)}")
     if residual is not None:
-        _check_nchw_uint8(residual, cout, "qconv1x1 (residual)")
-        if residual.shape != y.shape:
-            raise ValueError(f"qbackend::qconv1x1: residual {tuple(residual.shape)} for output {tuple(y.shape)}")
+        if residual.dtype != torch.float32:  # a float32 residual, or a uint8 one checked like the input
+            _check_nchw_uint8(residual, cout, "qconv1x1 (residual)")
+        if residual.shape != y.shape or residual.device.type != "cpu":
+            raise ValueError(f"qbackend::qconv1x1: residual {tuple(residual.shape)} on {residual.device} for output {tuple(y.shape)}")
         residual = residual.contiguous(memory_format=torch.channels_last)
     lib.qb_conv1x1(torch.get_num_threads(), n * h * w, cin, cout, x.data_ptr(), weight.data_ptr(), mult.data_ptr(),
-                   add.data_ptr(), residual.data_ptr() if residual is not None else None, residual_scale, low, high,
+                   add.data_ptr(), residual.data_ptr() if residual is not None else None,
+                   residual is not None and residual.dtype == torch.float32, residual_scale, ACTIVATIONS[activation], low, high,
                    1.0 / out_scale, out_zero_point, qmin, qmax, None if float_out else y.data_ptr(),
                    y.data_ptr() if float_out else None)
     return y
 
 
 def _conv1x1_fake(x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax,
-                  float_out=False):
+                  float_out=False, activation="none"):
     n, _, h, w = x.shape
     return _channels_last_like(x, (n, mult.numel(), h, w), torch.float32 if float_out else torch.uint8)
 
@@ -247,6 +254,11 @@ def qconv_dw3x3(*args):
 def qconv1x1(*args):
     """``qbackend::qconv1x1`` without the dispatcher round trip (see ``qconv_dw3x3``)."""
     return _conv1x1(_load()[0], *args, trusted=True)
+
+
+def conv_kernels(name: str) -> tuple:
+    """Both forms a graph may call an own conv kernel in (``conv_kernel``)."""
+    return conv_kernel(name, traced=True), conv_kernel(name, traced=False)
 
 
 def conv_kernel(name: str, traced: bool):

@@ -148,6 +148,14 @@ def lower_without_running(module, inputs, registry=None, **options):
     return lowered, report
 
 
+def onednn_linear_rows() -> int:
+    """A row count for int8 linears that oneDNN's qlinear runs (qbackend's own GEMM kernel takes
+    up to lowering/pointwise.py MAX_ROWS): for tests of oneDNN-specific graphs."""
+    from qbackend.lowering.pointwise import MAX_ROWS
+
+    return MAX_ROWS + 8
+
+
 SATURATION_REASON = "adds pairs of products in int16"
 
 

@@ -47,10 +47,10 @@ return (qconv2d_pointwise_binary)""")
 l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0474, 61, 0, 127, uint8)
 reshape_default = aten.reshape(quantize_per_tensor_default, [15, 16, 1, 1])
-qconv1x1 = native.qconv1x1(reshape_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0109, 0, 0, 127, False)
+qconv1x1 = native.qconv1x1(reshape_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0109, 0, 0, 127, False, 'none')
 reshape_default_1 = aten.reshape(qconv1x1, [3, 5, 24])
 reshape_default_2 = aten.reshape(reshape_default_1, [15, 24, 1, 1])
-qconv1x1_1 = native.qconv1x1(reshape_default_2, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True)
+qconv1x1_1 = native.qconv1x1(reshape_default_2, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
 reshape_default_3 = aten.reshape(qconv1x1_1, [3, 5, 8])
 return (reshape_default_3)""")
 

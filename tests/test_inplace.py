@@ -2,7 +2,7 @@
 import torch
 import torch.nn as nn
 
-from .helpers import assert_matches_reference, quantize
+from .helpers import assert_matches_reference, onednn_linear_rows, quantize
 
 
 class ResidualReadAgain(nn.Module):
@@ -74,7 +74,8 @@ class TwoLinearResiduals(nn.Module):
 
 
 def test_linear_residual_never_writes_the_callers_input():
-    inputs = (torch.randn(3, 5, 16),)
+    """On oneDNN's kernel (enough rows for it)."""
+    inputs = (torch.randn(2, onednn_linear_rows() // 2, 16),)
     before = inputs[0].clone()
     report = assert_matches_reference(quantize(TwoLinearResiduals(), inputs), inputs).report
     assert torch.equal(inputs[0], before), "the caller's input changed"
@@ -82,3 +83,13 @@ def test_linear_residual_never_writes_the_callers_input():
     assert by_source["fc1"].rule == "qlinear_add" and by_source["fc1"].reason.startswith("residual added out of place"), str(report)
     assert "graph input" in by_source["fc1"].reason, str(report)
     assert by_source["fc2"].rule == "qlinear_add" and by_source["fc2"].reason == "residual updated in place", str(report)
+
+
+def test_own_gemm_kernel_reads_its_residual_and_writes_a_new_tensor():
+    inputs = (torch.randn(3, 5, 16),)
+    before = inputs[0].clone()
+    report = assert_matches_reference(quantize(TwoLinearResiduals(), inputs), inputs).report
+    assert torch.equal(inputs[0], before), "the caller's input changed"
+    reasons = {d.source: (d.rule, d.op, d.reason) for d in report.decisions if d.kind == "linear"}
+    own = ("qlinear_add", "qbackend::qconv1x1.default", "qbackend's int8 GEMM kernel (15 rows); residual added out of place")
+    assert reasons == {"fc1": own, "fc2": own}, str(report)

@@ -10,7 +10,7 @@ from qbackend.lowering.cpu import _largest_pair_sum
 from qbackend.patterns.examples import HandQuantized
 from qbackend.pt2e_flow import cpu_needs_reduce_range
 
-from .helpers import (SATURATION_REASON, assert_matches_reference, compile_and_run, quantize, short_graph,
+from .helpers import (SATURATION_REASON, assert_matches_reference, compile_and_run, onednn_linear_rows, quantize, short_graph,
                       simulate_cpu)
 from .tolerances import assert_outputs_close
 
@@ -82,7 +82,7 @@ def test_seven_bit_outputs_are_clipped_to_their_range(post_op, clipped_by):
     hardtanh folded into the kernel or, for other post-ops, a clamp after it. Inputs drive
     most outputs past the range's top, so a missing clip shows in the int8 comparison."""
     model = HandQuantized(rank=0, in_ch=256, out_ch=16, post_op=post_op)
-    inputs = (torch.full((32, 256), 2.5),)  # 32 rows: oneDNN's kernel (qbackend's own takes <= 16, below)
+    inputs = (torch.full((onednn_linear_rows(), 256), 2.5),)  # oneDNN's kernel (qbackend's own: below)
     with torch.no_grad():
         assert (model(*inputs) >= 4.6).float().mean() > 0.3  # (127 - 50) * 0.06: the top of the range
     captured = assert_matches_reference(model, inputs)
@@ -95,10 +95,11 @@ def test_unknown_reduce_range_is_a_clear_error():
         quantize(_conv_linear(), (torch.randn(2, 8, 6, 6),), reduce_range="both")
 
 
-@pytest.mark.parametrize("post_op", [None, "relu", "relu6"])
+@pytest.mark.parametrize("post_op", [None, "relu", "relu6", "gelu"])
 def test_seven_bit_outputs_of_the_own_gemm_kernel_stay_in_range(post_op):
-    """qbackend's own int8 GEMM (few-row linears) clamps to the output's [qmin, qmax] itself."""
+    """qbackend's own int8 GEMM clamps to the output's [qmin, qmax] itself, after any post-op."""
     model = HandQuantized(rank=0, in_ch=256, out_ch=16, post_op=post_op)
     captured = assert_matches_reference(model, (torch.full((4, 256), 2.5),))
     graph = short_graph(captured.lowered)
-    assert "native.qconv1x1(" in graph and ", 0, 127, False)" in graph, graph
+    assert "native.qconv1x1(" in graph and f", 0, 127, False, '{post_op if post_op == 'gelu' else 'none'}')" in graph, graph
+    assert "clamp_to_range" not in graph, graph

@@ -1,6 +1,7 @@
 """Linears reading the same int8 activation with the same output arguments (Q, K, V) run as
-one qlinear over their concatenated weights, bit for bit the separate calls; a sibling whose
-output a later kernel updates in place, or whose output arguments differ, keeps its own call."""
+one qlinear (or one call of qbackend's own GEMM kernel) over their concatenated weights, bit for
+bit the separate calls; a sibling whose output a later kernel updates in place, or whose output
+arguments differ, keeps its own call."""
 import expecttest
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch.nn as nn
 
 import qbackend.lowering as lowering
 
-from .helpers import assert_matches_reference, compile_and_run, lower_without_running, quantize, short_graph
+from .helpers import assert_matches_reference, compile_and_run, lower_without_running, onednn_linear_rows, quantize, short_graph
 
 
 class Projections(nn.Module):
@@ -17,7 +18,7 @@ class Projections(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.q, self.k, self.v, self.gate = nn.Linear(32, 16), nn.Linear(32, 16), nn.Linear(32, 12, bias=False), nn.Linear(32, 12)
+        self.q, self.k, self.v, self.gate = nn.Linear(32, 16), nn.Linear(32, 16), nn.Linear(32, 24, bias=False), nn.Linear(32, 24)
 
     def forward(self, x):
         attention = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2), dim=-1) @ self.v(x)
@@ -35,13 +36,18 @@ class ResidualSibling(nn.Module):
         return self.out(torch.softmax(self.q(x), dim=-1)) + self.k(x)
 
 
-def inputs():
+KERNELS = {"onednn": "= onednn.qlinear", "own": "= native.qconv1x1("}  # kernel -> how its calls print
+
+
+def inputs(kernel="onednn"):
     torch.manual_seed(0)
-    return (torch.randn(2, 12, 32),)  # 24 rows: oneDNN's qlinear (qbackend's own GEMM takes <= 16 rows, unmerged)
+    rows = onednn_linear_rows() if kernel == "onednn" else 24
+    return (torch.randn(2, rows // 2, 32),)
 
 
 def _qlinear_lines(captured) -> list[str]:
-    return [line for line in short_graph(captured.lowered).splitlines() if "= onednn.qlinear" in line or "= aten.slice" in line]
+    return [line for line in short_graph(captured.lowered).splitlines()
+            if any(call in line for call in KERNELS.values()) or "= aten.slice" in line]
 
 
 class TestSiblingGraph(expecttest.TestCase):
@@ -49,23 +55,37 @@ class TestSiblingGraph(expecttest.TestCase):
         torch.manual_seed(0)
         captured = assert_matches_reference(quantize(Projections(), inputs()), inputs())
         self.assertExpectedInline("\n".join(_qlinear_lines(captured)), """\
-qlinear_pointwise_default_4 = onednn.qlinear_pointwise(quantize_per_tensor_default, 0.0571, 55, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')
+qlinear_pointwise_default_4 = onednn.qlinear_pointwise(quantize_per_tensor_default, 0.0645, 63, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')
 slice_tensor = aten.slice.Tensor(qlinear_pointwise_default_4, -1, 0, 16)
 slice_tensor_1 = aten.slice.Tensor(qlinear_pointwise_default_4, -1, 16, 32)
-slice_tensor_2 = aten.slice.Tensor(qlinear_pointwise_default_4, -1, 32, 44)
-qlinear_pointwise_default_3 = onednn.qlinear_pointwise(quantize_per_tensor_default, 0.0571, 55, <const>, <const>, <const>, <const>, 0.0138, 0, uint8, 'hardtanh', [0, 1.75], '')""")
+slice_tensor_2 = aten.slice.Tensor(qlinear_pointwise_default_4, -1, 32, 56)
+qlinear_pointwise_default_3 = onednn.qlinear_pointwise(quantize_per_tensor_default, 0.0645, 63, <const>, <const>, <const>, <const>, 0.0172, 0, uint8, 'hardtanh', [0, 2.19], '')""")
         notes = {d.node: d.reason for d in captured.report.decisions}
         assert notes["linear"] == "one call with linear_1, linear_2 (same input, weights concatenated)", str(captured.report)
         assert "one call" not in notes["linear_3"], str(captured.report)
 
+    def test_q_k_v_run_as_one_call_of_the_own_kernel(self):
+        torch.manual_seed(0)
+        captured = assert_matches_reference(quantize(Projections(), inputs("own")), inputs("own"))
+        self.assertExpectedInline("\n".join(_qlinear_lines(captured)), """\
+qconv1x1_4 = native.qconv1x1(reshape_default, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
+slice_tensor = aten.slice.Tensor(reshape_default_8, -1, 0, 16)
+slice_tensor_1 = aten.slice.Tensor(reshape_default_8, -1, 16, 32)
+slice_tensor_2 = aten.slice.Tensor(reshape_default_8, -1, 32, 56)
+qconv1x1_3 = native.qconv1x1(reshape_default_6, <const>, <const>, <const>, None, 0, 0, inf, 0.0173, 0, 0, 127, False, 'none')""")
+        notes = {d.node: d.reason for d in captured.report.decisions}
+        assert notes["linear"] == "qbackend's int8 GEMM kernel (24 rows); one call with linear_1, linear_2 (same input, weights concatenated)", str(captured.report)
+        assert "one call" not in notes["linear_3"], str(captured.report)
 
-def test_merged_call_is_bit_exact(monkeypatch):
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_merged_call_is_bit_exact(monkeypatch, kernel):
     torch.manual_seed(0)
-    model = quantize(Projections(), inputs())
-    merged, _, captured = compile_and_run(model, inputs())
+    model = quantize(Projections(), inputs(kernel))
+    merged, _, captured = compile_and_run(model, inputs(kernel))
     monkeypatch.setitem(lowering.FINISH, "cpu", ())
-    separate, _, unmerged = compile_and_run(model, inputs())
-    calls = [sum("onednn.qlinear" in line for line in _qlinear_lines(c)) for c in (captured, unmerged)]
+    separate, _, unmerged = compile_and_run(model, inputs(kernel))
+    calls = [sum(KERNELS[kernel] in line for line in _qlinear_lines(c)) for c in (captured, unmerged)]
     assert calls == [2, 4], calls
     assert torch.equal(merged, separate)
 
@@ -76,6 +96,17 @@ def test_sibling_updated_in_place_keeps_its_own_call():
     assert not any("slice" in line for line in _qlinear_lines(captured)), short_graph(captured.lowered)
     notes = {d.source: d.reason for d in captured.report.decisions if d.kind == "linear"}
     assert notes == {"q": "", "k": "", "out": "residual updated in place"}, str(captured.report)
+
+
+def test_sibling_read_as_the_own_kernels_residual_is_merged():
+    """qbackend's own kernel only reads its residual (and copies a strided one): k may merge."""
+    torch.manual_seed(0)
+    captured = assert_matches_reference(quantize(ResidualSibling(), inputs("own")), inputs("own"))
+    notes = {d.source: d.reason for d in captured.report.decisions if d.kind == "linear"}
+    own = "qbackend's int8 GEMM kernel (24 rows)"
+    assert notes == {"q": f"{own}; one call with linear_2 (same input, weights concatenated)",
+                     "k": f"{own}; one call with linear (same input, weights concatenated)",
+                     "out": f"{own}; residual added out of place"}, str(captured.report)
 
 
 @pytest.mark.parametrize("device", ["cpu", "xpu"])
