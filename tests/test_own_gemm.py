@@ -1,0 +1,104 @@
+"""qbackend's own int8 GEMM on linears (lowering/pointwise.py): GELU (erf and tanh) and a
+float32 residual fused in its epilogue, the same values as the reference, chosen for linears of
+up to MAX_ROWS rows and oneDNN's qlinear above, or with the reason where it does not apply."""
+import pytest
+import torch
+import torch.nn as nn
+
+from qbackend import native
+from qbackend.lowering import pointwise
+from qbackend.lowering.own_conv import scale_and_offset
+from qbackend.patterns import examples
+
+from .helpers import compile_and_run, onednn_linear_rows, quantize
+from .tolerances import assert_int8_close, assert_outputs_close
+
+OWN, ONEDNN, ONEDNN_ADD = "qbackend::qconv1x1.default", "onednn::qlinear_pointwise", "onednn::qlinear_pointwise.binary"
+GELU = {"gelu": "none", "gelu_tanh": "tanh"}  # the kernel's activation -> torch's approximate=
+
+
+def _gemm_case(rows=37, cin=64, cout=40, x_zp=9, x_scale=0.03):
+    """uint8 rows, 7-bit weights, the packed kernel constants and the exact float64 result."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (rows, cin), dtype=torch.uint8)
+    w = torch.randint(-64, 64, (cout, cin), dtype=torch.int8)
+    w_scale, bias = torch.rand(cout) * 0.004 + 0.001, torch.randn(cout)
+    mult, add = scale_and_offset(w, w_scale, x_scale, x_zp, bias)
+    exact = (x.double() - x_zp) * x_scale @ (w.double() * w_scale.double()[:, None]).T + bias.double()
+    constants = (pointwise.pack(w.reshape(cout, cin, 1, 1)), mult.float(), add.float())
+    return x.reshape(rows, cin, 1, 1), constants, exact
+
+
+@pytest.mark.parametrize("activation", sorted(GELU))
+def test_gelu_in_the_epilogue_gives_the_reference_values(activation):
+    """Float out: within 2e-6 of float64 GELU over the exact sum (37 rows: a tail tile; 40
+    outputs: a 16-wide tail). uint8 out: the reference integers, rarely one step off where a
+    value sits on a rounding boundary."""
+    x, constants, exact = _gemm_case()
+    expected = nn.functional.gelu(exact, approximate=GELU[activation])
+    assert (exact < -2).any() and (exact > 2).any()  # both tails and the middle of GELU
+    gemm = native.op("qconv1x1")
+    floats = gemm(x, *constants, None, 0.0, float("-inf"), float("inf"), 1.0, 0, 0, 255, True, activation)
+    torch.testing.assert_close(floats.reshape(exact.shape).double(), expected, atol=2e-6, rtol=1e-6)
+    out_scale, out_zp = 0.02, 40
+    ints = gemm(x, *constants, None, 0.0, float("-inf"), float("inf"), out_scale, out_zp, 0, 255, False, activation)
+    reference = (torch.round(expected / out_scale) + out_zp).clamp(0, 255).to(torch.uint8)
+    assert_int8_close(ints.reshape(reference.shape), reference, activation)
+    assert (ints.reshape(reference.shape) == reference).double().mean() > 0.999
+
+
+def test_float_residual_is_added_before_the_post_op():
+    x, constants, exact = _gemm_case()
+    residual = torch.randn(exact.shape)
+    floats = native.op("qconv1x1")(x, *constants, residual.reshape(*exact.shape, 1, 1), 1.0, 0.0, float("inf"),
+                                   1.0, 0, 0, 255, True)
+    torch.testing.assert_close(floats.reshape(exact.shape).double(), (exact + residual.double()).clamp_min(0),
+                               atol=2e-6, rtol=1e-6)
+
+
+def test_bad_activation_or_residual_is_a_clear_error():
+    x, constants, exact = _gemm_case()
+    gemm = native.op("qconv1x1")
+    with pytest.raises(ValueError, match="activation 'silu' is not one of"):
+        gemm(x, *constants, None, 0.0, 0.0, 6.0, 1.0, 0, 0, 255, True, "silu")
+    with pytest.raises(ValueError, match="residual"):
+        gemm(x, *constants, torch.randn(exact.shape[0], 8, 1, 1), 1.0, 0.0, 6.0, 1.0, 0, 0, 255, True)
+    with pytest.raises(ValueError, match="takes uint8 CPU activations"):  # only float32 or uint8 residuals
+        gemm(x, *constants, torch.randn(*exact.shape, 1, 1).bfloat16(), 1.0, 0.0, 6.0, 1.0, 0, 0, 255, True)
+
+
+class FeedForward(nn.Module):
+    """A transformer's MLP with its residual: x + fc2(gelu(fc1(x)))."""
+
+    def __init__(self, approximate="none"):
+        super().__init__()
+        self.fc1, self.gelu, self.fc2 = nn.Linear(32, 64), nn.GELU(approximate), nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.fc2(self.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_feed_forward_runs_on_the_own_kernel_with_its_post_ops(approximate):
+    inputs = (torch.randn(4, 24, 32),)  # 96 rows
+    actual, expected, captured = compile_and_run(quantize(FeedForward(approximate).eval(), inputs), inputs)
+    assert_outputs_close(actual, expected, f"feed-forward, gelu {approximate}")
+    assert [(d.rule, d.op) for d in captured.report.decisions] == [("qlinear", OWN), ("qlinear_add", OWN)], str(captured.report)
+
+
+def test_rows_above_the_limit_run_on_onednn():
+    inputs = (torch.randn(2, onednn_linear_rows() // 2, 32),)
+    actual, expected, captured = compile_and_run(quantize(FeedForward().eval(), inputs), inputs)
+    assert_outputs_close(actual, expected, "feed-forward on oneDNN")
+    assert [d.op for d in captured.report.decisions] == [ONEDNN, ONEDNN_ADD], str(captured.report)
+
+
+def test_a_bf16_output_stays_on_onednn_with_the_reason():
+    module, inputs = examples.linear_residual()
+    inputs = tuple(t.bfloat16() for t in inputs)
+    actual, expected, captured = compile_and_run(quantize(module.bfloat16(), inputs), inputs)
+    assert_outputs_close(actual, expected, "bf16 residual")
+    ops = {d.source: (d.op, d.reason) for d in captured.report.decisions}
+    assert ops == {"fc1": (OWN, "qbackend's int8 GEMM kernel (10 rows)"),  # (its uint8 output is no bf16)
+                   "fc2": (ONEDNN, "oneDNN, not qbackend's linear kernel: the kernel writes uint8 or float32, not torch.bfloat16")}, \
+        str(captured.report)
