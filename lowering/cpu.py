@@ -9,7 +9,7 @@ from qbackend.patterns.base import fake_value
 
 from .capabilities import (INT16_MAX, conv_binary_post_op_refusal, conv_post_op_refusal, int8_pairs_saturate,
                            linear_binary_post_op_refusal, linear_post_op_refusal, quantized_tensor_pool_refusal)
-from . import depthwise, pointwise
+from . import depthwise, gemm
 from .base import Lowering
 from .common import COMMON, NO_POST_OP, emit_qconv, emit_qconv_add, emit_qlinear, emit_qlinear_add, output_args
 from .signed_int8 import signed_activations_as_unsigned
@@ -87,10 +87,10 @@ def _own_kernel_or(onednn_emit, *kernels):
     return emit
 
 
-TABLE["qconv"] = dataclasses.replace(TABLE["qconv"], emit=_own_kernel_or(emit_qconv, depthwise.KERNEL, pointwise.CONV_KERNEL))
-TABLE["qconv_add"] = dataclasses.replace(TABLE["qconv_add"], emit=_own_kernel_or(emit_qconv_add, pointwise.CONV_KERNEL))
-TABLE["qlinear"] = dataclasses.replace(TABLE["qlinear"], emit=_own_kernel_or(emit_qlinear, pointwise.LINEAR_KERNEL))
-TABLE["qlinear_add"] = dataclasses.replace(TABLE["qlinear_add"], emit=_own_kernel_or(emit_qlinear_add, pointwise.LINEAR_KERNEL))
+TABLE["qconv"] = dataclasses.replace(TABLE["qconv"], emit=_own_kernel_or(emit_qconv, depthwise.KERNEL, gemm.CONV_KERNEL))
+TABLE["qconv_add"] = dataclasses.replace(TABLE["qconv_add"], emit=_own_kernel_or(emit_qconv_add, gemm.CONV_KERNEL))
+TABLE["qlinear"] = dataclasses.replace(TABLE["qlinear"], emit=_own_kernel_or(emit_qlinear, gemm.LINEAR_KERNEL))
+TABLE["qlinear_add"] = dataclasses.replace(TABLE["qlinear_add"], emit=_own_kernel_or(emit_qlinear_add, gemm.LINEAR_KERNEL))
 TABLE["qavgpool"] = dataclasses.replace(COMMON["qavgpool"], limits=lambda match: _uint8_activations(match) or quantized_tensor_pool_refusal("cpu"))
 TABLE["int4_weight_linear"] = Lowering(emit_weight_only, ("int4_pack", "int4_mm"), limits_for("cpu"))
 TABLE["int8_weight_linear"] = Lowering(emit_weight_only, ("int8_weight_only_mm",), limits_for("cpu"))

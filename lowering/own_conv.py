@@ -1,4 +1,4 @@
-"""What qbackend's own int8 conv / GEMM kernels (lowering/depthwise.py, lowering/pointwise.py)
+"""What qbackend's own int8 conv / GEMM kernels (lowering/depthwise.py, lowering/gemm.py)
 share: the requantization constants, the clamp post-op, and the conditions on a match."""
 from __future__ import annotations
 

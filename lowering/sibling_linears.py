@@ -1,7 +1,7 @@
 """Sibling linears: lowered qlinears that read the same int8 activation with the same output
 arguments (a transformer's Q, K and V projections) run as one qlinear over their concatenated
 weights; each sibling then reads its own columns as a view. The same holds for linears on
-qbackend's own GEMM kernel (pointwise.py), whose packed weights and per-channel constants
+qbackend's own GEMM kernel (gemm.py), whose packed weights and per-channel constants
 concatenate as they are (8 output channels per block).
 
 Exact: every output column comes from its own weight row, scale and bias alone, so the merged
@@ -73,7 +73,7 @@ def _group_key(node: Node, qlinear, own_kernels) -> Optional[tuple]:
 
 def _groups(ctx: EmitContext) -> list[list[Node]]:
     qlinear = ctx.op("qlinear").op
-    own_kernels = native.conv_kernels("qconv1x1") if native.available() is None else ()
+    own_kernels = native.conv_kernels("qconv") if native.available() is None else ()
     binary_ops = {r.op for r in (ctx.op("qlinear_binary"), ctx.op("qconv_binary")) if r}
     groups = defaultdict(list)
     for node in ctx.gm.graph.nodes:
@@ -104,8 +104,8 @@ def _merge_own(ctx: EmitContext, members: list[Node]) -> bool:
     widths = [m.meta[SIBLING][1].int8.shape[0] for m in members]
     with graph.inserting_before(first):
         constants = [ctx.constant(torch.cat([constant_value(ctx.gm, m.args[i]) for m in members]), hint)
-                     for i, hint in ((1, "pw_w"), (2, "pw_mult"), (3, "pw_add"))]
-        kernel = own_conv.call_kernel(ctx, "qconv1x1", (first.args[0], *constants, *first.args[4:]))
+                     for i, hint in ((1, "gemm_w"), (2, "gemm_mult"), (3, "gemm_add"))]
+        kernel = own_conv.call_kernel(ctx, "qconv", (first.args[0], *constants, *first.args[4:]))
     with graph.inserting_after(kernel):
         merged = record_fake_value(graph.call_function(aten.reshape.default, (kernel, [*outputs[0].args[1][:-1], sum(widths)])))
     _slice_columns(graph, merged, members, outputs, widths)

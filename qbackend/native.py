@@ -5,9 +5,10 @@
   compute-bound at 3-4x their memory-bandwidth time; these quantize the activations per group
   to int16 (finer than bf16 rounding) and multiply with integer instructions: 1.5 ms vs
   3.5-4.2 ms on a 4096x11008 int4 layer.
-- Depthwise 3x3 and 1x1 int8 convs (``depthwise_conv_int8.c``, ``pointwise_conv_int8.c``):
-  onednn::qconv_pointwise spends ~50 us per call before computing, and runs depthwise convs
-  at 3-11 GMAC/s here.
+- Depthwise 3x3 int8 convs (``depthwise_conv_int8.c``) and an int8 GEMM for other convs up
+  to 3x3 and linears (``conv_gemm_int8.c``): onednn::qconv_pointwise / qlinear_pointwise
+  spend ~50 us per call before computing, run depthwise convs at 3-11 GMAC/s here, and their
+  AVX2 int8 kernels are slower than this GEMM's below a few thousand output rows.
 
 The sources are compiled once per machine with the system C compiler (as Inductor does for
 its own kernels) into one library, cached by a hash of sources and flags, loaded with ctypes,
@@ -31,6 +32,7 @@ import torch
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+MAX_TAPS = 9  # kernel positions qconv takes (conv_gemm_int8.c MAX_TAPS): up to 3x3
 BLOCK = 64  # columns per weight block (the kernel's unit: K must be a multiple)
 GROUPS = (32,) + tuple(range(BLOCK, 4097, BLOCK))  # int4 group sizes the kernel takes
 NAMESPACE = "qbackend"
@@ -39,11 +41,12 @@ OPS = {
     "int8_mm_int16": "int8_mm_int16(Tensor x, Tensor weight, Tensor scale) -> Tensor",
     "qconv_dw3x3": "qconv_dw3x3(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int[] stride, "
                    "int[] padding, float low, float high, float out_scale, int out_zero_point, int qmin, int qmax) -> Tensor",
-    "qconv1x1": "qconv1x1(Tensor x, Tensor weight, Tensor mult, Tensor add, Tensor? residual, float residual_scale, "
-                "float low, float high, float out_scale, int out_zero_point, int qmin, int qmax, bool float_out=False, "
-                "str activation='none') -> Tensor",
+    "qconv": "qconv(Tensor x, Tensor weight, Tensor mult, Tensor add, Tensor? residual, float residual_scale, "
+             "float low, float high, float out_scale, int out_zero_point, int qmin, int qmax, bool float_out=False, "
+             "str activation='none', int[2] kernel_size=[1, 1], int[2] stride=[1, 1], int[2] padding=[0, 0], "
+             "int[2] dilation=[1, 1], int x_zero_point=0) -> Tensor",
 }
-# qconv1x1's unary post-ops besides its clamp (pointwise_conv_int8.c ``enum activation``)
+# qconv's unary post-ops besides its clamp (conv_gemm_int8.c ``enum activation``)
 ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2}
 
 
@@ -102,8 +105,8 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_int4_mm.argtypes = [i32] * 5 + [pointer] * 8
     lib.qb_int8_mm.argtypes = [i32] * 4 + [pointer] * 7
     lib.qb_dwconv3x3.argtypes = [i32] * 11 + [pointer, i32] + [pointer] * 3 + [f32] * 3 + [i32] * 3 + [pointer]
-    lib.qb_conv1x1.argtypes = [i32] * 4 + [pointer] * 5 + [i32, f32, i32] + [f32] * 3 + [i32] * 3 + [pointer] * 2
-    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3.restype = lib.qb_conv1x1.restype = None
+    lib.qb_conv.argtypes = [i32] * 17 + [pointer] * 5 + [i32, f32, i32] + [f32] * 3 + [i32] * 3 + [pointer] * 2
+    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3.restype = lib.qb_conv.restype = None
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
     for name, schema in OPS.items():
         _library.define(schema)
@@ -169,8 +172,8 @@ def _check_constants(name: str, *expected) -> None:
                              f"got {tensor.dtype} {tuple(tensor.shape)}")
 
 
-def conv_output_size(size: int, stride: int, padding: int, kernel: int = 3) -> int:
-    return (size + 2 * padding - kernel) // stride + 1
+def conv_output_size(size: int, stride: int, padding: int, kernel: int = 3, dilation: int = 1) -> int:
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
 
 def _dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax,
@@ -202,45 +205,50 @@ def _dwconv3x3_fake(x, x_zero_point, weight, mult, add, stride, padding, *args):
     return _channels_last_like(x, shape, torch.uint8)
 
 
-def _conv1x1(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax,
-             float_out=False, activation="none", *, trusted=False):
+def _conv(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax,
+          float_out=False, activation="none", kernel_size=(1, 1), stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+          x_zero_point=0, *, trusted=False):
+    cout, taps = mult.numel(), kernel_size[0] * kernel_size[1]
+    _check_nchw_uint8(x, weight.numel() // cout // max(taps, 1), "qconv")
     n, cin, h, w = x.shape
-    cout = mult.numel()
-    _check_nchw_uint8(x, weight.numel() // cout, "qconv1x1")
     if not trusted:
-        _check_constants("qconv1x1", (weight, torch.int8, cin * cout), (mult, torch.float32, cout), (add, torch.float32, cout))
-    if cin % 4 or cout % 8:
-        raise ValueError(f"qbackend::qconv1x1 takes in_channels % 4 == 0 and out_channels % 8 == 0, got {cin} -> {cout}")
-    x = x.contiguous(memory_format=torch.channels_last)
-    y = torch.empty((n, cout, h, w), dtype=torch.float32 if float_out else torch.uint8, memory_format=torch.channels_last)
+        _check_constants("qconv", (weight, torch.int8, taps * cin * cout), (mult, torch.float32, cout), (add, torch.float32, cout))
+    if cin % 4 or cout % 8 or not 1 <= taps <= MAX_TAPS:
+        raise ValueError(f"qbackend::qconv takes in_channels % 4 == 0, out_channels % 8 == 0 and up to {MAX_TAPS} kernel "
+                         f"positions, got {cin} -> {cout}, kernel {list(kernel_size)}")
     if activation not in ACTIVATIONS:
-        raise ValueError(f"qbackend::qconv1x1: activation {activation!r} is not one of {list(ACTIVATIONS)}")
+        raise ValueError(f"qbackend::qconv: activation {activation!r} is not one of {list(ACTIVATIONS)}")
+    oh, ow = (conv_output_size(size, *args) for size, args in zip((h, w), zip(stride, padding, kernel_size, dilation)))
+    x = x.contiguous(memory_format=torch.channels_last)
+    y = torch.empty((n, cout, oh, ow), dtype=torch.float32 if float_out else torch.uint8, memory_format=torch.channels_last)
     if residual is not None:
         if residual.dtype != torch.float32:  # a float32 residual, or a uint8 one checked like the input
-            _check_nchw_uint8(residual, cout, "qconv1x1 (residual)")
+            _check_nchw_uint8(residual, cout, "qconv (residual)")
         if residual.shape != y.shape or residual.device.type != "cpu":
-            raise ValueError(f"qbackend::qconv1x1: residual {tuple(residual.shape)} on {residual.device} for output {tuple(y.shape)}")
+            raise ValueError(f"qbackend::qconv: residual {tuple(residual.shape)} on {residual.device} for output {tuple(y.shape)}")
         residual = residual.contiguous(memory_format=torch.channels_last)
-    lib.qb_conv1x1(torch.get_num_threads(), n * h * w, cin, cout, x.data_ptr(), weight.data_ptr(), mult.data_ptr(),
-                   add.data_ptr(), residual.data_ptr() if residual is not None else None,
-                   residual is not None and residual.dtype == torch.float32, residual_scale, ACTIVATIONS[activation], low, high,
-                   1.0 / out_scale, out_zero_point, qmin, qmax, None if float_out else y.data_ptr(),
-                   y.data_ptr() if float_out else None)
+    lib.qb_conv(torch.get_num_threads(), n, h, w, cin, oh, ow, *kernel_size, *stride, *padding, *dilation, cout, x_zero_point,
+                x.data_ptr(), weight.data_ptr(), mult.data_ptr(), add.data_ptr(),
+                residual.data_ptr() if residual is not None else None, residual is not None and residual.dtype == torch.float32,
+                residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax,
+                None if float_out else y.data_ptr(), y.data_ptr() if float_out else None)
     return y
 
 
-def _conv1x1_fake(x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax,
-                  float_out=False, activation="none"):
+def _conv_fake(x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax,
+               float_out=False, activation="none", kernel_size=(1, 1), stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+               x_zero_point=0):
     n, _, h, w = x.shape
-    return _channels_last_like(x, (n, mult.numel(), h, w), torch.float32 if float_out else torch.uint8)
+    oh, ow = (conv_output_size(size, *args) for size, args in zip((h, w), zip(stride, padding, kernel_size, dilation)))
+    return _channels_last_like(x, (n, mult.numel(), oh, ow), torch.float32 if float_out else torch.uint8)
 
 
-_IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_dw3x3": _dwconv3x3, "qconv1x1": _conv1x1}
+_IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_dw3x3": _dwconv3x3, "qconv": _conv}
 FAKES = {
     "int4_mm_int16": lambda x, weight, scale, offset, group_size: x.new_empty(x.shape[0], weight.shape[0]),
     "int8_mm_int16": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
     "qconv_dw3x3": _dwconv3x3_fake,
-    "qconv1x1": _conv1x1_fake,
+    "qconv": _conv_fake,
 }
 
 
@@ -251,9 +259,9 @@ def qconv_dw3x3(*args):
     return _dwconv3x3(_load()[0], *args, trusted=True)
 
 
-def qconv1x1(*args):
-    """``qbackend::qconv1x1`` without the dispatcher round trip (see ``qconv_dw3x3``)."""
-    return _conv1x1(_load()[0], *args, trusted=True)
+def qconv(*args):
+    """``qbackend::qconv`` without the dispatcher round trip (see ``qconv_dw3x3``)."""
+    return _conv(_load()[0], *args, trusted=True)
 
 
 def conv_kernels(name: str) -> tuple:
@@ -265,7 +273,7 @@ def conv_kernel(name: str, traced: bool):
     """What a graph calls for an own conv kernel: the op if the graph will be traced (fake
     tensors need its fake kernel), else the plain function. Loads the kernels first."""
     registered = op(name)
-    return registered if traced else {"qconv_dw3x3": qconv_dw3x3, "qconv1x1": qconv1x1}[name]
+    return registered if traced else {"qconv_dw3x3": qconv_dw3x3, "qconv": qconv}[name]
 
 
 def refusal(bits: int, in_features: int, group_size: int) -> Optional[str]:

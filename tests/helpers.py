@@ -150,8 +150,8 @@ def lower_without_running(module, inputs, registry=None, **options):
 
 def onednn_linear_rows() -> int:
     """A row count for int8 linears that oneDNN's qlinear runs (qbackend's own GEMM kernel takes
-    up to lowering/pointwise.py MAX_ROWS): for tests of oneDNN-specific graphs."""
-    from qbackend.lowering.pointwise import MAX_ROWS
+    up to lowering/gemm.py MAX_ROWS): for tests of oneDNN-specific graphs."""
+    from qbackend.lowering.gemm import MAX_ROWS
 
     return MAX_ROWS + 8
 

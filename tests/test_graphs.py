@@ -27,9 +27,9 @@ class TestLoweredGraphs(expecttest.TestCase):
         self.assertExpectedInline(lowered_graph(*conv_relu()), """\
 l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0509, 54, 0, 127, uint8)
-qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0509, 54, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.0166, 0, uint8, 'hardtanh', [0, 2.11], '')
-qconv_pointwise_default_1 = onednn.qconv_pointwise(qconv_pointwise_default, 0.0166, 0, <const>, <const>, <const>, <const>, [2, 2], [0, 0], [1, 1], 1, 1, 0, float32, 'none', [], '')
-return (qconv_pointwise_default_1)""")
+qconv = native.qconv(quantize_per_tensor_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0166, 0, 0, 127, False, 'none', [3, 3], [1, 1], [1, 1], [1, 1], 54)
+qconv_pointwise_default = onednn.qconv_pointwise(qconv, 0.0166, 0, <const>, <const>, <const>, <const>, [2, 2], [0, 0], [1, 1], 1, 1, 0, float32, 'none', [], '')
+return (qconv_pointwise_default)""")
 
     def test_residual_block(self):
         self.assertExpectedInline(lowered_graph(*residual_block()), """\
@@ -47,11 +47,11 @@ return (qconv2d_pointwise_binary)""")
 l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0474, 61, 0, 127, uint8)
 reshape_default = aten.reshape(quantize_per_tensor_default, [15, 16, 1, 1])
-qconv1x1 = native.qconv1x1(reshape_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0109, 0, 0, 127, False, 'none')
-reshape_default_1 = aten.reshape(qconv1x1, [3, 5, 24])
+qconv = native.qconv(reshape_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0109, 0, 0, 127, False, 'none')
+reshape_default_1 = aten.reshape(qconv, [3, 5, 24])
 reshape_default_2 = aten.reshape(reshape_default_1, [15, 24, 1, 1])
-qconv1x1_1 = native.qconv1x1(reshape_default_2, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
-reshape_default_3 = aten.reshape(qconv1x1_1, [3, 5, 8])
+qconv_1 = native.qconv(reshape_default_2, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
+reshape_default_3 = aten.reshape(qconv_1, [3, 5, 8])
 return (reshape_default_3)""")
 
     def test_conv3d_relu_left_unfused_by_the_kernel(self):

@@ -1,6 +1,9 @@
 """In-place sum (binary conv) never clobbers a tensor someone else still needs."""
+import pytest
 import torch
 import torch.nn as nn
+
+from qbackend import native
 
 from .helpers import assert_matches_reference, onednn_linear_rows, quantize
 
@@ -31,15 +34,23 @@ class ResidualIsGraphInput(nn.Module):
         return torch.relu(self.conv(x) + residual)
 
 
+@pytest.fixture
+def onednn_only(monkeypatch):
+    """oneDNN's kernels, which write into their residual, rather than qbackend's own (which never do)."""
+    monkeypatch.setattr(native, "available", lambda: "turned off for this test")
+
+
+@pytest.mark.usefixtures("onednn_only")
 def test_residual_read_later_is_copied_not_clobbered():
     inputs = (torch.randn(2, 3, 12, 12),)
     report = assert_matches_reference(quantize(ResidualReadAgain(), inputs), inputs).report
     by_source = {d.source: d for d in report.decisions}
     assert by_source["conv2"].rule == "qconv_add", str(report)
-    assert by_source["conv2"].reason.startswith("residual copied:"), str(report)
+    assert "residual copied:" in by_source["conv2"].reason, str(report)
     assert "is read again later by conv2d_3" in by_source["conv2"].reason, str(report)
 
 
+@pytest.mark.usefixtures("onednn_only")
 def test_residual_from_caller_is_never_written():
     inputs = (torch.randn(2, 8, 10, 10), torch.randn(2, 8, 10, 10))
     converted = quantize(ResidualIsGraphInput(), inputs)
@@ -48,16 +59,17 @@ def test_residual_from_caller_is_never_written():
     assert all(torch.equal(a, b) for a, b in zip(inputs, before)), "the caller's input changed"
     binary = [d for d in report.decisions if d.rule == "qconv_add"]
     assert binary, str(report)
-    assert binary[0].reason.startswith("residual copied:") or "updated in place" in binary[0].reason
+    assert "residual copied:" in binary[0].reason or "updated in place" in binary[0].reason
 
 
+@pytest.mark.usefixtures("onednn_only")
 def test_residual_with_no_later_reader_is_updated_in_place():
     from qbackend.patterns.examples import residual_block
 
     module, inputs = residual_block()
     report = assert_matches_reference(quantize(module, inputs), inputs).report
     binary = [d for d in report.decisions if d.rule == "qconv_add"]
-    assert [d.reason for d in binary] == ["residual updated in place"], str(report)
+    assert [d.reason.split("; ")[-1] for d in binary] == ["residual updated in place"], str(report)
 
 
 class TwoLinearResiduals(nn.Module):
@@ -91,5 +103,5 @@ def test_own_gemm_kernel_reads_its_residual_and_writes_a_new_tensor():
     report = assert_matches_reference(quantize(TwoLinearResiduals(), inputs), inputs).report
     assert torch.equal(inputs[0], before), "the caller's input changed"
     reasons = {d.source: (d.rule, d.op, d.reason) for d in report.decisions if d.kind == "linear"}
-    own = ("qlinear_add", "qbackend::qconv1x1.default", "qbackend's int8 GEMM kernel (15 rows); residual added out of place")
+    own = ("qlinear_add", "qbackend::qconv.default", "qbackend's int8 GEMM kernel (15 rows); residual added out of place")
     assert reasons == {"fc1": own, "fc2": own}, str(report)

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from qbackend import native
-from qbackend.lowering import capabilities, depthwise, pointwise
+from qbackend.lowering import capabilities, depthwise, gemm
 from qbackend.lowering.own_conv import scale_and_offset
 
 from .helpers import compile_and_run, quantize, short_graph
@@ -19,13 +19,13 @@ CLAMPS = {"none": (-math.inf, math.inf), "relu": (0.0, math.inf), "relu6": (0.0,
 
 
 def reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, low, high, out_scale, out_zp, qmin, qmax,
-              residual=None, residual_scale=1.0, residual_zp=0):
+              residual=None, residual_scale=1.0, residual_zp=0, dilation=1):
     """The PT2E reference: dequantize, float conv (+ dequantized residual), clamp, quantize
     (round half to even)."""
     xf = (x.float() - x_zp) * x_scale
     wf = w.float() * w_scale[:, None, None, None]
     groups = x.shape[1] // w.shape[1]
-    y = nn.functional.conv2d(xf, wf, bias, stride, padding, groups=groups)
+    y = nn.functional.conv2d(xf, wf, bias, stride, padding, dilation, groups=groups)
     if residual is not None:
         y = y + (residual.float() - residual_zp) * residual_scale
     y = y.clamp(low, high)
@@ -65,7 +65,7 @@ class InvertedResidual(nn.Module):
         return x + y if self.residual else y
 
 
-DEPTHWISE_OP, POINTWISE_OP = "qbackend::qconv_dw3x3.default", "qbackend::qconv1x1.default"
+DEPTHWISE_OP, GEMM_OP = "qbackend::qconv_dw3x3.default", "qbackend::qconv.default"
 
 
 class TestDepthwiseLowering(expecttest.TestCase):
@@ -75,14 +75,13 @@ class TestDepthwiseLowering(expecttest.TestCase):
         actual, expected, captured = compile_and_run(model, (x,))
         assert_outputs_close(actual, expected, "block")
         ops = [d.op for d in captured.report.decisions]
-        assert ops == [POINTWISE_OP, DEPTHWISE_OP, "onednn::qconv_pointwise"], str(captured.report)
-        assert "not qbackend's pointwise kernel: the kernel reads and writes uint8" in captured.report.decisions[2].reason
+        assert ops == [GEMM_OP, DEPTHWISE_OP, GEMM_OP], str(captured.report)  # (the last one writes float32)
         graph = short_graph(captured.lowered)  # run eagerly: the kernels as plain functions
-        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_dw3x3" in line][0], """qconv_dw3x3 = native.qconv_dw3x3(qconv1x1, 0, <const>, <const>, <const>, [2, 2], [1, 1], 0, 6, 0.012, 0, 0, 127)""")
+        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_dw3x3" in line][0], """qconv_dw3x3 = native.qconv_dw3x3(qconv, 0, <const>, <const>, <const>, [2, 2], [1, 1], 0, 6, 0.012, 0, 0, 127)""")
         _, _, traced = compile_and_run(model, (x,), need_meta=True)  # to be traced: the registered ops
         targets = {node.target for node in traced.lowered.graph.nodes}
-        assert {native.op("qconv_dw3x3"), native.op("qconv1x1")} <= targets
-        assert not {native.qconv_dw3x3, native.qconv1x1} & targets
+        assert {native.op("qconv_dw3x3"), native.op("qconv")} <= targets
+        assert not {native.qconv_dw3x3, native.qconv} & targets
 
     def test_channels_the_kernel_does_not_take_stay_on_onednn_with_the_reason(self):
         x = torch.randn(1, 8, 10, 10)
@@ -115,12 +114,45 @@ def test_1x1_kernel_gives_the_reference_integers(post, residual, cout):
     w_scale, bias = torch.rand(cout) * 0.01 + 0.001, torch.randn(cout)
     r = torch.randint(0, 256, (2, cout, 3, 5), dtype=torch.uint8) if residual else None
     low, high = CLAMPS[post]
-    weight, (mult, add) = pointwise.pack(w), scale_and_offset(w, w_scale, x_scale, x_zp, bias, -r_zp * r_scale if residual else 0.0)
+    weight, (mult, add) = gemm.pack(w), scale_and_offset(w, w_scale, x_scale, x_zp, bias, -r_zp * r_scale if residual else 0.0)
     mult, add = mult.float(), add.float()
-    actual = native.op("qconv1x1")(x, weight, mult, add, r, r_scale if residual else 0.0, low, high, out_scale, out_zp, 0, 255)
+    actual = native.op("qconv")(x, weight, mult, add, r, r_scale if residual else 0.0, low, high, out_scale, out_zp, 0, 255)
     expected = reference(x, x_scale, x_zp, w, w_scale, bias, 1, 0, low, high, out_scale, out_zp, 0, 255, r, r_scale, r_zp)
     assert actual.is_contiguous(memory_format=torch.channels_last)
     assert_int8_close(actual, expected, f"1x1 {post} residual={residual} cout={cout}")
+
+
+@pytest.mark.parametrize("kernel,stride,padding,dilation", [
+    ((3, 3), (1, 1), (1, 1), (1, 1)), ((3, 3), (2, 2), (1, 1), (1, 1)), ((3, 3), (1, 1), (0, 0), (1, 1)),
+    ((3, 3), (1, 1), (2, 2), (2, 2)), ((1, 1), (2, 2), (0, 0), (1, 1)), ((1, 3), (1, 2), (0, 1), (1, 1)),
+], ids=["3x3", "3x3 stride 2", "3x3 no padding", "3x3 dilation 2", "1x1 stride 2", "1x3"])
+def test_gemm_conv_gives_the_reference_integers(kernel, stride, padding, dilation):
+    """Windows that leave the image read the input's zero point (7 here), as zero padding of
+    the dequantized input does."""
+    torch.manual_seed(0)
+    cin, cout, x_scale, x_zp, out_scale, out_zp = 12, 40, 0.03, 7, 0.05, 60
+    x = torch.randint(0, 256, (2, cin, 7, 9), dtype=torch.uint8)
+    w = torch.randint(-64, 64, (cout, cin, *kernel), dtype=torch.int8)
+    w_scale, bias = torch.rand(cout) * 0.01 + 0.001, torch.randn(cout)
+    mult, add = (t.float() for t in scale_and_offset(w, w_scale, x_scale, x_zp, bias))
+    actual = native.op("qconv")(x, gemm.pack(w), mult, add, None, 0.0, 0.0, math.inf, out_scale, out_zp, 0, 255, False, "none",
+                                kernel, stride, padding, dilation, x_zp)
+    expected = reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, 0.0, math.inf, out_scale, out_zp, 0, 255,
+                         dilation=dilation)
+    assert actual.is_contiguous(memory_format=torch.channels_last)
+    assert_int8_close(actual, expected, f"kernel {kernel} stride {stride} padding {padding} dilation {dilation}")
+
+
+def test_3x3_conv_runs_on_the_gemm_kernel_unless_its_input_zero_point_is_0():
+    """A 3x3 conv of the (asymmetric) model input takes qbackend's kernel; one after a ReLU
+    (zero point 0) stays on oneDNN, which is faster there."""
+    x = torch.randn(2, 8, 12, 12)
+    model = quantize(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1)).eval(), (x,))
+    actual, expected, captured = compile_and_run(model, (x,))
+    assert_outputs_close(actual, expected, "3x3 convs")
+    first, second = captured.report.decisions[:2]
+    assert (first.op, first.reason) == (GEMM_OP, "qbackend's int8 GEMM kernel (288 output pixels)"), str(captured.report)
+    assert (second.op, second.reason) == ("onednn::qconv_pointwise", ""), str(captured.report)
 
 
 def test_block_with_residual_adds_it_in_the_1x1_kernel():
@@ -130,8 +162,8 @@ def test_block_with_residual_adds_it_in_the_1x1_kernel():
     actual, expected, captured = compile_and_run(model, (x,))
     assert_outputs_close(actual, expected, "residual block")
     decisions = captured.report.decisions
-    assert [(d.rule, d.op) for d in decisions][:3] == [("qconv", POINTWISE_OP), ("qconv", DEPTHWISE_OP),
-                                                        ("qconv_add", POINTWISE_OP)], str(captured.report)
+    assert [(d.rule, d.op) for d in decisions][:3] == [("qconv", GEMM_OP), ("qconv", DEPTHWISE_OP),
+                                                        ("qconv_add", GEMM_OP)], str(captured.report)
 
 
 def test_1x1_refuses_weights_whose_pair_sums_could_saturate(monkeypatch):
@@ -145,13 +177,13 @@ def test_1x1_refuses_weights_whose_pair_sums_could_saturate(monkeypatch):
     _, _, captured = compile_and_run(model, (x,))
     decision = captured.report.decisions[0]
     assert decision.op == "onednn::qconv_pointwise"
-    assert "oneDNN, not qbackend's pointwise kernel: its int16 pair sums could reach" in decision.reason
+    assert "oneDNN, not qbackend's conv kernel: its int16 pair sums could reach" in decision.reason
 
 
 def test_bad_inputs_get_a_clear_error_not_a_crash():
     w = torch.zeros(16, 8, 1, 1, dtype=torch.int8)
-    weight, (mult, add) = pointwise.pack(w), (t.float() for t in scale_and_offset(w, torch.ones(16), 0.1, 0))
-    conv1x1 = native.op("qconv1x1")
+    weight, (mult, add) = gemm.pack(w), (t.float() for t in scale_and_offset(w, torch.ones(16), 0.1, 0))
+    conv1x1 = native.op("qconv")
     with pytest.raises(ValueError, match="takes uint8 CPU activations"):
         conv1x1(torch.zeros(1, 8, 4, 4), weight, mult, add, None, 0.0, 0.0, 6.0, 0.1, 0, 0, 255)
     with pytest.raises(ValueError, match="expected a contiguous CPU torch.float32 constant"):
@@ -187,4 +219,4 @@ def test_block_traced_by_inductor_runs_the_kernels_as_ops():
     with torch.no_grad():
         assert_outputs_close(compiled(x), model(x), "through Inductor")
     assert "remainder (the ops around the lowered kernels) compiled by Inductor" in reports[0].notes
-    assert [d.op for d in reports[0].decisions][:3] == [POINTWISE_OP, DEPTHWISE_OP, POINTWISE_OP]
+    assert [d.op for d in reports[0].decisions][:3] == [GEMM_OP, DEPTHWISE_OP, GEMM_OP]

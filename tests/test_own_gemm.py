@@ -1,4 +1,4 @@
-"""qbackend's own int8 GEMM on linears (lowering/pointwise.py): GELU (erf and tanh) and a
+"""qbackend's own int8 GEMM on linears (lowering/gemm.py): GELU (erf and tanh) and a
 float32 residual fused in its epilogue, the same values as the reference, chosen for linears of
 up to MAX_ROWS rows and oneDNN's qlinear above, or with the reason where it does not apply."""
 import pytest
@@ -6,14 +6,14 @@ import torch
 import torch.nn as nn
 
 from qbackend import native
-from qbackend.lowering import pointwise
+from qbackend.lowering import gemm
 from qbackend.lowering.own_conv import scale_and_offset
 from qbackend.patterns import examples
 
 from .helpers import compile_and_run, onednn_linear_rows, quantize
 from .tolerances import assert_int8_close, assert_outputs_close
 
-OWN, ONEDNN, ONEDNN_ADD = "qbackend::qconv1x1.default", "onednn::qlinear_pointwise", "onednn::qlinear_pointwise.binary"
+OWN, ONEDNN, ONEDNN_ADD = "qbackend::qconv.default", "onednn::qlinear_pointwise", "onednn::qlinear_pointwise.binary"
 GELU = {"gelu": "none", "gelu_tanh": "tanh"}  # the kernel's activation -> torch's approximate=
 
 
@@ -25,7 +25,7 @@ def _gemm_case(rows=37, cin=64, cout=40, x_zp=9, x_scale=0.03):
     w_scale, bias = torch.rand(cout) * 0.004 + 0.001, torch.randn(cout)
     mult, add = scale_and_offset(w, w_scale, x_scale, x_zp, bias)
     exact = (x.double() - x_zp) * x_scale @ (w.double() * w_scale.double()[:, None]).T + bias.double()
-    constants = (pointwise.pack(w.reshape(cout, cin, 1, 1)), mult.float(), add.float())
+    constants = (gemm.pack(w.reshape(cout, cin, 1, 1)), mult.float(), add.float())
     return x.reshape(rows, cin, 1, 1), constants, exact
 
 
@@ -37,11 +37,11 @@ def test_gelu_in_the_epilogue_gives_the_reference_values(activation):
     x, constants, exact = _gemm_case()
     expected = nn.functional.gelu(exact, approximate=GELU[activation])
     assert (exact < -2).any() and (exact > 2).any()  # both tails and the middle of GELU
-    gemm = native.op("qconv1x1")
-    floats = gemm(x, *constants, None, 0.0, float("-inf"), float("inf"), 1.0, 0, 0, 255, True, activation)
+    kernel = native.op("qconv")
+    floats = kernel(x, *constants, None, 0.0, float("-inf"), float("inf"), 1.0, 0, 0, 255, True, activation)
     torch.testing.assert_close(floats.reshape(exact.shape).double(), expected, atol=2e-6, rtol=1e-6)
     out_scale, out_zp = 0.02, 40
-    ints = gemm(x, *constants, None, 0.0, float("-inf"), float("inf"), out_scale, out_zp, 0, 255, False, activation)
+    ints = kernel(x, *constants, None, 0.0, float("-inf"), float("inf"), out_scale, out_zp, 0, 255, False, activation)
     reference = (torch.round(expected / out_scale) + out_zp).clamp(0, 255).to(torch.uint8)
     assert_int8_close(ints.reshape(reference.shape), reference, activation)
     assert (ints.reshape(reference.shape) == reference).double().mean() > 0.999
@@ -50,7 +50,7 @@ def test_gelu_in_the_epilogue_gives_the_reference_values(activation):
 def test_float_residual_is_added_before_the_post_op():
     x, constants, exact = _gemm_case()
     residual = torch.randn(exact.shape)
-    floats = native.op("qconv1x1")(x, *constants, residual.reshape(*exact.shape, 1, 1), 1.0, 0.0, float("inf"),
+    floats = native.op("qconv")(x, *constants, residual.reshape(*exact.shape, 1, 1), 1.0, 0.0, float("inf"),
                                    1.0, 0, 0, 255, True)
     torch.testing.assert_close(floats.reshape(exact.shape).double(), (exact + residual.double()).clamp_min(0),
                                atol=2e-6, rtol=1e-6)
@@ -58,13 +58,13 @@ def test_float_residual_is_added_before_the_post_op():
 
 def test_bad_activation_or_residual_is_a_clear_error():
     x, constants, exact = _gemm_case()
-    gemm = native.op("qconv1x1")
+    kernel = native.op("qconv")
     with pytest.raises(ValueError, match="activation 'silu' is not one of"):
-        gemm(x, *constants, None, 0.0, 0.0, 6.0, 1.0, 0, 0, 255, True, "silu")
+        kernel(x, *constants, None, 0.0, 0.0, 6.0, 1.0, 0, 0, 255, True, "silu")
     with pytest.raises(ValueError, match="residual"):
-        gemm(x, *constants, torch.randn(exact.shape[0], 8, 1, 1), 1.0, 0.0, 6.0, 1.0, 0, 0, 255, True)
+        kernel(x, *constants, torch.randn(exact.shape[0], 8, 1, 1), 1.0, 0.0, 6.0, 1.0, 0, 0, 255, True)
     with pytest.raises(ValueError, match="takes uint8 CPU activations"):  # only float32 or uint8 residuals
-        gemm(x, *constants, torch.randn(*exact.shape, 1, 1).bfloat16(), 1.0, 0.0, 6.0, 1.0, 0, 0, 255, True)
+        kernel(x, *constants, torch.randn(*exact.shape, 1, 1).bfloat16(), 1.0, 0.0, 6.0, 1.0, 0, 0, 255, True)
 
 
 class FeedForward(nn.Module):

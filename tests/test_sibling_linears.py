@@ -36,7 +36,7 @@ class ResidualSibling(nn.Module):
         return self.out(torch.softmax(self.q(x), dim=-1)) + self.k(x)
 
 
-KERNELS = {"onednn": "= onednn.qlinear", "own": "= native.qconv1x1("}  # kernel -> how its calls print
+KERNELS = {"onednn": "= onednn.qlinear", "own": "= native.qconv("}  # kernel -> how its calls print
 
 
 def inputs(kernel="onednn"):
@@ -68,11 +68,11 @@ qlinear_pointwise_default_3 = onednn.qlinear_pointwise(quantize_per_tensor_defau
         torch.manual_seed(0)
         captured = assert_matches_reference(quantize(Projections(), inputs("own")), inputs("own"))
         self.assertExpectedInline("\n".join(_qlinear_lines(captured)), """\
-qconv1x1_4 = native.qconv1x1(reshape_default, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
+qconv_4 = native.qconv(reshape_default, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
 slice_tensor = aten.slice.Tensor(reshape_default_8, -1, 0, 16)
 slice_tensor_1 = aten.slice.Tensor(reshape_default_8, -1, 16, 32)
 slice_tensor_2 = aten.slice.Tensor(reshape_default_8, -1, 32, 56)
-qconv1x1_3 = native.qconv1x1(reshape_default_6, <const>, <const>, <const>, None, 0, 0, inf, 0.0173, 0, 0, 127, False, 'none')""")
+qconv_3 = native.qconv(reshape_default_6, <const>, <const>, <const>, None, 0, 0, inf, 0.0173, 0, 0, 127, False, 'none')""")
         notes = {d.node: d.reason for d in captured.report.decisions}
         assert notes["linear"] == "qbackend's int8 GEMM kernel (24 rows); one call with linear_1, linear_2 (same input, weights concatenated)", str(captured.report)
         assert "one call" not in notes["linear_3"], str(captured.report)

@@ -1,0 +1,185 @@
+"""int8 convs (groups 1, kernels up to 3x3) and int8 linears on CPU: qbackend's own int8 GEMM
+kernel (qbackend/csrc/conv_gemm_int8.c), with the requantization, a clamp or GELU post-op and
+a uint8 or float32 residual fused.
+
+torch 2.13's onednn::qconv_pointwise / qlinear_pointwise cost ~50 us per call before any
+compute (a MobileNetV2 image makes 35 1x1 convs; its 1280 -> 1000 classifier took 290 us for
+1.3M multiply-adds), and their AVX2 int8 kernels are slower than this one up to a few thousand
+output rows (MAX_ROWS, MAX_CONV_PIXELS); above that, and for every other conv / linear, oneDNN.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch.fx import Node
+
+from qbackend import native
+from qbackend.patterns.base import fake_value
+
+from . import own_conv
+from .base import EmitContext
+from .capabilities import INT16_MAX
+from .common import mark_sibling, record_fake_value, static_shape
+
+aten = torch.ops.aten
+# Linears with at most this many rows take the kernel. Measured against oneDNN's qlinear at
+# BERT-base sizes: 0.80-0.95x its time at 128-256 rows, 1.03x at 512, 1.04-1.07x at 1024 (its
+# per-call cost fades and its blocking does better).
+MAX_ROWS = 256
+# Convs with at most this many output pixels take it. Against oneDNN's qconv on ResNet-18's
+# shapes: 1x1 stride-2 0.75x its time; 3x3 with an input zero point other than 0 (which oneDNN
+# compensates slowly) 0.78-0.97x at batch 1 (49-3136 pixels), 0.86-0.93x at batch 8 (392-6272),
+# 1.07x at 25088; 3x3 of zero-point-0 inputs (after a ReLU) 1.04-1.2x: those stay on oneDNN.
+MAX_CONV_PIXELS = 8192
+# GELU runs in the kernel's epilogue (an AVX2 erf / tanh, error < 2e-7): post-op algorithm ->
+# the kernel's activation (native.ACTIVATIONS)
+GELU = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+def _conv_output_shape(match) -> Optional[list[int]]:
+    shape, p = static_shape(match.x.node), match.conv
+    if shape is None:
+        return None
+    kernel = match.weight.int8.shape[2:]
+    return [shape[0], match.weight.int8.shape[0],
+            *(native.conv_output_size(*args) for args in zip(shape[2:], p.stride, p.padding, kernel, p.dilation))]
+
+
+def _output_pixels(match) -> Optional[int]:
+    shape = _conv_output_shape(match)
+    return None if shape is None else shape[0] * math.prod(shape[2:])
+
+
+def is_conv(match) -> bool:
+    """A 2-D int8 conv (groups 1) with a static input shape and at most MAX_CONV_PIXELS outputs,
+    1x1 or of an input whose zero point is not 0 (MAX_CONV_PIXELS: where it is faster)."""
+    p, w = match.conv, match.weight
+    if p is None or w is None or p.spatial_rank != 2 or p.groups != 1:
+        return False
+    if math.prod(w.int8.shape[2:]) > 1 and match.x.qparams.zero_point == 0:
+        return False
+    pixels = _output_pixels(match)
+    return pixels is not None and pixels <= MAX_CONV_PIXELS
+
+
+def _in_kernel_order(weight: torch.Tensor) -> torch.Tensor:
+    """[Cout, Cin, KH, KW] (or [Cout, Cin]) -> [Cout, KH * KW * Cin]: the order the kernel sums in."""
+    return weight.reshape(*weight.shape[:2], -1).permute(0, 2, 1).reshape(weight.shape[0], -1)
+
+
+def _largest_adjacent_pair_sum(weight: torch.Tensor) -> int:
+    """max |w[o][2j]| + |w[o][2j+1]| in the kernel's order: what its vpmaddubsw adds in int16
+    per unit of activation."""
+    magnitudes = _in_kernel_order(weight).reshape(weight.shape[0], -1, 2).to(torch.int32).abs()
+    return int(magnitudes.sum(-1).amax())
+
+
+def _operands_refusal(match, output_shape: list[int]) -> Optional[str]:
+    """The float output and float residual the kernel takes: float32, the output's shape."""
+    if match.output_quant is None and match.float_dtype != torch.float32:
+        return f"the kernel writes uint8 or float32, not {match.float_dtype}"
+    if match.accum_float is not None:
+        residual = fake_value(match.accum_float)
+        if residual is None or residual.dtype != torch.float32:
+            return f"the kernel adds uint8 or float32 residuals, not {getattr(residual, 'dtype', 'an unknown dtype')}"
+        if list(residual.shape) != output_shape:
+            return f"the residual's shape {list(residual.shape)} is not the output's"
+    return None
+
+
+def _gemm_refusal(ctx: EmitContext, match, cout: int, cin: int) -> Optional[str]:
+    if cin % 4 or cout % 8:
+        return f"{cin} -> {cout} channels: the kernel takes in_channels % 4 == 0 and out_channels % 8 == 0"
+    bound = match.x.qparams.qmax * _largest_adjacent_pair_sum(match.weight.int8)
+    if bound > INT16_MAX:
+        return f"its int16 pair sums could reach {bound} > {INT16_MAX} (8-bit weights)"
+    int8_values = (match.x.qparams,) + tuple(q for q in (match.output_quant, match.accum and match.accum.qparams) if q)
+    return own_conv.refusal(ctx, match, int8_values, activations=("gelu",))
+
+
+def refusal(ctx: EmitContext, match) -> Optional[str]:
+    """Why this conv is not for the kernel (None if it is)."""
+    kernel = match.weight.int8.shape[2:]
+    if math.prod(kernel) > native.MAX_TAPS:
+        return f"a {'x'.join(map(str, kernel))} kernel: the kernel takes up to {native.MAX_TAPS} positions (3x3)"
+    return _operands_refusal(match, _conv_output_shape(match)) or _gemm_refusal(ctx, match, *match.weight.int8.shape[:2])
+
+
+def is_linear(match) -> bool:
+    """An int8 linear whose static input has at most MAX_ROWS rows."""
+    if match.conv is not None or match.weight is None or match.weight.int8.dim() != 2:
+        return False
+    shape = static_shape(match.x.node)
+    return shape is not None and math.prod(shape[:-1]) <= MAX_ROWS
+
+
+def linear_refusal(ctx: EmitContext, match) -> Optional[str]:
+    """Why this linear is not for the kernel (None if it is)."""
+    output_shape = [*static_shape(match.x.node)[:-1], match.weight.int8.shape[0]]
+    return _operands_refusal(match, output_shape) or _gemm_refusal(ctx, match, *match.weight.int8.shape)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight as [Cout/8][KH*KW*Cin/4][8][4]: one 32-byte load feeds 8 outputs x 4 inputs."""
+    cout = weight.shape[0]
+    return _in_kernel_order(weight).reshape(cout // 8, 8, -1, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)
+
+
+def _call(ctx: EmitContext, match, x: Node, residual: Optional[Node] = None, residual_scale: float = 0.0,
+          shift: float = 0.0, geometry: tuple = ()) -> Node:
+    """The kernel call; ``shift`` is what a residual's zero point adds to every output;
+    ``geometry``: a conv's kernel size, stride, padding, dilation and input zero point."""
+    out, post = match.output_quant, match.post_op
+    gelu = post is not None and post.name == "gelu"
+    low, high = own_conv.clamp_bounds(None if gelu else post)
+    mult, add = own_conv.requantize_constants(ctx, match, shift)
+    ctx.kernel = f"{native.NAMESPACE}::qconv.default"
+    requantize = (out.scale, out.zero_point, out.qmin, out.qmax) if out is not None else (1.0, 0, 0, 255)
+    return own_conv.call_kernel(ctx, "qconv", (
+        x, ctx.constant(pack(match.weight.int8), "gemm_w"), ctx.constant(mult.float(), "gemm_mult"),
+        ctx.constant(add.float(), "gemm_add"), residual, residual_scale, low, high, *requantize, out is None,
+        GELU[post.algorithm] if gelu else "none", *geometry))
+
+
+def _residual(ctx: EmitContext, match, as_input=lambda node, channels: node) -> dict:
+    """The residual arguments of ``_call``: float32 added as it is, uint8 dequantized (its
+    zero point folded into the offset); ``as_input`` shapes the residual like the kernel's output."""
+    channels = match.weight.int8.shape[0]
+    if match.accum_float is not None:
+        residual = dict(residual=as_input(match.accum_float, channels), residual_scale=1.0)
+    elif match.accum is not None:
+        q = match.accum.qparams
+        residual = dict(residual=as_input(match.accum.node, channels), residual_scale=q.scale, shift=-q.zero_point * q.scale)
+    else:
+        return {}
+    ctx.notes.append("residual added out of place")
+    return residual
+
+
+def emit(ctx: EmitContext, match):
+    p = match.conv
+    ctx.notes.append(f"qbackend's int8 GEMM kernel ({_output_pixels(match)} output pixels)")
+    geometry = (list(match.weight.int8.shape[2:]), list(p.stride), list(p.padding), list(p.dilation), match.x.qparams.zero_point)
+    return _call(ctx, match, match.x.node, **_residual(ctx, match), geometry=geometry)
+
+
+def emit_linear(ctx: EmitContext, match):
+    """rows x in_features -> [rows, in_features, 1, 1], a 1x1 conv, and back. The output is a
+    new tensor: a residual is read, never written."""
+    shape, (cout, cin) = static_shape(match.x.node), match.weight.int8.shape
+    rows = math.prod(shape[:-1])
+    graph = ctx.gm.graph
+
+    def as_pixels(node: Node, channels: int) -> Node:
+        return record_fake_value(graph.call_function(aten.reshape.default, (node, [rows, channels, 1, 1])))
+
+    ctx.notes.append(f"qbackend's int8 GEMM kernel ({rows} rows)")
+    kernel = mark_sibling(_call(ctx, match, as_pixels(match.x.node, cin), **_residual(ctx, match, as_pixels)),
+                          match.anchor, match.weight)
+    return graph.call_function(aten.reshape.default, (kernel, [*shape[:-1], cout]))
+
+
+CONV_KERNEL = own_conv.OwnKernel("conv", is_conv, refusal, emit)
+LINEAR_KERNEL = own_conv.OwnKernel("linear", is_linear, linear_refusal, emit_linear)
