@@ -47,6 +47,14 @@ def test_gelu_in_the_epilogue_gives_the_reference_values(activation):
     assert (ints.reshape(reference.shape) == reference).double().mean() > 0.999
 
 
+def test_weights_beyond_l2_run_in_row_blocks():
+    """768 x 400 weights (> the kernel's 256 KB WEIGHTS_IN_L2): output tiles go round blocks of
+    rows; 301 rows make two blocks and a tail tile."""
+    x, constants, exact = _gemm_case(rows=301, cin=768, cout=400)
+    floats = native.op("qconv")(x, *constants, None, 0.0, float("-inf"), float("inf"), 1.0, 0, 0, 255, True)
+    torch.testing.assert_close(floats.reshape(exact.shape).double(), exact, atol=2e-6, rtol=1e-6)
+
+
 def test_float_residual_is_added_before_the_post_op():
     x, constants, exact = _gemm_case()
     residual = torch.randn(exact.shape)

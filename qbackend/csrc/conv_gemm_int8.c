@@ -26,6 +26,7 @@
 #define PIXEL_TILE 4
 #define MAX_TAPS 9 /* up to 3x3 kernels */
 #define WEIGHTS_IN_L2 (256 * 1024)
+#define ROW_BLOCK_BYTES (128 * 1024)
 
 enum activation { CLAMP_ONLY = 0, GELU_ERF = 1, GELU_TANH = 2 }; /* qbackend/native.py ACTIVATIONS */
 
@@ -184,12 +185,18 @@ void qb_conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int KH, 
   const int taps = g.KH * g.KW, P = g.N * g.OH * g.OW;
   const int output_tiles = Cout % 24 == 8 && Cout > 8 ? Cout / 24 + 1 : (Cout + 23) / 24;
   const int pixel_tiles = (P + PIXEL_TILE - 1) / PIXEL_TILE;
-  /* the weights stay in L2 across pixel tiles when they fit, else a pixel tile's inputs stay in L1 across output tiles */
+  /* The weights stay in L2 across pixel tiles when they fit. Else the output tiles go round
+   * each block of pixel tiles whose inputs fit ROW_BLOCK_BYTES, so that block stays in L2. */
   const int pixels_outer = (size_t)taps * g.Cin * Cout <= WEIGHTS_IN_L2;
-#pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
-  for (int outer = 0; outer < (pixels_outer ? pixel_tiles : output_tiles); outer++)
-    for (int inner = 0; inner < (pixels_outer ? output_tiles : pixel_tiles); inner++) {
-      const int pt = pixels_outer ? outer : inner, ot = pixels_outer ? inner : outer;
+  int block_tiles = pixels_outer ? pixel_tiles : ROW_BLOCK_BYTES / (PIXEL_TILE * g.Cin);
+  block_tiles = block_tiles < 1 ? 1 : block_tiles > pixel_tiles ? pixel_tiles : block_tiles;
+  const int row_blocks = (pixel_tiles + block_tiles - 1) / block_tiles;
+#pragma omp parallel for num_threads(threads) schedule(static) collapse(3)
+  for (int block = 0; block < row_blocks; block++)
+  for (int outer = 0; outer < (pixels_outer ? block_tiles : output_tiles); outer++)
+    for (int inner = 0; inner < (pixels_outer ? output_tiles : block_tiles); inner++) {
+      const int pt = block * block_tiles + (pixels_outer ? outer : inner), ot = pixels_outer ? inner : outer;
+      if (pt >= pixel_tiles) continue;
       const size_t p = (size_t)pt * PIXEL_TILE;
       const int o = tile_start(ot, Cout), width = (ot + 1 < output_tiles ? tile_start(ot + 1, Cout) : Cout) - o;
       const int pixels = P - (int)p < PIXEL_TILE ? P - (int)p : PIXEL_TILE;
