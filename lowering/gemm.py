@@ -5,11 +5,12 @@ a uint8 or float32 residual fused.
 torch 2.13's onednn::qconv_pointwise / qlinear_pointwise cost ~50 us per call before any
 compute (a MobileNetV2 image makes 35 1x1 convs; its 1280 -> 1000 classifier took 290 us for
 1.3M multiply-adds), and their AVX2 int8 kernels are slower than this one up to a few thousand
-output rows (MAX_ROWS, MAX_CONV_PIXELS); above that, and for every other conv / linear, oneDNN.
+output rows (LIMITS); above that, and for every other conv / linear, oneDNN.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -24,15 +25,31 @@ from .capabilities import INT16_MAX
 from .common import mark_sibling, record_fake_value, static_shape
 
 aten = torch.ops.aten
-# Linears with at most this many rows take the kernel. Measured against oneDNN's qlinear at
-# BERT-base sizes: 0.80-0.95x its time at 128-256 rows, 1.03x at 512, 1.04-1.07x at 1024 (its
-# per-call cost fades and its blocking does better).
-MAX_ROWS = 256
-# Convs with at most this many output pixels take it. Against oneDNN's qconv on ResNet-18's
-# shapes: 1x1 stride-2 0.75x its time; 3x3 with an input zero point other than 0 (which oneDNN
-# compensates slowly) 0.78-0.97x at batch 1 (49-3136 pixels), 0.86-0.93x at batch 8 (392-6272),
-# 1.07x at 25088; 3x3 of zero-point-0 inputs (after a ReLU) 1.04-1.2x: those stay on oneDNN.
-MAX_CONV_PIXELS = 8192
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Up to where a GEMM build (native.gemm_variant) beats oneDNN: linears of at most
+    ``max_rows`` rows and convs of at most ``max_conv_pixels`` output pixels take it."""
+
+    max_rows: int
+    max_conv_pixels: int
+
+
+# Measured against oneDNN's qlinear / qconv (benchmarks/bench_gemm.py, docs/benchmarks_gemm.md).
+# AVX2 (no VNNI: oneDNN's int8 is slow too): linears 0.80-0.95x its time at 128-256 rows,
+# 1.03x at 512; 1x1 stride-2 convs 0.75x; 3x3 of inputs whose zero point is not 0 (which
+# oneDNN compensates slowly) 0.78-0.97x up to 6272 pixels, 1.07x at 25088.
+# AVX512-VNNI (oneDNN's zmm brgemm kernels): 1-row linears 0.52-0.59x, 128 rows 0.95-1.01x,
+# 1024 rows 1.02-1.25x; 1x1 convs 0.76-0.93x up to 784 pixels, 0.95-1.75x from 1568; 3x3 of
+# zero-point inputs 0.27x at 49 pixels, 0.87x at 392.
+# Either way 3x3 convs of zero-point-0 inputs (after a ReLU) stay on oneDNN (1.0-1.4x).
+LIMITS = {"avx2": Limits(max_rows=256, max_conv_pixels=8192), "avx512_vnni": Limits(max_rows=128, max_conv_pixels=1024)}
+
+
+def limits() -> Limits:
+    return LIMITS[native.gemm_variant()]
+
 # GELU runs in the kernel's epilogue (an AVX2 erf / tanh, error < 2e-7): post-op algorithm ->
 # the kernel's activation (native.ACTIVATIONS)
 GELU = {"none": "gelu", "tanh": "gelu_tanh"}
@@ -53,15 +70,15 @@ def _output_pixels(match) -> Optional[int]:
 
 
 def is_conv(match) -> bool:
-    """A 2-D int8 conv (groups 1) with a static input shape and at most MAX_CONV_PIXELS outputs,
-    1x1 or of an input whose zero point is not 0 (MAX_CONV_PIXELS: where it is faster)."""
+    """A 2-D int8 conv (groups 1) with a static input shape and at most max_conv_pixels outputs,
+    1x1 or of an input whose zero point is not 0 (LIMITS: where it is faster)."""
     p, w = match.conv, match.weight
     if p is None or w is None or p.spatial_rank != 2 or p.groups != 1:
         return False
     if math.prod(w.int8.shape[2:]) > 1 and match.x.qparams.zero_point == 0:
         return False
     pixels = _output_pixels(match)
-    return pixels is not None and pixels <= MAX_CONV_PIXELS
+    return pixels is not None and pixels <= limits().max_conv_pixels
 
 
 def _in_kernel_order(weight: torch.Tensor) -> torch.Tensor:
@@ -92,9 +109,10 @@ def _operands_refusal(match, output_shape: list[int]) -> Optional[str]:
 def _gemm_refusal(ctx: EmitContext, match, cout: int, cin: int) -> Optional[str]:
     if cin % 4 or cout % 8:
         return f"{cin} -> {cout} channels: the kernel takes in_channels % 4 == 0 and out_channels % 8 == 0"
-    bound = match.x.qparams.qmax * _largest_adjacent_pair_sum(match.weight.int8)
-    if bound > INT16_MAX:
-        return f"its int16 pair sums could reach {bound} > {INT16_MAX} (8-bit weights)"
+    if native.gemm_variant() == "avx2":  # (the VNNI build adds in int32: no limit)
+        bound = match.x.qparams.qmax * _largest_adjacent_pair_sum(match.weight.int8)
+        if bound > INT16_MAX:
+            return f"its int16 pair sums could reach {bound} > {INT16_MAX} (8-bit weights; no AVX512-VNNI here)"
     int8_values = (match.x.qparams,) + tuple(q for q in (match.output_quant, match.accum and match.accum.qparams) if q)
     return own_conv.refusal(ctx, match, int8_values, activations=("gelu",))
 
@@ -108,11 +126,11 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
 
 
 def is_linear(match) -> bool:
-    """An int8 linear whose static input has at most MAX_ROWS rows."""
+    """An int8 linear whose static input has at most max_rows rows."""
     if match.conv is not None or match.weight is None or match.weight.int8.dim() != 2:
         return False
     shape = static_shape(match.x.node)
-    return shape is not None and math.prod(shape[:-1]) <= MAX_ROWS
+    return shape is not None and math.prod(shape[:-1]) <= limits().max_rows
 
 
 def linear_refusal(ctx: EmitContext, match) -> Optional[str]:
@@ -122,9 +140,12 @@ def linear_refusal(ctx: EmitContext, match) -> Optional[str]:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight as [Cout/8][KH*KW*Cin/4][8][4]: one 32-byte load feeds 8 outputs x 4 inputs."""
-    cout = weight.shape[0]
-    return _in_kernel_order(weight).reshape(cout // 8, 8, -1, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)
+    """The weight as [Cout/B][KH*KW*Cin/4][B][4] for the GEMM build that runs here (B =
+    native.gemm_block(): 8 for AVX2, 16 for AVX512-VNNI): one vector load feeds B outputs x 4
+    inputs. Cout is padded to a multiple of B with zero weights."""
+    block, ordered = native.gemm_block(), _in_kernel_order(weight)
+    ordered = torch.nn.functional.pad(ordered, (0, 0, 0, -ordered.shape[0] % block))
+    return ordered.reshape(ordered.shape[0] // block, block, -1, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)
 
 
 def _call(ctx: EmitContext, match, x: Node, residual: Optional[Node] = None, residual_scale: float = 0.0,

@@ -30,8 +30,13 @@ from typing import Optional
 
 import torch
 
-SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
+CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# Two libraries: every kernel for AVX2, and the int8 GEMM again for AVX512-VNNI (optional: a
+# compiler without these flags or a CPU without VNNI leaves the AVX2 GEMM).
+VNNI_SOURCES = (CSRC / "conv_gemm_int8_vnni.c",)
+SOURCES = tuple(sorted(set(CSRC.glob("*.c")) - set(VNNI_SOURCES)))
+VNNI_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 MAX_TAPS = 9  # kernel positions qconv takes (conv_gemm_int8.c MAX_TAPS): up to 3x3
 BLOCK = 64  # columns per weight block (the kernel's unit: K must be a multiple)
 GROUPS = (32,) + tuple(range(BLOCK, 4097, BLOCK))  # int4 group sizes the kernel takes
@@ -67,21 +72,22 @@ def _writable(preferred: Path) -> Path:
     raise RuntimeError(f"no writable directory for the compiled kernels ({preferred} or the temporary directory)")
 
 
-def _build() -> Path:
-    """The shared library for this source and compiler, compiled if not cached.
+def _build(name: str = "qbackend_kernels", sources: tuple = SOURCES, flags: tuple = FLAGS) -> Path:
+    """The shared library for these sources and compiler, compiled if not cached.
     Raises RuntimeError with the reason when it cannot be built."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise RuntimeError(f"the CPU (capability {torch.backends.cpu.get_cpu_capability()}) has no AVX2")
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found (cc / gcc, or $CC)")
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + " ".join((compiler,) + FLAGS).encode())
-    target = _writable(cache_dir()) / f"qbackend_kernels-{key.hexdigest()[:16]}.so"
+    # every C file is hashed: the VNNI library includes the AVX2 one's source
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in sorted(CSRC.glob("*.c"))) + " ".join((compiler,) + flags).encode())
+    target = _writable(cache_dir()) / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     partial = target.with_name(f"{target.stem}.{os.getpid()}.partial.so")  # renamed when whole: safe across processes
     try:
-        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial)], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(partial)], capture_output=True, text=True,
                               timeout=120)
     except (OSError, subprocess.TimeoutExpired) as error:
         raise RuntimeError(f"running {compiler} failed: {error}") from None
@@ -105,14 +111,53 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_int4_mm.argtypes = [i32] * 5 + [pointer] * 8
     lib.qb_int8_mm.argtypes = [i32] * 4 + [pointer] * 7
     lib.qb_dwconv3x3.argtypes = [i32] * 11 + [pointer, i32] + [pointer] * 3 + [f32] * 3 + [i32] * 3 + [pointer]
-    lib.qb_conv.argtypes = [i32] * 17 + [pointer] * 5 + [i32, f32, i32] + [f32] * 3 + [i32] * 3 + [pointer] * 2
-    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3.restype = lib.qb_conv.restype = None
+    _declare_gemm(lib.qb_conv)
+    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3.restype = None
+    lib.qb_has_avx512_vnni.restype = i32
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
     for name, schema in OPS.items():
         _library.define(schema)
         _library.impl(name, functools.partial(_IMPLS[name], lib), "CPU")
         torch.library.register_fake(f"{NAMESPACE}::{name}", FAKES[name], lib=_library)
     return lib, None
+
+
+def _declare_gemm(function) -> None:
+    """qb_conv's and qb_conv_vnni's signature."""
+    pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    function.argtypes = [i32] * 17 + [pointer] * 5 + [i32, f32, i32] + [f32] * 3 + [i32] * 3 + [pointer] * 2
+    function.restype = None
+
+
+@functools.lru_cache(maxsize=None)
+def _vnni_gemm() -> tuple[Optional[ctypes._CFuncPtr], Optional[str]]:
+    """qb_conv_vnni where this CPU and compiler can run it, else (None, why not)."""
+    lib, reason = _load()
+    if lib is None:
+        return None, reason
+    if not lib.qb_has_avx512_vnni():
+        return None, "the CPU has no AVX512-VNNI"
+    try:
+        function = ctypes.CDLL(str(_build("qbackend_gemm_vnni", VNNI_SOURCES, VNNI_FLAGS))).qb_conv_vnni
+    except (RuntimeError, OSError) as error:
+        return None, f"the AVX512-VNNI GEMM could not be built: {error}"
+    _declare_gemm(function)
+    return function, None
+
+
+GEMM_BLOCKS = {"avx2": 8, "avx512_vnni": 16}  # output channels per packed weight block (conv_gemm_int8.c BLOCK)
+
+
+def gemm_block() -> int:
+    """Output channels per block of the weights the GEMM build that runs here reads."""
+    return GEMM_BLOCKS[gemm_variant()]
+
+
+def gemm_variant() -> str:
+    """The int8 GEMM qbackend::qconv runs here: "avx512_vnni" (vpdpbusd: exact for any int8
+    weights) or "avx2" (vpmaddubsw: its int16 pair sums saturate, so the lowering checks each
+    weight against the activation range)."""
+    return "avx512_vnni" if _vnni_gemm()[0] is not None else "avx2"
 
 
 def available() -> Optional[str]:
@@ -209,10 +254,11 @@ def _conv(lib, x, weight, mult, add, residual, residual_scale, low, high, out_sc
           float_out=False, activation="none", kernel_size=(1, 1), stride=(1, 1), padding=(0, 0), dilation=(1, 1),
           x_zero_point=0, *, trusted=False):
     cout, taps = mult.numel(), kernel_size[0] * kernel_size[1]
-    _check_nchw_uint8(x, weight.numel() // cout // max(taps, 1), "qconv")
+    padded = cout + -cout % gemm_block()  # (the packing's zero rows)
+    _check_nchw_uint8(x, weight.numel() // padded // max(taps, 1), "qconv")
     n, cin, h, w = x.shape
     if not trusted:
-        _check_constants("qconv", (weight, torch.int8, taps * cin * cout), (mult, torch.float32, cout), (add, torch.float32, cout))
+        _check_constants("qconv", (weight, torch.int8, taps * cin * padded), (mult, torch.float32, cout), (add, torch.float32, cout))
     if cin % 4 or cout % 8 or not 1 <= taps <= MAX_TAPS:
         raise ValueError(f"qbackend::qconv takes in_channels % 4 == 0, out_channels % 8 == 0 and up to {MAX_TAPS} kernel "
                          f"positions, got {cin} -> {cout}, kernel {list(kernel_size)}")
@@ -227,7 +273,8 @@ def _conv(lib, x, weight, mult, add, residual, residual_scale, low, high, out_sc
         if residual.shape != y.shape or residual.device.type != "cpu":
             raise ValueError(f"qbackend::qconv: residual {tuple(residual.shape)} on {residual.device} for output {tuple(y.shape)}")
         residual = residual.contiguous(memory_format=torch.channels_last)
-    lib.qb_conv(torch.get_num_threads(), n, h, w, cin, oh, ow, *kernel_size, *stride, *padding, *dilation, cout, x_zero_point,
+    gemm = _vnni_gemm()[0] if gemm_variant() == "avx512_vnni" else lib.qb_conv
+    gemm(torch.get_num_threads(), n, h, w, cin, oh, ow, *kernel_size, *stride, *padding, *dilation, cout, x_zero_point,
                 x.data_ptr(), weight.data_ptr(), mult.data_ptr(), add.data_ptr(),
                 residual.data_ptr() if residual is not None else None, residual is not None and residual.dtype == torch.float32,
                 residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax,

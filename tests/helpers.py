@@ -150,10 +150,10 @@ def lower_without_running(module, inputs, registry=None, **options):
 
 def onednn_linear_rows() -> int:
     """A row count for int8 linears that oneDNN's qlinear runs (qbackend's own GEMM kernel takes
-    up to lowering/gemm.py MAX_ROWS): for tests of oneDNN-specific graphs."""
-    from qbackend.lowering.gemm import MAX_ROWS
+    up to lowering/gemm.py LIMITS' max_rows, per build): for tests of oneDNN-specific graphs."""
+    from qbackend.lowering.gemm import LIMITS
 
-    return MAX_ROWS + 8
+    return max(limits.max_rows for limits in LIMITS.values()) + 8
 
 
 SATURATION_REASON = "adds pairs of products in int16"

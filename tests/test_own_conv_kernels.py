@@ -106,7 +106,7 @@ def test_without_the_kernels_onednn_runs_it(monkeypatch):
 @pytest.mark.parametrize("post", sorted(CLAMPS))
 @pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
 @pytest.mark.parametrize("cout", [24, 40, 56], ids=["24-wide tiles", "16-wide tail", "8-wide tail"])
-def test_1x1_kernel_gives_the_reference_integers(post, residual, cout):
+def test_1x1_kernel_gives_the_reference_integers(post, residual, cout, gemm_build):
     torch.manual_seed(0)
     cin, x_scale, x_zp, out_scale, out_zp, r_scale, r_zp = 36, 0.03, 7, 0.05, 60, 0.04, 11
     x = torch.randint(0, 128, (2, cin, 3, 5), dtype=torch.uint8)  # 30 pixels: a 2-pixel tail tile
@@ -126,7 +126,7 @@ def test_1x1_kernel_gives_the_reference_integers(post, residual, cout):
     ((3, 3), (1, 1), (1, 1), (1, 1)), ((3, 3), (2, 2), (1, 1), (1, 1)), ((3, 3), (1, 1), (0, 0), (1, 1)),
     ((3, 3), (1, 1), (2, 2), (2, 2)), ((1, 1), (2, 2), (0, 0), (1, 1)), ((1, 3), (1, 2), (0, 1), (1, 1)),
 ], ids=["3x3", "3x3 stride 2", "3x3 no padding", "3x3 dilation 2", "1x1 stride 2", "1x3"])
-def test_gemm_conv_gives_the_reference_integers(kernel, stride, padding, dilation):
+def test_gemm_conv_gives_the_reference_integers(kernel, stride, padding, dilation, gemm_build):
     """Windows that leave the image read the input's zero point (7 here), as zero padding of
     the dequantized input does."""
     torch.manual_seed(0)
@@ -167,17 +167,50 @@ def test_block_with_residual_adds_it_in_the_1x1_kernel():
 
 
 def test_1x1_refuses_weights_whose_pair_sums_could_saturate(monkeypatch):
-    """On a CPU whose oneDNN kernels do not saturate (VNNI), 8-bit activations x 8-bit weights
-    reach the 1x1 kernel, whose int16 pair sums could: it hands them to oneDNN. Simulated here
-    (this CPU refuses them earlier); only the decision is checked, not this CPU's result."""
+    """On a CPU whose oneDNN kernels do not saturate but which runs the AVX2 GEMM (a VNNI CPU
+    whose compiler cannot build the VNNI one), 8-bit activations x 8-bit weights reach the 1x1
+    kernel, whose int16 pair sums could saturate: it hands them to oneDNN. Simulated here; only
+    the decision is checked, not this CPU's result."""
     monkeypatch.setattr(capabilities, "int8_pairs_saturate", lambda *args: False)
     monkeypatch.setattr("qbackend.lowering.cpu.int8_pairs_saturate", lambda *args: False)
+    monkeypatch.setattr(native, "gemm_variant", lambda: "avx2")
     x = torch.randn(1, 8, 6, 6)
     model = quantize(nn.Sequential(nn.Conv2d(8, 16, 1), nn.ReLU(), nn.Conv2d(16, 8, 1)).eval(), (x,), reduce_range=False)
     _, _, captured = compile_and_run(model, (x,))
     decision = captured.report.decisions[0]
     assert decision.op == "onednn::qconv_pointwise"
     assert "oneDNN, not qbackend's conv kernel: its int16 pair sums could reach" in decision.reason
+
+
+def _needs_vnni_gemm():
+    if native._vnni_gemm()[0] is None:
+        pytest.skip(f"needs the AVX512-VNNI GEMM: {native._vnni_gemm()[1]}")
+
+
+def test_vnni_build_is_exact_where_the_avx2_build_saturates(monkeypatch):
+    """255 x (127 + 127) per pair overflows vpmaddubsw's int16; vpdpbusd adds in int32."""
+    _needs_vnni_gemm()
+    x = torch.full((1, 64, 2, 2), 255, dtype=torch.uint8)
+    w = torch.full((8, 64, 1, 1), 127, dtype=torch.int8)
+    mult, add = (t.float() for t in scale_and_offset(w, torch.ones(8), 1.0, 0))
+    exact = torch.full((1, 8, 2, 2), 255.0 * 127 * 64)
+
+    def run(build):
+        monkeypatch.setattr(native, "gemm_variant", lambda: build)
+        return native.op("qconv")(x, gemm.pack(w), mult, add, None, 0.0, -math.inf, math.inf, 1.0, 0, 0, 255, True)
+    assert not torch.equal(run("avx2"), exact)  # what the lowering keeps away from the AVX2 build
+    assert torch.equal(run("avx512_vnni"), exact)
+
+
+def test_8bit_weights_run_on_the_vnni_build():
+    """Where the GEMM adds in int32, 8-bit activations x 8-bit weights lower onto it."""
+    _needs_vnni_gemm()
+    x = torch.randn(1, 8, 6, 6)
+    model = quantize(nn.Sequential(nn.Conv2d(8, 16, 1), nn.ReLU(), nn.Conv2d(16, 8, 1)).eval(), (x,), reduce_range=False)
+    actual, expected, captured = compile_and_run(model, (x,))
+    assert_outputs_close(actual, expected, "8-bit weights")
+    assert [(d.op, d.reason) for d in captured.report.decisions] == [
+        (GEMM_OP, "qbackend's int8 GEMM kernel (36 output pixels)")] * 2, str(captured.report)
 
 
 def test_bad_inputs_get_a_clear_error_not_a_crash():

@@ -11,8 +11,12 @@
  * qmax_x * (|w[o][2j]| + |w[o][2j+1]|) <= 32767 (7-bit weights always pass); vpmaddwd by ones
  * then widens to int32.
  *
- * Weights: [Cout / 8][KH * KW * Cin / 4][8 outputs][4 inputs], so one 32-byte load feeds 8
- * outputs and a broadcast 4-byte load of one pixel's 4 inputs meets it. Tile: 4 pixels x 24
+ * On CPUs with AVX512-VNNI, conv_gemm_int8_vnni.c builds this file again as qb_conv_vnni with
+ * vpdpbusd, which adds each 4 uint8 x int8 products straight into int32: exact for any weights
+ * and one instruction instead of three.
+ *
+ * Weights: [Cout / 8][KH * KW * Cin / 4][8 outputs][4 inputs] (16 outputs in the VNNI build), so
+ * one 32-byte load feeds 8 outputs and a broadcast 4-byte load of one pixel's 4 inputs meets it. Tile: 4 pixels x 24
  * outputs (12 accumulators: 4-6% faster than 4 x 16, while 5 or 6 pixels x 16 were slower).
  * No im2col: each pixel's 9 input rows are pointers into x, or into a row of the zero point
  * where the window leaves the image.
@@ -23,10 +27,35 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define PIXEL_TILE 4
 #define MAX_TAPS 9 /* up to 3x3 kernels */
 #define WEIGHTS_IN_L2 (256 * 1024)
 #define ROW_BLOCK_BYTES (128 * 1024)
+
+/* A block: BLOCK output channels x 4 input channels of packed weights, one vector of int32 sums. */
+#ifdef QB_VNNI
+#define QB_CONV qb_conv_vnni
+#define BLOCK 16
+#define PIXEL_TILE 8 /* 8 x 3 accumulators of AVX512's 32 registers */
+typedef __m512i block_t;
+static inline block_t block_zero(void) { return _mm512_setzero_si512(); }
+static inline block_t block_load(const int8_t* w) { return _mm512_loadu_si512(w); }
+static inline block_t block_broadcast(int32_t four) { return _mm512_set1_epi32(four); }
+static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) { return _mm512_dpbusd_epi32(acc, x, w); }
+#else
+#define QB_CONV qb_conv
+#define BLOCK 8
+#define PIXEL_TILE 4
+typedef __m256i block_t;
+static inline block_t block_zero(void) { return _mm256_setzero_si256(); }
+static inline block_t block_load(const int8_t* w) { return _mm256_loadu_si256((const __m256i*)w); }
+static inline block_t block_broadcast(int32_t four) { return _mm256_set1_epi32(four); }
+static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), _mm256_set1_epi16(1)));
+}
+
+/* Whether this CPU runs qb_conv_vnni (built in a file of its own, with AVX512 flags: this one must not need them). */
+int qb_has_avx512_vnni(void) { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"); }
+#endif
 
 enum activation { CLAMP_ONLY = 0, GELU_ERF = 1, GELU_TANH = 2 }; /* qbackend/native.py ACTIVATIONS */
 
@@ -118,48 +147,68 @@ static inline void store8(const epilogue_t e, __m256i acc, int o, int Cout, size
   _mm_storel_epi64((__m128i*)(y + pixel * Cout + o), q8);
 }
 
-/* ``pixels`` (1-4) output pixels times ``blocks`` (1-3) blocks of 8 outputs from ``o``; the
- * sum runs over ``taps`` kernel positions, pixel i's input for tap t at rows[i][t]. */
-static inline void tile(int pixels, int blocks, int taps, int Cin, int Cout, size_t p, int o,
+/* One block's sums for one pixel: the epilogue runs on 8 channels at a time, and skips the
+ * channels past Cout that the VNNI build's 16-wide packing pads with zero weights. */
+static inline void store_block(const epilogue_t e, block_t acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
+#ifdef QB_VNNI
+  store8(e, _mm512_castsi512_si256(acc), o, Cout, pixel, y);
+  if (o + 8 < Cout) store8(e, _mm512_extracti64x4_epi64(acc, 1), o + 8, Cout, pixel, y);
+#else
+  store8(e, acc, o, Cout, pixel, y);
+#endif
+}
+
+/* ``pixels`` (1 to PIXEL_TILE) output pixels times ``blocks`` (1-3) blocks of BLOCK outputs
+ * from ``o``; the sum runs over ``taps`` kernel positions, pixel i's input for tap t at rows[i][t]. */
+static inline __attribute__((always_inline)) void tile(int pixels, int blocks, int taps, int Cin, int Cout, size_t p, int o,
                         const uint8_t* const rows[PIXEL_TILE][MAX_TAPS], const int8_t* restrict w,
                         const epilogue_t* shared, uint8_t* restrict y) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i acc[PIXEL_TILE][3];
-  for (int i = 0; i < pixels; i++) acc[i][0] = acc[i][1] = acc[i][2] = _mm256_setzero_si256();
+  block_t acc[PIXEL_TILE][3];
+  for (int i = 0; i < pixels; i++) acc[i][0] = acc[i][1] = acc[i][2] = block_zero();
   const int steps = Cin / 4, total = taps * steps;
-  const int8_t* w0 = w + (size_t)(o / 8) * total * 32;
+  const int8_t* w0 = w + (size_t)(o / BLOCK) * total * 4 * BLOCK;
   for (int t = 0; t < taps; t++) {
-    const int8_t* wt = w0 + (size_t)t * steps * 32;
+    const int8_t* wt = w0 + (size_t)t * steps * 4 * BLOCK;
     for (int k = 0; k < steps; k++) {
-      __m256i wv[3];
-      for (int b = 0; b < blocks; b++) wv[b] = _mm256_loadu_si256((const __m256i*)(wt + ((size_t)b * total + k) * 32));
+      block_t wv[3];
+      for (int b = 0; b < blocks; b++) wv[b] = block_load(wt + ((size_t)b * total + k) * 4 * BLOCK);
       for (int i = 0; i < pixels; i++) {
         int32_t four;
         memcpy(&four, rows[i][t] + 4 * k, 4);
-        const __m256i xb = _mm256_set1_epi32(four);
+        const block_t xb = block_broadcast(four);
         for (int b = 0; b < blocks; b++)
-          acc[i][b] = _mm256_add_epi32(acc[i][b], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, wv[b]), ones));
+          acc[i][b] = dot4_accumulate(acc[i][b], xb, wv[b]);
       }
     }
   }
   const epilogue_t e = *shared; /* copied once the sums are done: no registers taken from the loop above */
   for (int i = 0; i < pixels; i++)
-    for (int b = 0; b < blocks; b++) store8(e, acc[i][b], o + 8 * b, Cout, p + i, y);
+    for (int b = 0; b < blocks; b++) store_block(e, acc[i][b], o + BLOCK * b, Cout, p + i, y);
 }
 
-#define TILE_CASES(PIXELS, BLOCKS)                                                  \
-  switch (PIXELS) {                                                                 \
-    case 1: tile(1, BLOCKS, taps, g.Cin, Cout, p, o, rows, w, &e, y); break;        \
-    case 2: tile(2, BLOCKS, taps, g.Cin, Cout, p, o, rows, w, &e, y); break;        \
-    case 3: tile(3, BLOCKS, taps, g.Cin, Cout, p, o, rows, w, &e, y); break;        \
-    default: tile(PIXEL_TILE, BLOCKS, taps, g.Cin, Cout, p, o, rows, w, &e, y);     \
+/* tile() with constant sizes, so that its loops unroll and its sums stay in registers */
+#define TILE_CASE(PIXELS, BLOCKS) \
+  case PIXELS: tile(PIXELS, BLOCKS, taps, g.Cin, Cout, p, o, rows, w, &e, y); break;
+#if PIXEL_TILE == 8
+#define TILE_CASES(PIXELS, BLOCKS)                                                               \
+  switch (PIXELS) {                                                                              \
+    TILE_CASE(1, BLOCKS) TILE_CASE(2, BLOCKS) TILE_CASE(3, BLOCKS) TILE_CASE(4, BLOCKS)          \
+    TILE_CASE(5, BLOCKS) TILE_CASE(6, BLOCKS) TILE_CASE(7, BLOCKS)                               \
+    default: tile(PIXEL_TILE, BLOCKS, taps, g.Cin, Cout, p, o, rows, w, &e, y);                  \
   }
+#else
+#define TILE_CASES(PIXELS, BLOCKS)                                                               \
+  switch (PIXELS) {                                                                              \
+    TILE_CASE(1, BLOCKS) TILE_CASE(2, BLOCKS) TILE_CASE(3, BLOCKS)                               \
+    default: tile(PIXEL_TILE, BLOCKS, taps, g.Cin, Cout, p, o, rows, w, &e, y);                  \
+  }
+#endif
 
-/* Output tiles are 24 channels wide, but the last 32 of Cout = 24k + 8 go as 16 + 16: an
- * 8-wide tile costs as many input loads as a 24-wide one. */
-static inline int tile_start(int ot, int Cout) {
-  const int full = Cout % 24 == 8 && Cout > 8 ? Cout / 24 - 1 : Cout / 24;
-  return ot <= full ? 24 * ot : 24 * full + 16 * (ot - full);
+/* The first block of output tile ``ot``: tiles are 3 blocks wide, but the last 4 of 3k + 1
+ * blocks go as 2 + 2 (a 1-block tile costs as many input loads as a 3-block one). */
+static inline int tile_start(int ot, int blocks) {
+  const int full = blocks % 3 == 1 && blocks > 1 ? blocks / 3 - 1 : blocks / 3;
+  return ot <= full ? 3 * ot : 3 * full + 2 * (ot - full);
 }
 
 typedef struct {
@@ -168,9 +217,10 @@ typedef struct {
 
 /* y[P][Cout] = requantize(post_op(conv(x, w) (+ residual))) over NHWC uint8 x, or the float
  * result into yf when yf is not NULL; the residual is float32 when residual_is_float, else
- * uint8. Weights: [Cout / 8][KH * KW * Cin / 4][8][4] (kernel position, then input channel);
- * padding reads x_zp. Cin % 4 == 0, Cout % 8 == 0, KH * KW <= MAX_TAPS. */
-void qb_conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int KH, int KW, int stride_h, int stride_w,
+ * uint8. Weights: [Cout / BLOCK][KH * KW * Cin / 4][BLOCK][4] (kernel position, then input
+ * channel; Cout padded with zero weights to a multiple of BLOCK); padding reads x_zp.
+ * Cin % 4 == 0, Cout % 8 == 0, KH * KW <= MAX_TAPS. */
+void QB_CONV(int threads, int N, int H, int W, int Cin, int OH, int OW, int KH, int KW, int stride_h, int stride_w,
              int pad_h, int pad_w, int dil_h, int dil_w, int Cout, int x_zp, const uint8_t* x, const int8_t* w,
              const float* mult, const float* add, const void* residual, int residual_is_float, float residual_scale,
              int activation, float low, float high, float out_inv_scale, int out_zp, int qmin, int qmax, uint8_t* y,
@@ -183,7 +233,8 @@ void qb_conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int KH, 
   uint8_t* padding = malloc((size_t)g.Cin);
   memset(padding, x_zp, (size_t)g.Cin);
   const int taps = g.KH * g.KW, P = g.N * g.OH * g.OW;
-  const int output_tiles = Cout % 24 == 8 && Cout > 8 ? Cout / 24 + 1 : (Cout + 23) / 24;
+  const int blocks = (Cout + BLOCK - 1) / BLOCK;
+  const int output_tiles = blocks % 3 == 1 && blocks > 1 ? blocks / 3 + 1 : (blocks + 2) / 3;
   const int pixel_tiles = (P + PIXEL_TILE - 1) / PIXEL_TILE;
   /* The weights stay in L2 across pixel tiles when they fit. Else the output tiles go round
    * each block of pixel tiles whose inputs fit ROW_BLOCK_BYTES, so that block stays in L2. */
@@ -198,7 +249,8 @@ void qb_conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int KH, 
       const int pt = block * block_tiles + (pixels_outer ? outer : inner), ot = pixels_outer ? inner : outer;
       if (pt >= pixel_tiles) continue;
       const size_t p = (size_t)pt * PIXEL_TILE;
-      const int o = tile_start(ot, Cout), width = (ot + 1 < output_tiles ? tile_start(ot + 1, Cout) : Cout) - o;
+      const int b0 = tile_start(ot, blocks), width = (ot + 1 < output_tiles ? tile_start(ot + 1, blocks) : blocks) - b0;
+      const int o = b0 * BLOCK;
       const int pixels = P - (int)p < PIXEL_TILE ? P - (int)p : PIXEL_TILE;
       const uint8_t* rows[PIXEL_TILE][MAX_TAPS];
       for (int i = 0; i < pixels; i++) {
@@ -211,9 +263,9 @@ void qb_conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int KH, 
                                           : x + (((size_t)n * g.H + ih) * g.W + iw) * g.Cin;
           }
       }
-      if (width == 24) {
+      if (width == 3) {
         TILE_CASES(pixels, 3)
-      } else if (width == 16) {
+      } else if (width == 2) {
         TILE_CASES(pixels, 2)
       } else {
         TILE_CASES(pixels, 1)

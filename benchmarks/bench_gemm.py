@@ -1,0 +1,172 @@
+"""qbackend's int8 GEMM (``qbackend::qconv``) against oneDNN's int8 conv / linear, per layer.
+
+    python benchmarks/bench_gemm.py [--out docs/benchmarks_gemm.md]
+
+The convs and linears of the three benchmark models (ResNet-18 at batch 1 and 8, MobileNetV2's
+1x1 convs, the BERT-base encoder's linears at 128 and 1024 rows), each timed interleaved as
+the lowered graph calls it: oneDNN's prepacked op, and qbackend's kernel in each build this
+CPU runs (AVX2 always; AVX512-VNNI where the CPU has it). The ratio column is what
+``lowering/gemm.py``'s LIMITS and input zero point conditions are set from.
+"""
+import argparse
+import datetime
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(PROJECT_ROOT))
+
+from qbackend import native  # noqa: E402
+from qbackend.lowering import gemm  # noqa: E402
+from qbackend.lowering.own_conv import scale_and_offset  # noqa: E402
+from qbackend.ops import resolve  # noqa: E402
+
+from common import NUM_THREADS, machine_description  # noqa: E402
+
+# (name, batch, Cin, H, W, Cout, kernel, stride, input zero point): H x W is the input
+CONVS = [
+    *[(f"ResNet {name}", batch, cin, size, size, cout, k, s, zp)
+      for batch in (1, 8)
+      for name, cin, size, cout, k, s, zp in [
+          ("layer1 3x3", 64, 56, 64, 3, 1, 0), ("layer2 3x3 s2", 64, 56, 128, 3, 2, 0),
+          ("layer2 3x3", 128, 28, 128, 3, 1, 0), ("layer2 1x1 s2 (downsample)", 64, 56, 128, 1, 2, 0),
+          ("layer3 3x3", 256, 14, 256, 3, 1, 0), ("layer3 1x1 s2 (downsample)", 128, 28, 256, 1, 2, 0),
+          ("layer4 3x3", 512, 7, 512, 3, 1, 0), ("layer4 3x3, input zero point 60", 512, 7, 512, 3, 1, 60)]],
+    ("MobileNetV2 1x1 expand", 1, 24, 56, 56, 144, 1, 1, 64),
+    ("MobileNetV2 1x1 project", 1, 144, 56, 56, 24, 1, 1, 0),
+    ("MobileNetV2 1x1 expand", 1, 96, 14, 14, 576, 1, 1, 64),
+    ("MobileNetV2 1x1 last", 1, 320, 7, 7, 1280, 1, 1, 64),
+]
+# (name, rows, in, out)
+LINEARS = [
+    *[(f"encoder {name}", rows, cin, cout) for rows in (128, 1024)
+      for name, cin, cout in [("Q/K/V merged", 768, 2304), ("attention out", 768, 768), ("FFN in", 768, 3072),
+                              ("FFN out", 3072, 768)]],
+    ("ResNet fc", 1, 512, 1000), ("MobileNetV2 classifier", 1, 1280, 1000),
+]
+
+
+def builds():
+    """The GEMM builds this CPU runs."""
+    return ["avx2"] + (["avx512_vnni"] if native._vnni_gemm()[0] is not None else [])
+
+
+def conv_runners(batch, cin, h, w, cout, k, s, zp):
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (batch, cin, h, w), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    weight = torch.randint(-64, 64, (cout, cin, k, k), dtype=torch.int8)  # 7-bit: every build takes it
+    w_scale, pad = torch.full((cout,), 0.002), k // 2
+    prepack, qconv = resolve("qconv_prepack", "cpu").op, resolve("qconv", "cpu").op
+    packed = prepack(weight, w_scale, 0.02, zp, [s, s], [pad, pad], [1, 1], 1, x.shape)
+    w_zp = torch.zeros(cout, dtype=torch.int64)
+
+    def onednn():
+        return qconv(x, 0.02, zp, packed, w_scale, w_zp, None, [s, s], [pad, pad], [1, 1], 1, 0.05, 3, None, "relu", [], "")
+
+    mult, add = (t.float() for t in scale_and_offset(weight, w_scale, 0.02, zp))
+    packed_weight = packing(weight)
+
+    def own():
+        return native.qconv(x, packed_weight(), mult, add, None, 0.0, 0.0, float("inf"), 0.05, 3, 0, 255, False, "none",
+                            [k, k], [s, s], [pad, pad], [1, 1], zp)
+    return onednn, own
+
+
+def linear_runners(rows, cin, cout):
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (rows, cin), dtype=torch.uint8)
+    weight = torch.randint(-64, 64, (cout, cin), dtype=torch.int8)
+    w_scale = torch.full((cout,), 0.002)
+    packed = resolve("qlinear_prepack", "cpu").op(weight, [rows, cin])
+    qlinear, w_zp = resolve("qlinear", "cpu").op, torch.zeros(cout, dtype=torch.int64)
+
+    def onednn():
+        return qlinear(x, 0.02, 64, packed, w_scale, w_zp, None, 0.05, 3, None, "none", [], "")
+
+    mult, add = (t.float() for t in scale_and_offset(weight, w_scale, 0.02, 64))
+    x4, packed_weight = x.reshape(rows, cin, 1, 1), packing(weight)
+
+    def own():
+        return native.qconv(x4, packed_weight(), mult, add, None, 0.0, -float("inf"), float("inf"), 0.05, 3, 0, 255)
+    return onednn, own
+
+
+def packing(weight):
+    """A function giving gemm.pack(weight) for the build being timed, packed once per build."""
+    packed = {}
+
+    def for_build():
+        build = native.gemm_variant()
+        if build not in packed:
+            packed[build] = gemm.pack(weight)
+        return packed[build]
+    return for_build
+
+
+def median_us(runners: dict, seconds: float = 0.6) -> dict:
+    """Interleaved medians: each round calls every runner once."""
+    for run in runners.values():
+        run(), run()
+    start = time.perf_counter()
+    for run in runners.values():
+        run()
+    rounds = max(10, min(400, int(seconds / max(time.perf_counter() - start, 1e-6))))
+    samples = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            begin = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - begin)
+    return {name: statistics.median(times) * 1e6 for name, times in samples.items()}
+
+
+def timed_row(label, onednn, own, builds):
+    runners = {"oneDNN": onednn}
+    for build in builds:
+        runners[build] = (lambda b: lambda: _with_build(b, own))(build)
+    us = median_us(runners)
+    best = min(builds, key=us.get)
+    cells = " | ".join(f"{us[b]:.0f}" for b in builds)
+    return f"| {label} | {us['oneDNN']:.0f} | {cells} | {us[best] / us['oneDNN']:.2f} |"
+
+
+def _with_build(build, own):
+    saved = native.gemm_variant
+    native.gemm_variant = lambda: build
+    try:
+        return own()
+    finally:
+        native.gemm_variant = saved
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "docs" / "benchmarks_gemm.md")
+    args = parser.parse_args()
+    torch.set_num_threads(NUM_THREADS)
+    builds_here = builds()
+    header = (f"| layer | oneDNN (us) | {' | '.join(f'qbackend {b} (us)' for b in builds_here)} | best qbackend / oneDNN |\n"
+              f"|---|---|{'---|' * len(builds_here)}---|")
+    lines = [header]
+    for name, batch, cin, h, w, cout, k, s, zp in CONVS:
+        out = (h + 2 * (k // 2) - k) // s + 1
+        label = f"{name}, batch {batch}: {cin}->{cout}, {batch * out * out} output pixels"
+        lines.append(timed_row(label, *conv_runners(batch, cin, h, w, cout, k, s, zp), builds_here))
+        print(lines[-1], flush=True)
+    for name, rows, cin, cout in LINEARS:
+        lines.append(timed_row(f"{name}: {rows} rows, {cin}->{cout}", *linear_runners(rows, cin, cout), builds_here))
+        print(lines[-1], flush=True)
+    text = (f"# qbackend's int8 GEMM vs oneDNN, per layer\n\n- Machine: {machine_description()}\n"
+            f"- Date: {datetime.date.today()}; command: `python benchmarks/bench_gemm.py`\n"
+            "- Interleaved medians of the call as a lowered graph makes it (oneDNN: the prepacked op with a relu / "
+            "requantize epilogue; qbackend: the plain function, uint8 out)\n\n" + "\n".join(lines) + "\n")
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
