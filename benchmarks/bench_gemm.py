@@ -47,6 +47,7 @@ LINEARS = [
       for name, cin, cout in [("Q/K/V merged", 768, 2304), ("attention out", 768, 768), ("FFN in", 768, 3072),
                               ("FFN out", 3072, 768)]],
     ("ResNet fc", 1, 512, 1000), ("MobileNetV2 classifier", 1, 1280, 1000),
+    *[("FFN in, rows sweep", rows, 768, 3072) for rows in (8, 32, 64)],
 ]
 
 

@@ -40,11 +40,12 @@ class Limits:
 # AVX2 (no VNNI: oneDNN's int8 is slow too): linears 0.80-0.95x its time at 128-256 rows,
 # 1.03x at 512; 1x1 stride-2 convs 0.75x; 3x3 of inputs whose zero point is not 0 (which
 # oneDNN compensates slowly) 0.78-0.97x up to 6272 pixels, 1.07x at 25088.
-# AVX512-VNNI (oneDNN's zmm brgemm kernels): 1-row linears 0.52-0.59x, 128 rows 0.95-1.01x,
-# 1024 rows 1.02-1.25x; 1x1 convs 0.76-0.93x up to 784 pixels, 0.95-1.75x from 1568; 3x3 of
-# zero-point inputs 0.27x at 49 pixels, 0.87x at 392.
+# AVX512-VNNI (oneDNN's zmm brgemm kernels; three runs, the spread is the machine's): linears
+# 0.52-0.61x at 1 row, 0.84x at 8, 1.01x at 32, 1.07x at 64, 0.95-1.2x at 128; 1x1 convs
+# 0.76-1.05x up to 784 pixels, 0.95-2.1x from 1568; 3x3 of inputs whose zero point is not 0
+# 0.27-0.34x at 49 pixels, 0.66-0.87x at 392.
 # Either way 3x3 convs of zero-point-0 inputs (after a ReLU) stay on oneDNN (1.0-1.4x).
-LIMITS = {"avx2": Limits(max_rows=256, max_conv_pixels=8192), "avx512_vnni": Limits(max_rows=128, max_conv_pixels=1024)}
+LIMITS = {"avx2": Limits(max_rows=256, max_conv_pixels=8192), "avx512_vnni": Limits(max_rows=16, max_conv_pixels=1024)}
 
 
 def limits() -> Limits:

@@ -36,7 +36,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # compiler without these flags or a CPU without VNNI leaves the AVX2 GEMM).
 VNNI_SOURCES = (CSRC / "conv_gemm_int8_vnni.c",)
 SOURCES = tuple(sorted(set(CSRC.glob("*.c")) - set(VNNI_SOURCES)))
-VNNI_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+VNNI_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni")
 MAX_TAPS = 9  # kernel positions qconv takes (conv_gemm_int8.c MAX_TAPS): up to 3x3
 BLOCK = 64  # columns per weight block (the kernel's unit: K must be a multiple)
 GROUPS = (32,) + tuple(range(BLOCK, 4097, BLOCK))  # int4 group sizes the kernel takes

@@ -89,7 +89,7 @@ class FeedForward(nn.Module):
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_feed_forward_runs_on_the_own_kernel_with_its_post_ops(approximate):
-    inputs = (torch.randn(4, 24, 32),)  # 96 rows
+    inputs = (torch.randn(2, 8, 32),)  # 16 rows: within every GEMM build's max_rows
     actual, expected, captured = compile_and_run(quantize(FeedForward(approximate).eval(), inputs), inputs)
     assert_outputs_close(actual, expected, f"feed-forward, gelu {approximate}")
     assert [(d.rule, d.op) for d in captured.report.decisions] == [("qlinear", OWN), ("qlinear_add", OWN)], str(captured.report)

@@ -53,8 +53,12 @@ static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), _mm256_set1_epi16(1)));
 }
 
-/* Whether this CPU runs qb_conv_vnni (built in a file of its own, with AVX512 flags: this one must not need them). */
-int qb_has_avx512_vnni(void) { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"); }
+/* Whether this CPU runs qb_conv_vnni: every AVX512 extension its build flags name (it is built
+ * in a file of its own, with those flags; this one must not need them). */
+int qb_has_avx512_vnni(void) {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
 #endif
 
 enum activation { CLAMP_ONLY = 0, GELU_ERF = 1, GELU_TANH = 2 }; /* qbackend/native.py ACTIVATIONS */
@@ -147,10 +151,38 @@ static inline void store8(const epilogue_t e, __m256i acc, int o, int Cout, size
   _mm_storel_epi64((__m128i*)(y + pixel * Cout + o), q8);
 }
 
-/* One block's sums for one pixel: the epilogue runs on 8 channels at a time, and skips the
- * channels past Cout that the VNNI build's 16-wide packing pads with zero weights. */
+#ifdef QB_VNNI
+/* store8 on 16 channels, for a clamp-only epilogue: the same arithmetic in zmm registers
+ * (the clamp to [qmin, qmax] in int32 equals store8's saturating packs, as 0 <= qmin <= qmax <= 255). */
+static inline void store16(const epilogue_t e, __m512i acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
+  __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(e.mult + o), _mm512_loadu_ps(e.add + o));
+  if (e.residual) {
+    const __m512i r = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(e.residual + pixel * Cout + o)));
+    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), _mm512_broadcast_f32x8(e.residual_scale), f);
+  } else if (e.residual_f) {
+    f = _mm512_fmadd_ps(_mm512_loadu_ps(e.residual_f + pixel * Cout + o), _mm512_broadcast_f32x8(e.residual_scale), f);
+  }
+  f = _mm512_min_ps(_mm512_max_ps(f, _mm512_broadcast_f32x8(e.low)), _mm512_broadcast_f32x8(e.high));
+  if (e.float_out) {
+    _mm512_storeu_ps(e.float_out + pixel * Cout + o, f);
+    return;
+  }
+  f = _mm512_fmadd_ps(f, _mm512_broadcast_f32x8(e.out_inv_scale), _mm512_broadcast_f32x8(e.out_zp));
+  __m512i q = _mm512_cvtps_epi32(f); /* round half to even */
+  q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_cvtepu8_epi32(e.qmin)), _mm512_cvtepu8_epi32(e.qmax));
+  _mm_storeu_si128((__m128i*)(y + pixel * Cout + o), _mm512_cvtepi32_epi8(q));
+}
+#endif
+
+/* One block's sums for one pixel. The VNNI build's blocks are 16 channels: store16 when all
+ * are real channels and no GELU runs (its code is 8-wide), else two 8-channel halves, skipping
+ * the channels past Cout that the packing pads with zero weights. */
 static inline void store_block(const epilogue_t e, block_t acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
 #ifdef QB_VNNI
+  if (o + 16 <= Cout && e.activation == CLAMP_ONLY) {
+    store16(e, acc, o, Cout, pixel, y);
+    return;
+  }
   store8(e, _mm512_castsi512_si256(acc), o, Cout, pixel, y);
   if (o + 8 < Cout) store8(e, _mm512_extracti64x4_epi64(acc, 1), o + 8, Cout, pixel, y);
 #else
