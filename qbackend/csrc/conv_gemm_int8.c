@@ -274,34 +274,40 @@ void QB_CONV(int threads, int N, int H, int W, int Cin, int OH, int OW, int KH, 
   int block_tiles = pixels_outer ? pixel_tiles : ROW_BLOCK_BYTES / (PIXEL_TILE * g.Cin);
   block_tiles = block_tiles < 1 ? 1 : block_tiles > pixel_tiles ? pixel_tiles : block_tiles;
   const int row_blocks = (pixel_tiles + block_tiles - 1) / block_tiles;
-#pragma omp parallel for num_threads(threads) schedule(static) collapse(3)
-  for (int block = 0; block < row_blocks; block++)
-  for (int outer = 0; outer < (pixels_outer ? block_tiles : output_tiles); outer++)
-    for (int inner = 0; inner < (pixels_outer ? output_tiles : block_tiles); inner++) {
-      const int pt = block * block_tiles + (pixels_outer ? outer : inner), ot = pixels_outer ? inner : outer;
-      if (pt >= pixel_tiles) continue;
-      const size_t p = (size_t)pt * PIXEL_TILE;
-      const int b0 = tile_start(ot, blocks), width = (ot + 1 < output_tiles ? tile_start(ot + 1, blocks) : blocks) - b0;
-      const int o = b0 * BLOCK;
-      const int pixels = P - (int)p < PIXEL_TILE ? P - (int)p : PIXEL_TILE;
-      const uint8_t* rows[PIXEL_TILE][MAX_TAPS];
-      for (int i = 0; i < pixels; i++) {
-        const int q = (int)p + i, n = q / (g.OH * g.OW), oh = q / g.OW % g.OH, ow = q % g.OW;
-        for (int kh = 0; kh < g.KH; kh++)
-          for (int kw = 0; kw < g.KW; kw++) {
-            const int ih = oh * g.stride_h - g.pad_h + kh * g.dil_h, iw = ow * g.stride_w - g.pad_w + kw * g.dil_w;
-            rows[i][kh * g.KW + kw] = ih < 0 || ih >= g.H || iw < 0 || iw >= g.W
-                                          ? padding
-                                          : x + (((size_t)n * g.H + ih) * g.W + iw) * g.Cin;
+#pragma omp parallel num_threads(threads)
+  {
+    /* a pixel tile's input rows, kept while this thread's next tiles are the same pixels' */
+    const uint8_t* rows[PIXEL_TILE][MAX_TAPS];
+    int rows_of = -1;
+#pragma omp for schedule(static) collapse(3)
+    for (int block = 0; block < row_blocks; block++)
+      for (int outer = 0; outer < (pixels_outer ? block_tiles : output_tiles); outer++)
+        for (int inner = 0; inner < (pixels_outer ? output_tiles : block_tiles); inner++) {
+          const int pt = block * block_tiles + (pixels_outer ? outer : inner), ot = pixels_outer ? inner : outer;
+          if (pt >= pixel_tiles) continue;
+          const size_t p = (size_t)pt * PIXEL_TILE;
+          const int b0 = tile_start(ot, blocks), width = (ot + 1 < output_tiles ? tile_start(ot + 1, blocks) : blocks) - b0;
+          const int o = b0 * BLOCK;
+          const int pixels = P - (int)p < PIXEL_TILE ? P - (int)p : PIXEL_TILE;
+          for (int i = 0; i < pixels && rows_of != pt; i++) {
+            const int q = (int)p + i, n = q / (g.OH * g.OW), oh = q / g.OW % g.OH, ow = q % g.OW;
+            for (int kh = 0; kh < g.KH; kh++)
+              for (int kw = 0; kw < g.KW; kw++) {
+                const int ih = oh * g.stride_h - g.pad_h + kh * g.dil_h, iw = ow * g.stride_w - g.pad_w + kw * g.dil_w;
+                rows[i][kh * g.KW + kw] = ih < 0 || ih >= g.H || iw < 0 || iw >= g.W
+                                              ? padding
+                                              : x + (((size_t)n * g.H + ih) * g.W + iw) * g.Cin;
+              }
           }
-      }
-      if (width == 3) {
-        TILE_CASES(pixels, 3)
-      } else if (width == 2) {
-        TILE_CASES(pixels, 2)
-      } else {
-        TILE_CASES(pixels, 1)
-      }
-    }
+          rows_of = pt;
+          if (width == 3) {
+            TILE_CASES(pixels, 3)
+          } else if (width == 2) {
+            TILE_CASES(pixels, 2)
+          } else {
+            TILE_CASES(pixels, 1)
+          }
+        }
+  }
   free(padding);
 }
