@@ -149,7 +149,7 @@ def main():
     parser.add_argument("--out", type=Path, default=PROJECT_ROOT / "docs" / "benchmarks_gemm.md")
     args = parser.parse_args()
     torch.set_num_threads(NUM_THREADS)
-    builds_here = builds()
+    machine, builds_here = machine_description(), builds()
     header = (f"| layer | oneDNN (us) | {' | '.join(f'qbackend {b} (us)' for b in builds_here)} | best qbackend / oneDNN |\n"
               f"|---|---|{'---|' * len(builds_here)}---|")
     lines = [header]
@@ -161,7 +161,7 @@ def main():
     for name, rows, cin, cout in LINEARS:
         lines.append(timed_row(f"{name}: {rows} rows, {cin}->{cout}", *linear_runners(rows, cin, cout), builds_here))
         print(lines[-1], flush=True)
-    text = (f"# qbackend's int8 GEMM vs oneDNN, per layer\n\n- Machine: {machine_description()}\n"
+    text = (f"# qbackend's int8 GEMM vs oneDNN, per layer\n\n- Machine: {machine}\n"
             f"- Date: {datetime.date.today()}; command: `python benchmarks/bench_gemm.py`\n"
             "- Interleaved medians of the call as a lowered graph makes it (oneDNN: the prepacked op with a relu / "
             "requantize epilogue; qbackend: the plain function, uint8 out)\n\n" + "\n".join(lines) + "\n")

@@ -8,7 +8,9 @@
 - Depthwise 3x3 int8 convs (``depthwise_conv_int8.c``) and an int8 GEMM for other convs up
   to 3x3 and linears (``conv_gemm_int8.c``): onednn::qconv_pointwise / qlinear_pointwise
   spend ~50 us per call before computing, run depthwise convs at 3-11 GMAC/s here, and their
-  AVX2 int8 kernels are slower than this GEMM's below a few thousand output rows.
+  AVX2 int8 kernels are slower than this GEMM's below a few thousand output rows. The GEMM is
+  built a second time for AVX512-VNNI (``conv_gemm_int8_vnni.c``, its own library), used where
+  the CPU has it: ``gemm_variant``.
 
 The sources are compiled once per machine with the system C compiler (as Inductor does for
 its own kernels) into one library, cached by a hash of sources and flags, loaded with ctypes,
@@ -111,7 +113,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_int4_mm.argtypes = [i32] * 5 + [pointer] * 8
     lib.qb_int8_mm.argtypes = [i32] * 4 + [pointer] * 7
     lib.qb_dwconv3x3.argtypes = [i32] * 11 + [pointer, i32] + [pointer] * 3 + [f32] * 3 + [i32] * 3 + [pointer]
-    _declare_gemm(lib.qb_conv)
+    _declare_gemm(lib.qb_conv_call)
     lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3.restype = None
     lib.qb_has_avx512_vnni.restype = i32
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -123,22 +125,32 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
 
 
 def _declare_gemm(function) -> None:
-    """qb_conv's and qb_conv_vnni's signature."""
-    pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    function.argtypes = [i32] * 17 + [pointer] * 5 + [i32, f32, i32] + [f32] * 3 + [i32] * 3 + [pointer] * 2
+    """qb_conv_call's and qb_conv_call_vnni's signature: (threads, call, x, residual, y, yf)."""
+    function.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5
     function.restype = None
+
+
+class _ConvCall(ctypes.Structure):
+    """conv_gemm_int8.c ``conv_call_t``: what one call site fixes, made once per input shape."""
+
+    _fields_ = ([(name, ctypes.c_int) for name in ("N", "H", "W", "Cin", "OH", "OW", "KH", "KW", "stride_h", "stride_w",
+                                                    "pad_h", "pad_w", "dil_h", "dil_w", "Cout", "x_zp")]
+                + [("w", ctypes.c_void_p), ("mult", ctypes.c_void_p), ("add", ctypes.c_void_p),
+                   ("residual_is_float", ctypes.c_int), ("residual_scale", ctypes.c_float), ("activation", ctypes.c_int),
+                   ("low", ctypes.c_float), ("high", ctypes.c_float), ("out_inv_scale", ctypes.c_float),
+                   ("out_zp", ctypes.c_int), ("qmin", ctypes.c_int), ("qmax", ctypes.c_int)])
 
 
 @functools.lru_cache(maxsize=None)
 def _vnni_gemm() -> tuple[Optional[ctypes._CFuncPtr], Optional[str]]:
-    """qb_conv_vnni where this CPU and compiler can run it, else (None, why not)."""
+    """qb_conv_call_vnni where this CPU and compiler can run it, else (None, why not)."""
     lib, reason = _load()
     if lib is None:
         return None, reason
     if not lib.qb_has_avx512_vnni():
         return None, "the CPU has no AVX512-VNNI"
     try:
-        function = ctypes.CDLL(str(_build("qbackend_gemm_vnni", VNNI_SOURCES, VNNI_FLAGS))).qb_conv_vnni
+        function = ctypes.CDLL(str(_build("qbackend_gemm_vnni", VNNI_SOURCES, VNNI_FLAGS))).qb_conv_call_vnni
     except (RuntimeError, OSError) as error:
         return None, f"the AVX512-VNNI GEMM could not be built: {error}"
     _declare_gemm(function)
@@ -250,35 +262,65 @@ def _dwconv3x3_fake(x, x_zero_point, weight, mult, add, stride, padding, *args):
     return _channels_last_like(x, shape, torch.uint8)
 
 
-def _conv(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax,
-          float_out=False, activation="none", kernel_size=(1, 1), stride=(1, 1), padding=(0, 0), dilation=(1, 1),
-          x_zero_point=0, *, trusted=False):
+# call key (``_conv_key``) -> (_ConvCall, output shape, output dtype, GEMM function, the constants it points to)
+_CONV_CALLS: dict = {}
+MAX_CONV_CALLS = 4096  # (a process lowering ever new shapes starts afresh past this)
+
+
+def _conv_key(x, weight, mult, add, residual, *scalars_and_geometry):
+    """What a prepared call depends on: the constants (held by the entry, so their ids stay
+    theirs), the input's shape and kind, the residual's dtype, the GEMM build, every scalar."""
+    return (id(weight), id(mult), id(add), x.shape, x.dtype, x.device, None if residual is None else residual.dtype,
+            gemm_variant(), *(tuple(v) if isinstance(v, list) else v for v in scalars_and_geometry))
+
+
+def _prepare_conv(lib, key, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point,
+                  qmin, qmax, float_out, activation, kernel_size, stride, padding, dilation, x_zero_point):
+    """Check one call site's arguments and make its _ConvCall (cached under ``key``)."""
     cout, taps = mult.numel(), kernel_size[0] * kernel_size[1]
     padded = cout + -cout % gemm_block()  # (the packing's zero rows)
     _check_nchw_uint8(x, weight.numel() // padded // max(taps, 1), "qconv")
     n, cin, h, w = x.shape
-    if not trusted:
-        _check_constants("qconv", (weight, torch.int8, taps * cin * padded), (mult, torch.float32, cout), (add, torch.float32, cout))
+    _check_constants("qconv", (weight, torch.int8, taps * cin * padded), (mult, torch.float32, cout), (add, torch.float32, cout))
     if cin % 4 or cout % 8 or not 1 <= taps <= MAX_TAPS:
         raise ValueError(f"qbackend::qconv takes in_channels % 4 == 0, out_channels % 8 == 0 and up to {MAX_TAPS} kernel "
                          f"positions, got {cin} -> {cout}, kernel {list(kernel_size)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"qbackend::qconv: activation {activation!r} is not one of {list(ACTIVATIONS)}")
+    if residual is not None and residual.dtype != torch.float32:  # a float32 residual, or a uint8 one checked like the input
+        _check_nchw_uint8(residual, cout, "qconv (residual)")
     oh, ow = (conv_output_size(size, *args) for size, args in zip((h, w), zip(stride, padding, kernel_size, dilation)))
+    call = _ConvCall(n, h, w, cin, oh, ow, *kernel_size, *stride, *padding, *dilation, cout, x_zero_point,
+                     weight.data_ptr(), mult.data_ptr(), add.data_ptr(), residual is not None and residual.dtype == torch.float32,
+                     residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
+    gemm = _vnni_gemm()[0] if gemm_variant() == "avx512_vnni" else lib.qb_conv_call
+    if len(_CONV_CALLS) >= MAX_CONV_CALLS:
+        _CONV_CALLS.clear()
+    prepared = _CONV_CALLS[key] = (call, (n, cout, oh, ow), torch.float32 if float_out else torch.uint8, gemm,
+                                   (weight, mult, add), ctypes.addressof(call))
+    return prepared
+
+
+def _conv(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax,
+          float_out=False, activation="none", kernel_size=(1, 1), stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+          x_zero_point=0, *, trusted=False):
+    """``trusted``: the constants are the lowering's own, so a prepared call of this key is
+    taken unchecked; the registered op (any caller) checks every call."""
+    args = (residual_scale, low, high, out_scale, out_zero_point, qmin, qmax, float_out, activation, kernel_size, stride,
+            padding, dilation, x_zero_point)
+    key = _conv_key(x, weight, mult, add, residual, *args)
+    prepared = _CONV_CALLS.get(key) if trusted else None
+    if prepared is None:
+        prepared = _prepare_conv(lib, key, x, weight, mult, add, residual, *args)
+    _, shape, dtype, gemm, _, call = prepared
     x = x.contiguous(memory_format=torch.channels_last)
-    y = torch.empty((n, cout, oh, ow), dtype=torch.float32 if float_out else torch.uint8, memory_format=torch.channels_last)
+    y = torch.empty(shape, dtype=dtype, memory_format=torch.channels_last)
     if residual is not None:
-        if residual.dtype != torch.float32:  # a float32 residual, or a uint8 one checked like the input
-            _check_nchw_uint8(residual, cout, "qconv (residual)")
-        if residual.shape != y.shape or residual.device.type != "cpu":
-            raise ValueError(f"qbackend::qconv: residual {tuple(residual.shape)} on {residual.device} for output {tuple(y.shape)}")
+        if residual.shape != shape or residual.device.type != "cpu":
+            raise ValueError(f"qbackend::qconv: residual {tuple(residual.shape)} on {residual.device} for output {shape}")
         residual = residual.contiguous(memory_format=torch.channels_last)
-    gemm = _vnni_gemm()[0] if gemm_variant() == "avx512_vnni" else lib.qb_conv
-    gemm(torch.get_num_threads(), n, h, w, cin, oh, ow, *kernel_size, *stride, *padding, *dilation, cout, x_zero_point,
-                x.data_ptr(), weight.data_ptr(), mult.data_ptr(), add.data_ptr(),
-                residual.data_ptr() if residual is not None else None, residual is not None and residual.dtype == torch.float32,
-                residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax,
-                None if float_out else y.data_ptr(), y.data_ptr() if float_out else None)
+    gemm(torch.get_num_threads(), call, x.data_ptr(), None if residual is None else residual.data_ptr(),
+         None if float_out else y.data_ptr(), y.data_ptr() if float_out else None)
     return y
 
 

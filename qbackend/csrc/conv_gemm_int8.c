@@ -11,7 +11,7 @@
  * qmax_x * (|w[o][2j]| + |w[o][2j+1]|) <= 32767 (7-bit weights always pass); vpmaddwd by ones
  * then widens to int32.
  *
- * On CPUs with AVX512-VNNI, conv_gemm_int8_vnni.c builds this file again as qb_conv_vnni with
+ * On CPUs with AVX512-VNNI, conv_gemm_int8_vnni.c builds this file again as qb_conv_call_vnni with
  * vpdpbusd, which adds each 4 uint8 x int8 products straight into int32: exact for any weights
  * and one instruction instead of three.
  *
@@ -33,7 +33,7 @@
 
 /* A block: BLOCK output channels x 4 input channels of packed weights, one vector of int32 sums. */
 #ifdef QB_VNNI
-#define QB_CONV qb_conv_vnni
+#define QB_CONV_CALL qb_conv_call_vnni
 #define BLOCK 16
 #define PIXEL_TILE 8 /* 8 x 3 accumulators of AVX512's 32 registers */
 typedef __m512i block_t;
@@ -42,7 +42,7 @@ static inline block_t block_load(const int8_t* w) { return _mm512_loadu_si512(w)
 static inline block_t block_broadcast(int32_t four) { return _mm512_set1_epi32(four); }
 static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) { return _mm512_dpbusd_epi32(acc, x, w); }
 #else
-#define QB_CONV qb_conv
+#define QB_CONV_CALL qb_conv_call
 #define BLOCK 8
 #define PIXEL_TILE 4
 typedef __m256i block_t;
@@ -53,7 +53,7 @@ static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), _mm256_set1_epi16(1)));
 }
 
-/* Whether this CPU runs qb_conv_vnni: every AVX512 extension its build flags name (it is built
+/* Whether this CPU runs qb_conv_call_vnni: every AVX512 extension its build flags name (it is built
  * in a file of its own, with those flags; this one must not need them). */
 int qb_has_avx512_vnni(void) {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
@@ -252,7 +252,7 @@ typedef struct {
  * uint8. Weights: [Cout / BLOCK][KH * KW * Cin / 4][BLOCK][4] (kernel position, then input
  * channel; Cout padded with zero weights to a multiple of BLOCK); padding reads x_zp.
  * Cin % 4 == 0, Cout % 8 == 0, KH * KW <= MAX_TAPS. */
-void QB_CONV(int threads, int N, int H, int W, int Cin, int OH, int OW, int KH, int KW, int stride_h, int stride_w,
+static void conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int KH, int KW, int stride_h, int stride_w,
              int pad_h, int pad_w, int dil_h, int dil_w, int Cout, int x_zp, const uint8_t* x, const int8_t* w,
              const float* mult, const float* add, const void* residual, int residual_is_float, float residual_scale,
              int activation, float low, float high, float out_inv_scale, int out_zp, int qmin, int qmax, uint8_t* y,
@@ -310,4 +310,24 @@ void QB_CONV(int threads, int N, int H, int W, int Cin, int OH, int OW, int KH, 
         }
   }
   free(padding);
+}
+
+/* What one call site fixes: geometry, constants, epilogue (qbackend/native.py _ConvCall, made
+ * once per call site and input shape). Passing it by pointer saves ctypes converting 33
+ * arguments on every call (~8 us of a small conv's ~13). */
+typedef struct {
+  int N, H, W, Cin, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Cout, x_zp;
+  const int8_t* w;
+  const float *mult, *add;
+  int residual_is_float;
+  float residual_scale;
+  int activation;
+  float low, high, out_inv_scale;
+  int out_zp, qmin, qmax;
+} conv_call_t;
+
+void QB_CONV_CALL(int threads, const conv_call_t* c, const uint8_t* x, const void* residual, uint8_t* y, float* yf) {
+  conv(threads, c->N, c->H, c->W, c->Cin, c->OH, c->OW, c->KH, c->KW, c->stride_h, c->stride_w, c->pad_h, c->pad_w,
+       c->dil_h, c->dil_w, c->Cout, c->x_zp, x, c->w, c->mult, c->add, residual, c->residual_is_float, c->residual_scale,
+       c->activation, c->low, c->high, c->out_inv_scale, c->out_zp, c->qmin, c->qmax, y, yf);
 }
