@@ -44,7 +44,7 @@ class Limits:
 # 0.52-0.61x at 1 row, 0.84x at 8, 1.01x at 32, 1.07x at 64, 0.95-1.2x at 128; 1x1 convs
 # 0.76-1.05x up to 784 pixels, 0.95-2.1x from 1568; 3x3 of inputs whose zero point is not 0
 # 0.27-0.34x at 49 pixels, 0.66-0.87x at 392.
-# Either way 3x3 convs of zero-point-0 inputs (after a ReLU) stay on oneDNN (1.0-1.4x).
+# Either way 3x3 convs of zero-point-0 inputs (after a ReLU) stay on oneDNN (1.0-1.5x its time).
 LIMITS = {"avx2": Limits(max_rows=256, max_conv_pixels=8192), "avx512_vnni": Limits(max_rows=16, max_conv_pixels=1024)}
 
 
