@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -112,9 +112,9 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.qb_int4_mm.argtypes = [i32] * 5 + [pointer] * 8
     lib.qb_int8_mm.argtypes = [i32] * 4 + [pointer] * 7
-    lib.qb_dwconv3x3.argtypes = [i32] * 11 + [pointer, i32] + [pointer] * 3 + [f32] * 3 + [i32] * 3 + [pointer]
+    lib.qb_dwconv3x3_call.argtypes = [i32] + [pointer] * 3
     _declare_gemm(lib.qb_conv_call)
-    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3.restype = None
+    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3_call.restype = None
     lib.qb_has_avx512_vnni.restype = i32
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
     for name, schema in OPS.items():
@@ -233,20 +233,75 @@ def conv_output_size(size: int, stride: int, padding: int, kernel: int = 3, dila
     return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
 
-def _dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax,
-               *, trusted=False):
+class Prepared(NamedTuple):
+    """One call site's kernel arguments for one input shape (a ctypes struct passed by
+    pointer), with what the call needs besides, and the constants the struct points to."""
+
+    struct: ctypes.Structure
+    shape: tuple  # of the output
+    dtype: torch.dtype  # of the output
+    function: ctypes._CFuncPtr
+    constants: tuple  # held here so that their memory, and their ids in the key, stay theirs
+    address: int = 0  # of ``struct``
+
+    @classmethod
+    def make(cls, *fields) -> "Prepared":
+        prepared = cls(*fields)
+        return prepared._replace(address=ctypes.addressof(prepared.struct))
+
+
+_PREPARED: dict = {}  # _call_key -> Prepared
+MAX_PREPARED = 4096  # (a process lowering ever new shapes starts afresh past this)
+
+
+def _call_key(x, *args):
+    """What a prepared call depends on: the input's shape and kind, the GEMM build, and every
+    other argument (the constants by identity: the Prepared entry holds them)."""
+    return (x.shape, x.dtype, x.device, gemm_variant(),
+            *(id(a) if isinstance(a, torch.Tensor) else tuple(a) if isinstance(a, list) else a for a in args))
+
+
+def _prepared(key, trusted: bool, prepare) -> Prepared:
+    """The cached call for ``key`` when ``trusted`` (the lowering's own constants), else
+    ``prepare()`` checks every argument and the result is cached."""
+    prepared = _PREPARED.get(key) if trusted else None
+    if prepared is None:
+        if len(_PREPARED) >= MAX_PREPARED:
+            _PREPARED.clear()
+        prepared = _PREPARED[key] = prepare()
+    return prepared
+
+
+class _DepthwiseCall(ctypes.Structure):
+    """depthwise_conv_int8.c ``dwconv_call_t``: what one call site fixes, made once per input shape."""
+
+    _fields_ = ([(name, ctypes.c_int) for name in ("N", "H", "W", "C", "stride_h", "stride_w", "pad_h", "pad_w", "OH", "OW",
+                                                    "x_zp")]
+                + [("weight", ctypes.c_void_p), ("mult", ctypes.c_void_p), ("add", ctypes.c_void_p), ("lo", ctypes.c_float),
+                   ("hi", ctypes.c_float), ("out_inv_scale", ctypes.c_float), ("out_zp", ctypes.c_int),
+                   ("qmin", ctypes.c_int), ("qmax", ctypes.c_int)])
+
+
+def _prepare_dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point,
+                       qmin, qmax) -> Prepared:
     _check_nchw_uint8(x, mult.numel(), "qconv_dw3x3")
     n, c, h, w = x.shape
-    if not trusted:
-        _check_constants("qconv_dw3x3", (weight, torch.int16, 10 * c), (mult, torch.float32, c), (add, torch.float32, c))
+    _check_constants("qconv_dw3x3", (weight, torch.int16, 10 * c), (mult, torch.float32, c), (add, torch.float32, c))
     if c % 16:
         raise ValueError(f"qbackend::qconv_dw3x3 takes a multiple of 16 channels, got {c}")
     oh, ow = conv_output_size(h, stride[0], padding[0]), conv_output_size(w, stride[1], padding[1])
+    call = _DepthwiseCall(n, h, w, c, *stride, *padding, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
+                          add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
+    return Prepared.make(call, (n, c, oh, ow), torch.uint8, lib.qb_dwconv3x3_call, (weight, mult, add))
+
+
+def _dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax,
+               *, trusted=False):
+    args = (x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax)
+    prepared = _prepared(_call_key(x, *args), trusted, lambda: _prepare_dwconv3x3(lib, x, *args))
     x = x.contiguous(memory_format=torch.channels_last)
-    y = torch.empty((n, c, oh, ow), dtype=torch.uint8, memory_format=torch.channels_last)
-    lib.qb_dwconv3x3(torch.get_num_threads(), n, h, w, c, stride[0], stride[1], padding[0], padding[1], oh, ow,
-                     x.data_ptr(), x_zero_point, weight.data_ptr(), mult.data_ptr(), add.data_ptr(), low, high,
-                     1.0 / out_scale, out_zero_point, qmin, qmax, y.data_ptr())
+    y = torch.empty(prepared.shape, dtype=prepared.dtype, memory_format=torch.channels_last)
+    prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), y.data_ptr())
     return y
 
 
@@ -262,21 +317,9 @@ def _dwconv3x3_fake(x, x_zero_point, weight, mult, add, stride, padding, *args):
     return _channels_last_like(x, shape, torch.uint8)
 
 
-# call key (``_conv_key``) -> (_ConvCall, output shape, output dtype, GEMM function, the constants it points to)
-_CONV_CALLS: dict = {}
-MAX_CONV_CALLS = 4096  # (a process lowering ever new shapes starts afresh past this)
-
-
-def _conv_key(x, weight, mult, add, residual, *scalars_and_geometry):
-    """What a prepared call depends on: the constants (held by the entry, so their ids stay
-    theirs), the input's shape and kind, the residual's dtype, the GEMM build, every scalar."""
-    return (id(weight), id(mult), id(add), x.shape, x.dtype, x.device, None if residual is None else residual.dtype,
-            gemm_variant(), *(tuple(v) if isinstance(v, list) else v for v in scalars_and_geometry))
-
-
-def _prepare_conv(lib, key, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point,
-                  qmin, qmax, float_out, activation, kernel_size, stride, padding, dilation, x_zero_point):
-    """Check one call site's arguments and make its _ConvCall (cached under ``key``)."""
+def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point,
+                  qmin, qmax, float_out, activation, kernel_size, stride, padding, dilation, x_zero_point) -> Prepared:
+    """Check one call site's arguments and make its _ConvCall."""
     cout, taps = mult.numel(), kernel_size[0] * kernel_size[1]
     padded = cout + -cout % gemm_block()  # (the packing's zero rows)
     _check_nchw_uint8(x, weight.numel() // padded // max(taps, 1), "qconv")
@@ -294,11 +337,7 @@ def _prepare_conv(lib, key, x, weight, mult, add, residual, residual_scale, low,
                      weight.data_ptr(), mult.data_ptr(), add.data_ptr(), residual is not None and residual.dtype == torch.float32,
                      residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
     gemm = _vnni_gemm()[0] if gemm_variant() == "avx512_vnni" else lib.qb_conv_call
-    if len(_CONV_CALLS) >= MAX_CONV_CALLS:
-        _CONV_CALLS.clear()
-    prepared = _CONV_CALLS[key] = (call, (n, cout, oh, ow), torch.float32 if float_out else torch.uint8, gemm,
-                                   (weight, mult, add), ctypes.addressof(call))
-    return prepared
+    return Prepared.make(call, (n, cout, oh, ow), torch.float32 if float_out else torch.uint8, gemm, (weight, mult, add))
 
 
 def _conv(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax,
@@ -306,21 +345,19 @@ def _conv(lib, x, weight, mult, add, residual, residual_scale, low, high, out_sc
           x_zero_point=0, *, trusted=False):
     """``trusted``: the constants are the lowering's own, so a prepared call of this key is
     taken unchecked; the registered op (any caller) checks every call."""
-    args = (residual_scale, low, high, out_scale, out_zero_point, qmin, qmax, float_out, activation, kernel_size, stride,
-            padding, dilation, x_zero_point)
-    key = _conv_key(x, weight, mult, add, residual, *args)
-    prepared = _CONV_CALLS.get(key) if trusted else None
-    if prepared is None:
-        prepared = _prepare_conv(lib, key, x, weight, mult, add, residual, *args)
-    _, shape, dtype, gemm, _, call = prepared
+    args = (weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax, float_out,
+            activation, kernel_size, stride, padding, dilation, x_zero_point)
+    key = _call_key(x, *args[:3], None if residual is None else residual.dtype, *args[4:])  # (a residual: its dtype)
+    prepared = _prepared(key, trusted, lambda: _prepare_conv(lib, x, *args))
+    shape = prepared.shape
     x = x.contiguous(memory_format=torch.channels_last)
-    y = torch.empty(shape, dtype=dtype, memory_format=torch.channels_last)
+    y = torch.empty(shape, dtype=prepared.dtype, memory_format=torch.channels_last)
     if residual is not None:
         if residual.shape != shape or residual.device.type != "cpu":
             raise ValueError(f"qbackend::qconv: residual {tuple(residual.shape)} on {residual.device} for output {shape}")
         residual = residual.contiguous(memory_format=torch.channels_last)
-    gemm(torch.get_num_threads(), call, x.data_ptr(), None if residual is None else residual.data_ptr(),
-         None if float_out else y.data_ptr(), y.data_ptr() if float_out else None)
+    prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), None if residual is None else residual.data_ptr(),
+                      None if float_out else y.data_ptr(), y.data_ptr() if float_out else None)
     return y
 
 

@@ -23,7 +23,7 @@
 
 /* weight: [PAIRS][C/16][2 (lo, hi)][16] int16; mult, add: [C/16][2][8] float.
  * y = clamp(acc * mult + add, lo, hi) / out_scale + out_zp, rounded and clamped to [qmin, qmax]. */
-void qb_dwconv3x3(int threads, int N, int H, int W, int C, int stride_h, int stride_w, int pad_h, int pad_w, int OH, int OW,
+static void dwconv3x3(int threads, int N, int H, int W, int C, int stride_h, int stride_w, int pad_h, int pad_w, int OH, int OW,
                   const uint8_t* x, int x_zp, const int16_t* weight, const float* mult, const float* add, float lo, float hi,
                   float out_inv_scale, int out_zp, int qmin, int qmax, uint8_t* y) {
   const int groups = C / LANES;
@@ -65,4 +65,19 @@ void qb_dwconv3x3(int threads, int N, int H, int W, int C, int stride_h, int str
         }
       }
     }
+}
+
+/* What one call site fixes (qbackend/native.py _DepthwiseCall, made once per call site and
+ * input shape): passed by pointer instead of 23 arguments converted by ctypes on every call. */
+typedef struct {
+  int N, H, W, C, stride_h, stride_w, pad_h, pad_w, OH, OW, x_zp;
+  const int16_t* weight;
+  const float *mult, *add;
+  float lo, hi, out_inv_scale;
+  int out_zp, qmin, qmax;
+} dwconv_call_t;
+
+void qb_dwconv3x3_call(int threads, const dwconv_call_t* c, const uint8_t* x, uint8_t* y) {
+  dwconv3x3(threads, c->N, c->H, c->W, c->C, c->stride_h, c->stride_w, c->pad_h, c->pad_w, c->OH, c->OW, x, c->x_zp,
+            c->weight, c->mult, c->add, c->lo, c->hi, c->out_inv_scale, c->out_zp, c->qmin, c->qmax, y);
 }
