@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from qbackend.patterns.base import constant_value
+from qbackend.patterns.base import constant_value, fake_value
 
-from . import fast_qdq
+from . import fast_qdq, native
 from .freeze import drop_unused_constants, set_constant
-from .ops import graph_op
+from .ops import graph_op, resolve
 
 aten = torch.ops.aten
 
@@ -62,12 +62,30 @@ def fold_constants(gm: GraphModule) -> int:
     return folded
 
 
-def fast_boundary_qdq(gm: GraphModule) -> None:
+def _channels_last_readers() -> set:
+    """The ops that read their first argument (a conv input) channels-last: oneDNN's 2-D int8
+    convs and qbackend's conv kernels."""
+    readers = {r.op for r in (resolve(name, "cpu") for name in ("qconv", "qconv_tensor", "qconv_binary", "qconv_binary_tensor")) if r}
+    if native.available() is None:
+        readers.update(native.conv_kernels("qconv") + native.conv_kernels("qconv_dw3x3"))
+    return readers
+
+
+def _feeds_convs_only(node: Node, readers: set) -> bool:
+    """A 4-D float quantize whose every reader is a conv reading it as its input."""
+    value = fake_value(node.args[0])
+    return (value is not None and value.dim() == 4 and bool(node.users)
+            and all(u.target in readers and u.args[0] is node and node not in u.args[1:] for u in node.users))
+
+
+def fast_boundary_qdq(gm: GraphModule, device: str = "cpu") -> None:
     """Replace the reference q/dq that stay in the graph by ``fast_qdq``; a quantize read only
-    by identical dequantizes becomes one fused quantize-dequantize."""
+    by identical dequantizes becomes one fused quantize-dequantize; on CPU, one read only by
+    convs writes channels-last (the model's input before its first conv)."""
     q_op, dq_op = graph_op("quantize_per_tensor"), graph_op("dequantize_per_tensor")
     if q_op is None:
         return
+    readers = _channels_last_readers() if device == "cpu" else set()
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not q_op or node.kwargs:
             continue
@@ -83,7 +101,7 @@ def fast_boundary_qdq(gm: GraphModule) -> None:
                     gm.graph.erase_node(user)
                 gm.graph.erase_node(node)
                 continue
-        node.target = fast_qdq.quantize_per_tensor
+        node.target = fast_qdq.quantize_per_tensor_channels_last if _feeds_convs_only(node, readers) else fast_qdq.quantize_per_tensor
     replacements = {dq_op: fast_qdq.dequantize_per_tensor,
                     graph_op("quantize_per_tensor_tensor"): fast_qdq.quantize_per_tensor_tensor,
                     graph_op("dequantize_per_tensor_tensor"): fast_qdq.dequantize_per_tensor_tensor}
@@ -105,13 +123,13 @@ def views_accept_any_layout(gm: GraphModule) -> None:
                 node.target = aten.reshape.default
 
 
-def cleanup(gm: GraphModule, fast_boundary: bool = True) -> None:
+def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True) -> None:
     """``fast_boundary=False`` keeps the reference q/dq ops (another compiler, Inductor, fuses them)."""
     gm.graph.eliminate_dead_code()
     fold_constants(gm)
     gm.graph.eliminate_dead_code()
     if fast_boundary:
-        fast_boundary_qdq(gm)
+        fast_boundary_qdq(gm, device)
     views_accept_any_layout(gm)
     gm.graph.lint()
     gm.recompile()

@@ -83,6 +83,22 @@ def quantize_per_tensor(x, scale: float, zero_point: int, qmin: int, qmax: int, 
     return _scaled_rounded(x, scale, zero_point, qmin, qmax).to(dtype)
 
 
+def quantize_per_tensor_channels_last(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype):
+    """``quantize_per_tensor`` for a conv's input: a channels-last result, which the conv
+    kernels read without a transpose of their own. A float32 NCHW input is quantized and laid
+    out in one pass (qbackend's kernel: the reference's arithmetic, bit-exact); otherwise a CPU
+    input is made channels-last first."""
+    if dtype == torch.uint8 and type(x) is torch.Tensor:
+        from . import native  # (loads the kernels only when a graph runs this)
+
+        y = native.quantize_channels_last(x, scale, zero_point, qmin, qmax)
+        if y is not None:
+            return y
+    if x.dim() == 4 and x.device.type == "cpu":  # (elsewhere the device's own conv picks its layout)
+        x = x.contiguous(memory_format=torch.channels_last)
+    return quantize_per_tensor(x, scale, zero_point, qmin, qmax, dtype)
+
+
 def dequantize_per_tensor(q, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, *, out_dtype=None):
     if out_dtype in (None, torch.float32) and q.dtype == dtype and _vectorised(q, dtype):
         return torch._make_per_tensor_quantized_tensor(q, scale, zero_point).dequantize()
@@ -135,6 +151,6 @@ def clamp_to_range_(q: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
 
 
 # Each returns a tensor it allocated (clamp_to_range_: its input, the kernel's fresh buffer): the in-place safety analysis may treat it as fresh.
-for _fn in (quantize_per_tensor, dequantize_per_tensor, quantize_dequantize_per_tensor, scale_quantize_per_tensor,
+for _fn in (quantize_per_tensor, quantize_per_tensor_channels_last, dequantize_per_tensor, quantize_dequantize_per_tensor, scale_quantize_per_tensor,
             quantize_per_tensor_tensor, dequantize_per_tensor_tensor, clamp_to_range_):
     _fn.fresh_output = True

@@ -113,8 +113,9 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_int4_mm.argtypes = [i32] * 5 + [pointer] * 8
     lib.qb_int8_mm.argtypes = [i32] * 4 + [pointer] * 7
     lib.qb_dwconv3x3_call.argtypes = [i32] + [pointer] * 3
+    lib.qb_quantize_nchw_to_nhwc.argtypes = [i32] * 4 + [pointer, f32] + [i32] * 3 + [pointer]
     _declare_gemm(lib.qb_conv_call)
-    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3_call.restype = None
+    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3_call.restype = lib.qb_quantize_nchw_to_nhwc.restype = None
     lib.qb_has_avx512_vnni.restype = i32
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
     for name, schema in OPS.items():
@@ -388,6 +389,20 @@ def qconv_dw3x3(*args):
 def qconv(*args):
     """``qbackend::qconv`` without the dispatcher round trip (see ``qconv_dw3x3``)."""
     return _conv(_load()[0], *args, trusted=True)
+
+
+def quantize_channels_last(x: torch.Tensor, scale: float, zero_point: int, qmin: int, qmax: int) -> Optional[torch.Tensor]:
+    """uint8 channels-last quantize of a float32 NCHW-contiguous CPU tensor (quantize_nhwc.c,
+    the reference's arithmetic), or None where the kernel does not apply or is not built."""
+    lib = _load()[0]
+    if lib is None or x.dim() != 4 or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        return None
+    n, c, h, w = x.shape
+    y = torch.empty((n, c, h, w), dtype=torch.uint8, memory_format=torch.channels_last)
+    # (ctypes passes 1 / scale as a float32: what the reference multiplies by)
+    lib.qb_quantize_nchw_to_nhwc(torch.get_num_threads(), n, c, h * w, x.data_ptr(), 1.0 / scale, zero_point, qmin, qmax,
+                                 y.data_ptr())
+    return y
 
 
 def conv_kernels(name: str) -> tuple:

@@ -71,3 +71,22 @@ def test_tensor_overloads_match_the_reference(params):
     assert_equal_but_at_ties(fast_qdq.quantize_per_tensor_tensor(x, scale_t, zp_t, *rest), q_ref, x, scale)
     assert torch.equal(fast_qdq.dequantize_per_tensor_tensor(q_ref, scale_t, zp_t, *rest),
                        qd.dequantize_per_tensor.tensor(q_ref, scale_t, zp_t, *rest))
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=str)
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_quantize_for_a_conv_is_channels_last_and_the_reference_bit_for_bit(params, layout):
+    """A conv's input quantize: qbackend's kernel for uint8 NCHW float32 inputs (9x9: a tail of
+    pixels), the vectorised quantize elsewhere (int8, a channels-last input), channels-last out.
+    The kernel multiplies by the reference's inverse scale: exact even at rounding ties."""
+    scale, zero_point, qmin, qmax, dtype = params
+    x = _inputs(torch.float32)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    actual = fast_qdq.quantize_per_tensor_channels_last(x, scale, zero_point, qmin, qmax, dtype)
+    expected = qd.quantize_per_tensor(x, scale, zero_point, qmin, qmax, dtype)
+    assert actual.is_contiguous(memory_format=torch.channels_last) and actual.dtype == dtype
+    if dtype == torch.uint8 and layout == "nchw":
+        assert torch.equal(actual, expected)
+    else:
+        assert_equal_but_at_ties(actual, expected, x, scale)

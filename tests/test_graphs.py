@@ -26,7 +26,7 @@ class TestLoweredGraphs(expecttest.TestCase):
     def test_conv_relu_then_conv(self):
         self.assertExpectedInline(lowered_graph(*conv_relu()), """\
 l_input_ = input
-quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0509, 54, 0, 127, uint8)
+quantize_per_tensor_default = fast_qdq.quantize_per_tensor_channels_last(l_input_, 0.0509, 54, 0, 127, uint8)
 qconv = native.qconv(quantize_per_tensor_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0166, 0, 0, 127, False, 'none', [3, 3], [1, 1], [1, 1], [1, 1], 54)
 qconv_pointwise_default = onednn.qconv_pointwise(qconv, 0.0166, 0, <const>, <const>, <const>, <const>, [2, 2], [0, 0], [1, 1], 1, 1, 0, float32, 'none', [], '')
 return (qconv_pointwise_default)""")
@@ -34,7 +34,7 @@ return (qconv_pointwise_default)""")
     def test_residual_block(self):
         self.assertExpectedInline(lowered_graph(*residual_block()), """\
 l_input_ = input
-quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0536, 58, 0, 127, uint8)
+quantize_per_tensor_default = fast_qdq.quantize_per_tensor_channels_last(l_input_, 0.0536, 58, 0, 127, uint8)
 qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0536, 58, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.0163, 0, uint8, 'hardtanh', [0, 2.07], '')
 dequantize_per_tensor_default_3 = fast_qdq.dequantize_per_tensor(qconv_pointwise_default, 0.0163, 0, 0, 127, uint8)
 qconv_pointwise_default_1 = onednn.qconv_pointwise(qconv_pointwise_default, 0.0163, 0, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.00767, 0, uint8, 'hardtanh', [0, 0.974], '')
@@ -67,7 +67,7 @@ return (quantize_dequantize_per_tensor)""")
     def test_cat_on_int8(self):
         self.assertExpectedInline(lowered_graph(*seeded(two_branch_cat)), """\
 l_x_ = input
-quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.0501, 69, 0, 127, uint8)
+quantize_per_tensor_default = fast_qdq.quantize_per_tensor_channels_last(l_x_, 0.0501, 69, 0, 127, uint8)
 qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0501, 69, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.0206, 0, uint8, 'hardtanh', [0, 2.62], '')
 qconv_pointwise_default_1 = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0501, 69, <const>, <const>, <const>, <const>, [1, 1], [0, 0], [1, 1], 1, 0.0206, 0, uint8, 'hardtanh', [0, 2.62], '')
 cat_default = aten.cat([qconv_pointwise_default, qconv_pointwise_default_1], 1)
@@ -77,7 +77,7 @@ return (qconv_pointwise_default_2)""")
     def test_views_on_int8_and_quantize_moved_above_views(self):
         self.assertExpectedInline(lowered_graph(*seeded(conv_flatten_linear)), """\
 l_x_ = input
-quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.0567, 61, 0, 127, uint8)
+quantize_per_tensor_default = fast_qdq.quantize_per_tensor_channels_last(l_x_, 0.0567, 61, 0, 127, uint8)
 qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0567, 61, <const>, <const>, <const>, <const>, [2, 2], [0, 0], [1, 1], 1, 0.012, 0, uint8, 'hardtanh', [0, 1.53], '')
 flatten_using_ints = aten.flatten.using_ints(qconv_pointwise_default, 1)
 qlinear_pointwise_default = onednn.qlinear_pointwise(flatten_using_ints, 0.012, 0, <const>, <const>, <const>, <const>, 0.00928, 69, uint8, 'hardtanh', [-0.64, 0.538], '')
