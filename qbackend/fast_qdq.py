@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from . import native
 from .ops import resolve
 
 QUANTIZED_DTYPE = {torch.uint8: torch.quint8, torch.int8: torch.qint8}
@@ -89,8 +90,6 @@ def quantize_per_tensor_channels_last(x, scale: float, zero_point: int, qmin: in
     out in one pass (qbackend's kernel: the reference's arithmetic, bit-exact); otherwise a CPU
     input is made channels-last first."""
     if dtype == torch.uint8 and type(x) is torch.Tensor:
-        from . import native  # (loads the kernels only when a graph runs this)
-
         y = native.quantize_channels_last(x, scale, zero_point, qmin, qmax)
         if y is not None:
             return y

@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -236,40 +237,42 @@ def conv_output_size(size: int, stride: int, padding: int, kernel: int = 3, dila
 
 class Prepared(NamedTuple):
     """One call site's kernel arguments for one input shape (a ctypes struct passed by
-    pointer), with what the call needs besides, and the constants the struct points to."""
+    pointer), with what the call needs besides, and the other constants the struct points to."""
 
     struct: ctypes.Structure
     shape: tuple  # of the output
     dtype: torch.dtype  # of the output
     function: ctypes._CFuncPtr
     constants: tuple  # held here so that their memory, and their ids in the key, stay theirs
-    address: int = 0  # of ``struct``
-
-    @classmethod
-    def make(cls, *fields) -> "Prepared":
-        prepared = cls(*fields)
-        return prepared._replace(address=ctypes.addressof(prepared.struct))
+    address: int  # of ``struct``
 
 
-_PREPARED: dict = {}  # _call_key -> Prepared
-MAX_PREPARED = 4096  # (a process lowering ever new shapes starts afresh past this)
+def _prepare(struct: ctypes.Structure, shape: tuple, dtype: torch.dtype, function, constants: tuple) -> Prepared:
+    return Prepared(struct, shape, dtype, function, constants, ctypes.addressof(struct))
 
 
-def _call_key(x, *args):
-    """What a prepared call depends on: the input's shape and kind, the GEMM build, and every
-    other argument (the constants by identity: the Prepared entry holds them)."""
-    return (x.shape, x.dtype, x.device, gemm_variant(),
-            *(id(a) if isinstance(a, torch.Tensor) else tuple(a) if isinstance(a, list) else a for a in args))
+# id(packed weight) -> {key: Prepared}. An entry goes when its weight does (a finalizer: the
+# weight's id cannot be reused before), so a dropped model's calls and constants go with it.
+# (Not an attribute of the weight: its ctypes structs would make the tensor uncopyable.)
+_PREPARED: dict = {}
 
 
-def _prepared(key, trusted: bool, prepare) -> Prepared:
-    """The cached call for ``key`` when ``trusted`` (the lowering's own constants), else
-    ``prepare()`` checks every argument and the result is cached."""
-    prepared = _PREPARED.get(key) if trusted else None
+def _prepared(weight: torch.Tensor, trusted: bool, x: torch.Tensor, args: tuple, prepare) -> Prepared:
+    """The call for input ``x`` and the other ``args``. ``trusted`` (the lowering's own
+    constants): cached per packed ``weight``, keyed by the input's shape and kind, the GEMM
+    build and the other arguments (tensors by identity: the entry holds them). Else
+    ``prepare()`` checks every argument, every call."""
+    if not trusted:
+        return prepare()
+    cache = _PREPARED.get(id(weight))
+    if cache is None:
+        cache = _PREPARED[id(weight)] = {}
+        weakref.finalize(weight, _PREPARED.pop, id(weight), None)
+    key = (x.shape, x.dtype, x.device, gemm_variant(),
+           *(id(a) if isinstance(a, torch.Tensor) else tuple(a) if isinstance(a, list) else a for a in args))
+    prepared = cache.get(key)
     if prepared is None:
-        if len(_PREPARED) >= MAX_PREPARED:
-            _PREPARED.clear()
-        prepared = _PREPARED[key] = prepare()
+        prepared = cache[key] = prepare()
     return prepared
 
 
@@ -293,13 +296,13 @@ def _prepare_dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding,
     oh, ow = conv_output_size(h, stride[0], padding[0]), conv_output_size(w, stride[1], padding[1])
     call = _DepthwiseCall(n, h, w, c, *stride, *padding, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
                           add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
-    return Prepared.make(call, (n, c, oh, ow), torch.uint8, lib.qb_dwconv3x3_call, (weight, mult, add))
+    return _prepare(call, (n, c, oh, ow), torch.uint8, lib.qb_dwconv3x3_call, (mult, add))
 
 
 def _dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax,
                *, trusted=False):
-    args = (x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax)
-    prepared = _prepared(_call_key(x, *args), trusted, lambda: _prepare_dwconv3x3(lib, x, *args))
+    args = (x_zero_point, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax)
+    prepared = _prepared(weight, trusted, x, args, lambda: _prepare_dwconv3x3(lib, x, x_zero_point, weight, *args[1:]))
     x = x.contiguous(memory_format=torch.channels_last)
     y = torch.empty(prepared.shape, dtype=prepared.dtype, memory_format=torch.channels_last)
     prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), y.data_ptr())
@@ -338,18 +341,17 @@ def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high
                      weight.data_ptr(), mult.data_ptr(), add.data_ptr(), residual is not None and residual.dtype == torch.float32,
                      residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
     gemm = _vnni_gemm()[0] if gemm_variant() == "avx512_vnni" else lib.qb_conv_call
-    return Prepared.make(call, (n, cout, oh, ow), torch.float32 if float_out else torch.uint8, gemm, (weight, mult, add))
+    return _prepare(call, (n, cout, oh, ow), torch.float32 if float_out else torch.uint8, gemm, (mult, add))
 
 
 def _conv(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax,
           float_out=False, activation="none", kernel_size=(1, 1), stride=(1, 1), padding=(0, 0), dilation=(1, 1),
           x_zero_point=0, *, trusted=False):
-    """``trusted``: the constants are the lowering's own, so a prepared call of this key is
-    taken unchecked; the registered op (any caller) checks every call."""
-    args = (weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax, float_out,
-            activation, kernel_size, stride, padding, dilation, x_zero_point)
-    key = _call_key(x, *args[:3], None if residual is None else residual.dtype, *args[4:])  # (a residual: its dtype)
-    prepared = _prepared(key, trusted, lambda: _prepare_conv(lib, x, *args))
+    """``trusted``: the constants are the lowering's own, so a prepared call is taken unchecked;
+    the registered op (any caller) checks every call."""
+    args = (mult, add, None if residual is None else residual.dtype, residual_scale, low, high, out_scale, out_zero_point,
+            qmin, qmax, float_out, activation, kernel_size, stride, padding, dilation, x_zero_point)  # (a residual: its dtype)
+    prepared = _prepared(weight, trusted, x, args, lambda: _prepare_conv(lib, x, weight, mult, add, residual, *args[3:]))
     shape = prepared.shape
     x = x.contiguous(memory_format=torch.channels_last)
     y = torch.empty(shape, dtype=prepared.dtype, memory_format=torch.channels_last)

@@ -253,3 +253,19 @@ def test_block_traced_by_inductor_runs_the_kernels_as_ops():
         assert_outputs_close(compiled(x), model(x), "through Inductor")
     assert "remainder (the ops around the lowered kernels) compiled by Inductor" in reports[0].notes
     assert [d.op for d in reports[0].decisions][:3] == [GEMM_OP, DEPTHWISE_OP, GEMM_OP]
+
+
+def test_prepared_calls_go_with_their_weight():
+    """The eager graphs' calls keep one prepared argument struct per packed weight; it must not
+    keep a dropped model's constants alive (nor outlive the weight whose id it is keyed by)."""
+    import gc
+
+    w = torch.zeros(16, 8, 1, 1, dtype=torch.int8)
+    weight, (mult, add) = gemm.pack(w), (t.float() for t in scale_and_offset(w, torch.ones(16), 0.1, 0))
+    x = torch.zeros(1, 8, 2, 2, dtype=torch.uint8)
+    native.qconv(x, weight, mult, add, None, 0.0, 0.0, 6.0, 0.1, 0, 0, 255)
+    key = id(weight)
+    assert key in native._PREPARED
+    del weight
+    gc.collect()
+    assert key not in native._PREPARED

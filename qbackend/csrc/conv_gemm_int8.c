@@ -15,9 +15,10 @@
  * vpdpbusd, which adds each 4 uint8 x int8 products straight into int32: exact for any weights
  * and one instruction instead of three.
  *
- * Weights: [Cout / 8][KH * KW * Cin / 4][8 outputs][4 inputs] (16 outputs in the VNNI build), so
- * one 32-byte load feeds 8 outputs and a broadcast 4-byte load of one pixel's 4 inputs meets it. Tile: 4 pixels x 24
- * outputs (12 accumulators: 4-6% faster than 4 x 16, while 5 or 6 pixels x 16 were slower).
+ * Weights: [Cout / BLOCK][KH * KW * Cin / 4][BLOCK outputs][4 inputs], so one vector load feeds
+ * BLOCK outputs and a broadcast 4-byte load of one pixel's 4 inputs meets it. AVX2: BLOCK 8,
+ * tiles of 4 pixels x 24 outputs (12 accumulators: 4-6% faster than 4 x 16, while 5 or 6 pixels
+ * x 16 were slower); VNNI: BLOCK 16, tiles of 8 pixels x 48 outputs.
  * No im2col: each pixel's 9 input rows are pointers into x, or into a row of the zero point
  * where the window leaves the image.
  */
