@@ -40,10 +40,10 @@ class Limits:
 # AVX2 (no VNNI: oneDNN's int8 is slow too): linears 0.80-0.95x its time at 128-256 rows,
 # 1.03x at 512; 1x1 stride-2 convs 0.75x; 3x3 of inputs whose zero point is not 0 (which
 # oneDNN compensates slowly) 0.78-0.97x up to 6272 pixels, 1.07x at 25088.
-# AVX512-VNNI (oneDNN's zmm brgemm kernels; three runs, the spread is the machine's): linears
-# 0.52-0.61x at 1 row, 0.84x at 8, 1.01x at 32, 1.07x at 64, 0.95-1.2x at 128; 1x1 convs
-# 0.76-1.05x up to 784 pixels, 0.95-2.1x from 1568; 3x3 of inputs whose zero point is not 0
-# 0.27-0.34x at 49 pixels, 0.66-0.87x at 392.
+# AVX512-VNNI (ymm vpdpbusd; oneDNN's brgemm kernels; the spread is the machine's): linears
+# 0.43-0.53x at 1 row, 0.66-0.70x at 8, 0.89-0.93x at 32, 0.96-1.01x at 64, 0.96-1.23x at 128;
+# 1x1 convs 0.66-0.93x up to 784 pixels, 0.95-1.67x from 1568; 3x3 of inputs whose zero point
+# is not 0 0.32-0.33x at 49 pixels, 0.97-0.99x at 392.
 # Either way 3x3 convs of zero-point-0 inputs (after a ReLU) stay on oneDNN (1.0-1.5x its time).
 LIMITS = {"avx2": Limits(max_rows=256, max_conv_pixels=8192), "avx512_vnni": Limits(max_rows=16, max_conv_pixels=1024)}
 
@@ -141,11 +141,9 @@ def linear_refusal(ctx: EmitContext, match) -> Optional[str]:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight as [Cout/B][KH*KW*Cin/4][B][4] for the GEMM build that runs here (B =
-    native.gemm_block(): 8 for AVX2, 16 for AVX512-VNNI): one vector load feeds B outputs x 4
-    inputs. Cout is padded to a multiple of B with zero weights."""
-    block, ordered = native.gemm_block(), _in_kernel_order(weight)
-    ordered = torch.nn.functional.pad(ordered, (0, 0, 0, -ordered.shape[0] % block))
+    """The weight as [Cout/B][KH*KW*Cin/4][B][4], B = native.GEMM_BLOCK (both builds): one
+    vector load feeds B outputs x 4 inputs."""
+    block, ordered = native.GEMM_BLOCK, _in_kernel_order(weight)
     return ordered.reshape(ordered.shape[0] // block, block, -1, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)
 
 

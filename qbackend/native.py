@@ -159,12 +159,7 @@ def _vnni_gemm() -> tuple[Optional[ctypes._CFuncPtr], Optional[str]]:
     return function, None
 
 
-GEMM_BLOCKS = {"avx2": 8, "avx512_vnni": 16}  # output channels per packed weight block (conv_gemm_int8.c BLOCK)
-
-
-def gemm_block() -> int:
-    """Output channels per block of the weights the GEMM build that runs here reads."""
-    return GEMM_BLOCKS[gemm_variant()]
+GEMM_BLOCK = 8  # output channels per packed weight block, in both builds (conv_gemm_int8.c BLOCK)
 
 
 def gemm_variant() -> str:
@@ -325,10 +320,9 @@ def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high
                   qmin, qmax, float_out, activation, kernel_size, stride, padding, dilation, x_zero_point) -> Prepared:
     """Check one call site's arguments and make its _ConvCall."""
     cout, taps = mult.numel(), kernel_size[0] * kernel_size[1]
-    padded = cout + -cout % gemm_block()  # (the packing's zero rows)
-    _check_nchw_uint8(x, weight.numel() // padded // max(taps, 1), "qconv")
+    _check_nchw_uint8(x, weight.numel() // max(cout * taps, 1), "qconv")
     n, cin, h, w = x.shape
-    _check_constants("qconv", (weight, torch.int8, taps * cin * padded), (mult, torch.float32, cout), (add, torch.float32, cout))
+    _check_constants("qconv", (weight, torch.int8, taps * cin * cout), (mult, torch.float32, cout), (add, torch.float32, cout))
     if cin % 4 or cout % 8 or not 1 <= taps <= MAX_TAPS:
         raise ValueError(f"qbackend::qconv takes in_channels % 4 == 0, out_channels % 8 == 0 and up to {MAX_TAPS} kernel "
                          f"positions, got {cin} -> {cout}, kernel {list(kernel_size)}")

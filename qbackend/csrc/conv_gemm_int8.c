@@ -13,12 +13,14 @@
  *
  * On CPUs with AVX512-VNNI, conv_gemm_int8_vnni.c builds this file again as qb_conv_call_vnni with
  * vpdpbusd, which adds each 4 uint8 x int8 products straight into int32: exact for any weights
- * and one instruction instead of three.
+ * and one instruction instead of three. On 256-bit vectors: on the AMD EPYC this was measured
+ * on, ymm vpdpbusd ran 3x as many instructions per ns as zmm (the same products 1.6x faster),
+ * and this kernel on ymm took 0.65-1.0x its zmm build's time on every benchmarked layer.
  *
- * Weights: [Cout / BLOCK][KH * KW * Cin / 4][BLOCK outputs][4 inputs], so one vector load feeds
- * BLOCK outputs and a broadcast 4-byte load of one pixel's 4 inputs meets it. AVX2: BLOCK 8,
- * tiles of 4 pixels x 24 outputs (12 accumulators: 4-6% faster than 4 x 16, while 5 or 6 pixels
- * x 16 were slower); VNNI: BLOCK 16, tiles of 8 pixels x 48 outputs.
+ * Weights: [Cout / 8][KH * KW * Cin / 4][8 outputs][4 inputs] (BLOCK 8), so one vector load
+ * feeds 8 outputs and a broadcast 4-byte load of one pixel's 4 inputs meets it. Tiles: AVX2, 4
+ * pixels x 24 outputs (12 accumulators: 4-6% faster than 4 x 16, while 5 or 6 pixels x 16 were
+ * slower); VNNI, whose AVX512VL has 32 ymm registers, 8 pixels x 24 outputs.
  * No im2col: each pixel's 9 input rows are pointers into x, or into a row of the zero point
  * where the window leaves the image.
  */
@@ -33,23 +35,18 @@
 #define ROW_BLOCK_BYTES (128 * 1024)
 
 /* A block: BLOCK output channels x 4 input channels of packed weights, one vector of int32 sums. */
-#ifdef QB_VNNI
-#define QB_CONV_CALL qb_conv_call_vnni
-#define BLOCK 16
-#define PIXEL_TILE 8 /* 8 x 3 accumulators of AVX512's 32 registers */
-typedef __m512i block_t;
-static inline block_t block_zero(void) { return _mm512_setzero_si512(); }
-static inline block_t block_load(const int8_t* w) { return _mm512_loadu_si512(w); }
-static inline block_t block_broadcast(int32_t four) { return _mm512_set1_epi32(four); }
-static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) { return _mm512_dpbusd_epi32(acc, x, w); }
-#else
-#define QB_CONV_CALL qb_conv_call
 #define BLOCK 8
-#define PIXEL_TILE 4
 typedef __m256i block_t;
 static inline block_t block_zero(void) { return _mm256_setzero_si256(); }
 static inline block_t block_load(const int8_t* w) { return _mm256_loadu_si256((const __m256i*)w); }
 static inline block_t block_broadcast(int32_t four) { return _mm256_set1_epi32(four); }
+#ifdef QB_VNNI
+#define QB_CONV_CALL qb_conv_call_vnni
+#define PIXEL_TILE 8 /* 8 x 3 accumulators of AVX512VL's 32 ymm registers */
+static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) { return _mm256_dpbusd_epi32(acc, x, w); }
+#else
+#define QB_CONV_CALL qb_conv_call
+#define PIXEL_TILE 4
 static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), _mm256_set1_epi16(1)));
 }
@@ -152,45 +149,6 @@ static inline void store8(const epilogue_t e, __m256i acc, int o, int Cout, size
   _mm_storel_epi64((__m128i*)(y + pixel * Cout + o), q8);
 }
 
-#ifdef QB_VNNI
-/* store8 on 16 channels, for a clamp-only epilogue: the same arithmetic in zmm registers
- * (the clamp to [qmin, qmax] in int32 equals store8's saturating packs, as 0 <= qmin <= qmax <= 255). */
-static inline void store16(const epilogue_t e, __m512i acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
-  __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(e.mult + o), _mm512_loadu_ps(e.add + o));
-  if (e.residual) {
-    const __m512i r = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(e.residual + pixel * Cout + o)));
-    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), _mm512_broadcast_f32x8(e.residual_scale), f);
-  } else if (e.residual_f) {
-    f = _mm512_fmadd_ps(_mm512_loadu_ps(e.residual_f + pixel * Cout + o), _mm512_broadcast_f32x8(e.residual_scale), f);
-  }
-  f = _mm512_min_ps(_mm512_max_ps(f, _mm512_broadcast_f32x8(e.low)), _mm512_broadcast_f32x8(e.high));
-  if (e.float_out) {
-    _mm512_storeu_ps(e.float_out + pixel * Cout + o, f);
-    return;
-  }
-  f = _mm512_fmadd_ps(f, _mm512_broadcast_f32x8(e.out_inv_scale), _mm512_broadcast_f32x8(e.out_zp));
-  __m512i q = _mm512_cvtps_epi32(f); /* round half to even */
-  q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_cvtepu8_epi32(e.qmin)), _mm512_cvtepu8_epi32(e.qmax));
-  _mm_storeu_si128((__m128i*)(y + pixel * Cout + o), _mm512_cvtepi32_epi8(q));
-}
-#endif
-
-/* One block's sums for one pixel. The VNNI build's blocks are 16 channels: store16 when all
- * are real channels and no GELU runs (its code is 8-wide), else two 8-channel halves, skipping
- * the channels past Cout that the packing pads with zero weights. */
-static inline void store_block(const epilogue_t e, block_t acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
-#ifdef QB_VNNI
-  if (o + 16 <= Cout && e.activation == CLAMP_ONLY) {
-    store16(e, acc, o, Cout, pixel, y);
-    return;
-  }
-  store8(e, _mm512_castsi512_si256(acc), o, Cout, pixel, y);
-  if (o + 8 < Cout) store8(e, _mm512_extracti64x4_epi64(acc, 1), o + 8, Cout, pixel, y);
-#else
-  store8(e, acc, o, Cout, pixel, y);
-#endif
-}
-
 /* ``pixels`` (1 to PIXEL_TILE) output pixels times ``blocks`` (1-3) blocks of BLOCK outputs
  * from ``o``; the sum runs over ``taps`` kernel positions, pixel i's input for tap t at rows[i][t]. */
 static inline __attribute__((always_inline)) void tile(int pixels, int blocks, int taps, int Cin, int Cout, size_t p, int o,
@@ -216,7 +174,7 @@ static inline __attribute__((always_inline)) void tile(int pixels, int blocks, i
   }
   const epilogue_t e = *shared; /* copied once the sums are done: no registers taken from the loop above */
   for (int i = 0; i < pixels; i++)
-    for (int b = 0; b < blocks; b++) store_block(e, acc[i][b], o + BLOCK * b, Cout, p + i, y);
+    for (int b = 0; b < blocks; b++) store8(e, acc[i][b], o + BLOCK * b, Cout, p + i, y);
 }
 
 /* tile() with constant sizes, so that its loops unroll and its sums stay in registers */
