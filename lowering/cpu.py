@@ -9,9 +9,9 @@ from qbackend.patterns.base import fake_value
 
 from .capabilities import (INT16_MAX, conv_binary_post_op_refusal, conv_post_op_refusal, int8_pairs_saturate,
                            linear_binary_post_op_refusal, linear_post_op_refusal, quantized_tensor_pool_refusal)
-from . import depthwise, gemm
+from . import attention, depthwise, gemm
 from .base import Lowering
-from .common import COMMON, NO_POST_OP, emit_qconv, emit_qconv_add, emit_qlinear, emit_qlinear_add, output_args
+from .common import COMMON, NO_POST_OP, emit_sdpa, emit_qconv, emit_qconv_add, emit_qlinear, emit_qlinear_add, output_args
 from .signed_int8 import signed_activations_as_unsigned
 from .weight_only import emit_weight_only, limits_for
 
@@ -72,9 +72,9 @@ KERNEL_ROWS = ("qconv", "qconv_add", "qlinear", "qlinear_add", "qlinear_dynamic"
 TABLE = {**COMMON, **{name: dataclasses.replace(COMMON[name], limits=_limits) for name in KERNEL_ROWS}}
 
 
-def _own_kernel_or(onednn_emit, *kernels):
+def _own_kernel_or(onednn_emit, *kernels, fallback="oneDNN"):
     """An emitter that runs the first of qbackend's own kernels (own_conv.OwnKernel) that
-    takes the match, else oneDNN, saying in the report why each that applies did not."""
+    takes the match, else ``fallback`` (oneDNN), saying in the report why each that applies did not."""
     def emit(ctx, match):
         for kernel in kernels:
             if not kernel.applies(match):
@@ -82,7 +82,7 @@ def _own_kernel_or(onednn_emit, *kernels):
             reason = kernel.refusal(ctx, match)
             if reason is None:
                 return kernel.emit(ctx, match)
-            ctx.notes.append(f"oneDNN, not qbackend's {kernel.name} kernel: {reason}")
+            ctx.notes.append(f"{fallback}, not qbackend's {kernel.name} kernel: {reason}")
         return onednn_emit(ctx, match)
     return emit
 
@@ -91,6 +91,8 @@ TABLE["qconv"] = dataclasses.replace(TABLE["qconv"], emit=_own_kernel_or(emit_qc
 TABLE["qconv_add"] = dataclasses.replace(TABLE["qconv_add"], emit=_own_kernel_or(emit_qconv_add, gemm.CONV_KERNEL))
 TABLE["qlinear"] = dataclasses.replace(TABLE["qlinear"], emit=_own_kernel_or(emit_qlinear, gemm.LINEAR_KERNEL))
 TABLE["qlinear_add"] = dataclasses.replace(TABLE["qlinear_add"], emit=_own_kernel_or(emit_qlinear_add, gemm.LINEAR_KERNEL))
+TABLE["sdpa"] = dataclasses.replace(TABLE["sdpa"], emit=_own_kernel_or(emit_sdpa, attention.KERNEL,
+                                                                      fallback="torch's fused attention"))
 TABLE["qavgpool"] = dataclasses.replace(COMMON["qavgpool"], limits=lambda match: _uint8_activations(match) or quantized_tensor_pool_refusal("cpu"))
 TABLE["int4_weight_linear"] = Lowering(emit_weight_only, ("int4_pack", "int4_mm"), limits_for("cpu"))
 TABLE["int8_weight_linear"] = Lowering(emit_weight_only, ("int8_weight_only_mm",), limits_for("cpu"))

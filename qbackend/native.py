@@ -53,6 +53,7 @@ OPS = {
              "float low, float high, float out_scale, int out_zero_point, int qmin, int qmax, bool float_out=False, "
              "str activation='none', int[2] kernel_size=[1, 1], int[2] stride=[1, 1], int[2] padding=[0, 0], "
              "int[2] dilation=[1, 1], int x_zero_point=0) -> Tensor",
+    "attention_f32": "attention_f32(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor",
 }
 # qconv's unary post-ops besides its clamp (conv_gemm_int8.c ``enum activation``)
 ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2}
@@ -83,8 +84,8 @@ def _build(name: str = "qbackend_kernels", sources: tuple = SOURCES, flags: tupl
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found (cc / gcc, or $CC)")
-    # every C file is hashed: the VNNI library includes the AVX2 one's source
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in sorted(CSRC.glob("*.c"))) + " ".join((compiler,) + flags).encode())
+    # every C file and header is hashed: the VNNI library includes the AVX2 one's source
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in sorted(CSRC.glob("*.[ch]"))) + " ".join((compiler,) + flags).encode())
     target = _writable(cache_dir()) / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -114,9 +115,11 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_int4_mm.argtypes = [i32] * 5 + [pointer] * 8
     lib.qb_int8_mm.argtypes = [i32] * 4 + [pointer] * 7
     lib.qb_dwconv3x3_call.argtypes = [i32] + [pointer] * 3
+    lib.qb_attention_f32.argtypes = [i32] + [pointer] * 6
     lib.qb_quantize_nchw_to_nhwc.argtypes = [i32] * 4 + [pointer, f32] + [i32] * 3 + [pointer]
     _declare_gemm(lib.qb_conv_call)
     lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3_call.restype = lib.qb_quantize_nchw_to_nhwc.restype = None
+    lib.qb_attention_f32.restype = None
     lib.qb_has_avx512_vnni.restype = i32
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
     for name, schema in OPS.items():
@@ -366,12 +369,69 @@ def _conv_fake(x, weight, mult, add, residual, residual_scale, low, high, out_sc
     return _channels_last_like(x, (n, mult.numel(), oh, ow), torch.float32 if float_out else torch.uint8)
 
 
-_IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_dw3x3": _dwconv3x3, "qconv": _conv}
+ATTENTION_HEAD_DIM_STEP = 16  # attention_f32.c: head dims in 16-column vector pairs
+
+
+class _AttentionCall(ctypes.Structure):
+    """attention_f32.c ``attention_call_t``."""
+
+    _fields_ = ([(name, ctypes.c_int) for name in ("B", "H", "L", "S", "D")]
+                + [(name, ctypes.c_long * 3) for name in ("q_stride", "k_stride", "v_stride")]
+                + [("mask_stride", ctypes.c_long * 4), ("scale", ctypes.c_float)])
+
+
+def attention_refusal(q, k, v, mask) -> Optional[str]:
+    """Why attention_f32 cannot take these (tensors or fake values), None if it can."""
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 4 for t in (q, k, v)):
+        return "the kernel takes float32 CPU [batch, heads, length, head dim] queries, keys and values"
+    (b, h, length, d), (s, dv) = q.shape, v.shape[2:]
+    if tuple(k.shape) != (b, h, s, d) or tuple(v.shape[:2]) != (b, h) or dv != d:
+        return f"queries {tuple(q.shape)}, keys {tuple(k.shape)} and values {tuple(v.shape)} differ in batch, heads or head dim"
+    if d % ATTENTION_HEAD_DIM_STEP or length == 0 or s == 0:
+        return f"head dim {d}: the kernel takes a multiple of {ATTENTION_HEAD_DIM_STEP}"
+    if mask is not None:
+        if mask.dtype != torch.float32 or mask.device.type != "cpu" or mask.dim() > 4:
+            return f"the mask is {mask.dtype} of rank {mask.dim()}, not an additive float32 one"
+        try:
+            torch.broadcast_shapes(mask.shape, (b, h, length, s))
+        except RuntimeError:
+            return f"the mask {tuple(mask.shape)} does not broadcast to the scores {(b, h, length, s)}"
+        if torch.broadcast_shapes(mask.shape, (b, h, length, s)) != (b, h, length, s):
+            return f"the mask {tuple(mask.shape)} is larger than the scores {(b, h, length, s)}"
+    return None
+
+
+def _attention(lib, q, k, v, mask, scale):
+    reason = attention_refusal(q, k, v, mask)
+    if reason is not None:
+        raise ValueError(f"qbackend::attention_f32: {reason}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    (b, h, length, d), s = q.shape, k.shape[2]
+    mask_stride = (0, 0, 0, 0)
+    if mask is not None:
+        mask = mask.expand(b, h, length, s)
+        mask_stride = mask.stride()
+    call = _AttentionCall(b, h, length, s, d, (ctypes.c_long * 3)(*q.stride()[:3]), (ctypes.c_long * 3)(*k.stride()[:3]),
+                          (ctypes.c_long * 3)(*v.stride()[:3]), (ctypes.c_long * 4)(*mask_stride), scale)
+    out = torch.empty(b, length, h, d)
+    lib.qb_attention_f32(torch.get_num_threads(), ctypes.byref(call), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                         None if mask is None else mask.data_ptr(), out.data_ptr())
+    return out.transpose(1, 2)
+
+
+def _attention_fake(q, k, v, mask, scale):
+    b, h, length, d = q.shape
+    return q.new_empty(b, length, h, d).transpose(1, 2)
+
+
+_IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_dw3x3": _dwconv3x3, "qconv": _conv,
+          "attention_f32": _attention}
 FAKES = {
     "int4_mm_int16": lambda x, weight, scale, offset, group_size: x.new_empty(x.shape[0], weight.shape[0]),
     "int8_mm_int16": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
     "qconv_dw3x3": _dwconv3x3_fake,
     "qconv": _conv_fake,
+    "attention_f32": _attention_fake,
 }
 
 
@@ -401,16 +461,21 @@ def quantize_channels_last(x: torch.Tensor, scale: float, zero_point: int, qmin:
     return y
 
 
+def attention_f32(q, k, v, mask, scale):
+    """``qbackend::attention_f32`` without the dispatcher round trip."""
+    return _attention(_load()[0], q, k, v, mask, scale)
+
+
 def conv_kernels(name: str) -> tuple:
-    """Both forms a graph may call an own conv kernel in (``conv_kernel``)."""
+    """Both forms a graph may call an own kernel in (``conv_kernel``)."""
     return conv_kernel(name, traced=True), conv_kernel(name, traced=False)
 
 
 def conv_kernel(name: str, traced: bool):
-    """What a graph calls for an own conv kernel: the op if the graph will be traced (fake
-    tensors need its fake kernel), else the plain function. Loads the kernels first."""
+    """What a graph calls for an own kernel: the op if the graph will be traced (fake tensors
+    need its fake kernel), else the plain function. Loads the kernels first."""
     registered = op(name)
-    return registered if traced else {"qconv_dw3x3": qconv_dw3x3, "qconv": qconv}[name]
+    return registered if traced else {"qconv_dw3x3": qconv_dw3x3, "qconv": qconv, "attention_f32": attention_f32}[name]
 
 
 def refusal(bits: int, in_features: int, group_size: int) -> Optional[str]:

@@ -1,23 +1,29 @@
 """Float attention between the quantized projections runs as fused scaled-dot-product
-attention: with a scale by division or multiplication, an additive mask, or neither."""
+attention: with a scale by division or multiplication, an additive mask, or neither. On CPU
+qbackend's own kernel (csrc/attention_f32.c) takes head dims that are multiples of 16; torch's
+fused attention the rest, with the reason in the report."""
 import expecttest
 import pytest
 import torch
 import torch.nn as nn
 
+from qbackend import native
+
 from .helpers import assert_matches_reference, compile_and_run, quantize, short_graph
+from .tolerances import TOLERANCE
 
 
 class MaskedAttention(nn.Module):
-    def __init__(self, scale_by="div", dim=-1):
+    def __init__(self, scale_by="div", dim=-1, heads=4):
         super().__init__()
         self.qkv, self.out = nn.Linear(32, 96), nn.Linear(32, 32)
-        self.scale_by, self.dim = scale_by, dim
+        self.scale_by, self.dim, self.heads = scale_by, dim, heads
 
     def forward(self, x, mask):
-        q, k, v = (t.view(2, 8, 4, 8).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        head_dim = 32 // self.heads
+        q, k, v = (t.view(2, 8, self.heads, head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
         scores = torch.matmul(q, k.transpose(-2, -1))
-        scores = scores / 8 ** 0.5 if self.scale_by == "div" else scores * 0.125
+        scores = scores / head_dim ** 0.5 if self.scale_by == "div" else scores * head_dim ** -0.5
         probs = torch.softmax(scores + mask, dim=self.dim)
         return self.out(torch.matmul(probs, v).transpose(1, 2).reshape(2, 8, 32))
 
@@ -29,12 +35,65 @@ def inputs():
     return torch.randn(2, 8, 32), mask
 
 
+@pytest.mark.parametrize("heads", [4, 2])  # head dim 8: torch's fused attention; 16: qbackend's kernel
 @pytest.mark.parametrize("scale_by", ["div", "mul"])
-def test_masked_attention_is_fused_with_reference_numerics(scale_by):
-    captured = assert_matches_reference(quantize(MaskedAttention(scale_by), inputs()), inputs())
+def test_masked_attention_is_fused_with_reference_numerics(scale_by, heads):
+    captured = assert_matches_reference(quantize(MaskedAttention(scale_by, heads=heads), inputs()), inputs())
     fused = [d for d in captured.report.decisions if d.kind == "attention"]
     assert [d.rule for d in fused] == ["sdpa"], str(captured.report)
     assert not captured.report.kept
+    own = "qbackend::attention_f32.default" if heads == 2 else "aten::scaled_dot_product_attention"
+    assert fused[0].op == own, str(captured.report)
+
+
+def test_head_dim_the_kernel_does_not_take_says_why():
+    captured = assert_matches_reference(quantize(MaskedAttention(heads=4), inputs()), inputs())
+    [decision] = [d for d in captured.report.decisions if d.kind == "attention"]
+    assert ("torch's fused attention, not qbackend's attention kernel: head dim 8: the kernel takes a multiple of 16"
+            in decision.reason), str(captured.report)
+
+
+def _heads(batch, heads, length, dim, seed):
+    """q, k or v as a projection's output split into heads: a strided view, as in a model."""
+    torch.manual_seed(seed)
+    return torch.randn(batch, length, heads * dim).mul(3).view(batch, length, heads, dim).transpose(1, 2)
+
+
+# (batch, heads, queries, keys, head dim, mask shape): lengths off every tile size (6 query
+# rows, 64-row blocks, 16 keys); masks broadcast over each dim
+KERNEL_CASES = [(1, 12, 128, 128, 64, None), (2, 3, 37, 45, 32, (2, 1, 1, 45)), (1, 2, 70, 5, 16, (1, 2, 70, 5)),
+                (3, 1, 1, 200, 48, (1, 1, 1, 200)), (2, 2, 9, 17, 16, (9, 1)), (1, 1, 130, 33, 128, (1, 1, 130, 1))]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+def test_attention_kernel_matches_torch(case):
+    batch, heads, length, keys, dim, mask_shape = case
+    q, k, v = _heads(batch, heads, length, dim, 0), _heads(batch, heads, keys, dim, 1), _heads(batch, heads, keys, dim, 2)
+    mask = None if mask_shape is None else torch.randn(mask_shape) * 4
+    if mask is not None and mask.shape[-1] > 1:
+        mask[..., :1] = -float("inf")  # a masked-out key: weight exactly 0
+    for scale in (dim ** -0.5, 0.3):
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        for kernel in native.conv_kernels("attention_f32"):  # the registered op and the plain function
+            actual = kernel(q, k, v, mask, scale)
+            torch.testing.assert_close(actual, expected, **TOLERANCE["attention_f32"])
+            # [B, L, H, D] memory: the head merge after attention is a view
+            assert actual.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(q=torch.randn(1, 2, 4, 8), k=torch.randn(1, 2, 6, 8), v=torch.randn(1, 2, 6, 8)),
+     "head dim 8: the kernel takes a multiple of 16"),
+    (dict(k=torch.randn(1, 2, 5, 32)), "differ in batch, heads or head dim"),
+    (dict(mask=torch.randn(3, 2, 4, 6)), "is larger than the scores"),
+    (dict(mask=torch.zeros(1, 1, 4, 6, dtype=torch.bool)), "not an additive float32 one"),
+    (dict(v=torch.randn(1, 2, 6, 16, dtype=torch.float64)), "float32 CPU"),
+])
+def test_attention_kernel_rejects_what_it_cannot_compute(bad, message):
+    args = dict(q=torch.randn(1, 2, 4, 16), k=torch.randn(1, 2, 6, 16), v=torch.randn(1, 2, 6, 16), mask=None)
+    args.update(bad)
+    with pytest.raises(ValueError, match=message):
+        native.op("attention_f32")(args["q"], args["k"], args["v"], args["mask"], 0.25)
 
 
 def test_softmax_over_another_dim_is_not_attention():
@@ -45,11 +104,21 @@ def test_softmax_over_another_dim_is_not_attention():
 
 
 class TestAttentionGraph(expecttest.TestCase):
-    def test_fused_attention_graph(self):
+    def test_fused_attention_graph(self):  # head dim 8: torch's fused attention
         _, _, captured = compile_and_run(quantize(MaskedAttention(), inputs()), inputs())
         graph = short_graph(captured.lowered)
         sdpa = [line for line in graph.splitlines() if "scaled_dot_product" in line]
         self.assertExpectedInline("\n".join(sdpa), """\
 scaled_dot_product_attention_default = aten.scaled_dot_product_attention(transpose, transpose_1, transpose_2, attn_mask=l_mask_, scale=0.354)
 quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(scaled_dot_product_attention_default, 0.0131, 53, 0, 127, uint8)""")
+        assert "softmax" not in graph and "matmul" not in graph
+
+    def test_own_attention_kernel_graph(self):  # head dim 16: qbackend's kernel
+        torch.manual_seed(0)
+        _, _, captured = compile_and_run(quantize(MaskedAttention(heads=2), inputs()), inputs())
+        graph = short_graph(captured.lowered)
+        attention = [line for line in graph.splitlines() if "attention" in line]
+        self.assertExpectedInline("\n".join(attention), """\
+attention_f32 = native.attention_f32(transpose, transpose_1, transpose_2, l_mask_, 0.25)
+quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(attention_f32, 0.0131, 65, 0, 127, uint8)""")
         assert "softmax" not in graph and "matmul" not in graph

@@ -14,6 +14,9 @@ TOLERANCE = {
     # qbackend's int16 kernels on fp32 models: activations keep 15 bits per group (measured
     # <= 3e-5). bf16 models are bound by their own bf16 intermediates: the row above.
     "weight_only_int16": {"min_cosine": 0.999999, "max_relative_error": {torch.float32: 1e-4}},
+    # qbackend's float32 attention kernel vs torch's: the same float32 sums in another order
+    # (and its e^x within 2e-7); measured <= 2.2e-5 absolute on scores of std ~9
+    "attention_f32": {"rtol": 1e-4, "atol": 1e-4},
 }
 
 

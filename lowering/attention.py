@@ -1,0 +1,38 @@
+"""Float attention on CPU (the SDPA rule's match): qbackend's own kernel
+(qbackend/csrc/attention_f32.c) where it takes the operands, else torch's fused
+scaled-dot-product attention.
+
+torch 2.13's CPU flash attention ran BERT-base's 128 x 128 heads (head dim 64) at ~25% of this
+CPU's float32 FMA rate; the kernel here took 0.7-0.8x its time at batch 1 and 8
+(benchmarks/bench_int8.py measures the encoder end to end).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from qbackend import native
+from qbackend.patterns.base import fake_value
+
+from . import own_conv
+from .base import EmitContext
+
+
+def refusal(ctx: EmitContext, match) -> Optional[str]:
+    """Why the kernel cannot run this attention (None if it can)."""
+    reason = native.available()
+    if reason is not None:
+        return reason
+    q, k, v, mask, _ = match.op_args
+    values = [fake_value(n) for n in (q, k, v)] + [None if mask is None else fake_value(mask)]
+    if any(value is None for value in values[:3]) or (mask is not None and values[3] is None):
+        return "the operands have no example values (shapes unknown)"
+    return native.attention_refusal(*values)
+
+
+def emit(ctx: EmitContext, match):
+    ctx.kernel = f"{native.NAMESPACE}::attention_f32.default"
+    ctx.notes.append("qbackend's float32 attention kernel")
+    return own_conv.call_kernel(ctx, "attention_f32", match.op_args)
+
+
+KERNEL = own_conv.OwnKernel("attention", lambda match: True, refusal, emit)

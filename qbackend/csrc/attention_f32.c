@@ -1,0 +1,150 @@
+/* Float32 scaled-dot-product attention, softmax(q k^T * scale + mask) v, for each batch and
+ * head: torch 2.13's CPU flash attention ran BERT-base's heads (128 x 128, head dim 64) at
+ * ~25% of this CPU's float32 FMA rate; a head's keys and one block of query rows fit in L1/L2.
+ *
+ * Per (batch, head): the keys are packed transposed, [S / 16][D][16] (zero columns past S),
+ * so scores for 6 query rows x 16 keys are 12 vector FMAs per head-dim step (a broadcast query
+ * element, two key vectors). Each query row's scores then go through the softmax in place
+ * (max, e^(s - max), their sum), and the output rows are sum_j p[j] v[j] / sum, 6 rows x 16
+ * head-dim columns at a time. Written as [B][L][H][D]: the layout the head merge after
+ * attention (transpose(1, 2).reshape) reads as a view. D % 16 == 0. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec_math.h"
+
+#define KEYS 16        /* key columns per score tile */
+#define ROWS 6         /* query rows per tile: 12 accumulators, 2 loads and a broadcast of 16 registers */
+#define QUERY_BLOCK 64 /* query rows whose scores one thread holds at a time */
+
+/* What one call site fixes (qbackend/native.py _AttentionCall). Strides in elements, the last
+ * dim contiguous; a mask stride of 0 broadcasts that dim. */
+typedef struct {
+  int B, H, L, S, D;
+  long q_stride[3], k_stride[3], v_stride[3]; /* batch, head, row */
+  long mask_stride[4];                        /* batch, head, row, column */
+  float scale;
+} attention_call_t;
+
+static void pack_keys(const float* k, long row, int S, int D, int S16, float* kt) {
+  for (int j0 = 0; j0 < S16; j0 += KEYS)
+    for (int d = 0; d < D; d++)
+      for (int j = 0; j < KEYS; j++) kt[((size_t)j0 * D) + d * KEYS + j] = j0 + j < S ? k[(j0 + j) * row + d] : 0.0f;
+}
+
+/* scores[r][j0 .. j0 + 15] = scale * q[r] . k[j] for ``rows`` query rows */
+static inline __attribute__((always_inline)) void score_tile(int rows, int D, const float* q, long q_row, const float* kt,
+                                                             __m256 scale, float* scores, int S16) {
+  __m256 acc[ROWS][2];
+  for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int d = 0; d < D; d++) {
+    const __m256 k0 = _mm256_loadu_ps(kt + d * KEYS), k1 = _mm256_loadu_ps(kt + d * KEYS + 8);
+    for (int r = 0; r < rows; r++) {
+      const __m256 x = _mm256_broadcast_ss(q + r * q_row + d);
+      acc[r][0] = _mm256_fmadd_ps(x, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, k1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < rows; r++) {
+    _mm256_storeu_ps(scores + (size_t)r * S16, _mm256_mul_ps(acc[r][0], scale));
+    _mm256_storeu_ps(scores + (size_t)r * S16 + 8, _mm256_mul_ps(acc[r][1], scale));
+  }
+}
+
+/* out[r][c .. c + 15] = sum over j < S of p[r][j] v[j][c ..] * inv_sum[r] */
+static inline __attribute__((always_inline)) void output_tile(int rows, int S, const float* p, int S16, const float* v,
+                                                              long v_row, const float* inv_sum, float* out, long out_row) {
+  __m256 acc[ROWS][2];
+  for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int j = 0; j < S; j++) {
+    const __m256 v0 = _mm256_loadu_ps(v + j * v_row), v1 = _mm256_loadu_ps(v + j * v_row + 8);
+    for (int r = 0; r < rows; r++) {
+      const __m256 x = _mm256_broadcast_ss(p + (size_t)r * S16 + j);
+      acc[r][0] = _mm256_fmadd_ps(x, v0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(x, v1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < rows; r++) {
+    const __m256 inv = _mm256_set1_ps(inv_sum[r]);
+    _mm256_storeu_ps(out + r * out_row, _mm256_mul_ps(acc[r][0], inv));
+    _mm256_storeu_ps(out + r * out_row + 8, _mm256_mul_ps(acc[r][1], inv));
+  }
+}
+
+#define ROW_CASES(ROWS_LEFT, CALL)                                                                   \
+  switch (ROWS_LEFT) {                                                                               \
+    case 1: CALL(1); break;                                                                          \
+    case 2: CALL(2); break;                                                                          \
+    case 3: CALL(3); break;                                                                          \
+    case 4: CALL(4); break;                                                                          \
+    case 5: CALL(5); break;                                                                          \
+    default: CALL(ROWS);                                                                             \
+  }
+
+/* One row of scores (with its mask) -> e^(s - max) in place; returns 1 / their sum. */
+static float softmax_row(float* s, int S, int S16, const float* mask, long mask_col) {
+  if (mask)
+    for (int j = 0; j < S; j++) s[j] += mask[j * mask_col];
+  for (int j = S; j < S16; j++) s[j] = -INFINITY;
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  for (int j = 0; j < S16; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+  m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4e));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xb1));
+  __m256 sum = _mm256_setzero_ps();
+  for (int j = 0; j < S16; j += 8) {
+    const __m256 x = _mm256_loadu_ps(s + j); /* -inf (a padding column, or masked): exactly 0, where exp256 gives 1e-38 */
+    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(x, m)), _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float lanes[8], total = 0.0f;
+  _mm256_storeu_ps(lanes, sum);
+  for (int i = 0; i < 8; i++) total += lanes[i];
+  return 1.0f / total;
+}
+
+void qb_attention_f32(int threads, const attention_call_t* a, const float* q, const float* k, const float* v,
+                      const float* mask, float* out) {
+  const int S16 = (a->S + KEYS - 1) / KEYS * KEYS, blocks = (a->L + QUERY_BLOCK - 1) / QUERY_BLOCK;
+  const long out_row = (long)a->H * a->D;
+  const __m256 scale = _mm256_set1_ps(a->scale);
+#pragma omp parallel num_threads(threads)
+  {
+    float* kt = malloc(sizeof(float) * S16 * a->D);
+    float* scores = malloc(sizeof(float) * QUERY_BLOCK * S16);
+    float inv_sum[QUERY_BLOCK];
+    int packed = -1;
+#pragma omp for schedule(static) collapse(2)
+    for (int bh = 0; bh < a->B * a->H; bh++)
+      for (int block = 0; block < blocks; block++) {
+        const int b = bh / a->H, h = bh % a->H, l0 = block * QUERY_BLOCK;
+        const int n = a->L - l0 < QUERY_BLOCK ? a->L - l0 : QUERY_BLOCK;
+        const float* qb = q + b * a->q_stride[0] + h * a->q_stride[1] + l0 * a->q_stride[2];
+        const float* vb = v + b * a->v_stride[0] + h * a->v_stride[1];
+        if (packed != bh) {
+          pack_keys(k + b * a->k_stride[0] + h * a->k_stride[1], a->k_stride[2], a->S, a->D, S16, kt);
+          packed = bh;
+        }
+        for (int i = 0; i < n; i += ROWS)
+          for (int j0 = 0; j0 < S16; j0 += KEYS) {
+#define SCORES(R) score_tile(R, a->D, qb + i * a->q_stride[2], a->q_stride[2], kt + (size_t)j0 * a->D, scale, scores + (size_t)i * S16 + j0, S16)
+            ROW_CASES(n - i, SCORES)
+          }
+        for (int i = 0; i < n; i++) {
+          const float* m = mask ? mask + b * a->mask_stride[0] + h * a->mask_stride[1] + (l0 + i) * a->mask_stride[2] : NULL;
+          inv_sum[i] = softmax_row(scores + (size_t)i * S16, a->S, S16, m, a->mask_stride[3]);
+        }
+        float* ob = out + ((size_t)b * a->L + l0) * out_row + h * a->D;
+        for (int c = 0; c < a->D; c += 16) /* (a 16-column slice of v stays in L1 across the row tiles) */
+          for (int i = 0; i < n; i += ROWS) {
+#define OUTPUTS(R) output_tile(R, a->S, scores + (size_t)i * S16, S16, vb + c, a->v_stride[2], inv_sum + i, ob + i * out_row + c, out_row)
+            ROW_CASES(n - i, OUTPUTS)
+          }
+      }
+    free(kt);
+    free(scores);
+  }
+}

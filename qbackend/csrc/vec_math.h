@@ -1,0 +1,30 @@
+/* Vector math the kernels share (AVX2 + FMA, 8 floats). */
+#ifndef QB_VEC_MATH_H
+#define QB_VEC_MATH_H
+#include <immintrin.h>
+
+/* e^x for x in about [-87, 88]: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor
+ * polynomial (relative error < 2e-7 there), times 2^n built in the exponent bits. */
+static inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 in two parts: the first exact */
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+/* 1 / d: the approximate reciprocal and one Newton step (relative error ~1e-7), cheaper than a division. */
+static inline __m256 reciprocal(__m256 d) {
+  const __m256 r = _mm256_rcp_ps(d);
+  return _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.0f)));
+}
+
+#endif
