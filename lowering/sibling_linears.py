@@ -97,8 +97,8 @@ def _slice_columns(graph, merged: Node, members: list[Node], outputs: list[Node]
 
 
 def _merge_own(ctx: EmitContext, members: list[Node]) -> bool:
-    """One own-kernel call for ``members``: their weights packed together (a member's packing may
-    end in zero padding), multipliers and offsets concatenated; the first member's input rows."""
+    """One own-kernel call for ``members``: their weights packed together, multipliers and
+    offsets concatenated; the first member's input rows."""
     graph, first = ctx.gm.graph, members[0]
     outputs = [_own_kernel_output(m) for m in members]
     widths = [m.meta[SIBLING][1].int8.shape[0] for m in members]

@@ -392,12 +392,9 @@ def attention_refusal(q, k, v, mask) -> Optional[str]:
     if mask is not None:
         if mask.dtype != torch.float32 or mask.device.type != "cpu" or mask.dim() > 4:
             return f"the mask is {mask.dtype} of rank {mask.dim()}, not an additive float32 one"
-        try:
-            torch.broadcast_shapes(mask.shape, (b, h, length, s))
-        except RuntimeError:
+        padded = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+        if any(m not in (1, n) for m, n in zip(padded, (b, h, length, s))):
             return f"the mask {tuple(mask.shape)} does not broadcast to the scores {(b, h, length, s)}"
-        if torch.broadcast_shapes(mask.shape, (b, h, length, s)) != (b, h, length, s):
-            return f"the mask {tuple(mask.shape)} is larger than the scores {(b, h, length, s)}"
     return None
 
 

@@ -85,7 +85,7 @@ def test_attention_kernel_matches_torch(case):
     (dict(q=torch.randn(1, 2, 4, 8), k=torch.randn(1, 2, 6, 8), v=torch.randn(1, 2, 6, 8)),
      "head dim 8: the kernel takes a multiple of 16"),
     (dict(k=torch.randn(1, 2, 5, 32)), "differ in batch, heads or head dim"),
-    (dict(mask=torch.randn(3, 2, 4, 6)), "is larger than the scores"),
+    (dict(mask=torch.randn(3, 2, 4, 6)), "does not broadcast to the scores"),
     (dict(mask=torch.zeros(1, 1, 4, 6, dtype=torch.bool)), "not an additive float32 one"),
     (dict(v=torch.randn(1, 2, 6, 16, dtype=torch.float64)), "float32 CPU"),
 ])
