@@ -67,7 +67,7 @@ def requantize_constants(ctx, match, shift: float = 0.0) -> tuple[torch.Tensor, 
 def call_kernel(ctx, name: str, args: tuple) -> Node:
     """The kernel's call node, with the example value Dynamo records for other nodes: later
     rules read it (the next oneDNN conv prepacks for its input's shape)."""
-    node = ctx.gm.graph.call_function(native.conv_kernel(name, traced=ctx.need_meta), args)
+    node = ctx.gm.graph.call_function(native.own_kernel(name, traced=ctx.need_meta), args)
     values = [(constant_value(ctx.gm, a) if a.op == "get_attr" else fake_value(a)) if isinstance(a, Node) else a for a in args]
     if values[0] is not None:
         node.meta["example_value"] = native.FAKES[name](*values)

@@ -118,8 +118,8 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_attention_f32.argtypes = [i32] + [pointer] * 6
     lib.qb_quantize_nchw_to_nhwc.argtypes = [i32] * 4 + [pointer, f32] + [i32] * 3 + [pointer]
     _declare_gemm(lib.qb_conv_call)
-    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3_call.restype = lib.qb_quantize_nchw_to_nhwc.restype = None
-    lib.qb_attention_f32.restype = None
+    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3_call.restype = None
+    lib.qb_quantize_nchw_to_nhwc.restype = lib.qb_attention_f32.restype = None
     lib.qb_has_avx512_vnni.restype = i32
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
     for name, schema in OPS.items():
@@ -463,12 +463,12 @@ def attention_f32(q, k, v, mask, scale):
     return _attention(_load()[0], q, k, v, mask, scale)
 
 
-def conv_kernels(name: str) -> tuple:
-    """Both forms a graph may call an own kernel in (``conv_kernel``)."""
-    return conv_kernel(name, traced=True), conv_kernel(name, traced=False)
+def own_kernel_forms(name: str) -> tuple:
+    """Both forms a graph may call an own kernel in (``own_kernel``)."""
+    return own_kernel(name, traced=True), own_kernel(name, traced=False)
 
 
-def conv_kernel(name: str, traced: bool):
+def own_kernel(name: str, traced: bool):
     """What a graph calls for an own kernel: the op if the graph will be traced (fake tensors
     need its fake kernel), else the plain function. Loads the kernels first."""
     registered = op(name)

@@ -74,7 +74,7 @@ def test_attention_kernel_matches_torch(case):
         mask[..., :1] = -float("inf")  # a masked-out key: weight exactly 0
     for scale in (dim ** -0.5, 0.3):
         expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        for kernel in native.conv_kernels("attention_f32"):  # the registered op and the plain function
+        for kernel in native.own_kernel_forms("attention_f32"):  # the registered op and the plain function
             actual = kernel(q, k, v, mask, scale)
             torch.testing.assert_close(actual, expected, **TOLERANCE["attention_f32"])
             # [B, L, H, D] memory: the head merge after attention is a view

@@ -187,7 +187,7 @@ typedef struct {
 /* y[P][Cout] = requantize(post_op(conv(x, w) (+ residual))) over NHWC uint8 x, or the float
  * result into yf when yf is not NULL; the residual is float32 when residual_is_float, else
  * uint8. Weights: [Cout / BLOCK][KH * KW * Cin / 4][BLOCK][4] (kernel position, then input
- * channel; Cout padded with zero weights to a multiple of BLOCK); padding reads x_zp.
+ * channel); padding reads x_zp.
  * Cin % 4 == 0, Cout % 8 == 0, KH * KW <= MAX_TAPS. */
 static void conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int KH, int KW, int stride_h, int stride_w,
              int pad_h, int pad_w, int dil_h, int dil_w, int Cout, int x_zp, const uint8_t* x, const int8_t* w,
@@ -202,7 +202,7 @@ static void conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int 
   uint8_t* padding = malloc((size_t)g.Cin);
   memset(padding, x_zp, (size_t)g.Cin);
   const int taps = g.KH * g.KW, P = g.N * g.OH * g.OW;
-  const int blocks = (Cout + BLOCK - 1) / BLOCK;
+  const int blocks = Cout / BLOCK;
   const int output_tiles = blocks % 3 == 1 && blocks > 1 ? blocks / 3 + 1 : (blocks + 2) / 3;
   const int pixel_tiles = (P + PIXEL_TILE - 1) / PIXEL_TILE;
   /* The weights stay in L2 across pixel tiles when they fit. Else the output tiles go round
