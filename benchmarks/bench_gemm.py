@@ -53,7 +53,7 @@ LINEARS = [
 
 def builds():
     """The GEMM builds this CPU runs."""
-    return ["avx2"] + (["avx512_vnni"] if native._vnni_gemm()[0] is not None else [])
+    return ["avx2"] + (["avx512_vnni"] if native._vnni_library()[0] is not None else [])
 
 
 def conv_runners(batch, cin, h, w, cout, k, s, zp):
@@ -73,7 +73,7 @@ def conv_runners(batch, cin, h, w, cout, k, s, zp):
 
     def own():
         return native.qconv(x, packed_weight(), mult, add, None, 0.0, 0.0, float("inf"), 0.05, 3, 0, 255, False, "none",
-                            [k, k], [s, s], [pad, pad], [1, 1], zp)
+                            (k, k), (s, s), (pad, pad), (1, 1), zp)
     return onednn, own
 
 
@@ -101,7 +101,7 @@ def packing(weight):
     packed = {}
 
     def for_build():
-        build = native.gemm_variant()
+        build = native.int8_build()
         if build not in packed:
             packed[build] = gemm.pack(weight)
         return packed[build]
@@ -136,12 +136,12 @@ def timed_row(label, onednn, own, builds):
 
 
 def _with_build(build, own):
-    saved = native.gemm_variant
-    native.gemm_variant = lambda: build
+    saved = native.int8_build
+    native.int8_build = lambda: build
     try:
         return own()
     finally:
-        native.gemm_variant = saved
+        native.int8_build = saved
 
 
 def main():

@@ -41,7 +41,12 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
 
 
 def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(int16 weight pairs, multiplier, addend) in the kernel's lane order."""
+    """(packed weights, multiplier, addend) in the order of the kernel build that runs here
+    (native.int8_build): int16 tap pairs for AVX2, int8 row triples for AVX512-VNNI."""
+    return (pack_vnni if native.int8_build() == "avx512_vnni" else pack_avx2)(weight, mult, add)
+
+
+def pack_avx2(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     channels = weight.shape[0]
     groups = channels // LANES
     taps = torch.nn.functional.pad(weight.reshape(channels, 9).to(torch.int16), (0, 1))  # a 10th, zero tap
@@ -49,6 +54,22 @@ def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tuple[t
     pairs = taps.reshape(groups, 2, 2, 4, 5, 2).permute(4, 0, 2, 1, 3, 5).contiguous()
     order = lambda v: v.float().reshape(groups, 2, 2, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)  # noqa: E731
     return pairs.reshape(-1), order(mult), order(add)
+
+
+def pack_vnni(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each kernel row's 3 weights and a zero as 4 bytes; in a group of 32 channels, channel
+    32 g + 16 half + 4 vector + i sits in lane 4 half + i of its vector (vpunpck order); a last
+    group of 16 has only the low halves."""
+    channels, group = weight.shape[0], native.DEPTHWISE_VNNI_GROUP
+    rows = torch.nn.functional.pad(weight.reshape(channels, 3, 3), (0, 1))  # [C, kernel row, 4 bytes]
+    full = channels // group * group
+
+    def order(values: torch.Tensor) -> torch.Tensor:  # [C, ...] -> per group [vector, half, i, ...]
+        parts = [values[start:stop].reshape(-1, halves, 4, 4, *values.shape[1:]).transpose(1, 2).flatten(0, 3)
+                 for start, stop, halves in ((0, full, 2), (full, channels, 1)) if stop > start]
+        return torch.cat(parts)
+
+    return order(rows).transpose(0, 1).contiguous().reshape(-1), order(mult.float()), order(add.float())
 
 
 def emit(ctx: EmitContext, match):
@@ -59,7 +80,7 @@ def emit(ctx: EmitContext, match):
     ctx.notes.append("qbackend's depthwise kernel (oneDNN: ~50 us per call, 3-11 GMAC/s here)")
     return own_conv.call_kernel(ctx, "qconv_dw3x3", (
         match.x.node, match.x.qparams.zero_point, ctx.constant(weight, "dw_w"), ctx.constant(mult, "dw_mult"),
-        ctx.constant(add, "dw_add"), list(p.stride), list(p.padding), low, high, out.scale, out.zero_point, out.qmin, out.qmax))
+        ctx.constant(add, "dw_add"), tuple(p.stride), tuple(p.padding), low, high, out.scale, out.zero_point, out.qmin, out.qmax))
 
 
 KERNEL = own_conv.OwnKernel("depthwise", is_depthwise_3x3, refusal, emit)

@@ -29,7 +29,7 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class Limits:
-    """Up to where a GEMM build (native.gemm_variant) beats oneDNN: linears of at most
+    """Up to where a GEMM build (native.int8_build) beats oneDNN: linears of at most
     ``max_rows`` rows and convs of at most ``max_conv_pixels`` output pixels take it."""
 
     max_rows: int
@@ -49,7 +49,7 @@ LIMITS = {"avx2": Limits(max_rows=256, max_conv_pixels=8192), "avx512_vnni": Lim
 
 
 def limits() -> Limits:
-    return LIMITS[native.gemm_variant()]
+    return LIMITS[native.int8_build()]
 
 # GELU runs in the kernel's epilogue (an AVX2 erf / tanh, error < 2e-7): post-op algorithm ->
 # the kernel's activation (native.ACTIVATIONS)
@@ -110,7 +110,7 @@ def _operands_refusal(match, output_shape: list[int]) -> Optional[str]:
 def _gemm_refusal(ctx: EmitContext, match, cout: int, cin: int) -> Optional[str]:
     if cin % 4 or cout % 8:
         return f"{cin} -> {cout} channels: the kernel takes in_channels % 4 == 0 and out_channels % 8 == 0"
-    if native.gemm_variant() == "avx2":  # (the VNNI build adds in int32: no limit)
+    if native.int8_build() == "avx2":  # (the VNNI build adds in int32: no limit)
         bound = match.x.qparams.qmax * _largest_adjacent_pair_sum(match.weight.int8)
         if bound > INT16_MAX:
             return f"its int16 pair sums could reach {bound} > {INT16_MAX} (8-bit weights; no AVX512-VNNI here)"
@@ -181,7 +181,7 @@ def _residual(ctx: EmitContext, match, as_input=lambda node, channels: node) -> 
 def emit(ctx: EmitContext, match):
     p = match.conv
     ctx.notes.append(f"qbackend's int8 GEMM kernel ({_output_pixels(match)} output pixels)")
-    geometry = (list(match.weight.int8.shape[2:]), list(p.stride), list(p.padding), list(p.dilation), match.x.qparams.zero_point)
+    geometry = (tuple(match.weight.int8.shape[2:]), tuple(p.stride), tuple(p.padding), tuple(p.dilation), match.x.qparams.zero_point)
     return _call(ctx, match, match.x.node, **_residual(ctx, match), geometry=geometry)
 
 

@@ -8,9 +8,9 @@
 - Depthwise 3x3 int8 convs (``depthwise_conv_int8.c``) and an int8 GEMM for other convs up
   to 3x3 and linears (``conv_gemm_int8.c``): onednn::qconv_pointwise / qlinear_pointwise
   spend ~50 us per call before computing, run depthwise convs at 3-11 GMAC/s here, and their
-  AVX2 int8 kernels are slower than this GEMM's below a few thousand output rows. The GEMM is
-  built a second time for AVX512-VNNI (``conv_gemm_int8_vnni.c``, its own library), used where
-  the CPU has it: ``gemm_variant``.
+  AVX2 int8 kernels are slower than this GEMM's below a few thousand output rows. Both are
+  built a second time for AVX512-VNNI (``conv_gemm_int8_vnni.c``, ``depthwise_conv_int8_vnni.c``:
+  a library of their own), used where the CPU has it: ``int8_build``.
 
 The sources are compiled once per machine with the system C compiler (as Inductor does for
 its own kernels) into one library, cached by a hash of sources and flags, loaded with ctypes,
@@ -35,9 +35,9 @@ import torch
 
 CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
-# Two libraries: every kernel for AVX2, and the int8 GEMM again for AVX512-VNNI (optional: a
-# compiler without these flags or a CPU without VNNI leaves the AVX2 GEMM).
-VNNI_SOURCES = (CSRC / "conv_gemm_int8_vnni.c",)
+# Two libraries: every kernel for AVX2, and the int8 conv kernels again for AVX512-VNNI
+# (optional: a compiler without these flags or a CPU without VNNI leaves the AVX2 ones).
+VNNI_SOURCES = (CSRC / "conv_gemm_int8_vnni.c", CSRC / "depthwise_conv_int8_vnni.c")
 SOURCES = tuple(sorted(set(CSRC.glob("*.c")) - set(VNNI_SOURCES)))
 VNNI_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni")
 MAX_TAPS = 9  # kernel positions qconv takes (conv_gemm_int8.c MAX_TAPS): up to 3x3
@@ -147,29 +147,34 @@ class _ConvCall(ctypes.Structure):
 
 
 @functools.lru_cache(maxsize=None)
-def _vnni_gemm() -> tuple[Optional[ctypes._CFuncPtr], Optional[str]]:
-    """qb_conv_call_vnni where this CPU and compiler can run it, else (None, why not)."""
+def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
+    """The AVX512-VNNI kernels' library (the GEMM's qb_conv_call_vnni, the depthwise
+    qb_dwconv3x3_vnni_call) where this CPU and compiler can run it, else (None, why not)."""
     lib, reason = _load()
     if lib is None:
         return None, reason
     if not lib.qb_has_avx512_vnni():
         return None, "the CPU has no AVX512-VNNI"
     try:
-        function = ctypes.CDLL(str(_build("qbackend_gemm_vnni", VNNI_SOURCES, VNNI_FLAGS))).qb_conv_call_vnni
+        vnni = ctypes.CDLL(str(_build("qbackend_vnni", VNNI_SOURCES, VNNI_FLAGS)))
     except (RuntimeError, OSError) as error:
-        return None, f"the AVX512-VNNI GEMM could not be built: {error}"
-    _declare_gemm(function)
-    return function, None
+        return None, f"the AVX512-VNNI kernels could not be built: {error}"
+    _declare_gemm(vnni.qb_conv_call_vnni)
+    vnni.qb_dwconv3x3_vnni_call.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3
+    vnni.qb_dwconv3x3_vnni_call.restype = ctypes.c_int  # -1: a thread's scratch could not be allocated
+    return vnni, None
 
 
 GEMM_BLOCK = 8  # output channels per packed weight block, in both builds (conv_gemm_int8.c BLOCK)
+DEPTHWISE_VNNI_GROUP = 32  # channels per step of the VNNI depthwise kernel (and a last one of 16)
 
 
-def gemm_variant() -> str:
-    """The int8 GEMM qbackend::qconv runs here: "avx512_vnni" (vpdpbusd: exact for any int8
-    weights) or "avx2" (vpmaddubsw: its int16 pair sums saturate, so the lowering checks each
-    weight against the activation range)."""
-    return "avx512_vnni" if _vnni_gemm()[0] is not None else "avx2"
+def int8_build() -> str:
+    """The build of the int8 kernels (qbackend::qconv's GEMM, qbackend::qconv_dw3x3) that runs
+    here: "avx512_vnni" (vpdpbusd: exact for any int8 weights) or "avx2" (vpmaddubsw /
+    vpmaddwd: the GEMM's int16 pair sums saturate, so the lowering checks each weight against
+    the activation range). The lowering packs weights for it."""
+    return "avx512_vnni" if _vnni_library()[0] is not None else "avx2"
 
 
 def available() -> Optional[str]:
@@ -239,6 +244,7 @@ class Prepared(NamedTuple):
 
     struct: ctypes.Structure
     shape: tuple  # of the output
+    strides: tuple  # of the output: channels last
     dtype: torch.dtype  # of the output
     function: ctypes._CFuncPtr
     constants: tuple  # held here so that their memory, and their ids in the key, stay theirs
@@ -246,7 +252,13 @@ class Prepared(NamedTuple):
 
 
 def _prepare(struct: ctypes.Structure, shape: tuple, dtype: torch.dtype, function, constants: tuple) -> Prepared:
-    return Prepared(struct, shape, dtype, function, constants, ctypes.addressof(struct))
+    n, c, h, w = shape
+    return Prepared(struct, shape, (h * w * c, 1, w * c, c), dtype, function, constants, ctypes.addressof(struct))
+
+
+def _output(x: torch.Tensor, prepared: Prepared) -> torch.Tensor:
+    """The kernel's empty output (x.new_empty_strided: 1.0 us, torch.empty with a memory format 1.7)."""
+    return x.new_empty_strided(prepared.shape, prepared.strides, dtype=prepared.dtype)
 
 
 # id(packed weight) -> {key: Prepared}. An entry goes when its weight does (a finalizer: the
@@ -257,8 +269,9 @@ _PREPARED: dict = {}
 
 def _prepared(weight: torch.Tensor, trusted: bool, x: torch.Tensor, args: tuple, prepare) -> Prepared:
     """The call for input ``x`` and the other ``args``. ``trusted`` (the lowering's own
-    constants): cached per packed ``weight``, keyed by the input's shape and kind, the GEMM
-    build and the other arguments (tensors by identity: the entry holds them). Else
+    constants): cached per packed ``weight``, keyed by the input's shape and kind, the kernel
+    build and the other arguments (tensors by identity: the entry holds them; the graph gives
+    sizes as tuples, so the key is built without a conversion: ~0.8 us, not 2). Else
     ``prepare()`` checks every argument, every call."""
     if not trusted:
         return prepare()
@@ -266,16 +279,20 @@ def _prepared(weight: torch.Tensor, trusted: bool, x: torch.Tensor, args: tuple,
     if cache is None:
         cache = _PREPARED[id(weight)] = {}
         weakref.finalize(weight, _PREPARED.pop, id(weight), None)
-    key = (x.shape, x.dtype, x.device, gemm_variant(),
-           *(id(a) if isinstance(a, torch.Tensor) else tuple(a) if isinstance(a, list) else a for a in args))
-    prepared = cache.get(key)
+    key = (x.shape, x.dtype, x.device, int8_build(), args)
+    try:
+        prepared = cache.get(key)
+    except TypeError:  # a list among the arguments (a direct caller's)
+        key = key[:-1] + (tuple(tuple(a) if isinstance(a, list) else a for a in args),)
+        prepared = cache.get(key)
     if prepared is None:
         prepared = cache[key] = prepare()
     return prepared
 
 
 class _DepthwiseCall(ctypes.Structure):
-    """depthwise_conv_int8.c ``dwconv_call_t``: what one call site fixes, made once per input shape."""
+    """depthwise_conv_int8.c ``dwconv_call_t`` (and depthwise_conv_int8_vnni.c's, the same
+    fields): what one call site fixes, made once per input shape."""
 
     _fields_ = ([(name, ctypes.c_int) for name in ("N", "H", "W", "C", "stride_h", "stride_w", "pad_h", "pad_w", "OH", "OW",
                                                     "x_zp")]
@@ -286,15 +303,23 @@ class _DepthwiseCall(ctypes.Structure):
 
 def _prepare_dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point,
                        qmin, qmax) -> Prepared:
+    """The AVX2 kernel for int16 packed weights, the VNNI one for int8 (``lowering/depthwise.py``)."""
     _check_nchw_uint8(x, mult.numel(), "qconv_dw3x3")
     n, c, h, w = x.shape
-    _check_constants("qconv_dw3x3", (weight, torch.int16, 10 * c), (mult, torch.float32, c), (add, torch.float32, c))
     if c % 16:
         raise ValueError(f"qbackend::qconv_dw3x3 takes a multiple of 16 channels, got {c}")
+    if weight.dtype == torch.int8:
+        vnni = _vnni_library()[0]
+        if vnni is None:
+            raise ValueError(f"qbackend::qconv_dw3x3: int8 weights are packed for AVX512-VNNI: {_vnni_library()[1]}")
+        function, taps = vnni.qb_dwconv3x3_vnni_call, 12  # 3 kernel rows of 4 bytes
+    else:
+        function, taps = lib.qb_dwconv3x3_call, 10  # 5 pairs of int16
+    _check_constants("qconv_dw3x3", (weight, weight.dtype, taps * c), (mult, torch.float32, c), (add, torch.float32, c))
     oh, ow = conv_output_size(h, stride[0], padding[0]), conv_output_size(w, stride[1], padding[1])
     call = _DepthwiseCall(n, h, w, c, *stride, *padding, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
                           add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
-    return _prepare(call, (n, c, oh, ow), torch.uint8, lib.qb_dwconv3x3_call, (mult, add))
+    return _prepare(call, (n, c, oh, ow), torch.uint8, function, (mult, add))
 
 
 def _dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax,
@@ -302,8 +327,9 @@ def _dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, hi
     args = (x_zero_point, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax)
     prepared = _prepared(weight, trusted, x, args, lambda: _prepare_dwconv3x3(lib, x, x_zero_point, weight, *args[1:]))
     x = x.contiguous(memory_format=torch.channels_last)
-    y = torch.empty(prepared.shape, dtype=prepared.dtype, memory_format=torch.channels_last)
-    prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), y.data_ptr())
+    y = _output(x, prepared)
+    if prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), y.data_ptr()):
+        raise MemoryError("qbackend::qconv_dw3x3: a thread could not allocate its row scratch")
     return y
 
 
@@ -337,7 +363,7 @@ def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high
     call = _ConvCall(n, h, w, cin, oh, ow, *kernel_size, *stride, *padding, *dilation, cout, x_zero_point,
                      weight.data_ptr(), mult.data_ptr(), add.data_ptr(), residual is not None and residual.dtype == torch.float32,
                      residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
-    gemm = _vnni_gemm()[0] if gemm_variant() == "avx512_vnni" else lib.qb_conv_call
+    gemm = _vnni_library()[0].qb_conv_call_vnni if int8_build() == "avx512_vnni" else lib.qb_conv_call
     return _prepare(call, (n, cout, oh, ow), torch.float32 if float_out else torch.uint8, gemm, (mult, add))
 
 
@@ -351,7 +377,7 @@ def _conv(lib, x, weight, mult, add, residual, residual_scale, low, high, out_sc
     prepared = _prepared(weight, trusted, x, args, lambda: _prepare_conv(lib, x, weight, mult, add, residual, *args[3:]))
     shape = prepared.shape
     x = x.contiguous(memory_format=torch.channels_last)
-    y = torch.empty(shape, dtype=prepared.dtype, memory_format=torch.channels_last)
+    y = _output(x, prepared)
     if residual is not None:
         if residual.shape != shape or residual.device.type != "cpu":
             raise ValueError(f"qbackend::qconv: residual {tuple(residual.shape)} on {residual.device} for output {shape}")

@@ -5,10 +5,10 @@ from qbackend import native
 
 
 @pytest.fixture(params=["avx2", "avx512_vnni"])
-def gemm_build(request, monkeypatch):
-    """Run the test on each build of qbackend's int8 GEMM (native.gemm_variant) this CPU has:
+def int8_build(request, monkeypatch):
+    """Run the test on each build of qbackend's int8 GEMM (native.int8_build) this CPU has:
     the AVX2 one always, the AVX512-VNNI one where the CPU has VNNI (skipped elsewhere)."""
-    if request.param == "avx512_vnni" and native._vnni_gemm()[0] is None:
-        pytest.skip(f"needs the AVX512-VNNI GEMM: {native._vnni_gemm()[1]}")
-    monkeypatch.setattr(native, "gemm_variant", lambda: request.param)
+    if request.param == "avx512_vnni" and native._vnni_library()[0] is None:
+        pytest.skip(f"needs the AVX512-VNNI GEMM: {native._vnni_library()[1]}")
+    monkeypatch.setattr(native, "int8_build", lambda: request.param)
     return request.param

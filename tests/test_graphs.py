@@ -27,7 +27,7 @@ class TestLoweredGraphs(expecttest.TestCase):
         self.assertExpectedInline(lowered_graph(*conv_relu()), """\
 l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor_channels_last(l_input_, 0.0509, 54, 0, 127, uint8)
-qconv = native.qconv(quantize_per_tensor_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0166, 0, 0, 127, False, 'none', [3, 3], [1, 1], [1, 1], [1, 1], 54)
+qconv = native.qconv(quantize_per_tensor_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0166, 0, 0, 127, False, 'none', (3, 3), (1, 1), (1, 1), (1, 1), 54)
 qconv_pointwise_default = onednn.qconv_pointwise(qconv, 0.0166, 0, <const>, <const>, <const>, <const>, [2, 2], [0, 0], [1, 1], 1, 1, 0, float32, 'none', [], '')
 return (qconv_pointwise_default)""")
 

@@ -32,22 +32,44 @@ def reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, low, high, ou
     return (torch.round(y / out_scale) + out_zp).clamp(qmin, qmax).to(torch.uint8)
 
 
-@pytest.mark.parametrize("post", sorted(CLAMPS))
-@pytest.mark.parametrize("stride,padding", [(1, 1), (2, 1), (1, 0), (2, 0)])
-@pytest.mark.parametrize("qmax", [255, 127], ids=["8-bit out", "7-bit out"])
-def test_kernel_gives_the_reference_integers(post, stride, padding, qmax):
+def _depthwise_case(channels, post, stride, padding, qmax):
+    """Random uint8 activations, full 8-bit weights, and the kernel's call and the reference's."""
     torch.manual_seed(0)
-    channels, x_scale, x_zp, out_scale, out_zp = 48, 0.03, 7, 0.05, 60
+    x_scale, x_zp, out_scale, out_zp = 0.03, 7, 0.05, 60
     x = torch.randint(0, 256, (2, channels, 9, 11), dtype=torch.uint8)  # odd sizes: every border case
     w = torch.randint(-128, 128, (channels, 1, 3, 3), dtype=torch.int8)  # full 8-bit weights are exact here
     w_scale, bias = torch.rand(channels) * 0.01 + 0.001, torch.randn(channels)
     low, high = CLAMPS[post]
-    packed = depthwise.pack(w, *scale_and_offset(w, w_scale, x_scale, x_zp, bias))
-    actual = native.op("qconv_dw3x3")(x, x_zp, *packed, [stride] * 2, [padding] * 2, low, high, out_scale, out_zp, 0, qmax)
-    expected = reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, low, high, out_scale, out_zp, 0, qmax)
+
+    def run():
+        packed = depthwise.pack(w, *scale_and_offset(w, w_scale, x_scale, x_zp, bias))
+        return native.op("qconv_dw3x3")(x, x_zp, *packed, [stride] * 2, [padding] * 2, low, high, out_scale, out_zp, 0, qmax)
+
+    return run, reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, low, high, out_scale, out_zp, 0, qmax)
+
+
+@pytest.mark.parametrize("post", sorted(CLAMPS))
+@pytest.mark.parametrize("stride,padding", [(1, 1), (2, 1), (1, 0), (2, 0)])
+@pytest.mark.parametrize("qmax", [255, 127], ids=["8-bit out", "7-bit out"])
+@pytest.mark.parametrize("channels", [16, 48], ids=["16 channels", "32 + 16 channels"])
+def test_kernel_gives_the_reference_integers(post, stride, padding, qmax, channels, int8_build):
+    run, expected = _depthwise_case(channels, post, stride, padding, qmax)
+    actual = run()
     assert actual.is_contiguous(memory_format=torch.channels_last)
     assert_int8_close(actual, expected, f"{post} stride {stride} padding {padding}")
     assert int(actual.max()) <= qmax
+
+
+@pytest.mark.parametrize("post", sorted(CLAMPS))
+def test_depthwise_builds_give_the_same_bytes(post, monkeypatch):
+    """The VNNI kernel clamps after the requantizing map instead of before it: the same bytes,
+    as the map is monotone (and any rounding differs from the reference's in both alike)."""
+    _needs_vnni_library()
+    results = {}
+    for build in ("avx2", "avx512_vnni"):
+        monkeypatch.setattr(native, "int8_build", lambda: build)
+        results[build] = _depthwise_case(64, post, 1, 1, 255)[0]()
+    assert torch.equal(results["avx2"], results["avx512_vnni"])
 
 
 class InvertedResidual(nn.Module):
@@ -70,6 +92,7 @@ DEPTHWISE_OP, GEMM_OP = "qbackend::qconv_dw3x3.default", "qbackend::qconv.defaul
 
 class TestDepthwiseLowering(expecttest.TestCase):
     def test_block_runs_on_qbackends_kernels(self):
+        torch.manual_seed(0)  # (the pinned line holds a calibrated scale)
         x = torch.randn(2, 8, 14, 14)
         model = quantize(InvertedResidual(stride=2).eval(), (x,))
         actual, expected, captured = compile_and_run(model, (x,))
@@ -77,7 +100,7 @@ class TestDepthwiseLowering(expecttest.TestCase):
         ops = [d.op for d in captured.report.decisions]
         assert ops == [GEMM_OP, DEPTHWISE_OP, GEMM_OP], str(captured.report)  # (the last one writes float32)
         graph = short_graph(captured.lowered)  # run eagerly: the kernels as plain functions
-        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_dw3x3" in line][0], """qconv_dw3x3 = native.qconv_dw3x3(qconv, 0, <const>, <const>, <const>, [2, 2], [1, 1], 0, 6, 0.012, 0, 0, 127)""")
+        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_dw3x3" in line][0], """qconv_dw3x3 = native.qconv_dw3x3(qconv, 0, <const>, <const>, <const>, (2, 2), (1, 1), 0, 6, 0.00825, 0, 0, 127)""")
         _, _, traced = compile_and_run(model, (x,), need_meta=True)  # to be traced: the registered ops
         targets = {node.target for node in traced.lowered.graph.nodes}
         assert {native.op("qconv_dw3x3"), native.op("qconv")} <= targets
@@ -106,7 +129,7 @@ def test_without_the_kernels_onednn_runs_it(monkeypatch):
 @pytest.mark.parametrize("post", sorted(CLAMPS))
 @pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
 @pytest.mark.parametrize("cout", [24, 40, 56], ids=["24-wide tiles", "16-wide tail", "8-wide tail"])
-def test_1x1_kernel_gives_the_reference_integers(post, residual, cout, gemm_build):
+def test_1x1_kernel_gives_the_reference_integers(post, residual, cout, int8_build):
     torch.manual_seed(0)
     cin, x_scale, x_zp, out_scale, out_zp, r_scale, r_zp = 36, 0.03, 7, 0.05, 60, 0.04, 11
     x = torch.randint(0, 128, (2, cin, 3, 5), dtype=torch.uint8)  # 30 pixels: a 2-pixel tail tile
@@ -126,7 +149,7 @@ def test_1x1_kernel_gives_the_reference_integers(post, residual, cout, gemm_buil
     ((3, 3), (1, 1), (1, 1), (1, 1)), ((3, 3), (2, 2), (1, 1), (1, 1)), ((3, 3), (1, 1), (0, 0), (1, 1)),
     ((3, 3), (1, 1), (2, 2), (2, 2)), ((1, 1), (2, 2), (0, 0), (1, 1)), ((1, 3), (1, 2), (0, 1), (1, 1)),
 ], ids=["3x3", "3x3 stride 2", "3x3 no padding", "3x3 dilation 2", "1x1 stride 2", "1x3"])
-def test_gemm_conv_gives_the_reference_integers(kernel, stride, padding, dilation, gemm_build):
+def test_gemm_conv_gives_the_reference_integers(kernel, stride, padding, dilation, int8_build):
     """Windows that leave the image read the input's zero point (7 here), as zero padding of
     the dequantized input does."""
     torch.manual_seed(0)
@@ -173,7 +196,7 @@ def test_1x1_refuses_weights_whose_pair_sums_could_saturate(monkeypatch):
     the decision is checked, not this CPU's result."""
     monkeypatch.setattr(capabilities, "int8_pairs_saturate", lambda *args: False)
     monkeypatch.setattr("qbackend.lowering.cpu.int8_pairs_saturate", lambda *args: False)
-    monkeypatch.setattr(native, "gemm_variant", lambda: "avx2")
+    monkeypatch.setattr(native, "int8_build", lambda: "avx2")
     x = torch.randn(1, 8, 6, 6)
     model = quantize(nn.Sequential(nn.Conv2d(8, 16, 1), nn.ReLU(), nn.Conv2d(16, 8, 1)).eval(), (x,), reduce_range=False)
     _, _, captured = compile_and_run(model, (x,))
@@ -182,21 +205,21 @@ def test_1x1_refuses_weights_whose_pair_sums_could_saturate(monkeypatch):
     assert "oneDNN, not qbackend's conv kernel: its int16 pair sums could reach" in decision.reason
 
 
-def _needs_vnni_gemm():
-    if native._vnni_gemm()[0] is None:
-        pytest.skip(f"needs the AVX512-VNNI GEMM: {native._vnni_gemm()[1]}")
+def _needs_vnni_library():
+    if native._vnni_library()[0] is None:
+        pytest.skip(f"needs the AVX512-VNNI GEMM: {native._vnni_library()[1]}")
 
 
 def test_vnni_build_is_exact_where_the_avx2_build_saturates(monkeypatch):
     """255 x (127 + 127) per pair overflows vpmaddubsw's int16; vpdpbusd adds in int32."""
-    _needs_vnni_gemm()
+    _needs_vnni_library()
     x = torch.full((1, 64, 2, 2), 255, dtype=torch.uint8)
     w = torch.full((8, 64, 1, 1), 127, dtype=torch.int8)
     mult, add = (t.float() for t in scale_and_offset(w, torch.ones(8), 1.0, 0))
     exact = torch.full((1, 8, 2, 2), 255.0 * 127 * 64)
 
     def run(build):
-        monkeypatch.setattr(native, "gemm_variant", lambda: build)
+        monkeypatch.setattr(native, "int8_build", lambda: build)
         return native.op("qconv")(x, gemm.pack(w), mult, add, None, 0.0, -math.inf, math.inf, 1.0, 0, 0, 255, True)
     assert not torch.equal(run("avx2"), exact)  # what the lowering keeps away from the AVX2 build
     assert torch.equal(run("avx512_vnni"), exact)
@@ -204,7 +227,7 @@ def test_vnni_build_is_exact_where_the_avx2_build_saturates(monkeypatch):
 
 def test_8bit_weights_run_on_the_vnni_build():
     """Where the GEMM adds in int32, 8-bit activations x 8-bit weights lower onto it."""
-    _needs_vnni_gemm()
+    _needs_vnni_library()
     x = torch.randn(1, 8, 6, 6)
     model = quantize(nn.Sequential(nn.Conv2d(8, 16, 1), nn.ReLU(), nn.Conv2d(16, 8, 1)).eval(), (x,), reduce_range=False)
     actual, expected, captured = compile_and_run(model, (x,))

@@ -31,7 +31,7 @@ def _gemm_case(rows=37, cin=64, cout=40, x_zp=9, x_scale=0.03):
 
 
 @pytest.mark.parametrize("activation", sorted(GELU))
-def test_gelu_in_the_epilogue_gives_the_reference_values(activation, gemm_build):
+def test_gelu_in_the_epilogue_gives_the_reference_values(activation, int8_build):
     """Float out: within 2e-6 of float64 GELU over the exact sum (37 rows: a tail tile; 40
     outputs: a 16-wide tail). uint8 out: the reference integers, rarely one step off where a
     value sits on a rounding boundary."""
@@ -48,7 +48,7 @@ def test_gelu_in_the_epilogue_gives_the_reference_values(activation, gemm_build)
     assert (ints.reshape(reference.shape) == reference).double().mean() > 0.999
 
 
-def test_weights_beyond_l2_run_in_row_blocks(gemm_build):
+def test_weights_beyond_l2_run_in_row_blocks(int8_build):
     """768 x 400 weights (> the kernel's 256 KB WEIGHTS_IN_L2): output tiles go round blocks of
     rows; 301 rows make two blocks and a tail tile."""
     x, constants, exact = _gemm_case(rows=301, cin=768, cout=400)
@@ -56,7 +56,7 @@ def test_weights_beyond_l2_run_in_row_blocks(gemm_build):
     torch.testing.assert_close(floats.reshape(exact.shape).double(), exact, atol=2e-6, rtol=1e-6)
 
 
-def test_float_residual_is_added_before_the_post_op(gemm_build):
+def test_float_residual_is_added_before_the_post_op(int8_build):
     x, constants, exact = _gemm_case()
     residual = torch.randn(exact.shape)
     floats = native.op("qconv")(x, *constants, residual.reshape(*exact.shape, 1, 1), 1.0, 0.0, float("inf"),
