@@ -11,6 +11,7 @@ from qbackend.patterns.base import constant_value, fake_value
 
 from . import fast_qdq, native
 from .freeze import drop_unused_constants, set_constant
+from .kernel_chain import chain_own_kernels
 from .ops import graph_op, resolve
 
 aten = torch.ops.aten
@@ -123,14 +124,18 @@ def views_accept_any_layout(gm: GraphModule) -> None:
                 node.target = aten.reshape.default
 
 
-def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True) -> None:
-    """``fast_boundary=False`` keeps the reference q/dq ops (another compiler, Inductor, fuses them)."""
+def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True) -> list[str]:
+    """``fast_boundary=False`` keeps the reference q/dq ops (another compiler, Inductor, fuses
+    them). Returns notes for the report."""
     gm.graph.eliminate_dead_code()
     fold_constants(gm)
     gm.graph.eliminate_dead_code()
     if fast_boundary:
         fast_boundary_qdq(gm, device)
     views_accept_any_layout(gm)
+    chained = chain_own_kernels(gm)
+    gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
     drop_unused_constants(gm)
+    return [chained] if chained else []

@@ -118,7 +118,9 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_attention_f32.argtypes = [i32] + [pointer] * 6
     lib.qb_quantize_nchw_to_nhwc.argtypes = [i32] * 4 + [pointer, f32] + [i32] * 3 + [pointer]
     _declare_gemm(lib.qb_conv_call)
-    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = lib.qb_dwconv3x3_call.restype = None
+    lib.qb_run_chain.argtypes = [i32, i32, pointer, pointer]
+    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = None
+    lib.qb_dwconv3x3_call.restype = lib.qb_run_chain.restype = i32  # (dwconv: always 0, as the VNNI one when it succeeds)
     lib.qb_quantize_nchw_to_nhwc.restype = lib.qb_attention_f32.restype = None
     lib.qb_has_avx512_vnni.restype = i32
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -322,10 +324,14 @@ def _prepare_dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding,
     return _prepare(call, (n, c, oh, ow), torch.uint8, function, (mult, add))
 
 
-def _dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax,
-               *, trusted=False):
+def _dwconv3x3_prepared(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point,
+                        qmin, qmax, *, trusted=False) -> Prepared:
     args = (x_zero_point, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax)
-    prepared = _prepared(weight, trusted, x, args, lambda: _prepare_dwconv3x3(lib, x, x_zero_point, weight, *args[1:]))
+    return _prepared(weight, trusted, x, args, lambda: _prepare_dwconv3x3(lib, x, x_zero_point, weight, *args[1:]))
+
+
+def _dwconv3x3(lib, x, *args, trusted=False):
+    prepared = _dwconv3x3_prepared(lib, x, *args, trusted=trusted)
     x = x.contiguous(memory_format=torch.channels_last)
     y = _output(x, prepared)
     if prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), y.data_ptr()):
@@ -367,15 +373,19 @@ def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high
     return _prepare(call, (n, cout, oh, ow), torch.float32 if float_out else torch.uint8, gemm, (mult, add))
 
 
-def _conv(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax,
-          float_out=False, activation="none", kernel_size=(1, 1), stride=(1, 1), padding=(0, 0), dilation=(1, 1),
-          x_zero_point=0, *, trusted=False):
+def _conv_prepared(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point, qmin, qmax,
+                   float_out=False, activation="none", kernel_size=(1, 1), stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+                   x_zero_point=0, *, trusted=False) -> Prepared:
     """``trusted``: the constants are the lowering's own, so a prepared call is taken unchecked;
     the registered op (any caller) checks every call."""
     args = (mult, add, None if residual is None else residual.dtype, residual_scale, low, high, out_scale, out_zero_point,
             qmin, qmax, float_out, activation, kernel_size, stride, padding, dilation, x_zero_point)  # (a residual: its dtype)
-    prepared = _prepared(weight, trusted, x, args, lambda: _prepare_conv(lib, x, weight, mult, add, residual, *args[3:]))
-    shape = prepared.shape
+    return _prepared(weight, trusted, x, args, lambda: _prepare_conv(lib, x, weight, mult, add, residual, *args[3:]))
+
+
+def _conv(lib, x, weight, mult, add, residual, *args, trusted=False):
+    prepared = _conv_prepared(lib, x, weight, mult, add, residual, *args, trusted=trusted)
+    shape, float_out = prepared.shape, prepared.dtype == torch.float32
     x = x.contiguous(memory_format=torch.channels_last)
     y = _output(x, prepared)
     if residual is not None:
@@ -487,6 +497,10 @@ def quantize_channels_last(x: torch.Tensor, scale: float, zero_point: int, qmin:
 def attention_f32(q, k, v, mask, scale):
     """``qbackend::attention_f32`` without the dispatcher round trip."""
     return _attention(_load()[0], q, k, v, mask, scale)
+
+
+# own conv kernel -> its prepared call for given arguments (what kernel_chain.py runs)
+PREPARED_CALLS = {"qconv_dw3x3": _dwconv3x3_prepared, "qconv": _conv_prepared}
 
 
 def own_kernel_forms(name: str) -> tuple:

@@ -5,6 +5,7 @@ import torch
 from torch.fx import GraphModule, Interpreter
 
 from qbackend.backend import Options, compile_graph
+from qbackend.kernel_chain import KernelChain, Ref
 from qbackend.pt2e_flow import quantize_x86
 
 from .tolerances import assert_int8_close, assert_outputs_close
@@ -96,6 +97,22 @@ def _in_reference_dtype(actual: torch.Tensor, expected: torch.Tensor) -> torch.T
     return actual
 
 
+def chain_lines(node, fmt) -> list:
+    """A kernel chain's steps, as the graph held them before (their values named as the nodes
+    were), then the chain call and the steps whose values leave it."""
+    chain = node.target
+    names = [step.name for step in chain.steps]
+
+    def operand(a):
+        if isinstance(a, Ref):
+            return fmt(node.args[a.index]) if a.source == "input" else names[a.index]
+        return "<const>" if isinstance(a, torch.Tensor) else fmt(a)
+
+    lines = [f"{step.name} = native.{step.kernel}({', '.join(operand(a) for a in step.args)})" for step in chain.steps]
+    leaving = ", ".join(names[i] for i in chain.outputs)
+    return lines + [f"{node.name} = kernel_chain({', '.join(fmt(a) for a in node.args)}) of {len(names)} steps -> ({leaving})"]
+
+
 def short_graph(gm: GraphModule) -> str:
     """A stable, short printout for expecttest: op names without namespaces noise, constants
     as <const>, floats to 3 significant digits."""
@@ -123,6 +140,8 @@ def short_graph(gm: GraphModule) -> str:
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             lines.append(f"{node.name} = input")
+        elif node.op == "call_function" and isinstance(node.target, KernelChain):
+            lines.extend(chain_lines(node, fmt))
         elif node.op == "call_function":
             args = [fmt(a) for a in node.args] + [f"{k}={fmt(v)}" for k, v in node.kwargs.items()]
             lines.append(f"{node.name} = {op_name(node.target)}({', '.join(args)})")

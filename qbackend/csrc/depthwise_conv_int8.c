@@ -77,7 +77,9 @@ typedef struct {
   int out_zp, qmin, qmax;
 } dwconv_call_t;
 
-void qb_dwconv3x3_call(int threads, const dwconv_call_t* c, const uint8_t* x, uint8_t* y) {
+/* Returns 0 (as the VNNI kernel, which can fail to allocate: one signature for kernel_chain.c). */
+int qb_dwconv3x3_call(int threads, const dwconv_call_t* c, const uint8_t* x, uint8_t* y) {
   dwconv3x3(threads, c->N, c->H, c->W, c->C, c->stride_h, c->stride_w, c->pad_h, c->pad_w, c->OH, c->OW, x, c->x_zp,
             c->weight, c->mult, c->add, c->lo, c->hi, c->out_inv_scale, c->out_zp, c->qmin, c->qmax, y);
+  return 0;
 }
