@@ -499,6 +499,11 @@ def attention_f32(q, k, v, mask, scale):
     return _attention(_load()[0], q, k, v, mask, scale)
 
 
+# The plain functions return tensors they allocated (attention: a view of one): the in-place
+# safety analysis (patterns/inplace.py) may let a later kernel write into them.
+for _fn in (qconv_dw3x3, qconv, attention_f32):
+    _fn.fresh_output = True
+
 # own conv kernel -> its prepared call for given arguments (what kernel_chain.py runs)
 PREPARED_CALLS = {"qconv_dw3x3": _dwconv3x3_prepared, "qconv": _conv_prepared}
 

@@ -105,3 +105,29 @@ def test_own_gemm_kernel_reads_its_residual_and_writes_a_new_tensor():
     reasons = {d.source: (d.rule, d.op, d.reason) for d in report.decisions if d.kind == "linear"}
     own = ("qlinear_add", "qbackend::qconv.default", "qbackend's int8 GEMM kernel (15 rows); residual added out of place")
     assert reasons == {"fc1": own, "fc2": own}, str(report)
+
+
+class OwnKernelResidual(nn.Module):
+    """A 1x1 conv (qbackend's GEMM at this size) whose int8 output is the residual of a 3x3
+    conv on oneDNN (its input follows a ReLU: zero point 0); nobody reads it after the add."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Conv2d(8, 16, 1)
+        self.conv1, self.conv2, self.head = (nn.Conv2d(16, 16, 3, padding=1) for _ in range(3))
+
+    def forward(self, x):
+        r = self.proj(x)
+        return self.head(torch.relu(self.conv2(torch.relu(self.conv1(r))) + r))
+
+
+@pytest.mark.skipif(native.available() is not None, reason=f"own kernels unavailable: {native.available()}")
+def test_own_kernel_output_is_summed_into_in_place_not_copied():
+    """The own kernels allocate their outputs (``fresh_output``), so a later in-place sum may
+    reuse one when no later reader needs it."""
+    inputs = (torch.randn(2, 8, 10, 10),)
+    report = assert_matches_reference(quantize(OwnKernelResidual(), inputs), inputs).report
+    by_source = {d.source: d for d in report.decisions}
+    assert by_source["proj"].op == "qbackend::qconv.default", str(report)
+    assert by_source["conv2"].rule == "qconv_add" and by_source["conv2"].op.startswith("onednn::"), str(report)
+    assert by_source["conv2"].reason.endswith("residual updated in place"), str(report)
