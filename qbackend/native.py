@@ -54,6 +54,7 @@ OPS = {
              "str activation='none', int[2] kernel_size=[1, 1], int[2] stride=[1, 1], int[2] padding=[0, 0], "
              "int[2] dilation=[1, 1], int x_zero_point=0) -> Tensor",
     "attention_f32": "attention_f32(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor",
+    "max_pool_u8": "max_pool_u8(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation) -> Tensor",
 }
 # qconv's unary post-ops besides its clamp (conv_gemm_int8.c ``enum activation``)
 ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2}
@@ -119,8 +120,10 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_quantize_nchw_to_nhwc.argtypes = [i32] * 4 + [pointer, f32] + [i32] * 3 + [pointer]
     _declare_gemm(lib.qb_conv_call)
     lib.qb_run_chain.argtypes = [i32, i32, pointer, pointer]
+    lib.qb_max_pool_u8_call.argtypes = [i32] + [pointer] * 3
     lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = None
-    lib.qb_dwconv3x3_call.restype = lib.qb_run_chain.restype = i32  # (dwconv: always 0, as the VNNI one when it succeeds)
+    # (dwconv and max pool: always 0, as the VNNI dwconv when it succeeds)
+    lib.qb_dwconv3x3_call.restype = lib.qb_run_chain.restype = lib.qb_max_pool_u8_call.restype = i32
     lib.qb_quantize_nchw_to_nhwc.restype = lib.qb_attention_f32.restype = None
     lib.qb_has_avx512_vnni.restype = i32
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -405,6 +408,45 @@ def _conv_fake(x, weight, mult, add, residual, residual_scale, low, high, out_sc
     return _channels_last_like(x, (n, mult.numel(), oh, ow), torch.float32 if float_out else torch.uint8)
 
 
+class _MaxPoolCall(ctypes.Structure):
+    """max_pool_uint8.c ``max_pool_call_t``."""
+
+    _fields_ = [(name, ctypes.c_int) for name in ("N", "H", "W", "C", "KH", "KW", "stride_h", "stride_w", "pad_h", "pad_w",
+                                                   "dil_h", "dil_w", "OH", "OW")]
+
+
+@functools.lru_cache(maxsize=256)  # per input shape and pool geometry (the graph passes tuples)
+def _max_pool_prepared_for(lib, shape, kernel_size, stride, padding, dilation) -> Prepared:
+    n, c, h, w = shape
+    oh, ow = (conv_output_size(size, *args) for size, args in zip((h, w), zip(stride, padding, kernel_size, dilation)))
+    if oh < 1 or ow < 1 or any(2 * p > k for p, k in zip(padding, kernel_size)):
+        raise ValueError(f"qbackend::max_pool_u8: kernel {list(kernel_size)}, padding {list(padding)} on {list(shape)}: "
+                         "no output, or padding over half the kernel")
+    call = _MaxPoolCall(n, h, w, c, *kernel_size, *stride, *padding, *dilation, oh, ow)
+    return _prepare(call, (n, c, oh, ow), torch.uint8, lib.qb_max_pool_u8_call, ())
+
+
+def _max_pool_prepared(lib, x, kernel_size, stride, padding, dilation, *, trusted=False) -> Prepared:
+    if x.dim() != 4 or x.dtype != torch.uint8 or x.device.type != "cpu":
+        raise ValueError(f"qbackend::max_pool_u8 takes uint8 CPU activations [N, C, H, W], got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    return _max_pool_prepared_for(lib, tuple(x.shape), *(tuple(a) for a in (kernel_size, stride, padding, dilation)))
+
+
+def _max_pool(lib, x, *args, trusted=False):
+    prepared = _max_pool_prepared(lib, x, *args)
+    x = x.contiguous(memory_format=torch.channels_last)
+    y = _output(x, prepared)
+    prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), y.data_ptr())
+    return y
+
+
+def _max_pool_fake(x, kernel_size, stride, padding, dilation):
+    n, c, h, w = x.shape
+    oh, ow = (conv_output_size(size, *args) for size, args in zip((h, w), zip(stride, padding, kernel_size, dilation)))
+    return _channels_last_like(x, (n, c, oh, ow), torch.uint8)
+
+
 ATTENTION_HEAD_DIM_STEP = 16  # attention_f32.c: head dims in 16-column vector pairs
 
 
@@ -458,13 +500,14 @@ def _attention_fake(q, k, v, mask, scale):
 
 
 _IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_dw3x3": _dwconv3x3, "qconv": _conv,
-          "attention_f32": _attention}
+          "attention_f32": _attention, "max_pool_u8": _max_pool}
 FAKES = {
     "int4_mm_int16": lambda x, weight, scale, offset, group_size: x.new_empty(x.shape[0], weight.shape[0]),
     "int8_mm_int16": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
     "qconv_dw3x3": _dwconv3x3_fake,
     "qconv": _conv_fake,
     "attention_f32": _attention_fake,
+    "max_pool_u8": _max_pool_fake,
 }
 
 
@@ -499,13 +542,18 @@ def attention_f32(q, k, v, mask, scale):
     return _attention(_load()[0], q, k, v, mask, scale)
 
 
+def max_pool_u8(x, kernel_size, stride, padding, dilation):
+    """``qbackend::max_pool_u8`` without the dispatcher round trip."""
+    return _max_pool(_load()[0], x, kernel_size, stride, padding, dilation)
+
+
 # The plain functions return tensors they allocated (attention: a view of one): the in-place
 # safety analysis (patterns/inplace.py) may let a later kernel write into them.
-for _fn in (qconv_dw3x3, qconv, attention_f32):
+for _fn in (qconv_dw3x3, qconv, attention_f32, max_pool_u8):
     _fn.fresh_output = True
 
 # own conv kernel -> its prepared call for given arguments (what kernel_chain.py runs)
-PREPARED_CALLS = {"qconv_dw3x3": _dwconv3x3_prepared, "qconv": _conv_prepared}
+PREPARED_CALLS = {"qconv_dw3x3": _dwconv3x3_prepared, "qconv": _conv_prepared, "max_pool_u8": _max_pool_prepared}
 
 
 def own_kernel_forms(name: str) -> tuple:
@@ -517,7 +565,8 @@ def own_kernel(name: str, traced: bool):
     """What a graph calls for an own kernel: the op if the graph will be traced (fake tensors
     need its fake kernel), else the plain function. Loads the kernels first."""
     registered = op(name)
-    return registered if traced else {"qconv_dw3x3": qconv_dw3x3, "qconv": qconv, "attention_f32": attention_f32}[name]
+    return registered if traced else {"qconv_dw3x3": qconv_dw3x3, "qconv": qconv, "attention_f32": attention_f32,
+                                      "max_pool_u8": max_pool_u8}[name]
 
 
 def refusal(bits: int, in_features: int, group_size: int) -> Optional[str]:

@@ -12,9 +12,9 @@ PARAMS = [(0.02, 128, 0, 255, torch.uint8), (0.05, 0, 0, 255, torch.uint8), (0.0
           (0.02, 64, 0, 127, torch.uint8)]  # the last: reduce_range's 7-bit activations
 
 
-def _inputs(dtype):
+def _inputs(dtype, shape=(4, 16, 9, 9)):
     torch.manual_seed(0)
-    x = torch.randn(4, 16, 9, 9) * 3
+    x = torch.randn(*shape) * 3
     x.view(-1)[:100] = torch.arange(100) * 0.01  # exact .5 ties at scale 0.02
     return x.to(dtype)
 
@@ -75,12 +75,15 @@ def test_tensor_overloads_match_the_reference(params):
 
 @pytest.mark.parametrize("params", PARAMS, ids=str)
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-def test_quantize_for_a_conv_is_channels_last_and_the_reference_bit_for_bit(params, layout):
+@pytest.mark.parametrize("shape", [(4, 16, 9, 9), (2, 3, 33, 35)], ids=["16 channels", "RGB"])
+def test_quantize_for_a_conv_is_channels_last_and_the_reference_bit_for_bit(params, layout, shape):
     """A conv's input quantize: qbackend's kernel for uint8 NCHW float32 inputs (9x9: a tail of
-    pixels), the vectorised quantize elsewhere (int8, a channels-last input), channels-last out.
-    The kernel multiplies by the reference's inverse scale: exact even at rounding ties."""
+    pixels; RGB: its 3-channel path, 1155 pixels = a 1024-pixel chunk and one with a tail of 3
+    after 16-pixel steps), the vectorised quantize elsewhere (int8, a channels-last input),
+    channels-last out. The kernel multiplies by the reference's inverse scale: exact even at
+    rounding ties."""
     scale, zero_point, qmin, qmax, dtype = params
-    x = _inputs(torch.float32)
+    x = _inputs(torch.float32, shape)
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
     actual = fast_qdq.quantize_per_tensor_channels_last(x, scale, zero_point, qmin, qmax, dtype)

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(native.available() is not None, reason=f"own ker
 
 class ProjectAndPool(nn.Module):
     """An inverted residual block whose depthwise output is also max-pooled (on int8, after the
-    project conv): a value that both leaves the chain and feeds a later step in it."""
+    project conv, by torch's kernel: ceil mode): a value that both leaves the chain and feeds a
+    later step in it."""
 
     def __init__(self):
         super().__init__()
@@ -25,7 +26,7 @@ class ProjectAndPool(nn.Module):
     def forward(self, x):
         b = self.block
         d = b.depthwise(b.expand(x))
-        return b.project(d), nn.functional.max_pool2d(d, 2)
+        return b.project(d), nn.functional.max_pool2d(d, 2, ceil_mode=True)
 
 
 def _compiled(model, x, chained: bool, monkeypatch):

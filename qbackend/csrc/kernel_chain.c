@@ -14,17 +14,17 @@ typedef struct {
   long offset; /* bytes from it */
 } operand_t;
 
-enum kind { GEMM_CONV = 0, DEPTHWISE = 1 };
+enum kind { GEMM_CONV = 0, X_TO_Y = 1 }; /* X_TO_Y: (threads, call, x, y) -> 0 or failure */
 
 typedef struct {
   int kind;
-  const void* function; /* qb_conv_call(_vnni) or qb_dwconv3x3(_vnni)_call */
+  const void* function; /* qb_conv_call(_vnni); X_TO_Y: qb_dwconv3x3(_vnni)_call, qb_max_pool_u8_call */
   const void* call;     /* its prepared arguments */
   operand_t x, residual, y, yf; /* yf: a float32 output (GEMM_CONV only) */
 } chain_step_t;
 
 typedef void (*gemm_conv_fn)(int, const void*, const uint8_t*, const void*, uint8_t*, float*);
-typedef int (*depthwise_fn)(int, const void*, const uint8_t*, uint8_t*);
+typedef int (*x_to_y_fn)(int, const void*, const uint8_t*, uint8_t*);
 
 static void* address(void* const* bases, operand_t o) { return o.base < 0 ? NULL : (char*)bases[o.base] + o.offset; }
 
@@ -35,7 +35,7 @@ int qb_run_chain(int threads, int count, const chain_step_t* steps, void* const*
     if (s->kind == GEMM_CONV)
       ((gemm_conv_fn)s->function)(threads, s->call, address(bases, s->x), address(bases, s->residual), address(bases, s->y),
                                   address(bases, s->yf));
-    else if (((depthwise_fn)s->function)(threads, s->call, address(bases, s->x), address(bases, s->y)))
+    else if (((x_to_y_fn)s->function)(threads, s->call, address(bases, s->x), address(bases, s->y)))
       return i + 1;
   }
   return 0;

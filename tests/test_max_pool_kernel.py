@@ -1,0 +1,56 @@
+"""qbackend's int8 max pool kernel (csrc/max_pool_uint8.c): torch's quantized::max_pool2d's
+bytes, on every geometry the lowering hands it; chosen for int8 pools on CPU, torch's kernel
+(with the reason) for ceil mode."""
+import pytest
+import torch
+import torch.nn as nn
+
+from qbackend import native
+
+from .helpers import assert_matches_reference, quantize
+
+pytestmark = pytest.mark.skipif(native.available() is not None, reason=f"own kernels unavailable: {native.available()}")
+
+GEOMETRIES = [  # kernel, stride, padding, dilation
+    ((3, 3), (2, 2), (1, 1), (1, 1)),  # ResNet's
+    ((2, 2), (2, 2), (0, 0), (1, 1)),
+    ((3, 3), (1, 1), (1, 1), (1, 1)),
+    ((3, 2), (2, 1), (1, 0), (1, 1)),
+    ((3, 3), (1, 2), (1, 1), (2, 2)),
+]
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
+@pytest.mark.parametrize("channels", [64, 40, 3], ids=["64 channels", "32 + 8 channels", "3 channels"])
+def test_kernel_gives_torchs_bytes(geometry, channels):
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (2, channels, 11, 9), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    kernel_size, stride, padding, dilation = geometry
+    expected = torch.ops.quantized.max_pool2d(x, list(kernel_size), list(stride), list(padding), list(dilation), False)
+    for actual in (native.max_pool_u8(x, *geometry), native.op("max_pool_u8")(x, *geometry)):
+        assert actual.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(actual, expected)
+
+
+def test_bad_inputs_get_a_clear_error():
+    with pytest.raises(ValueError, match="takes uint8 CPU activations"):
+        native.max_pool_u8(torch.zeros(1, 8, 4, 4), (2, 2), (2, 2), (0, 0), (1, 1))
+    with pytest.raises(ValueError, match="padding over half the kernel"):
+        native.max_pool_u8(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), (2, 2), (2, 2), (2, 2), (1, 1))
+
+
+def conv_pool_conv(ceil_mode):
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, 1, ceil_mode=ceil_mode),
+                         nn.Conv2d(16, 16, 3, padding=1))
+
+
+@pytest.mark.parametrize("ceil_mode", [False, True], ids=["floor", "ceil"])
+def test_int8_pool_runs_on_the_kernel_unless_ceil_mode(ceil_mode):
+    inputs = (torch.randn(2, 3, 15, 15),)
+    report = assert_matches_reference(quantize(conv_pool_conv(ceil_mode), inputs), inputs).report
+    pool = next(d for d in report.decisions if d.rule == "qmaxpool2d")
+    if ceil_mode:
+        assert pool.op == "quantized::max_pool2d", str(report)
+        assert "not qbackend's max pool kernel: ceil_mode: the kernel pools in floor mode" in pool.reason, str(report)
+    else:
+        assert pool.op == "qbackend::max_pool_u8.default", str(report)
