@@ -1,10 +1,12 @@
-"""qbackend's int8 GEMM (``qbackend::qconv``) against oneDNN's int8 conv / linear, per layer.
+"""qbackend's own int8 kernels against torch's, per layer: the GEMM (``qbackend::qconv``) and
+the depthwise conv against oneDNN's int8 conv / linear, the max pool and input quantize against
+torch's quantized::max_pool2d and quantize.
 
     python benchmarks/bench_gemm.py [--out docs/benchmarks_gemm.md]
 
 The convs and linears of the three benchmark models (ResNet-18 at batch 1 and 8, MobileNetV2's
-1x1 convs, the BERT-base encoder's linears at 128 and 1024 rows), each timed interleaved as
-the lowered graph calls it: oneDNN's prepacked op, and qbackend's kernel in each build this
+1x1 and depthwise convs, the BERT-base encoder's linears at 128 and 1024 rows), each timed
+interleaved as the lowered graph calls it: torch's op, and qbackend's kernel in each build this
 CPU runs (AVX2 always; AVX512-VNNI where the CPU has it). The ratio column is what
 ``lowering/gemm.py``'s LIMITS and input zero point conditions are set from.
 """
@@ -21,7 +23,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))
 
 from qbackend import native  # noqa: E402
-from qbackend.lowering import gemm  # noqa: E402
+from qbackend.lowering import depthwise, gemm  # noqa: E402
 from qbackend.lowering.own_conv import scale_and_offset  # noqa: E402
 from qbackend.ops import resolve  # noqa: E402
 
@@ -41,6 +43,8 @@ CONVS = [
     ("MobileNetV2 1x1 expand", 1, 96, 14, 14, 576, 1, 1, 64),
     ("MobileNetV2 1x1 last", 1, 320, 7, 7, 1280, 1, 1, 64),
 ]
+# MobileNetV2's depthwise 3x3 layers at batch 1: (channels, input size, stride)
+DEPTHWISE = [(32, 112, 1), (96, 112, 2), (144, 56, 1), (144, 56, 2), (192, 28, 1), (384, 14, 1), (576, 14, 2), (960, 7, 1)]
 # (name, rows, in, out)
 LINEARS = [
     *[(f"encoder {name}", rows, cin, cout) for rows in (128, 1024)
@@ -96,16 +100,60 @@ def linear_runners(rows, cin, cout):
     return onednn, own
 
 
-def packing(weight):
-    """A function giving gemm.pack(weight) for the build being timed, packed once per build."""
+def packing(weight, pack=gemm.pack):
+    """A function giving pack(weight) for the build being timed, packed once per build."""
     packed = {}
 
     def for_build():
         build = native.int8_build()
         if build not in packed:
-            packed[build] = gemm.pack(weight)
+            packed[build] = pack(weight)
         return packed[build]
     return for_build
+
+
+def depthwise_runners(channels, size, stride):
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (1, channels, size, size), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    weight = torch.randint(-128, 128, (channels, 1, 3, 3), dtype=torch.int8)
+    w_scale = torch.full((channels,), 0.002)
+    prepack, qconv = resolve("qconv_prepack", "cpu").op, resolve("qconv", "cpu").op
+    packed = prepack(weight, w_scale, 0.02, 0, [stride] * 2, [1, 1], [1, 1], channels, x.shape)
+    w_zp = torch.zeros(channels, dtype=torch.int64)
+
+    def onednn():
+        return qconv(x, 0.02, 0, packed, w_scale, w_zp, None, [stride] * 2, [1, 1], [1, 1], channels, 0.05, 0,
+                     None, "hardtanh", [0.0, 6.0], "")
+
+    mult_add = scale_and_offset(weight, w_scale, 0.02, 0)
+    constants = packing(weight, lambda w: depthwise.pack(w, *mult_add))
+
+    def own():
+        return native.qconv_dw3x3(x, 0, *constants(), (stride, stride), (1, 1), 0.0, 6.0, 0.05, 0, 0, 255)
+    return onednn, own
+
+
+def torch_vs_own_row(label, peer, own):
+    us = median_us({"torch": peer, "own": own})
+    return f"| {label} | {us['torch']:.0f} | {us['own']:.0f} | {us['own'] / us['torch']:.2f} |"
+
+
+def other_kernel_rows() -> list:
+    """The max pool and the input quantize, against the ops they replace (one build: AVX2)."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  registers the reference's quantize
+
+    quantize, rows = torch.ops.quantized_decomposed.quantize_per_tensor, []
+    for batch in (1, 8):
+        x = torch.randint(0, 256, (batch, 64, 112, 112), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+        rows.append(torch_vs_own_row(f"ResNet max pool 3x3 s2, batch {batch}: quantized::max_pool2d",
+                                     lambda x=x: torch.ops.quantized.max_pool2d(x, [3, 3], [2, 2], [1, 1], [1, 1], False),
+                                     lambda x=x: native.max_pool_u8(x, (3, 3), (2, 2), (1, 1), (1, 1))))
+        image = torch.randn(batch, 3, 224, 224)
+        rows.append(torch_vs_own_row(
+            f"input quantize {batch}x3x224x224 to channels-last uint8: the reference's quantize + to channels-last",
+            lambda i=image: quantize(i, 0.03, 127, 0, 255, torch.uint8).contiguous(memory_format=torch.channels_last),
+            lambda i=image: native.quantize_channels_last(i, 0.03, 127, 0, 255)))
+    return rows
 
 
 def median_us(runners: dict, seconds: float = 0.6) -> dict:
@@ -161,10 +209,17 @@ def main():
     for name, rows, cin, cout in LINEARS:
         lines.append(timed_row(f"{name}: {rows} rows, {cin}->{cout}", *linear_runners(rows, cin, cout), builds_here))
         print(lines[-1], flush=True)
-    text = (f"# qbackend's int8 GEMM vs oneDNN, per layer\n\n- Machine: {machine}\n"
+    for channels, size, stride in DEPTHWISE:
+        label = f"MobileNetV2 depthwise 3x3 s{stride} + relu6, batch 1: {channels} channels, {size}x{size} input"
+        lines.append(timed_row(label, *depthwise_runners(channels, size, stride), builds_here))
+        print(lines[-1], flush=True)
+    others = ["| op | torch (us) | qbackend (us) | qbackend / torch |", "|---|---|---|---|", *other_kernel_rows()]
+    print("\n".join(others[2:]), flush=True)
+    text = (f"# qbackend's own int8 kernels vs torch's, per layer\n\n- Machine: {machine}\n"
             f"- Date: {datetime.date.today()}; command: `python benchmarks/bench_gemm.py`\n"
             "- Interleaved medians of the call as a lowered graph makes it (oneDNN: the prepacked op with a relu / "
-            "requantize epilogue; qbackend: the plain function, uint8 out)\n\n" + "\n".join(lines) + "\n")
+            "requantize epilogue; qbackend: the plain function, uint8 out)\n\n## GEMM and depthwise vs oneDNN\n\n"
+            + "\n".join(lines) + "\n\n## Max pool and input quantize\n\n" + "\n".join(others) + "\n")
     args.out.write_text(text)
     print(f"wrote {args.out}")
 

@@ -1,4 +1,4 @@
-"""Runs of qbackend's own conv kernels as one call (``csrc/kernel_chain.c``).
+"""Runs of qbackend's own int8 kernels (GEMM, depthwise, max pool) as one call (``csrc/kernel_chain.c``).
 
 Each own-kernel call from the graph costs ~4 us of Python besides its kernel (arguments,
 the prepared-call lookup, the output's allocation, ctypes): on a MobileNetV2 image, 46 calls
@@ -48,7 +48,7 @@ class Ref:
 
 @dataclass
 class Step:
-    kernel: str  # "qconv" / "qconv_dw3x3"
+    kernel: str  # a KINDS key
     args: tuple  # the plain function's arguments, tensor operands as Ref, constants as tensors
     name: str  # of the graph node it replaced (for listings)
 
@@ -61,17 +61,14 @@ class _Program:
         self.arena_bytes = arena_bytes
         self.outputs = outputs  # (shape, strides, dtype) per chain output
         self.prepared = prepared  # holds the structs the steps point to
-        self.bases = (ctypes.c_void_p * (1 + input_count + len(outputs)))()
+        self.bases_type = ctypes.c_void_p * (1 + input_count + len(outputs))
 
     def run(self, inputs: list) -> tuple:
-        bases, first = self.bases, inputs[0]
+        first = inputs[0]
         arena = first.new_empty(self.arena_bytes, dtype=torch.uint8)
-        bases[0] = arena.data_ptr()
-        for i, x in enumerate(inputs, 1):
-            bases[i] = x.data_ptr()
         outputs = tuple(first.new_empty_strided(shape, strides, dtype=dtype) for shape, strides, dtype in self.outputs)
-        for i, y in enumerate(outputs, 1 + len(inputs)):
-            bases[i] = y.data_ptr()
+        # (made per call: ctypes lets go of the GIL, so another thread may run this program meanwhile)
+        bases = self.bases_type(arena.data_ptr(), *(t.data_ptr() for t in inputs), *(y.data_ptr() for y in outputs))
         failed = native._load()[0].qb_run_chain(torch.get_num_threads(), len(self.steps), self.steps, bases)
         if failed:
             raise MemoryError(f"qbackend kernel chain: step {failed - 1} could not allocate its scratch")

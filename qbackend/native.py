@@ -11,6 +11,9 @@
   AVX2 int8 kernels are slower than this GEMM's below a few thousand output rows. Both are
   built a second time for AVX512-VNNI (``conv_gemm_int8_vnni.c``, ``depthwise_conv_int8_vnni.c``:
   a library of their own), used where the CPU has it: ``int8_build``.
+- An int8 max pool (``max_pool_uint8.c``; torch's quantized::max_pool2d runs on one thread),
+  the model input's quantize to channels-last uint8 (``quantize_nhwc.c``), float32 attention
+  (``attention_f32.c``), and the runner of own-kernel chains (``kernel_chain.c``).
 
 The sources are compiled once per machine with the system C compiler (as Inductor does for
 its own kernels) into one library, cached by a hash of sources and flags, loaded with ctypes,

@@ -1,4 +1,4 @@
-/* Runs a chain of qbackend's own conv kernels (qbackend/kernel_chain.py) in one call.
+/* Runs a chain of qbackend's own int8 kernels (qbackend/kernel_chain.py) in one call.
  *
  * Why: each kernel call from Python costs ~4 us besides the kernel (argument handling, the
  * output's allocation, ctypes), and a MobileNetV2 image makes 46 of them, most computing for
