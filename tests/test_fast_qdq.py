@@ -93,3 +93,15 @@ def test_quantize_for_a_conv_is_channels_last_and_the_reference_bit_for_bit(para
         assert torch.equal(actual, expected)
     else:
         assert_equal_but_at_ties(actual, expected, x, scale)
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=str)
+def test_quantize_of_a_permuted_tensor_keeps_its_strides(params):
+    """Attention's output is a [B, H, L, D] view of [B, L, H, D] memory: quantized in memory
+    order, so the [B, L, H * D] reshape after it is a view, not a copy."""
+    x = _inputs(torch.float32).permute(0, 2, 1, 3)
+    q = fast_qdq.quantize_per_tensor(x, *params)
+    assert q.stride() == x.stride()
+    assert_equal_but_at_ties(q, qd.quantize_per_tensor(x, *params), x, params[0])
+    sliced = x[:, :, :3]  # not dense: quantized as ATen does it (contiguous)
+    assert fast_qdq.quantize_per_tensor(sliced, *params).is_contiguous()
