@@ -1,6 +1,6 @@
 """qbackend's own int8 kernels against torch's, per layer: the GEMM (``qbackend::qconv``) and
-the depthwise conv against oneDNN's int8 conv / linear, the max pool and input quantize against
-torch's quantized::max_pool2d and quantize.
+the depthwise conv against oneDNN's int8 conv / linear, the pools and input quantize against
+torch's quantized-tensor pools and quantize.
 
     python benchmarks/bench_gemm.py [--out docs/benchmarks_gemm.md]
 
@@ -139,7 +139,7 @@ def torch_vs_own_row(label, peer, own):
 
 
 def other_kernel_rows() -> list:
-    """The max pool and the input quantize, against the ops they replace (one build: AVX2)."""
+    """The pools and the input quantize, against the ops they replace (one build: AVX2)."""
     import torch.ao.quantization.fx._decomposed  # noqa: F401  registers the reference's quantize
 
     quantize, rows = torch.ops.quantized_decomposed.quantize_per_tensor, []
@@ -148,6 +148,11 @@ def other_kernel_rows() -> list:
         rows.append(torch_vs_own_row(f"ResNet max pool 3x3 s2, batch {batch}: quantized::max_pool2d",
                                      lambda x=x: torch.ops.quantized.max_pool2d(x, [3, 3], [2, 2], [1, 1], [1, 1], False),
                                      lambda x=x: native.max_pool_u8(x, (3, 3), (2, 2), (1, 1), (1, 1))))
+        head = torch.randint(0, 256, (batch, 1280, 7, 7), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+        rows.append(torch_vs_own_row(
+            f"MobileNetV2 head global average pool, batch {batch}: quantized-tensor copy, its pool, int_repr",
+            lambda h=head: torch.nn.functional.adaptive_avg_pool2d(torch._make_per_tensor_quantized_tensor(h, 0.05, 3), 1).int_repr(),
+            lambda h=head: native.global_avg_pool_u8(h, 3, 0, 255)))
         image = torch.randn(batch, 3, 224, 224)
         rows.append(torch_vs_own_row(
             f"input quantize {batch}x3x224x224 to channels-last uint8: the reference's quantize + to channels-last",
@@ -219,7 +224,7 @@ def main():
             f"- Date: {datetime.date.today()}; command: `python benchmarks/bench_gemm.py`\n"
             "- Interleaved medians of the call as a lowered graph makes it (oneDNN: the prepacked op with a relu / "
             "requantize epilogue; qbackend: the plain function, uint8 out)\n\n## GEMM and depthwise vs oneDNN\n\n"
-            + "\n".join(lines) + "\n\n## Max pool and input quantize\n\n" + "\n".join(others) + "\n")
+            + "\n".join(lines) + "\n\n## Pools and input quantize\n\n" + "\n".join(others) + "\n")
     args.out.write_text(text)
     print(f"wrote {args.out}")
 

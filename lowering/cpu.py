@@ -9,10 +9,10 @@ from qbackend.patterns.base import fake_value
 
 from .capabilities import (INT16_MAX, conv_binary_post_op_refusal, conv_post_op_refusal, int8_pairs_saturate,
                            linear_binary_post_op_refusal, linear_post_op_refusal, quantized_tensor_pool_refusal)
-from . import attention, depthwise, gemm, max_pool
+from . import attention, depthwise, gemm, pools
 from .base import Lowering
-from .common import (COMMON, NO_POST_OP, emit_qconv, emit_qconv_add, emit_qlinear, emit_qlinear_add, emit_qmaxpool2d,
-                     emit_sdpa, output_args)
+from .common import (COMMON, NO_POST_OP, emit_qavgpool, emit_qconv, emit_qconv_add, emit_qlinear, emit_qlinear_add,
+                     emit_qmaxpool2d, emit_sdpa, output_args)
 from .signed_int8 import signed_activations_as_unsigned
 from .weight_only import emit_weight_only, limits_for
 
@@ -92,11 +92,13 @@ TABLE["qconv"] = dataclasses.replace(TABLE["qconv"], emit=_own_kernel_or(emit_qc
 TABLE["qconv_add"] = dataclasses.replace(TABLE["qconv_add"], emit=_own_kernel_or(emit_qconv_add, gemm.CONV_KERNEL))
 TABLE["qlinear"] = dataclasses.replace(TABLE["qlinear"], emit=_own_kernel_or(emit_qlinear, gemm.LINEAR_KERNEL))
 TABLE["qlinear_add"] = dataclasses.replace(TABLE["qlinear_add"], emit=_own_kernel_or(emit_qlinear_add, gemm.LINEAR_KERNEL))
-TABLE["qmaxpool2d"] = dataclasses.replace(TABLE["qmaxpool2d"], emit=_own_kernel_or(emit_qmaxpool2d, max_pool.KERNEL,
+TABLE["qmaxpool2d"] = dataclasses.replace(TABLE["qmaxpool2d"], emit=_own_kernel_or(emit_qmaxpool2d, pools.MAX_POOL,
                                                                                   fallback="quantized::max_pool2d"))
 TABLE["sdpa"] = dataclasses.replace(TABLE["sdpa"], emit=_own_kernel_or(emit_sdpa, attention.KERNEL,
                                                                       fallback="torch's fused attention"))
-TABLE["qavgpool"] = dataclasses.replace(COMMON["qavgpool"], limits=lambda match: _uint8_activations(match) or quantized_tensor_pool_refusal("cpu"))
+TABLE["qavgpool"] = dataclasses.replace(
+    COMMON["qavgpool"], limits=lambda match: _uint8_activations(match) or quantized_tensor_pool_refusal("cpu"),
+    emit=_own_kernel_or(emit_qavgpool, pools.GLOBAL_AVERAGE_POOL, fallback="torch's quantized-tensor pool"))
 TABLE["int4_weight_linear"] = Lowering(emit_weight_only, ("int4_pack", "int4_mm"), limits_for("cpu"))
 TABLE["int8_weight_linear"] = Lowering(emit_weight_only, ("int8_weight_only_mm",), limits_for("cpu"))
 

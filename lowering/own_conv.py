@@ -1,5 +1,7 @@
-"""What qbackend's own int8 conv / GEMM kernels (lowering/depthwise.py, lowering/gemm.py)
-share: the requantization constants, the clamp post-op, and the conditions on a match."""
+"""What qbackend's own kernels share as the CPU table uses them (``OwnKernel``, ``call_kernel``:
+the convs, attention, the pools), and what its int8 conv / GEMM kernels (lowering/depthwise.py,
+lowering/gemm.py) share besides: the requantization constants, the clamp post-op, and the
+conditions on a match."""
 from __future__ import annotations
 
 import math

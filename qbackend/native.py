@@ -11,7 +11,8 @@
   AVX2 int8 kernels are slower than this GEMM's below a few thousand output rows. Both are
   built a second time for AVX512-VNNI (``conv_gemm_int8_vnni.c``, ``depthwise_conv_int8_vnni.c``:
   a library of their own), used where the CPU has it: ``int8_build``.
-- An int8 max pool (``max_pool_uint8.c``; torch's quantized::max_pool2d runs on one thread),
+- An int8 max pool (``max_pool_uint8.c``; torch's quantized::max_pool2d runs on one thread)
+  and global average pool (``global_avg_pool_uint8.c``; torch's needs a quantized-tensor copy),
   the model input's quantize to channels-last uint8 (``quantize_nhwc.c``), float32 attention
   (``attention_f32.c``), and the runner of own-kernel chains (``kernel_chain.c``).
 
@@ -58,6 +59,7 @@ OPS = {
              "int[2] dilation=[1, 1], int x_zero_point=0) -> Tensor",
     "attention_f32": "attention_f32(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor",
     "max_pool_u8": "max_pool_u8(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation) -> Tensor",
+    "global_avg_pool_u8": "global_avg_pool_u8(Tensor x, int zero_point, int qmin, int qmax) -> Tensor",
 }
 # qconv's unary post-ops besides its clamp (conv_gemm_int8.c ``enum activation``)
 ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2}
@@ -123,10 +125,11 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_quantize_nchw_to_nhwc.argtypes = [i32] * 4 + [pointer, f32] + [i32] * 3 + [pointer]
     _declare_gemm(lib.qb_conv_call)
     lib.qb_run_chain.argtypes = [i32, i32, pointer, pointer]
-    lib.qb_max_pool_u8_call.argtypes = [i32] + [pointer] * 3
+    lib.qb_max_pool_u8_call.argtypes = lib.qb_global_avg_pool_u8_call.argtypes = [i32] + [pointer] * 3
     lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = None
-    # (dwconv and max pool: always 0, as the VNNI dwconv when it succeeds)
-    lib.qb_dwconv3x3_call.restype = lib.qb_run_chain.restype = lib.qb_max_pool_u8_call.restype = i32
+    # (dwconv and the pools: always 0, as the VNNI dwconv when it succeeds)
+    lib.qb_dwconv3x3_call.restype = lib.qb_run_chain.restype = i32
+    lib.qb_max_pool_u8_call.restype = lib.qb_global_avg_pool_u8_call.restype = i32
     lib.qb_quantize_nchw_to_nhwc.restype = lib.qb_attention_f32.restype = None
     lib.qb_has_avx512_vnni.restype = i32
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
@@ -436,18 +439,53 @@ def _max_pool_prepared(lib, x, kernel_size, stride, padding, dilation, *, truste
     return _max_pool_prepared_for(lib, tuple(x.shape), *(tuple(a) for a in (kernel_size, stride, padding, dilation)))
 
 
-def _max_pool(lib, x, *args, trusted=False):
-    prepared = _max_pool_prepared(lib, x, *args)
+def _x_to_y(prepared: Prepared, x: torch.Tensor) -> torch.Tensor:
+    """Run a prepared (threads, call, x, y) -> 0 kernel: a max or average pool."""
     x = x.contiguous(memory_format=torch.channels_last)
     y = _output(x, prepared)
     prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), y.data_ptr())
     return y
 
 
+def _max_pool(lib, x, *args, trusted=False):
+    return _x_to_y(_max_pool_prepared(lib, x, *args), x)
+
+
 def _max_pool_fake(x, kernel_size, stride, padding, dilation):
     n, c, h, w = x.shape
     oh, ow = (conv_output_size(size, *args) for size, args in zip((h, w), zip(stride, padding, kernel_size, dilation)))
     return _channels_last_like(x, (n, c, oh, ow), torch.uint8)
+
+
+class _GlobalAvgPoolCall(ctypes.Structure):
+    """global_avg_pool_uint8.c ``global_avg_pool_call_t``."""
+
+    _fields_ = [(name, ctypes.c_int) for name in ("N", "HW", "C", "zp", "qmin", "qmax")]
+
+
+GLOBAL_POOL_MAX_PIXELS = 1 << 23  # the kernel sums 8-bit values in int32
+
+
+@functools.lru_cache(maxsize=256)  # per input shape and zero point
+def _global_avg_pool_prepared_for(lib, shape, zero_point, qmin, qmax) -> Prepared:
+    n, c, h, w = shape
+    if not 0 < h * w <= GLOBAL_POOL_MAX_PIXELS:
+        raise ValueError(f"qbackend::global_avg_pool_u8 takes 1 to {GLOBAL_POOL_MAX_PIXELS} pixels, got {h}x{w}")
+    call = _GlobalAvgPoolCall(n, h * w, c, zero_point, qmin, qmax)
+    return _prepare(call, (n, c, 1, 1), torch.uint8, lib.qb_global_avg_pool_u8_call, ())
+
+
+def _global_avg_pool_prepared(lib, x, zero_point, qmin, qmax, *, trusted=False) -> Prepared:
+    _check_nchw_uint8(x, x.shape[1] if x.dim() == 4 else -1, "global_avg_pool_u8")
+    return _global_avg_pool_prepared_for(lib, tuple(x.shape), zero_point, qmin, qmax)
+
+
+def _global_avg_pool(lib, x, *args, trusted=False):
+    return _x_to_y(_global_avg_pool_prepared(lib, x, *args), x)
+
+
+def _global_avg_pool_fake(x, zero_point, qmin, qmax):
+    return _channels_last_like(x, (x.shape[0], x.shape[1], 1, 1), torch.uint8)
 
 
 ATTENTION_HEAD_DIM_STEP = 16  # attention_f32.c: head dims in 16-column vector pairs
@@ -503,7 +541,7 @@ def _attention_fake(q, k, v, mask, scale):
 
 
 _IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_dw3x3": _dwconv3x3, "qconv": _conv,
-          "attention_f32": _attention, "max_pool_u8": _max_pool}
+          "attention_f32": _attention, "max_pool_u8": _max_pool, "global_avg_pool_u8": _global_avg_pool}
 FAKES = {
     "int4_mm_int16": lambda x, weight, scale, offset, group_size: x.new_empty(x.shape[0], weight.shape[0]),
     "int8_mm_int16": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
@@ -511,6 +549,7 @@ FAKES = {
     "qconv": _conv_fake,
     "attention_f32": _attention_fake,
     "max_pool_u8": _max_pool_fake,
+    "global_avg_pool_u8": _global_avg_pool_fake,
 }
 
 
@@ -550,13 +589,19 @@ def max_pool_u8(x, kernel_size, stride, padding, dilation):
     return _max_pool(_load()[0], x, kernel_size, stride, padding, dilation)
 
 
+def global_avg_pool_u8(x, zero_point, qmin, qmax):
+    """``qbackend::global_avg_pool_u8`` without the dispatcher round trip."""
+    return _global_avg_pool(_load()[0], x, zero_point, qmin, qmax)
+
+
 # The plain functions return tensors they allocated (attention: a view of one): the in-place
 # safety analysis (patterns/inplace.py) may let a later kernel write into them.
-for _fn in (qconv_dw3x3, qconv, attention_f32, max_pool_u8):
+for _fn in (qconv_dw3x3, qconv, attention_f32, max_pool_u8, global_avg_pool_u8):
     _fn.fresh_output = True
 
 # own conv kernel -> its prepared call for given arguments (what kernel_chain.py runs)
-PREPARED_CALLS = {"qconv_dw3x3": _dwconv3x3_prepared, "qconv": _conv_prepared, "max_pool_u8": _max_pool_prepared}
+PREPARED_CALLS = {"qconv_dw3x3": _dwconv3x3_prepared, "qconv": _conv_prepared, "max_pool_u8": _max_pool_prepared,
+                  "global_avg_pool_u8": _global_avg_pool_prepared}
 
 
 def own_kernel_forms(name: str) -> tuple:
@@ -569,7 +614,7 @@ def own_kernel(name: str, traced: bool):
     need its fake kernel), else the plain function. Loads the kernels first."""
     registered = op(name)
     return registered if traced else {"qconv_dw3x3": qconv_dw3x3, "qconv": qconv, "attention_f32": attention_f32,
-                                      "max_pool_u8": max_pool_u8}[name]
+                                      "max_pool_u8": max_pool_u8, "global_avg_pool_u8": global_avg_pool_u8}[name]
 
 
 def refusal(bits: int, in_features: int, group_size: int) -> Optional[str]:

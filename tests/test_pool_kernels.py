@@ -1,6 +1,7 @@
-"""qbackend's int8 max pool kernel (csrc/max_pool_uint8.c): torch's quantized::max_pool2d's
-bytes, on every geometry the lowering hands it; chosen for int8 pools on CPU, torch's kernel
-(with the reason) for ceil mode."""
+"""qbackend's int8 pool kernels: the max pool (csrc/max_pool_uint8.c) gives torch's
+quantized::max_pool2d's bytes on every geometry the lowering hands it, the global average pool
+(csrc/global_avg_pool_uint8.c) the reference's integers within one step; both chosen on CPU,
+torch's kernels (with the reason) for ceil mode and other average pools."""
 import pytest
 import torch
 import torch.nn as nn
@@ -8,6 +9,7 @@ import torch.nn as nn
 from qbackend import native
 
 from .helpers import assert_matches_reference, quantize
+from .tolerances import assert_int8_close
 
 pytestmark = pytest.mark.skipif(native.available() is not None, reason=f"own kernels unavailable: {native.available()}")
 
@@ -54,3 +56,37 @@ def test_int8_pool_runs_on_the_kernel_unless_ceil_mode(ceil_mode):
         assert "not qbackend's max pool kernel: ceil_mode: the kernel pools in floor mode" in pool.reason, str(report)
     else:
         assert pool.op == "qbackend::max_pool_u8.default", str(report)
+
+
+@pytest.mark.parametrize("zero_point", [0, 3, 128], ids=["zp 0", "odd zp", "zp 128"])
+@pytest.mark.parametrize("channels", [1280, 36, 5], ids=["1280 channels", "32 + 4 channels", "5 channels"])
+def test_global_average_pool_gives_the_reference_integers(zero_point, channels):
+    """The reference: dequantize, adaptive_avg_pool2d to 1x1, quantize with the same parameters."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  registers the reference ops
+
+    qd = torch.ops.quantized_decomposed
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (3, channels, 7, 6), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    x[0, 0] = torch.arange(42).reshape(7, 6) % 2 + 1  # a mean of exactly 1.5: a rounding tie
+    scale = 0.05
+    pooled = nn.functional.adaptive_avg_pool2d(qd.dequantize_per_tensor(x, scale, zero_point, 0, 255, torch.uint8), 1)
+    expected = qd.quantize_per_tensor(pooled, scale, zero_point, 0, 255, torch.uint8)
+    for actual in (native.global_avg_pool_u8(x, zero_point, 0, 255), native.op("global_avg_pool_u8")(x, zero_point, 0, 255)):
+        assert actual.shape == (3, channels, 1, 1)
+        assert_int8_close(actual, expected, f"zero point {zero_point}")
+
+
+def pool_head(pool):
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), pool, nn.Flatten(), nn.Linear(16 * (1 if isinstance(
+        pool, nn.AdaptiveAvgPool2d) else 49), 10))
+
+
+@pytest.mark.parametrize("pool", [nn.AdaptiveAvgPool2d(1), nn.AvgPool2d(2)], ids=["global", "2x2"])
+def test_global_average_pool_runs_on_the_kernel_other_pools_on_torchs(pool):
+    inputs = (torch.randn(2, 3, 14, 14),)
+    report = assert_matches_reference(quantize(pool_head(pool), inputs), inputs).report
+    decision = next(d for d in report.decisions if d.rule == "qavgpool")
+    if isinstance(pool, nn.AdaptiveAvgPool2d):
+        assert decision.op == "qbackend::global_avg_pool_u8.default", str(report)
+    else:
+        assert decision.op == "aten::avg_pool2d (quantized tensor)", str(report)
