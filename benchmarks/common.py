@@ -34,9 +34,9 @@ def time_one_call(runner, inputs):
     return time.perf_counter() - start
 
 
-def measure_interleaved(runners, inputs, settings):
-    """Median seconds per call for every runner, timed in alternating rounds so that drifting
-    load on a shared machine hits all paths alike. Returns {path: (median, calls)}."""
+def interleaved_samples(runners, inputs, settings):
+    """Seconds per call of every runner, timed in alternating rounds so that drifting load on a
+    shared machine hits all paths alike: {path: [one sample per round]} (index i: round i)."""
     for runner in runners.values():
         for _ in range(settings.warmup_calls):
             time_one_call(runner, inputs)
@@ -46,7 +46,22 @@ def measure_interleaved(runners, inputs, settings):
     for _ in range(rounds):
         for path, runner in runners.items():
             samples[path].append(time_one_call(runner, inputs))
-    return {path: (statistics.median(times), len(times)) for path, times in samples.items()}
+    return samples
+
+
+def measure_interleaved(runners, inputs, settings):
+    """Median seconds per call for every runner (``interleaved_samples``): {path: (median, calls)}."""
+    return {path: (statistics.median(times), len(times)) for path, times in interleaved_samples(runners, inputs, settings).items()}
+
+
+def paired_ratios(samples: list, baseline: list) -> tuple:
+    """Per-round ratios of two paths timed in the same rounds: (median, lower quartile, upper
+    quartile). A round's ratio cancels the load both calls of that round saw."""
+    ratios = [a / b for a, b in zip(samples, baseline)]
+    if len(ratios) < 2:
+        return (ratios[0],) * 3
+    low, _, high = statistics.quantiles(ratios, n=4)
+    return statistics.median(ratios), low, high
 
 
 def measure_back_to_back(runner, inputs, calls: int) -> float:
