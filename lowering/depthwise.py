@@ -47,6 +47,7 @@ def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tuple[t
 
 
 def pack_avx2(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two taps' int16 weights per pair (vpmaddwd), in the AVX2 kernel's lane order."""
     channels = weight.shape[0]
     groups = channels // LANES
     taps = torch.nn.functional.pad(weight.reshape(channels, 9).to(torch.int16), (0, 1))  # a 10th, zero tap

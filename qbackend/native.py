@@ -323,10 +323,10 @@ def _prepare_dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding,
         vnni = _vnni_library()[0]
         if vnni is None:
             raise ValueError(f"qbackend::qconv_dw3x3: int8 weights are packed for AVX512-VNNI: {_vnni_library()[1]}")
-        function, taps = vnni.qb_dwconv3x3_vnni_call, 12  # 3 kernel rows of 4 bytes
+        function, dtype, taps = vnni.qb_dwconv3x3_vnni_call, torch.int8, 12  # 3 kernel rows of 4 bytes
     else:
-        function, taps = lib.qb_dwconv3x3_call, 10  # 5 pairs of int16
-    _check_constants("qconv_dw3x3", (weight, weight.dtype, taps * c), (mult, torch.float32, c), (add, torch.float32, c))
+        function, dtype, taps = lib.qb_dwconv3x3_call, torch.int16, 10  # 5 pairs of int16
+    _check_constants("qconv_dw3x3", (weight, dtype, taps * c), (mult, torch.float32, c), (add, torch.float32, c))
     oh, ow = conv_output_size(h, stride[0], padding[0]), conv_output_size(w, stride[1], padding[1])
     call = _DepthwiseCall(n, h, w, c, *stride, *padding, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
                           add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)

@@ -252,6 +252,9 @@ def test_bad_inputs_get_a_clear_error_not_a_crash():
     with pytest.raises(ValueError, match=r"takes uint8 CPU activations \[N, 16, H, W\]"):
         native.op("qconv_dw3x3")(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), 0, dw_weight, dw_mult, dw_add, [1, 1], [1, 1],
                                  0.0, 6.0, 0.1, 0, 0, 255)
+    with pytest.raises(ValueError, match="expected a contiguous CPU torch.int16 constant"):  # (int8 would mean VNNI packing)
+        native.op("qconv_dw3x3")(torch.zeros(1, 16, 4, 4, dtype=torch.uint8), 0, torch.zeros(160), dw_mult, dw_add, [1, 1],
+                                 [1, 1], 0.0, 6.0, 0.1, 0, 0, 255)
 
 
 def test_kernels_build_in_a_temporary_directory_when_the_cache_cannot_be_made(tmp_path, monkeypatch):
