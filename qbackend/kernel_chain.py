@@ -126,7 +126,7 @@ class KernelChain:
         values, prepared = [], []
         for step in self.steps:
             args = [(inputs if a.source == "input" else values)[a.index] if isinstance(a, Ref) else a for a in step.args]
-            values.append(native.own_kernel(step.kernel, traced=False)(*args))
+            values.append(native.PLAIN[step.kernel](*args))
             prepared.append(native.PREPARED_CALLS[step.kernel](lib, *args, trusted=True))
         return tuple(values[i] for i in self.outputs), self._program(values, prepared)
 
@@ -163,14 +163,14 @@ class KernelChain:
         return _Program(steps, arena_bytes, outputs, prepared, self.input_count)
 
 
-def _runs(gm: GraphModule) -> list[list[Node]]:
-    """Maximal runs of own-kernel calls in graph order, constants between them aside."""
-    kernels = {native.own_kernel(name, traced=False): name for name in KINDS}
+def _runs(gm: GraphModule, kernels: dict) -> list[list[Node]]:
+    """Maximal runs of own-kernel calls (``kernels``: plain function -> name) in graph order,
+    constants between them aside."""
     runs, current = [], []
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             continue
-        if node.op == "call_function" and node.target in kernels:
+        if node.op == "call_function" and node.target in kernels and not node.kwargs:  # (steps keep positional args)
             current.append(node)
             continue
         if len(current) >= MIN_STEPS:
@@ -181,10 +181,10 @@ def _runs(gm: GraphModule) -> list[list[Node]]:
 
 def chain_own_kernels(gm: GraphModule) -> Optional[str]:
     """Replace each run of own-kernel calls by one chain call; a note for the report (None: no chain)."""
-    if native.available() is not None:
+    kernels = {native.PLAIN[name]: name for name in KINDS}
+    runs = _runs(gm, kernels)  # (before anything loads the kernels: most graphs have no run)
+    if not runs or native.available() is not None:
         return None
-    kernels = {native.own_kernel(name, traced=False): name for name in KINDS}
-    runs = _runs(gm)
     for number, run_nodes in enumerate(runs):
         index = {node: i for i, node in enumerate(run_nodes)}
         inputs: list[Node] = []
@@ -215,4 +215,4 @@ def chain_own_kernels(gm: GraphModule) -> Optional[str]:
         for node in reversed(run_nodes):
             gm.graph.erase_node(node)
     steps = sum(map(len, runs))
-    return f"{steps} own-kernel calls run as {len(runs)} chain{'s' * (len(runs) != 1)} (one C call each)" if runs else None
+    return f"{steps} own-kernel calls run as {len(runs)} chain{'s' * (len(runs) != 1)} (one C call each)"

@@ -609,12 +609,16 @@ def own_kernel_forms(name: str) -> tuple:
     return own_kernel(name, traced=True), own_kernel(name, traced=False)
 
 
+# own kernel -> the plain function eager graphs call
+PLAIN = {"qconv_dw3x3": qconv_dw3x3, "qconv": qconv, "attention_f32": attention_f32, "max_pool_u8": max_pool_u8,
+         "global_avg_pool_u8": global_avg_pool_u8}
+
+
 def own_kernel(name: str, traced: bool):
     """What a graph calls for an own kernel: the op if the graph will be traced (fake tensors
     need its fake kernel), else the plain function. Loads the kernels first."""
     registered = op(name)
-    return registered if traced else {"qconv_dw3x3": qconv_dw3x3, "qconv": qconv, "attention_f32": attention_f32,
-                                      "max_pool_u8": max_pool_u8, "global_avg_pool_u8": global_avg_pool_u8}[name]
+    return registered if traced else PLAIN[name]
 
 
 def refusal(bits: int, in_features: int, group_size: int) -> Optional[str]:

@@ -147,3 +147,17 @@ def test_concurrent_calls_from_two_threads_get_their_own_results():
         t.join()
     assert not errors, errors
     assert all(torch.equal(r, expected[k]) for k in range(2) for r in results[k])
+
+
+def test_a_graph_without_own_kernels_is_left_alone_without_loading_them(monkeypatch):
+    """The pass runs on every lowered graph (XPU ones too): it must not build the C kernels to
+    find there is nothing to chain."""
+    from qbackend.kernel_chain import chain_own_kernels
+
+    def no_loading():
+        raise AssertionError("the kernels were loaded")
+
+    monkeypatch.setattr(native, "available", no_loading)
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()))
+    before = str(gm.graph)
+    assert chain_own_kernels(gm) is None and str(gm.graph) == before
