@@ -119,7 +119,7 @@ class KernelChain:
             return outputs
         return program.run(inputs)
 
-    def _first_run(self, inputs: list) -> tuple[tuple, Optional[_Program]]:
+    def _first_run(self, inputs: list) -> tuple[tuple, _Program]:
         """Runs the steps one by one (checking every argument as the graph's calls did) and
         prepares the program for these input shapes from their prepared calls."""
         lib = native._load()[0]

@@ -231,9 +231,10 @@ def _int8_mm(lib, x, weight, scale):
     return _weight_only_mm(lib.qb_int8_mm, "int8_mm_int16", x, n, k, ((weight, torch.int8, n * k), (scale, torch.float32, n)))
 
 
-def _check_nchw_uint8(x: torch.Tensor, channels: int, name: str) -> None:
-    if x.dim() != 4 or x.dtype != torch.uint8 or x.device.type != "cpu" or x.shape[1] != channels:
-        raise ValueError(f"qbackend::{name} takes uint8 CPU activations [N, {channels}, H, W], "
+def _check_nchw_uint8(x: torch.Tensor, channels: Optional[int], name: str) -> None:
+    """uint8 CPU [N, C, H, W] activations, with ``channels`` channels (None: any)."""
+    if x.dim() != 4 or x.dtype != torch.uint8 or x.device.type != "cpu" or channels not in (None, x.shape[1]):
+        raise ValueError(f"qbackend::{name} takes uint8 CPU activations [N, {'C' if channels is None else channels}, H, W], "
                          f"got {x.dtype} {tuple(x.shape)} on {x.device}")
 
 
@@ -247,6 +248,11 @@ def _check_constants(name: str, *expected) -> None:
 
 def conv_output_size(size: int, stride: int, padding: int, kernel: int = 3, dilation: int = 1) -> int:
     return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def _output_hw(h: int, w: int, kernel_size, stride, padding, dilation=(1, 1)) -> tuple[int, int]:
+    """A conv's / pool's output height and width (``conv_output_size`` per dim)."""
+    return tuple(conv_output_size(size, *args) for size, args in zip((h, w), zip(stride, padding, kernel_size, dilation)))
 
 
 class Prepared(NamedTuple):
@@ -327,7 +333,7 @@ def _prepare_dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding,
     else:
         function, dtype, taps = lib.qb_dwconv3x3_call, torch.int16, 10  # 5 pairs of int16
     _check_constants("qconv_dw3x3", (weight, dtype, taps * c), (mult, torch.float32, c), (add, torch.float32, c))
-    oh, ow = conv_output_size(h, stride[0], padding[0]), conv_output_size(w, stride[1], padding[1])
+    oh, ow = _output_hw(h, w, (3, 3), stride, padding)
     call = _DepthwiseCall(n, h, w, c, *stride, *padding, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
                           add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
     return _prepare(call, (n, c, oh, ow), torch.uint8, function, (mult, add))
@@ -339,13 +345,17 @@ def _dwconv3x3_prepared(lib, x, x_zero_point, weight, mult, add, stride, padding
     return _prepared(weight, trusted, x, args, lambda: _prepare_dwconv3x3(lib, x, x_zero_point, weight, *args[1:]))
 
 
-def _dwconv3x3(lib, x, *args, trusted=False):
-    prepared = _dwconv3x3_prepared(lib, x, *args, trusted=trusted)
+def _x_to_y(prepared: Prepared, x: torch.Tensor, name: str) -> torch.Tensor:
+    """Run a prepared (threads, call, x, y) -> 0 / failure kernel: the depthwise conv, the pools."""
     x = x.contiguous(memory_format=torch.channels_last)
     y = _output(x, prepared)
     if prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), y.data_ptr()):
-        raise MemoryError("qbackend::qconv_dw3x3: a thread could not allocate its row scratch")
+        raise MemoryError(f"qbackend::{name}: a thread could not allocate its scratch")
     return y
+
+
+def _dwconv3x3(lib, x, *args, trusted=False):
+    return _x_to_y(_dwconv3x3_prepared(lib, x, *args, trusted=trusted), x, "qconv_dw3x3")
 
 
 def _channels_last_like(x: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -356,7 +366,7 @@ def _channels_last_like(x: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
 
 def _dwconv3x3_fake(x, x_zero_point, weight, mult, add, stride, padding, *args):
     n, c, h, w = x.shape
-    shape = (n, c, conv_output_size(h, stride[0], padding[0]), conv_output_size(w, stride[1], padding[1]))
+    shape = (n, c, *_output_hw(h, w, (3, 3), stride, padding))
     return _channels_last_like(x, shape, torch.uint8)
 
 
@@ -374,7 +384,7 @@ def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high
         raise ValueError(f"qbackend::qconv: activation {activation!r} is not one of {list(ACTIVATIONS)}")
     if residual is not None and residual.dtype != torch.float32:  # a float32 residual, or a uint8 one checked like the input
         _check_nchw_uint8(residual, cout, "qconv (residual)")
-    oh, ow = (conv_output_size(size, *args) for size, args in zip((h, w), zip(stride, padding, kernel_size, dilation)))
+    oh, ow = _output_hw(h, w, kernel_size, stride, padding, dilation)
     call = _ConvCall(n, h, w, cin, oh, ow, *kernel_size, *stride, *padding, *dilation, cout, x_zero_point,
                      weight.data_ptr(), mult.data_ptr(), add.data_ptr(), residual is not None and residual.dtype == torch.float32,
                      residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
@@ -410,7 +420,7 @@ def _conv_fake(x, weight, mult, add, residual, residual_scale, low, high, out_sc
                float_out=False, activation="none", kernel_size=(1, 1), stride=(1, 1), padding=(0, 0), dilation=(1, 1),
                x_zero_point=0):
     n, _, h, w = x.shape
-    oh, ow = (conv_output_size(size, *args) for size, args in zip((h, w), zip(stride, padding, kernel_size, dilation)))
+    oh, ow = _output_hw(h, w, kernel_size, stride, padding, dilation)
     return _channels_last_like(x, (n, mult.numel(), oh, ow), torch.float32 if float_out else torch.uint8)
 
 
@@ -424,7 +434,7 @@ class _MaxPoolCall(ctypes.Structure):
 @functools.lru_cache(maxsize=256)  # per input shape and pool geometry (the graph passes tuples)
 def _max_pool_prepared_for(lib, shape, kernel_size, stride, padding, dilation) -> Prepared:
     n, c, h, w = shape
-    oh, ow = (conv_output_size(size, *args) for size, args in zip((h, w), zip(stride, padding, kernel_size, dilation)))
+    oh, ow = _output_hw(h, w, kernel_size, stride, padding, dilation)
     if oh < 1 or ow < 1 or any(2 * p > k for p, k in zip(padding, kernel_size)):
         raise ValueError(f"qbackend::max_pool_u8: kernel {list(kernel_size)}, padding {list(padding)} on {list(shape)}: "
                          "no output, or padding over half the kernel")
@@ -433,27 +443,17 @@ def _max_pool_prepared_for(lib, shape, kernel_size, stride, padding, dilation) -
 
 
 def _max_pool_prepared(lib, x, kernel_size, stride, padding, dilation, *, trusted=False) -> Prepared:
-    if x.dim() != 4 or x.dtype != torch.uint8 or x.device.type != "cpu":
-        raise ValueError(f"qbackend::max_pool_u8 takes uint8 CPU activations [N, C, H, W], got {x.dtype} "
-                         f"{tuple(x.shape)} on {x.device}")
+    _check_nchw_uint8(x, None, "max_pool_u8")
     return _max_pool_prepared_for(lib, tuple(x.shape), *(tuple(a) for a in (kernel_size, stride, padding, dilation)))
 
 
-def _x_to_y(prepared: Prepared, x: torch.Tensor) -> torch.Tensor:
-    """Run a prepared (threads, call, x, y) -> 0 kernel: a max or average pool."""
-    x = x.contiguous(memory_format=torch.channels_last)
-    y = _output(x, prepared)
-    prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), y.data_ptr())
-    return y
-
-
-def _max_pool(lib, x, *args, trusted=False):
-    return _x_to_y(_max_pool_prepared(lib, x, *args), x)
+def _max_pool(lib, x, *args):
+    return _x_to_y(_max_pool_prepared(lib, x, *args), x, "max_pool_u8")
 
 
 def _max_pool_fake(x, kernel_size, stride, padding, dilation):
     n, c, h, w = x.shape
-    oh, ow = (conv_output_size(size, *args) for size, args in zip((h, w), zip(stride, padding, kernel_size, dilation)))
+    oh, ow = _output_hw(h, w, kernel_size, stride, padding, dilation)
     return _channels_last_like(x, (n, c, oh, ow), torch.uint8)
 
 
@@ -476,12 +476,12 @@ def _global_avg_pool_prepared_for(lib, shape, zero_point, qmin, qmax) -> Prepare
 
 
 def _global_avg_pool_prepared(lib, x, zero_point, qmin, qmax, *, trusted=False) -> Prepared:
-    _check_nchw_uint8(x, x.shape[1] if x.dim() == 4 else -1, "global_avg_pool_u8")
+    _check_nchw_uint8(x, None, "global_avg_pool_u8")
     return _global_avg_pool_prepared_for(lib, tuple(x.shape), zero_point, qmin, qmax)
 
 
-def _global_avg_pool(lib, x, *args, trusted=False):
-    return _x_to_y(_global_avg_pool_prepared(lib, x, *args), x)
+def _global_avg_pool(lib, x, *args):
+    return _x_to_y(_global_avg_pool_prepared(lib, x, *args), x, "global_avg_pool_u8")
 
 
 def _global_avg_pool_fake(x, zero_point, qmin, qmax):
@@ -594,12 +594,15 @@ def global_avg_pool_u8(x, zero_point, qmin, qmax):
     return _global_avg_pool(_load()[0], x, zero_point, qmin, qmax)
 
 
-# The plain functions return tensors they allocated (attention: a view of one): the in-place
-# safety analysis (patterns/inplace.py) may let a later kernel write into them.
-for _fn in (qconv_dw3x3, qconv, attention_f32, max_pool_u8, global_avg_pool_u8):
+# own kernel -> the plain function eager graphs call
+PLAIN = {"qconv_dw3x3": qconv_dw3x3, "qconv": qconv, "attention_f32": attention_f32, "max_pool_u8": max_pool_u8,
+         "global_avg_pool_u8": global_avg_pool_u8}
+# They return tensors they allocated (attention: a view of one): the in-place safety analysis
+# (patterns/inplace.py) may let a later kernel write into them.
+for _fn in PLAIN.values():
     _fn.fresh_output = True
 
-# own conv kernel -> its prepared call for given arguments (what kernel_chain.py runs)
+# own kernel a chain may run -> its prepared call for given arguments (kernel_chain.py)
 PREPARED_CALLS = {"qconv_dw3x3": _dwconv3x3_prepared, "qconv": _conv_prepared, "max_pool_u8": _max_pool_prepared,
                   "global_avg_pool_u8": _global_avg_pool_prepared}
 
@@ -607,11 +610,6 @@ PREPARED_CALLS = {"qconv_dw3x3": _dwconv3x3_prepared, "qconv": _conv_prepared, "
 def own_kernel_forms(name: str) -> tuple:
     """Both forms a graph may call an own kernel in (``own_kernel``)."""
     return own_kernel(name, traced=True), own_kernel(name, traced=False)
-
-
-# own kernel -> the plain function eager graphs call
-PLAIN = {"qconv_dw3x3": qconv_dw3x3, "qconv": qconv, "attention_f32": attention_f32, "max_pool_u8": max_pool_u8,
-         "global_avg_pool_u8": global_avg_pool_u8}
 
 
 def own_kernel(name: str, traced: bool):

@@ -11,15 +11,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "vec_math.h"
+
 typedef struct {
   int N, HW, C, zp, qmin, qmax;
 } global_avg_pool_call_t;
 
 static inline uint8_t requantize(int64_t sum, const global_avg_pool_call_t* c) {
-  const float mean = (float)(sum - (int64_t)c->HW * c->zp) / (float)c->HW;
-  float q = _mm_cvtss_f32(_mm_round_ss(_mm_setzero_ps(), _mm_set_ss(mean), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)) + (float)c->zp;
-  q = q < (float)c->qmin ? (float)c->qmin : q > (float)c->qmax ? (float)c->qmax : q;
-  return (uint8_t)q;
+  return round_to_grid((float)(sum - (int64_t)c->HW * c->zp) / (float)c->HW, c->zp, c->qmin, c->qmax);
 }
 
 /* Returns 0 (one signature with the other kernels). */

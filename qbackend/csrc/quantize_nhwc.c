@@ -9,16 +9,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "vec_math.h"
+
 #define PIXELS 8
 #define RGB_PIXELS 16
 #define RGB_CHUNK 1024 /* pixels per parallel task for 3 channels */
-
-static inline uint8_t quantize1(float x, float inv_scale, int zero_point, int qmin, int qmax) {
-  __m128 v = _mm_round_ss(_mm_setzero_ps(), _mm_set_ss(x * inv_scale), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  float f = _mm_cvtss_f32(v) + (float)zero_point;
-  f = f < (float)qmin ? (float)qmin : f > (float)qmax ? (float)qmax : f;
-  return (uint8_t)(int32_t)f;
-}
 
 /* 8 floats -> their quantized int32 values (the reference's arithmetic). */
 static inline __m256i quantize8(const float* in, __m256 inv, __m256 zp, __m256 lo, __m256 hi) {
@@ -73,7 +68,7 @@ void qb_quantize_nchw_to_nhwc(int threads, int N, int C, int HW, const float* x,
         const float* in = x + (size_t)n * 3 * HW + p0;
         uint8_t* out = y + ((size_t)n * HW + p0) * 3;
         for (int p = quantize_rgb(in, HW, count, inv, zp, lo, hi, out); p < count; p++)
-          for (int c = 0; c < 3; c++) out[(size_t)p * 3 + c] = quantize1(in[(size_t)c * HW + p], inv_scale, zero_point, qmin, qmax);
+          for (int c = 0; c < 3; c++) out[(size_t)p * 3 + c] = round_to_grid(in[(size_t)c * HW + p] * inv_scale, zero_point, qmin, qmax);
       }
     return;
   }
@@ -90,7 +85,7 @@ void qb_quantize_nchw_to_nhwc(int threads, int N, int C, int HW, const float* x,
           v = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(v, zp), lo), hi);
           _mm256_storeu_si256((__m256i*)q, _mm256_cvtps_epi32(v));
         } else {
-          for (int i = 0; i < pixels; i++) q[i] = quantize1(in[i], inv_scale, zero_point, qmin, qmax);
+          for (int i = 0; i < pixels; i++) q[i] = round_to_grid(in[i] * inv_scale, zero_point, qmin, qmax);
         }
         for (int i = 0; i < pixels; i++) out[(size_t)i * C + c] = (uint8_t)q[i];
       }

@@ -1,7 +1,8 @@
-/* Vector math the kernels share (AVX2 + FMA, 8 floats). */
+/* Vector math the kernels share (AVX2 + FMA, 8 floats), and their scalar quantize step. */
 #ifndef QB_VEC_MATH_H
 #define QB_VEC_MATH_H
 #include <immintrin.h>
+#include <stdint.h>
 
 /* e^x for x in about [-87, 88]: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor
  * polynomial (relative error < 2e-7 there), times 2^n built in the exponent bits. */
@@ -25,6 +26,14 @@ static inline __m256 exp256(__m256 x) {
 static inline __m256 reciprocal(__m256 d) {
   const __m256 r = _mm256_rcp_ps(d);
   return _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.0f)));
+}
+
+/* The quantized byte of a value already divided by its scale: round half to even (as torch),
+ * plus the zero point, clamped to [qmin, qmax]. */
+static inline uint8_t round_to_grid(float scaled, int zero_point, int qmin, int qmax) {
+  float q = _mm_cvtss_f32(_mm_round_ss(_mm_setzero_ps(), _mm_set_ss(scaled), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  q += (float)zero_point;
+  return (uint8_t)(q < (float)qmin ? (float)qmin : q > (float)qmax ? (float)qmax : q);
 }
 
 #endif
