@@ -14,7 +14,6 @@ import argparse
 import datetime
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ from qbackend.lowering import depthwise, gemm  # noqa: E402
 from qbackend.lowering.own_conv import scale_and_offset  # noqa: E402
 from qbackend.ops import resolve  # noqa: E402
 
-from common import NUM_THREADS, machine_description  # noqa: E402
+from common import NUM_THREADS, Settings, interleaved_samples, machine_description  # noqa: E402
 
 # (name, batch, Cin, H, W, Cout, kernel, stride, input zero point): H x W is the input
 CONVS = [
@@ -162,20 +161,10 @@ def other_kernel_rows() -> list:
 
 
 def median_us(runners: dict, seconds: float = 0.6) -> dict:
-    """Interleaved medians: each round calls every runner once."""
-    for run in runners.values():
-        run(), run()
-    start = time.perf_counter()
-    for run in runners.values():
-        run()
-    rounds = max(10, min(400, int(seconds / max(time.perf_counter() - start, 1e-6))))
-    samples = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, run in runners.items():
-            begin = time.perf_counter()
-            run()
-            samples[name].append(time.perf_counter() - begin)
-    return {name: statistics.median(times) * 1e6 for name, times in samples.items()}
+    """Interleaved medians (common.interleaved_samples: each round calls every runner once),
+    about ``seconds`` of rounds."""
+    settings = Settings(calibration_batches=0, warmup_calls=2, target_seconds=seconds / len(runners), min_iters=10, max_iters=400)
+    return {name: statistics.median(times) * 1e6 for name, times in interleaved_samples(runners, (), settings).items()}
 
 
 def timed_row(label, onednn, own, builds):
