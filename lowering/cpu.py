@@ -9,7 +9,7 @@ from qbackend.patterns.base import fake_value
 
 from .capabilities import (INT16_MAX, conv_binary_post_op_refusal, conv_post_op_refusal, int8_pairs_saturate,
                            linear_binary_post_op_refusal, linear_post_op_refusal, quantized_tensor_pool_refusal)
-from . import attention, depthwise, gemm, pools
+from . import attention, depthwise, gemm, pools, stem
 from .base import Lowering
 from .common import (COMMON, NO_POST_OP, emit_qavgpool, emit_qconv, emit_qconv_add, emit_qlinear, emit_qlinear_add,
                      emit_qmaxpool2d, emit_sdpa, output_args)
@@ -88,7 +88,8 @@ def _own_kernel_or(onednn_emit, *kernels, fallback="oneDNN"):
     return emit
 
 
-TABLE["qconv"] = dataclasses.replace(TABLE["qconv"], emit=_own_kernel_or(emit_qconv, depthwise.KERNEL, gemm.CONV_KERNEL))
+TABLE["qconv"] = dataclasses.replace(TABLE["qconv"], emit=_own_kernel_or(emit_qconv, depthwise.KERNEL, stem.KERNEL,
+                                                                                          gemm.CONV_KERNEL))
 TABLE["qconv_add"] = dataclasses.replace(TABLE["qconv_add"], emit=_own_kernel_or(emit_qconv_add, gemm.CONV_KERNEL))
 TABLE["qlinear"] = dataclasses.replace(TABLE["qlinear"], emit=_own_kernel_or(emit_qlinear, gemm.LINEAR_KERNEL))
 TABLE["qlinear_add"] = dataclasses.replace(TABLE["qlinear_add"], emit=_own_kernel_or(emit_qlinear_add, gemm.LINEAR_KERNEL))

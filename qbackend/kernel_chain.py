@@ -1,4 +1,4 @@
-"""Runs of qbackend's own int8 kernels (GEMM, depthwise, pools) as one call (``csrc/kernel_chain.c``).
+"""Runs of qbackend's own int8 kernels (GEMM, depthwise, stem conv, pools) as one call (``csrc/kernel_chain.c``).
 
 Each own-kernel call from the graph costs ~4 us of Python besides its kernel (arguments,
 the prepared-call lookup, the output's allocation, ctypes): on a MobileNetV2 image, 46 calls
@@ -22,7 +22,7 @@ from torch.fx import GraphModule, Node
 from . import native
 
 ALIGN = 64  # bytes: intermediates start on cache lines
-KINDS = {"qconv": 0, "qconv_dw3x3": 1, "max_pool_u8": 1, "global_avg_pool_u8": 1}  # kernel_chain.c ``enum kind``
+KINDS = {"qconv": 0, "qconv_dw3x3": 1, "qconv_stem": 1, "max_pool_u8": 1, "global_avg_pool_u8": 1}  # kernel_chain.c ``enum kind``
 MIN_STEPS = 2  # a single call gains nothing from a chain
 
 

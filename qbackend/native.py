@@ -10,7 +10,8 @@
   spend ~50 us per call before computing, run depthwise convs at 3-11 GMAC/s here, and their
   AVX2 int8 kernels are slower than this GEMM's below a few thousand output rows. Both are
   built a second time for AVX512-VNNI (``conv_gemm_int8_vnni.c``, ``depthwise_conv_int8_vnni.c``:
-  a library of their own), used where the CPU has it: ``int8_build``.
+  a library of their own), used where the CPU has it: ``int8_build``. That library also holds
+  a conv for inputs of few channels (``stem_conv_int8_vnni.c``: a network's stem), VNNI only.
 - An int8 max pool (``max_pool_uint8.c``; torch's quantized::max_pool2d runs on one thread)
   and global average pool (``global_avg_pool_uint8.c``; torch's needs a quantized-tensor copy),
   the model input's quantize to channels-last uint8 (``quantize_nhwc.c``), float32 attention
@@ -41,7 +42,7 @@ CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # Two libraries: every kernel for AVX2, and the int8 conv kernels again for AVX512-VNNI
 # (optional: a compiler without these flags or a CPU without VNNI leaves the AVX2 ones).
-VNNI_SOURCES = (CSRC / "conv_gemm_int8_vnni.c", CSRC / "depthwise_conv_int8_vnni.c")
+VNNI_SOURCES = (CSRC / "conv_gemm_int8_vnni.c", CSRC / "depthwise_conv_int8_vnni.c", CSRC / "stem_conv_int8_vnni.c")
 SOURCES = tuple(sorted(set(CSRC.glob("*.c")) - set(VNNI_SOURCES)))
 VNNI_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni")
 MAX_TAPS = 9  # kernel positions qconv takes (conv_gemm_int8.c MAX_TAPS): up to 3x3
@@ -58,6 +59,9 @@ OPS = {
              "str activation='none', int[2] kernel_size=[1, 1], int[2] stride=[1, 1], int[2] padding=[0, 0], "
              "int[2] dilation=[1, 1], int x_zero_point=0) -> Tensor",
     "attention_f32": "attention_f32(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor",
+    "qconv_stem": "qconv_stem(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int[2] kernel_size, "
+                  "int[2] stride, int[2] padding, float low, float high, float out_scale, int out_zero_point, int qmin, "
+                  "int qmax) -> Tensor",
     "max_pool_u8": "max_pool_u8(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation) -> Tensor",
     "global_avg_pool_u8": "global_avg_pool_u8(Tensor x, int zero_point, int qmin, int qmax) -> Tensor",
 }
@@ -160,7 +164,8 @@ class _ConvCall(ctypes.Structure):
 @functools.lru_cache(maxsize=None)
 def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     """The AVX512-VNNI kernels' library (the GEMM's qb_conv_call_vnni, the depthwise
-    qb_dwconv3x3_vnni_call) where this CPU and compiler can run it, else (None, why not)."""
+    qb_dwconv3x3_vnni_call, the stem conv's qb_stem_conv_vnni_call) where this CPU and
+    compiler can run it, else (None, why not)."""
     lib, reason = _load()
     if lib is None:
         return None, reason
@@ -171,8 +176,9 @@ def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     except (RuntimeError, OSError) as error:
         return None, f"the AVX512-VNNI kernels could not be built: {error}"
     _declare_gemm(vnni.qb_conv_call_vnni)
-    vnni.qb_dwconv3x3_vnni_call.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3
-    vnni.qb_dwconv3x3_vnni_call.restype = ctypes.c_int  # -1: a thread's scratch could not be allocated
+    vnni.qb_dwconv3x3_vnni_call.argtypes = vnni.qb_stem_conv_vnni_call.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3
+    # -1: a thread's scratch could not be allocated (the stem conv: always 0)
+    vnni.qb_dwconv3x3_vnni_call.restype = vnni.qb_stem_conv_vnni_call.restype = ctypes.c_int
     return vnni, None
 
 
@@ -186,6 +192,11 @@ def int8_build() -> str:
     vpmaddwd: the GEMM's int16 pair sums saturate, so the lowering checks each weight against
     the activation range). The lowering packs weights for it."""
     return "avx512_vnni" if _vnni_library()[0] is not None else "avx2"
+
+
+def vnni_unavailable() -> Optional[str]:
+    """None where the AVX512-VNNI kernels run here, else why not."""
+    return _vnni_library()[1]
 
 
 def available() -> Optional[str]:
@@ -424,6 +435,78 @@ def _conv_fake(x, weight, mult, add, residual, residual_scale, low, high, out_sc
     return _channels_last_like(x, (n, mult.numel(), oh, ow), torch.float32 if float_out else torch.uint8)
 
 
+# stem_conv_int8_vnni.c: output pixels of a row per step, the input bytes under them, and the
+# leftover bytes (KW * C % 4 per window row) per pixel it has room for
+STEM_PIECE, STEM_MAX_STRIP, STEM_MAX_LEFTOVER = 64, 16384, 64
+
+
+def stem_steps(kernel_h: int, kernel_w: int, channels: int) -> tuple[int, int, int, int]:
+    """The stem conv's sum (stem_conv_int8_vnni.c): (F, L, LQ, K4): F words of 4 bytes from
+    each window row, L bytes left over per row, LQ words they make, K4 = KH * F + LQ steps."""
+    run = kernel_w * channels
+    leftover_words = (kernel_h * (run % 4) + 3) // 4
+    return run // 4, run % 4, leftover_words, kernel_h * (run // 4) + leftover_words
+
+
+def stem_refusal(in_shape, out_channels: int, kernel_size, stride) -> Optional[str]:
+    """Why the stem conv kernel cannot take this conv (None if it can): the sizes it has room for."""
+    n, c, h, w = in_shape
+    kh, kw = kernel_size
+    if out_channels % 16:
+        return f"{out_channels} output channels: the kernel takes a multiple of 16"
+    if kh * (kw * c % 4) > STEM_MAX_LEFTOVER:
+        return f"a {kh}x{kw} kernel of {c} channels leaves {kh * (kw * c % 4)} bytes over its 4-byte steps (at most {STEM_MAX_LEFTOVER})"
+    strip = kh * ((min(w, STEM_PIECE) - 1) * stride[1] + kw) * c
+    if strip > STEM_MAX_STRIP:
+        return f"the input under {STEM_PIECE} output pixels is {strip} bytes (at most {STEM_MAX_STRIP})"
+    return None
+
+
+class _StemCall(ctypes.Structure):
+    """stem_conv_int8_vnni.c ``stem_call_t``."""
+
+    _fields_ = ([(name, ctypes.c_int) for name in ("N", "H", "W", "C", "OH", "OW", "KH", "KW", "stride_h", "stride_w",
+                                                    "pad_h", "pad_w", "Cout", "x_zp")]
+                + [("w", ctypes.c_void_p), ("mult", ctypes.c_void_p), ("add", ctypes.c_void_p), ("low", ctypes.c_float),
+                   ("high", ctypes.c_float), ("out_inv_scale", ctypes.c_float), ("out_zp", ctypes.c_int),
+                   ("qmin", ctypes.c_int), ("qmax", ctypes.c_int)])
+
+
+def _prepare_stem_conv(x, x_zero_point, weight, mult, add, kernel_size, stride, padding, low, high, out_scale,
+                       out_zero_point, qmin, qmax) -> Prepared:
+    _check_nchw_uint8(x, None, "qconv_stem")
+    vnni = _vnni_library()[0]
+    if vnni is None:
+        raise ValueError(f"qbackend::qconv_stem needs the AVX512-VNNI kernels: {vnni_unavailable()}")
+    n, c, h, w = x.shape
+    cout = mult.numel()
+    reason = stem_refusal(x.shape, cout, kernel_size, stride)
+    oh, ow = _output_hw(h, w, kernel_size, stride, padding)
+    if reason is None and (oh < 1 or ow < 1):
+        reason = f"kernel {list(kernel_size)}, padding {list(padding)} on {list(x.shape)}: no output"
+    if reason is not None:
+        raise ValueError(f"qbackend::qconv_stem: {reason}")
+    steps = stem_steps(*kernel_size, c)[3]
+    _check_constants("qconv_stem", (weight, torch.int8, cout * steps * 4), (mult, torch.float32, cout), (add, torch.float32, cout))
+    call = _StemCall(n, h, w, c, oh, ow, *kernel_size, *stride, *padding, cout, x_zero_point, weight.data_ptr(),
+                     mult.data_ptr(), add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
+    return _prepare(call, (n, cout, oh, ow), torch.uint8, vnni.qb_stem_conv_vnni_call, (mult, add))
+
+
+def _stem_conv_prepared(lib, x, x_zero_point, weight, mult, add, *args, trusted=False) -> Prepared:
+    args = (x_zero_point, mult, add, *args)
+    return _prepared(weight, trusted, x, args, lambda: _prepare_stem_conv(x, x_zero_point, weight, *args[1:]))
+
+
+def _stem_conv(lib, x, *args, trusted=False):
+    return _x_to_y(_stem_conv_prepared(lib, x, *args, trusted=trusted), x, "qconv_stem")
+
+
+def _stem_conv_fake(x, x_zero_point, weight, mult, add, kernel_size, stride, padding, *args):
+    n, _, h, w = x.shape
+    return _channels_last_like(x, (n, mult.numel(), *_output_hw(h, w, kernel_size, stride, padding)), torch.uint8)
+
+
 class _MaxPoolCall(ctypes.Structure):
     """max_pool_uint8.c ``max_pool_call_t``."""
 
@@ -540,13 +623,14 @@ def _attention_fake(q, k, v, mask, scale):
     return q.new_empty(b, length, h, d).transpose(1, 2)
 
 
-_IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_dw3x3": _dwconv3x3, "qconv": _conv,
+_IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_dw3x3": _dwconv3x3, "qconv": _conv, "qconv_stem": _stem_conv,
           "attention_f32": _attention, "max_pool_u8": _max_pool, "global_avg_pool_u8": _global_avg_pool}
 FAKES = {
     "int4_mm_int16": lambda x, weight, scale, offset, group_size: x.new_empty(x.shape[0], weight.shape[0]),
     "int8_mm_int16": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
     "qconv_dw3x3": _dwconv3x3_fake,
     "qconv": _conv_fake,
+    "qconv_stem": _stem_conv_fake,
     "attention_f32": _attention_fake,
     "max_pool_u8": _max_pool_fake,
     "global_avg_pool_u8": _global_avg_pool_fake,
@@ -579,6 +663,11 @@ def quantize_channels_last(x: torch.Tensor, scale: float, zero_point: int, qmin:
     return y
 
 
+def qconv_stem(*args):
+    """``qbackend::qconv_stem`` without the dispatcher round trip (see ``qconv_dw3x3``)."""
+    return _stem_conv(_load()[0], *args, trusted=True)
+
+
 def attention_f32(q, k, v, mask, scale):
     """``qbackend::attention_f32`` without the dispatcher round trip."""
     return _attention(_load()[0], q, k, v, mask, scale)
@@ -595,7 +684,7 @@ def global_avg_pool_u8(x, zero_point, qmin, qmax):
 
 
 # own kernel -> the plain function eager graphs call
-PLAIN = {"qconv_dw3x3": qconv_dw3x3, "qconv": qconv, "attention_f32": attention_f32, "max_pool_u8": max_pool_u8,
+PLAIN = {"qconv_dw3x3": qconv_dw3x3, "qconv": qconv, "qconv_stem": qconv_stem, "attention_f32": attention_f32, "max_pool_u8": max_pool_u8,
          "global_avg_pool_u8": global_avg_pool_u8}
 # They return tensors they allocated (attention: a view of one): the in-place safety analysis
 # (patterns/inplace.py) may let a later kernel write into them.
@@ -603,8 +692,8 @@ for _fn in PLAIN.values():
     _fn.fresh_output = True
 
 # own kernel a chain may run -> its prepared call for given arguments (kernel_chain.py)
-PREPARED_CALLS = {"qconv_dw3x3": _dwconv3x3_prepared, "qconv": _conv_prepared, "max_pool_u8": _max_pool_prepared,
-                  "global_avg_pool_u8": _global_avg_pool_prepared}
+PREPARED_CALLS = {"qconv_dw3x3": _dwconv3x3_prepared, "qconv": _conv_prepared, "qconv_stem": _stem_conv_prepared,
+                  "max_pool_u8": _max_pool_prepared, "global_avg_pool_u8": _global_avg_pool_prepared}
 
 
 def own_kernel_forms(name: str) -> tuple:

@@ -1,0 +1,80 @@
+"""int8 convs of inputs with fewer than 4 channels (a network's stem) on CPUs with
+AVX512-VNNI: qbackend's own kernel (qbackend/csrc/stem_conv_int8_vnni.c).
+
+oneDNN runs ResNet-18's 7x7 stride-2 stem (3 -> 64 channels) at ~280 GMAC/s here against
+420-490 for its 3x3 layers: a window row of 3 channels is 21 bytes, not a multiple of the 4
+its dot products take. The kernel sums each row's first 20 bytes from the input and packs the
+bytes left over (docs/benchmarks_gemm.md: 0.85-0.9x oneDNN's time). The GEMM kernel
+(lowering/gemm.py) takes multiples of 4 channels only.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from qbackend import native
+
+from . import own_conv
+from .base import EmitContext
+from .common import static_shape
+
+# Measured against oneDNN (benchmarks/bench_gemm.py): 64 outputs per tile run 0.85-0.9x its
+# time; with 32 output channels (MobileNetV2's 3x3 stem) 0.83x at 12544 output pixels (batch
+# 1), 1.1x at 100352 (batch 8): those take the kernel up to this many output pixels.
+MAX_NARROW_PIXELS = 25088
+WIDE = 64  # output channels of a full tile
+
+
+def is_stem(match) -> bool:
+    """A 2-D int8 conv (groups 1, no residual) of fewer than 4 input channels."""
+    p, w = match.conv, match.weight
+    return (p is not None and w is not None and p.spatial_rank == 2 and p.groups == 1 and w.int8.shape[1] < 4
+            and match.accum is None and match.accum_float is None)
+
+
+def refusal(ctx: EmitContext, match) -> Optional[str]:
+    """Why this stem conv is not for the kernel (None if it is)."""
+    if native.vnni_unavailable() is not None:
+        return f"the kernel needs AVX512-VNNI ({native.vnni_unavailable()})"
+    p, w = match.conv, match.weight.int8
+    shape = static_shape(match.x.node)
+    if shape is None:
+        return "the input's shape is not static"
+    if list(p.dilation) != [1, 1]:
+        return f"dilation {p.dilation}: the kernel takes 1"
+    reason = native.stem_refusal(shape, w.shape[0], tuple(w.shape[2:]), tuple(p.stride))
+    if reason is not None:
+        return reason
+    oh, ow = native._output_hw(*shape[2:], tuple(w.shape[2:]), tuple(p.stride), tuple(p.padding))
+    if w.shape[0] % WIDE and shape[0] * oh * ow > MAX_NARROW_PIXELS:
+        return (f"{w.shape[0]} output channels at {shape[0] * oh * ow} output pixels: oneDNN is faster"
+                f" (the kernel's tiles are {WIDE} wide)")
+    return own_conv.refusal(ctx, match, (match.x.qparams, match.output_quant))
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[Cout, C, KH, KW] -> [Cout / 16][K4][16][4] in the kernel's order (native.stem_steps):
+    each window row's first 4F bytes (column, channel), then the rows' leftover bytes, zero-padded."""
+    cout, channels, kh, kw = weight.shape
+    full, _, leftover_words, steps = native.stem_steps(kh, kw, channels)
+    rows = weight.permute(0, 2, 3, 1).reshape(cout, kh, kw * channels)
+    leftover = rows[..., 4 * full:].reshape(cout, -1)
+    ordered = torch.cat([rows[..., :4 * full].reshape(cout, -1),
+                         torch.nn.functional.pad(leftover, (0, 4 * leftover_words - leftover.shape[1]))], 1)
+    return ordered.reshape(cout // 16, 16, steps, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)
+
+
+def emit(ctx: EmitContext, match):
+    p, out, w = match.conv, match.output_quant, match.weight.int8
+    low, high = own_conv.clamp_bounds(match.post_op)
+    mult, add = own_conv.requantize_constants(ctx, match)
+    ctx.kernel = f"{native.NAMESPACE}::qconv_stem.default"
+    ctx.notes.append(f"qbackend's stem conv kernel ({w.shape[1]} input channels: oneDNN pads each window row)")
+    return own_conv.call_kernel(ctx, "qconv_stem", (
+        match.x.node, match.x.qparams.zero_point, ctx.constant(pack(w), "stem_w"), ctx.constant(mult.float(), "stem_mult"),
+        ctx.constant(add.float(), "stem_add"), tuple(w.shape[2:]), tuple(p.stride), tuple(p.padding), low, high,
+        out.scale, out.zero_point, out.qmin, out.qmax))
+
+
+KERNEL = own_conv.OwnKernel("stem conv", is_stem, refusal, emit)
