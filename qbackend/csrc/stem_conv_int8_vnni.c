@@ -157,12 +157,20 @@ int qb_stem_conv_vnni_call(int threads, const stem_call_t* c, const uint8_t* x, 
           const int ow0 = part * piece, count = c->OW - ow0 < piece ? c->OW - ow0 : piece;
           if (count <= 0) continue;
           copy_strip(c, x, n, oh, ow0, (count - 1) * c->stride_w + c->KW, s.row, window);
-          for (int kh = 0; kh < c->KH && s.L; kh++) { /* row by row: the loads of a row are near */
-            const uint8_t* from = window + kh * s.row + 4 * s.F;
-            uint8_t* to = leftover + kh * s.L;
-            for (int i = 0; i < count; i++)
-              for (int l = 0; l < s.L; l++) to[(size_t)i * s.LQ * 4 + l] = from[i * s.pixel + l];
-          }
+          if (s.L == 1) /* (3 channels and an odd kernel width: ResNet's and MobileNet's stems) */
+            for (int i = 0; i < count; i++) {
+              const uint8_t* from = window + i * s.pixel + 4 * s.F;
+              uint8_t* to = leftover + (size_t)i * s.LQ * 4;
+#pragma GCC unroll 8
+              for (int kh = 0; kh < c->KH; kh++) to[kh] = from[kh * s.row];
+            }
+          else
+            for (int kh = 0; kh < c->KH && s.L; kh++) { /* row by row: the loads of a row are near */
+              const uint8_t* from = window + kh * s.row + 4 * s.F;
+              uint8_t* to = leftover + kh * s.L;
+              for (int i = 0; i < count; i++)
+                for (int l = 0; l < s.L; l++) to[(size_t)i * s.LQ * 4 + l] = from[i * s.pixel + l];
+            }
           uint8_t* out = y + (((size_t)n * c->OH + oh) * c->OW + ow0) * c->Cout;
           for (int b = 0; b < blocks; b += 4) {
             const tile_function* shapes = TILES[(blocks - b < 4 ? blocks - b : 4) - 1];
