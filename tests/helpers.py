@@ -97,6 +97,12 @@ def _in_reference_dtype(actual: torch.Tensor, expected: torch.Tensor) -> torch.T
     return actual
 
 
+def chained_convs(gm: GraphModule) -> list:
+    """The conv kernel calls (GEMM, depthwise, stem) that kernel chains in ``gm`` run."""
+    return [step for node in gm.graph.nodes if isinstance(node.target, KernelChain) for step in node.target.steps
+            if step.kernel in ("qconv", "qconv_dw3x3", "qconv_stem")]
+
+
 def chain_lines(node, fmt) -> list:
     """A kernel chain's steps, as the graph held them before (their values named as the nodes
     were), then the chain call and the steps whose values leave it."""
