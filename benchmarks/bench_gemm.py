@@ -1,5 +1,5 @@
-"""qbackend's own int8 kernels against torch's, per layer: the GEMM (``qbackend::qconv``) and
-the depthwise conv against oneDNN's int8 conv / linear, the pools and input quantize against
+"""qbackend's own int8 kernels against torch's, per layer: the GEMM (``qbackend::qconv``), the
+depthwise conv and the stem conv against oneDNN's int8 conv / linear, the pools and input quantize against
 torch's quantized-tensor pools and quantize.
 
     python benchmarks/bench_gemm.py [--out docs/benchmarks_gemm.md]
@@ -22,7 +22,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))
 
 from qbackend import native  # noqa: E402
-from qbackend.lowering import depthwise, gemm  # noqa: E402
+from qbackend.lowering import depthwise, gemm, stem  # noqa: E402
 from qbackend.lowering.own_conv import scale_and_offset  # noqa: E402
 from qbackend.ops import resolve  # noqa: E402
 
@@ -132,6 +132,34 @@ def depthwise_runners(channels, size, stride):
     return onednn, own
 
 
+# network stems (3 input channels): (name, out channels, kernel, stride, padding), at batch 1 and 8
+STEMS = [("ResNet-18 stem 7x7 s2 + relu", 64, 7, 2, 3), ("MobileNetV2 stem 3x3 s2 + relu6", 32, 3, 2, 1)]
+
+
+def stem_rows() -> list:
+    """The stem conv kernel (AVX512-VNNI only) against oneDNN's conv, on 224x224 images."""
+    if native.vnni_unavailable() is not None:
+        return [f"| (not run: {native.vnni_unavailable()}) | | | |"]
+    prepack, qconv, rows = resolve("qconv_prepack", "cpu").op, resolve("qconv", "cpu").op, []
+    for name, cout, k, s, pad in STEMS:
+        for batch in (1, 8):
+            torch.manual_seed(0)
+            x = torch.randint(0, 256, (batch, 3, 224, 224), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+            weight = torch.randint(-128, 128, (cout, 3, k, k), dtype=torch.int8)
+            w_scale, w_zp = torch.full((cout,), 0.002), torch.zeros(cout, dtype=torch.int64)
+            packed = prepack(weight, w_scale, 0.02, 3, [s, s], [pad, pad], [1, 1], 1, x.shape)
+            mult, add = (t.float() for t in scale_and_offset(weight, w_scale, 0.02, 3))
+            constants = (stem.pack(weight), mult, add)
+            rows.append(torch_vs_own_row(
+                f"{name}, batch {batch}: 3->{cout}",
+                lambda x=x, packed=packed, w_scale=w_scale, w_zp=w_zp, s=s, pad=pad: qconv(
+                    x, 0.02, 3, packed, w_scale, w_zp, None, [s, s], [pad, pad], [1, 1], 1, 0.05, 0, None, "relu", [], ""),
+                lambda x=x, c=constants, k=k, s=s, pad=pad: native.qconv_stem(
+                    x, 3, *c, (k, k), (s, s), (pad, pad), 0.0, float("inf"), 0.05, 0, 0, 255)))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def torch_vs_own_row(label, peer, own):
     us = median_us({"torch": peer, "own": own})
     return f"| {label} | {us['torch']:.0f} | {us['own']:.0f} | {us['own'] / us['torch']:.2f} |"
@@ -207,13 +235,15 @@ def main():
         label = f"MobileNetV2 depthwise 3x3 s{stride} + relu6, batch 1: {channels} channels, {size}x{size} input"
         lines.append(timed_row(label, *depthwise_runners(channels, size, stride), builds_here))
         print(lines[-1], flush=True)
+    stems = ["| layer | oneDNN (us) | qbackend avx512_vnni (us) | qbackend / oneDNN |", "|---|---|---|---|", *stem_rows()]
     others = ["| op | torch (us) | qbackend (us) | qbackend / torch |", "|---|---|---|---|", *other_kernel_rows()]
     print("\n".join(others[2:]), flush=True)
     text = (f"# qbackend's own int8 kernels vs torch's, per layer\n\n- Machine: {machine}\n"
             f"- Date: {datetime.date.today()}; command: `python benchmarks/bench_gemm.py`\n"
             "- Interleaved medians of the call as a lowered graph makes it (oneDNN: the prepacked op with a relu / "
             "requantize epilogue; qbackend: the plain function, uint8 out)\n\n## GEMM and depthwise vs oneDNN\n\n"
-            + "\n".join(lines) + "\n\n## Pools and input quantize\n\n" + "\n".join(others) + "\n")
+            + "\n".join(lines) + "\n\n## Stem conv (3 input channels) vs oneDNN\n\n" + "\n".join(stems)
+            + "\n\n## Pools and input quantize\n\n" + "\n".join(others) + "\n")
     args.out.write_text(text)
     print(f"wrote {args.out}")
 
