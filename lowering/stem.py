@@ -4,7 +4,8 @@ AVX512-VNNI: qbackend's own kernel (qbackend/csrc/stem_conv_int8_vnni.c).
 oneDNN runs ResNet-18's 7x7 stride-2 stem (3 -> 64 channels) at ~280 GMAC/s here against
 420-490 for its 3x3 layers: a window row of 3 channels is 21 bytes, not a multiple of the 4
 its dot products take. The kernel sums each row's first 20 bytes from the input and packs the
-bytes left over (docs/benchmarks_gemm.md: 0.85-0.9x oneDNN's time). The GEMM kernel
+bytes left over (docs/benchmarks_gemm.md: 0.82x oneDNN's time at batch 1, 0.88x at 8; end to
+end, ResNet-18 at batch 8 ran 1.8% faster with it, interleaved). The GEMM kernel
 (lowering/gemm.py) takes multiples of 4 channels only.
 """
 from __future__ import annotations
@@ -19,9 +20,9 @@ from . import own_conv
 from .base import EmitContext
 from .common import static_shape
 
-# Measured against oneDNN (benchmarks/bench_gemm.py): 64 outputs per tile run 0.85-0.9x its
-# time; with 32 output channels (MobileNetV2's 3x3 stem) 0.83x at 12544 output pixels (batch
-# 1), 1.1x at 100352 (batch 8): those take the kernel up to this many output pixels.
+# Measured against oneDNN (benchmarks/bench_gemm.py): 64 outputs per tile run 0.82-0.88x its
+# time; with 32 output channels (MobileNetV2's 3x3 stem, 2-block tiles) 0.84x at 12544 output
+# pixels (batch 1), 1.1-1.2x at 100352 (batch 8): those take the kernel up to this many pixels.
 MAX_NARROW_PIXELS = 25088
 WIDE = 64  # output channels of a full tile
 
