@@ -456,7 +456,7 @@ def stem_refusal(in_shape, out_channels: int, kernel_size, stride) -> Optional[s
         return f"{out_channels} output channels: the kernel takes a multiple of 16"
     if kh * (kw * c % 4) > STEM_MAX_LEFTOVER:
         return f"a {kh}x{kw} kernel of {c} channels leaves {kh * (kw * c % 4)} bytes over its 4-byte steps (at most {STEM_MAX_LEFTOVER})"
-    strip = kh * ((min(w, STEM_PIECE) - 1) * stride[1] + kw) * c
+    strip = kh * ((STEM_PIECE - 1) * stride[1] + kw) * c  # (for a whole piece: rows may be shorter)
     if strip > STEM_MAX_STRIP:
         return f"the input under {STEM_PIECE} output pixels is {strip} bytes (at most {STEM_MAX_STRIP})"
     return None
