@@ -36,7 +36,8 @@ CONVS = [
           ("layer1 3x3", 64, 56, 64, 3, 1, 0), ("layer2 3x3 s2", 64, 56, 128, 3, 2, 0),
           ("layer2 3x3", 128, 28, 128, 3, 1, 0), ("layer2 1x1 s2 (downsample)", 64, 56, 128, 1, 2, 0),
           ("layer3 3x3", 256, 14, 256, 3, 1, 0), ("layer3 1x1 s2 (downsample)", 128, 28, 256, 1, 2, 0),
-          ("layer4 3x3", 512, 7, 512, 3, 1, 0), ("layer4 3x3, input zero point 60", 512, 7, 512, 3, 1, 60)]],
+          ("layer4 3x3", 512, 7, 512, 3, 1, 0), ("layer4 3x3, input zero point 60", 512, 7, 512, 3, 1, 60),
+          ("layer4 1x1 s2 (downsample)", 256, 14, 512, 1, 2, 0)]],
     ("MobileNetV2 1x1 expand", 1, 24, 56, 56, 144, 1, 1, 64),
     ("MobileNetV2 1x1 project", 1, 144, 56, 56, 24, 1, 1, 0),
     ("MobileNetV2 1x1 expand", 1, 96, 14, 14, 576, 1, 1, 64),
@@ -55,8 +56,9 @@ LINEARS = [
 
 
 def builds():
-    """The GEMM builds this CPU runs."""
-    return ["avx2"] + (["avx512_vnni"] if native._vnni_library()[0] is not None else [])
+    """The GEMM builds this CPU runs (native.gemm_build's values; the depthwise kernel has the
+    first two only)."""
+    return ["avx2"] + (["avx512_vnni", "avx512_vnni_zmm"] if native._vnni_library()[0] is not None else [])
 
 
 def conv_runners(batch, cin, h, w, cout, k, s, zp):
@@ -195,23 +197,26 @@ def median_us(runners: dict, seconds: float = 0.6) -> dict:
     return {name: statistics.median(times) * 1e6 for name, times in interleaved_samples(runners, (), settings).items()}
 
 
-def timed_row(label, onednn, own, builds):
+def timed_row(label, onednn, own, columns, builds=None):
+    """The row's cells for each build in ``columns``; those not in ``builds`` (default: all) blank."""
+    builds = [b for b in columns if builds is None or b in builds]
     runners = {"oneDNN": onednn}
     for build in builds:
         runners[build] = (lambda b: lambda: _with_build(b, own))(build)
     us = median_us(runners)
     best = min(builds, key=us.get)
-    cells = " | ".join(f"{us[b]:.0f}" for b in builds)
+    cells = " | ".join(f"{us[b]:.0f}" if b in us else "" for b in columns)
     return f"| {label} | {us['oneDNN']:.0f} | {cells} | {us[best] / us['oneDNN']:.2f} |"
 
 
 def _with_build(build, own):
-    saved = native.int8_build
-    native.int8_build = lambda: build
+    saved = native.int8_build, native.gemm_build
+    native.int8_build = lambda: "avx2" if build == "avx2" else "avx512_vnni"
+    native.gemm_build = lambda: build
     try:
         return own()
     finally:
-        native.int8_build = saved
+        native.int8_build, native.gemm_build = saved
 
 
 def main():
@@ -233,7 +238,7 @@ def main():
         print(lines[-1], flush=True)
     for channels, size, stride in DEPTHWISE:
         label = f"MobileNetV2 depthwise 3x3 s{stride} + relu6, batch 1: {channels} channels, {size}x{size} input"
-        lines.append(timed_row(label, *depthwise_runners(channels, size, stride), builds_here))
+        lines.append(timed_row(label, *depthwise_runners(channels, size, stride), builds_here, ("avx2", "avx512_vnni")))
         print(lines[-1], flush=True)
     stems = ["| layer | oneDNN (us) | qbackend avx512_vnni (us) | qbackend / oneDNN |", "|---|---|---|---|", *stem_rows()]
     others = ["| op | torch (us) | qbackend (us) | qbackend / torch |", "|---|---|---|---|", *other_kernel_rows()]
@@ -241,7 +246,10 @@ def main():
     text = (f"# qbackend's own int8 kernels vs torch's, per layer\n\n- Machine: {machine}\n"
             f"- Date: {datetime.date.today()}; command: `python benchmarks/bench_gemm.py`\n"
             "- Interleaved medians of the call as a lowered graph makes it (oneDNN: the prepacked op with a relu / "
-            "requantize epilogue; qbackend: the plain function, uint8 out)\n\n## GEMM and depthwise vs oneDNN\n\n"
+            "requantize epilogue; qbackend: the plain function, uint8 out)\n"
+            f"- GEMM builds: avx512_vnni on ymm registers, avx512_vnni_zmm on zmm; this CPU's probe "
+            f"(native.zmm_speedup: zmm / ymm products per second) {native.zmm_speedup():.2f}, so it runs "
+            f"{native.gemm_build()}\n\n## GEMM and depthwise vs oneDNN\n\n"
             + "\n".join(lines) + "\n\n## Stem conv (3 input channels) vs oneDNN\n\n" + "\n".join(stems)
             + "\n\n## Pools and input quantize\n\n" + "\n".join(others) + "\n")
     args.out.write_text(text)

@@ -88,9 +88,11 @@ def short_error(exc):
 def machine_description(num_threads=NUM_THREADS):
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        model_name = next(line.split(":", 1)[1].strip() for line in lscpu.splitlines()
-                          if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
+        fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+        model_name = fields["Model name"].strip()
+        if "CPU family" in fields:  # (AMD EPYC of two generations share a name: Zen 4 is 25, Zen 5 26)
+            model_name += f" family {fields['CPU family'].strip()} model {fields.get('Model', '?').strip()}"
+    except (OSError, subprocess.CalledProcessError, KeyError):
         model_name = "unknown CPU"
     load_1min = os.getloadavg()[0]  # other work on a shared machine skews latencies
     capability = torch.backends.cpu.get_cpu_capability()  # the widest vector ISA ATen uses here

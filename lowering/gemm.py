@@ -29,7 +29,7 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class Limits:
-    """Up to where a GEMM build (native.int8_build) beats oneDNN: linears of at most
+    """Up to where a GEMM build (native.gemm_build) beats oneDNN: linears of at most
     ``max_rows`` rows and convs of at most ``max_conv_pixels`` output pixels take it."""
 
     max_rows: int
@@ -40,16 +40,22 @@ class Limits:
 # AVX2 (no VNNI: oneDNN's int8 is slow too): linears 0.80-0.95x its time at 128-256 rows,
 # 1.03x at 512; 1x1 stride-2 convs 0.75x; 3x3 of inputs whose zero point is not 0 (which
 # oneDNN compensates slowly) 0.78-0.97x up to 6272 pixels, 1.07x at 25088.
-# AVX512-VNNI (ymm vpdpbusd; oneDNN's brgemm kernels; the spread is the machine's): linears
-# 0.43-0.53x at 1 row, 0.66-0.70x at 8, 0.89-0.93x at 32, 0.96-1.01x at 64, 0.96-1.23x at 128;
-# 1x1 convs 0.66-0.93x up to 784 pixels, 0.95-1.67x from 1568; 3x3 of inputs whose zero point
-# is not 0 0.32-0.33x at 49 pixels, 0.97-0.99x at 392.
-# Either way 3x3 convs of zero-point-0 inputs (after a ReLU) stay on oneDNN (1.0-1.5x its time).
-LIMITS = {"avx2": Limits(max_rows=256, max_conv_pixels=8192), "avx512_vnni": Limits(max_rows=16, max_conv_pixels=1024)}
+# AVX512-VNNI on ymm (a Zen 4 EPYC, where zmm vpdpbusd is slow; the spread is the machine's):
+# linears 0.43-0.53x at 1 row, 0.66-0.70x at 8, 0.89-0.93x at 32, 0.96-1.01x at 64, 0.96-1.23x
+# at 128; 1x1 convs 0.66-0.93x up to 784 pixels, 0.95-1.67x from 1568; 3x3 of inputs whose zero
+# point is not 0 0.32-0.33x at 49 pixels, 0.97-0.99x at 392.
+# AVX512-VNNI on zmm (a Zen 5 EPYC, 2 zmm vpdpbusd per cycle): linears 0.36-0.41x at 1 row,
+# 0.63x at 8, 0.91x at 32, 0.97x at 64, 0.96-1.01x at 128; 1x1 convs 0.53-0.93x up to 784
+# pixels, 1.11-1.69x from 1568 (0.92-1.32x at 3136); 3x3 of inputs whose zero point is not 0
+# 0.24x at 49 pixels, 0.67x at 392.
+# Every build: 3x3 convs of zero-point-0 inputs (after a ReLU) stay on oneDNN (ymm 1.0-1.5x its
+# time, zmm 0.97-1.10x at batch 1 and 1.06-1.46x at 8: no gain).
+LIMITS = {"avx2": Limits(max_rows=256, max_conv_pixels=8192), "avx512_vnni": Limits(max_rows=16, max_conv_pixels=1024),
+          "avx512_vnni_zmm": Limits(max_rows=32, max_conv_pixels=1024)}
 
 
 def limits() -> Limits:
-    return LIMITS[native.int8_build()]
+    return LIMITS[native.gemm_build()]
 
 # GELU runs in the kernel's epilogue (an AVX2 erf / tanh, error < 2e-7): post-op algorithm ->
 # the kernel's activation (native.ACTIVATIONS)
@@ -141,9 +147,10 @@ def linear_refusal(ctx: EmitContext, match) -> Optional[str]:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight as [Cout/B][KH*KW*Cin/4][B][4], B = native.GEMM_BLOCK (both builds): one
-    vector load feeds B outputs x 4 inputs."""
+    """The weight as [ceil(Cout/B)][KH*KW*Cin/4][B][4], B = native.GEMM_BLOCK (every build; Cout
+    padded with zero weights): one row feeds B outputs x 4 inputs, a zmm vector or two ymm ones."""
     block, ordered = native.GEMM_BLOCK, _in_kernel_order(weight)
+    ordered = torch.nn.functional.pad(ordered, (0, 0, 0, -ordered.shape[0] % block))
     return ordered.reshape(ordered.shape[0] // block, block, -1, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)
 
 

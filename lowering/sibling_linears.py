@@ -1,8 +1,9 @@
 """Sibling linears: lowered qlinears that read the same int8 activation with the same output
 arguments (a transformer's Q, K and V projections) run as one qlinear over their concatenated
 weights; each sibling then reads its own columns as a view. The same holds for linears on
-qbackend's own GEMM kernel (gemm.py), whose packed weights and per-channel constants
-concatenate as they are (8 output channels per block, native.GEMM_BLOCK, in both builds).
+qbackend's own GEMM kernel (gemm.py): its per-channel constants concatenate as they are, and
+the concatenated int8 weights are packed again (each member's packing pads its out_features to
+a multiple of native.GEMM_BLOCK).
 
 Exact: every output column comes from its own weight row, scale and bias alone, so the merged
 call gives bit for bit the columns of the separate calls (int32 accumulation; on CPUs without
@@ -24,7 +25,7 @@ from qbackend import native
 from qbackend.patterns.base import constant_value, fake_value
 from qbackend.patterns.inplace import schema_writes
 
-from . import own_conv
+from . import gemm, own_conv
 from .base import EmitContext
 from .common import SIBLING, record_fake_value, static_shape
 
@@ -97,14 +98,16 @@ def _slice_columns(graph, merged: Node, members: list[Node], outputs: list[Node]
 
 
 def _merge_own(ctx: EmitContext, members: list[Node]) -> bool:
-    """One own-kernel call for ``members``: their packed weights, multipliers and offsets
-    concatenated; the first member's input rows."""
+    """One own-kernel call for ``members``: their int8 weights concatenated and packed, their
+    multipliers and offsets concatenated; the first member's input rows."""
     graph, first = ctx.gm.graph, members[0]
     outputs = [_own_kernel_output(m) for m in members]
-    widths = [m.meta[SIBLING][1].int8.shape[0] for m in members]
+    weights = [m.meta[SIBLING][1].int8 for m in members]
+    widths = [w.shape[0] for w in weights]
     with graph.inserting_before(first):
-        constants = [ctx.constant(torch.cat([constant_value(ctx.gm, m.args[i]) for m in members]), hint)
-                     for i, hint in ((1, "gemm_w"), (2, "gemm_mult"), (3, "gemm_add"))]
+        constants = [ctx.constant(gemm.pack(torch.cat(weights)), "gemm_w")]
+        constants += [ctx.constant(torch.cat([constant_value(ctx.gm, m.args[i]) for m in members]), hint)
+                      for i, hint in ((2, "gemm_mult"), (3, "gemm_add"))]
         kernel = own_conv.call_kernel(ctx, "qconv", (first.args[0], *constants, *first.args[4:]))
     with graph.inserting_after(kernel):
         merged = record_fake_value(graph.call_function(aten.reshape.default, (kernel, [*outputs[0].args[1][:-1], sum(widths)])))

@@ -42,7 +42,8 @@ CSRC = Path(__file__).parent / "csrc"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # Two libraries: every kernel for AVX2, and the int8 conv kernels again for AVX512-VNNI
 # (optional: a compiler without these flags or a CPU without VNNI leaves the AVX2 ones).
-VNNI_SOURCES = (CSRC / "conv_gemm_int8_vnni.c", CSRC / "depthwise_conv_int8_vnni.c", CSRC / "stem_conv_int8_vnni.c")
+VNNI_SOURCES = (CSRC / "conv_gemm_int8_vnni.c", CSRC / "conv_gemm_int8_vnni512.c", CSRC / "depthwise_conv_int8_vnni.c",
+                CSRC / "stem_conv_int8_vnni.c")
 SOURCES = tuple(sorted(set(CSRC.glob("*.c")) - set(VNNI_SOURCES)))
 VNNI_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni")
 MAX_TAPS = 9  # kernel positions qconv takes (conv_gemm_int8.c MAX_TAPS): up to 3x3
@@ -176,14 +177,20 @@ def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     except (RuntimeError, OSError) as error:
         return None, f"the AVX512-VNNI kernels could not be built: {error}"
     _declare_gemm(vnni.qb_conv_call_vnni)
+    _declare_gemm(vnni.qb_conv_call_vnni512)
+    vnni.qb_vnni_zmm_speedup.argtypes, vnni.qb_vnni_zmm_speedup.restype = [ctypes.c_int], ctypes.c_double
     vnni.qb_dwconv3x3_vnni_call.argtypes = vnni.qb_stem_conv_vnni_call.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3
     # -1: a thread's scratch could not be allocated (the stem conv: always 0)
     vnni.qb_dwconv3x3_vnni_call.restype = vnni.qb_stem_conv_vnni_call.restype = ctypes.c_int
     return vnni, None
 
 
-GEMM_BLOCK = 8  # output channels per packed weight block, in both builds (conv_gemm_int8.c BLOCK)
+GEMM_BLOCK = 16  # output channels per packed weight row, every build (conv_gemm_int8.c PACKED; Cout padded)
 DEPTHWISE_VNNI_GROUP = 32  # channels per step of the VNNI depthwise kernel (and a last one of 16)
+# zmm over ymm products per second above which the VNNI GEMM runs on zmm: a Zen 4 EPYC measured
+# 0.63 (zmm vpdpbusd at a third of ymm's rate), a Zen 5 EPYC 1.9-2.0; between, ymm (its tiles
+# were tuned longer).
+ZMM_MIN_SPEEDUP = 1.3
 
 
 def int8_build() -> str:
@@ -192,6 +199,25 @@ def int8_build() -> str:
     vpmaddwd: the GEMM's int16 pair sums saturate, so the lowering checks each weight against
     the activation range). The lowering packs weights for it."""
     return "avx512_vnni" if _vnni_library()[0] is not None else "avx2"
+
+
+@functools.lru_cache(maxsize=None)
+def zmm_speedup() -> float:
+    """How many more int8 products per second this core does with zmm vpdpbusd than with ymm
+    (qb_vnni_zmm_speedup: ~2 ms, once per process); 0 without the VNNI kernels."""
+    vnni = _vnni_library()[0]
+    return 0.0 if vnni is None else vnni.qb_vnni_zmm_speedup(1)
+
+
+GEMM_FUNCTIONS = {"avx2": "qb_conv_call", "avx512_vnni": "qb_conv_call_vnni", "avx512_vnni_zmm": "qb_conv_call_vnni512"}
+
+
+def gemm_build() -> str:
+    """The build of qbackend::qconv's GEMM that runs here: int8_build's, and for AVX512-VNNI the
+    register width this core runs faster ("avx512_vnni": ymm, "avx512_vnni_zmm"). All take the
+    same packed weights; lowering/gemm.py LIMITS holds where each beats oneDNN."""
+    build = int8_build()
+    return "avx512_vnni_zmm" if build == "avx512_vnni" and zmm_speedup() >= ZMM_MIN_SPEEDUP else build
 
 
 def vnni_unavailable() -> Optional[str]:
@@ -307,7 +333,7 @@ def _prepared(weight: torch.Tensor, trusted: bool, x: torch.Tensor, args: tuple,
     if cache is None:
         cache = _PREPARED[id(weight)] = {}
         weakref.finalize(weight, _PREPARED.pop, id(weight), None)
-    key = (x.shape, x.dtype, x.device, int8_build(), args)
+    key = (x.shape, x.dtype, x.device, gemm_build(), args)
     try:
         prepared = cache.get(key)
     except TypeError:  # a list among the arguments (a direct caller's)
@@ -385,9 +411,11 @@ def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high
                   qmin, qmax, float_out, activation, kernel_size, stride, padding, dilation, x_zero_point) -> Prepared:
     """Check one call site's arguments and make its _ConvCall."""
     cout, taps = mult.numel(), kernel_size[0] * kernel_size[1]
-    _check_nchw_uint8(x, weight.numel() // max(cout * taps, 1), "qconv")
+    packed_cout = -(-cout // GEMM_BLOCK) * GEMM_BLOCK  # (the packing pads Cout with zero weights)
+    _check_nchw_uint8(x, weight.numel() // max(packed_cout * taps, 1), "qconv")
     n, cin, h, w = x.shape
-    _check_constants("qconv", (weight, torch.int8, taps * cin * cout), (mult, torch.float32, cout), (add, torch.float32, cout))
+    _check_constants("qconv", (weight, torch.int8, taps * cin * packed_cout), (mult, torch.float32, cout),
+                     (add, torch.float32, cout))
     if cin % 4 or cout % 8 or not 1 <= taps <= MAX_TAPS:
         raise ValueError(f"qbackend::qconv takes in_channels % 4 == 0, out_channels % 8 == 0 and up to {MAX_TAPS} kernel "
                          f"positions, got {cin} -> {cout}, kernel {list(kernel_size)}")
@@ -399,7 +427,8 @@ def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high
     call = _ConvCall(n, h, w, cin, oh, ow, *kernel_size, *stride, *padding, *dilation, cout, x_zero_point,
                      weight.data_ptr(), mult.data_ptr(), add.data_ptr(), residual is not None and residual.dtype == torch.float32,
                      residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
-    gemm = _vnni_library()[0].qb_conv_call_vnni if int8_build() == "avx512_vnni" else lib.qb_conv_call
+    build = gemm_build()
+    gemm = getattr(lib if build == "avx2" else _vnni_library()[0], GEMM_FUNCTIONS[build])
     return _prepare(call, (n, cout, oh, ow), torch.float32 if float_out else torch.uint8, gemm, (mult, add))
 
 

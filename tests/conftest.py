@@ -4,11 +4,14 @@ import pytest
 from qbackend import native
 
 
-@pytest.fixture(params=["avx2", "avx512_vnni"])
+@pytest.fixture(params=["avx2", "avx512_vnni", "avx512_vnni_zmm"])
 def int8_build(request, monkeypatch):
-    """Run the test on each build of qbackend's int8 GEMM (native.int8_build) this CPU has:
-    the AVX2 one always, the AVX512-VNNI one where the CPU has VNNI (skipped elsewhere)."""
-    if request.param == "avx512_vnni" and native._vnni_library()[0] is None:
-        pytest.skip(f"needs the AVX512-VNNI GEMM: {native._vnni_library()[1]}")
-    monkeypatch.setattr(native, "int8_build", lambda: request.param)
-    return request.param
+    """Run the test on each build of qbackend's int8 kernels this CPU has (native.gemm_build:
+    the AVX2 one always; where the CPU has AVX512-VNNI, its GEMM on ymm and on zmm registers,
+    whichever native.zmm_speedup would choose). Returns native.int8_build's value."""
+    isa = "avx2" if request.param == "avx2" else "avx512_vnni"
+    if isa == "avx512_vnni" and native._vnni_library()[0] is None:
+        pytest.skip(f"needs the AVX512-VNNI kernels: {native._vnni_library()[1]}")
+    monkeypatch.setattr(native, "int8_build", lambda: isa)
+    monkeypatch.setattr(native, "gemm_build", lambda: request.param)
+    return isa

@@ -128,7 +128,7 @@ def test_without_the_kernels_onednn_runs_it(monkeypatch):
 
 @pytest.mark.parametrize("post", sorted(CLAMPS))
 @pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
-@pytest.mark.parametrize("cout", [24, 40, 56], ids=["24-wide tiles", "16-wide tail", "8-wide tail"])
+@pytest.mark.parametrize("cout", [24, 40, 56, 64], ids=["24-wide tiles", "16-wide tail", "8-wide tail", "whole zmm blocks"])
 def test_1x1_kernel_gives_the_reference_integers(post, residual, cout, int8_build):
     torch.manual_seed(0)
     cin, x_scale, x_zp, out_scale, out_zp, r_scale, r_zp = 36, 0.03, 7, 0.05, 60, 0.04, 11
@@ -219,10 +219,11 @@ def test_vnni_build_is_exact_where_the_avx2_build_saturates(monkeypatch):
     exact = torch.full((1, 8, 2, 2), 255.0 * 127 * 64)
 
     def run(build):
-        monkeypatch.setattr(native, "int8_build", lambda: build)
+        monkeypatch.setattr(native, "gemm_build", lambda: build)
         return native.op("qconv")(x, gemm.pack(w), mult, add, None, 0.0, -math.inf, math.inf, 1.0, 0, 0, 255, True)
     assert not torch.equal(run("avx2"), exact)  # what the lowering keeps away from the AVX2 build
     assert torch.equal(run("avx512_vnni"), exact)
+    assert torch.equal(run("avx512_vnni_zmm"), exact)
 
 
 def test_8bit_weights_run_on_the_vnni_build():

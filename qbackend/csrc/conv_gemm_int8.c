@@ -13,14 +13,17 @@
  *
  * On CPUs with AVX512-VNNI, conv_gemm_int8_vnni.c builds this file again as qb_conv_call_vnni with
  * vpdpbusd, which adds each 4 uint8 x int8 products straight into int32: exact for any weights
- * and one instruction instead of three. On 256-bit vectors: on the AMD EPYC this was measured
- * on, ymm vpdpbusd ran 3x as many instructions per ns as zmm (the same products 1.6x faster),
- * and this kernel on ymm took 0.65-1.0x its zmm build's time on every benchmarked layer.
+ * and one instruction instead of three; conv_gemm_int8_vnni512.c builds it a third time on zmm
+ * registers (qb_conv_call_vnni512). Which width is faster depends on the core: on a Zen 4 EPYC
+ * zmm vpdpbusd ran a third of ymm's instructions per ns (1.6x fewer products), on a Zen 5 EPYC
+ * 2 per cycle like ymm (2x the products). qbackend/native.py asks qb_vnni_zmm_speedup once.
  *
- * Weights: [Cout / 8][KH * KW * Cin / 4][8 outputs][4 inputs] (BLOCK 8), so one vector load
- * feeds 8 outputs and a broadcast 4-byte load of one pixel's 4 inputs meets it. Tiles: AVX2, 4
- * pixels x 24 outputs (12 accumulators: 4-6% faster than 4 x 16, while 5 or 6 pixels x 16 were
- * slower); VNNI, whose AVX512VL has 32 ymm registers, 8 pixels x 24 outputs.
+ * Weights, every build: [ceil(Cout / 16)][KH * KW * Cin / 4][16 outputs][4 inputs], Cout
+ * padded with zero weights. A zmm block is one 64-byte row of 16 outputs; a ymm block (BLOCK
+ * 8) is its half, the same row 32 bytes in. A broadcast 4-byte load of one pixel's 4 inputs
+ * meets each. Tiles: AVX2, 4 pixels x 24 outputs (12 accumulators: 4-6% faster than 4 x 16,
+ * while 5 or 6 pixels x 16 were slower); VNNI, whose AVX512VL has 32 ymm registers, 8 pixels x
+ * 24 outputs; zmm, 8 pixels x 48 outputs.
  * No im2col: each pixel's 9 input rows are pointers into x, or into a row of the zero point
  * where the window leaves the image.
  */
@@ -37,12 +40,25 @@
 #define ROW_BLOCK_BYTES (128 * 1024)
 
 /* A block: BLOCK output channels x 4 input channels of packed weights, one vector of int32 sums. */
+#define PACKED 16 /* output channels per row of the packed weights */
+#ifdef QB_ZMM
+#define BLOCK 16
+typedef __m512i block_t;
+static inline block_t block_zero(void) { return _mm512_setzero_si512(); }
+static inline block_t block_load(const int8_t* w) { return _mm512_loadu_si512(w); }
+static inline block_t block_broadcast(int32_t four) { return _mm512_set1_epi32(four); }
+#else
 #define BLOCK 8
 typedef __m256i block_t;
 static inline block_t block_zero(void) { return _mm256_setzero_si256(); }
 static inline block_t block_load(const int8_t* w) { return _mm256_loadu_si256((const __m256i*)w); }
 static inline block_t block_broadcast(int32_t four) { return _mm256_set1_epi32(four); }
-#ifdef QB_VNNI
+#endif
+#if defined(QB_ZMM)
+#define QB_CONV_CALL qb_conv_call_vnni512
+#define PIXEL_TILE 8 /* 8 x 3 accumulators of AVX512's 32 registers */
+static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) { return _mm512_dpbusd_epi32(acc, x, w); }
+#elif defined(QB_VNNI)
 #define QB_CONV_CALL qb_conv_call_vnni
 #define PIXEL_TILE 8 /* 8 x 3 accumulators of AVX512VL's 32 ymm registers */
 static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) { return _mm256_dpbusd_epi32(acc, x, w); }
@@ -60,6 +76,12 @@ int qb_has_avx512_vnni(void) {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 #endif
+
+/* The packed weights of the BLOCK outputs from o (a multiple of BLOCK), at step 0; a step is
+ * one PACKED-wide row further on. */
+static inline const int8_t* block_weights(const int8_t* w, int o, int total) {
+  return w + ((size_t)(o / PACKED) * total * PACKED + o % PACKED) * 4;
+}
 
 enum activation { CLAMP_ONLY = 0, GELU_ERF = 1, GELU_TANH = 2 }; /* qbackend/native.py ACTIVATIONS */
 
@@ -127,6 +149,45 @@ static inline void store8(const epilogue_t e, __m256i acc, int o, int Cout, size
   _mm_storel_epi64((__m128i*)(y + pixel * Cout + o), q8);
 }
 
+#ifdef QB_ZMM
+/* store8 on 16 channels, for a clamp-only epilogue: the same arithmetic in zmm registers
+ * (the clamp to [qmin, qmax] in int32 equals store8's saturating packs, as 0 <= qmin <= qmax <= 255). */
+static inline void store16(const epilogue_t e, __m512i acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
+  __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(e.mult + o), _mm512_loadu_ps(e.add + o));
+  if (e.residual) {
+    const __m512i r = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(e.residual + pixel * Cout + o)));
+    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), _mm512_broadcast_f32x8(e.residual_scale), f);
+  } else if (e.residual_f) {
+    f = _mm512_fmadd_ps(_mm512_loadu_ps(e.residual_f + pixel * Cout + o), _mm512_broadcast_f32x8(e.residual_scale), f);
+  }
+  f = _mm512_min_ps(_mm512_max_ps(f, _mm512_broadcast_f32x8(e.low)), _mm512_broadcast_f32x8(e.high));
+  if (e.float_out) {
+    _mm512_storeu_ps(e.float_out + pixel * Cout + o, f);
+    return;
+  }
+  f = _mm512_fmadd_ps(f, _mm512_broadcast_f32x8(e.out_inv_scale), _mm512_broadcast_f32x8(e.out_zp));
+  __m512i q = _mm512_cvtps_epi32(f); /* round half to even */
+  q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_cvtepu8_epi32(e.qmin)), _mm512_cvtepu8_epi32(e.qmax));
+  _mm_storeu_si128((__m128i*)(y + pixel * Cout + o), _mm512_cvtepi32_epi8(q));
+}
+#endif
+
+/* One block's sums for one pixel. A zmm block: store16 when its 16 channels are real and no
+ * GELU runs (that code is 8-wide), else two 8-channel halves, skipping the half past Cout (the
+ * packing's zero weights). */
+static inline void store_block(const epilogue_t e, block_t acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
+#ifdef QB_ZMM
+  if (o + 16 <= Cout && e.activation == CLAMP_ONLY) {
+    store16(e, acc, o, Cout, pixel, y);
+    return;
+  }
+  store8(e, _mm512_castsi512_si256(acc), o, Cout, pixel, y);
+  if (o + 8 < Cout) store8(e, _mm512_extracti64x4_epi64(acc, 1), o + 8, Cout, pixel, y);
+#else
+  store8(e, acc, o, Cout, pixel, y);
+#endif
+}
+
 /* ``pixels`` (1 to PIXEL_TILE) output pixels times ``blocks`` (1-3) blocks of BLOCK outputs
  * from ``o``; the sum runs over ``taps`` kernel positions, pixel i's input for tap t at rows[i][t]. */
 static inline __attribute__((always_inline)) void tile(int pixels, int blocks, int taps, int Cin, int Cout, size_t p, int o,
@@ -135,12 +196,13 @@ static inline __attribute__((always_inline)) void tile(int pixels, int blocks, i
   block_t acc[PIXEL_TILE][3];
   for (int i = 0; i < pixels; i++) acc[i][0] = acc[i][1] = acc[i][2] = block_zero();
   const int steps = Cin / 4, total = taps * steps;
-  const int8_t* w0 = w + (size_t)(o / BLOCK) * total * 4 * BLOCK;
+  const int8_t* wb[3];
+  for (int b = 0; b < blocks; b++) wb[b] = block_weights(w, o + BLOCK * b, total);
   for (int t = 0; t < taps; t++) {
-    const int8_t* wt = w0 + (size_t)t * steps * 4 * BLOCK;
     for (int k = 0; k < steps; k++) {
+      const size_t step = ((size_t)t * steps + k) * 4 * PACKED;
       block_t wv[3];
-      for (int b = 0; b < blocks; b++) wv[b] = block_load(wt + ((size_t)b * total + k) * 4 * BLOCK);
+      for (int b = 0; b < blocks; b++) wv[b] = block_load(wb[b] + step);
       for (int i = 0; i < pixels; i++) {
         int32_t four;
         memcpy(&four, rows[i][t] + 4 * k, 4);
@@ -152,7 +214,7 @@ static inline __attribute__((always_inline)) void tile(int pixels, int blocks, i
   }
   const epilogue_t e = *shared; /* copied once the sums are done: no registers taken from the loop above */
   for (int i = 0; i < pixels; i++)
-    for (int b = 0; b < blocks; b++) store8(e, acc[i][b], o + BLOCK * b, Cout, p + i, y);
+    for (int b = 0; b < blocks; b++) store_block(e, acc[i][b], o + BLOCK * b, Cout, p + i, y);
 }
 
 /* tile() with constant sizes, so that its loops unroll and its sums stay in registers */
@@ -186,7 +248,7 @@ typedef struct {
 
 /* y[P][Cout] = requantize(post_op(conv(x, w) (+ residual))) over NHWC uint8 x, or the float
  * result into yf when yf is not NULL; the residual is float32 when residual_is_float, else
- * uint8. Weights: [Cout / BLOCK][KH * KW * Cin / 4][BLOCK][4] (kernel position, then input
+ * uint8. Weights: [ceil(Cout / 16)][KH * KW * Cin / 4][16][4] (kernel position, then input
  * channel); padding reads x_zp.
  * Cin % 4 == 0, Cout % 8 == 0, KH * KW <= MAX_TAPS. */
 static void conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int KH, int KW, int stride_h, int stride_w,
@@ -202,7 +264,7 @@ static void conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int 
   uint8_t* padding = malloc((size_t)g.Cin);
   memset(padding, x_zp, (size_t)g.Cin);
   const int taps = g.KH * g.KW, P = g.N * g.OH * g.OW;
-  const int blocks = Cout / BLOCK;
+  const int blocks = (Cout + BLOCK - 1) / BLOCK; /* (zmm: the last may be half padding) */
   const int output_tiles = blocks % 3 == 1 && blocks > 1 ? blocks / 3 + 1 : (blocks + 2) / 3;
   const int pixel_tiles = (P + PIXEL_TILE - 1) / PIXEL_TILE;
   /* The weights stay in L2 across pixel tiles when they fit. Else the output tiles go round
