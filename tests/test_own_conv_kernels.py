@@ -149,11 +149,12 @@ def test_1x1_kernel_gives_the_reference_integers(post, residual, cout, int8_buil
     ((3, 3), (1, 1), (1, 1), (1, 1)), ((3, 3), (2, 2), (1, 1), (1, 1)), ((3, 3), (1, 1), (0, 0), (1, 1)),
     ((3, 3), (1, 1), (2, 2), (2, 2)), ((1, 1), (2, 2), (0, 0), (1, 1)), ((1, 3), (1, 2), (0, 1), (1, 1)),
 ], ids=["3x3", "3x3 stride 2", "3x3 no padding", "3x3 dilation 2", "1x1 stride 2", "1x3"])
-def test_gemm_conv_gives_the_reference_integers(kernel, stride, padding, dilation, int8_build):
+@pytest.mark.parametrize("cout", [40, 64], ids=["3-block tiles", "64-wide tiles"])
+def test_gemm_conv_gives_the_reference_integers(kernel, stride, padding, dilation, cout, int8_build):
     """Windows that leave the image read the input's zero point (7 here), as zero padding of
-    the dequantized input does."""
+    the dequantized input does; windows inside it, their first row plus each tap's offset."""
     torch.manual_seed(0)
-    cin, cout, x_scale, x_zp, out_scale, out_zp = 12, 40, 0.03, 7, 0.05, 60
+    cin, x_scale, x_zp, out_scale, out_zp = 12, 0.03, 7, 0.05, 60
     x = torch.randint(0, 256, (2, cin, 7, 9), dtype=torch.uint8)
     w = torch.randint(-64, 64, (cout, cin, *kernel), dtype=torch.int8)
     w_scale, bias = torch.rand(cout) * 0.01 + 0.001, torch.randn(cout)

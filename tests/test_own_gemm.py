@@ -48,10 +48,11 @@ def test_gelu_in_the_epilogue_gives_the_reference_values(activation, int8_build)
     assert (ints.reshape(reference.shape) == reference).double().mean() > 0.999
 
 
-def test_weights_beyond_l2_run_in_row_blocks(int8_build):
-    """768 x 400 weights (> the kernel's 256 KB WEIGHTS_IN_L2): output tiles go round blocks of
-    rows; 301 rows make two blocks and a tail tile."""
-    x, constants, exact = _gemm_case(rows=301, cin=768, cout=400)
+@pytest.mark.parametrize("cin,cout", [(768, 400), (2304, 128)], ids=["3-block tiles", "64-wide tiles"])
+def test_weights_beyond_l2_run_in_row_blocks(cin, cout, int8_build):
+    """Weights over the kernel's 256 KB WEIGHTS_IN_L2: output tiles go round blocks of rows,
+    as many blocks for each thread; 301 rows leave a tail tile."""
+    x, constants, exact = _gemm_case(rows=301, cin=cin, cout=cout)
     floats = native.op("qconv")(x, *constants, None, 0.0, float("-inf"), float("inf"), 1.0, 0, 0, 255, True)
     torch.testing.assert_close(floats.reshape(exact.shape).double(), exact, atol=2e-6, rtol=1e-6)
 

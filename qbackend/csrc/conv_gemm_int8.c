@@ -57,6 +57,7 @@ static inline block_t block_broadcast(int32_t four) { return _mm256_set1_epi32(f
 #if defined(QB_ZMM)
 #define QB_CONV_CALL qb_conv_call_vnni512
 #define PIXEL_TILE 8 /* 8 x 3 accumulators of AVX512's 32 registers */
+#define WIDE_PIXELS 6 /* or 6 x 4, where Cout is a multiple of 64 (4 weight loads and 6 broadcasts per 24 sums) */
 static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) { return _mm512_dpbusd_epi32(acc, x, w); }
 #elif defined(QB_VNNI)
 #define QB_CONV_CALL qb_conv_call_vnni
@@ -188,20 +189,25 @@ static inline void store_block(const epilogue_t e, block_t acc, int o, int Cout,
 #endif
 }
 
-/* ``pixels`` (1 to PIXEL_TILE) output pixels times ``blocks`` (1-3) blocks of BLOCK outputs
+#ifndef WIDE_PIXELS
+#define WIDE_PIXELS 0 /* (no 4-block tiles) */
+#endif
+
+/* ``pixels`` (1 to PIXEL_TILE) output pixels times ``blocks`` (1-4) blocks of BLOCK outputs
  * from ``o``; the sum runs over ``taps`` kernel positions, pixel i's input for tap t at rows[i][t]. */
 static inline __attribute__((always_inline)) void tile(int pixels, int blocks, int taps, int Cin, int Cout, size_t p, int o,
                         const uint8_t* const rows[PIXEL_TILE][MAX_TAPS], const int8_t* restrict w,
                         const epilogue_t* shared, uint8_t* restrict y) {
-  block_t acc[PIXEL_TILE][3];
-  for (int i = 0; i < pixels; i++) acc[i][0] = acc[i][1] = acc[i][2] = block_zero();
+  block_t acc[PIXEL_TILE][4];
+  for (int i = 0; i < pixels; i++)
+    for (int b = 0; b < blocks; b++) acc[i][b] = block_zero();
   const int steps = Cin / 4, total = taps * steps;
-  const int8_t* wb[3];
+  const int8_t* wb[4];
   for (int b = 0; b < blocks; b++) wb[b] = block_weights(w, o + BLOCK * b, total);
   for (int t = 0; t < taps; t++) {
     for (int k = 0; k < steps; k++) {
       const size_t step = ((size_t)t * steps + k) * 4 * PACKED;
-      block_t wv[3];
+      block_t wv[4];
       for (int b = 0; b < blocks; b++) wv[b] = block_load(wb[b] + step);
       for (int i = 0; i < pixels; i++) {
         int32_t four;
@@ -234,6 +240,11 @@ static inline __attribute__((always_inline)) void tile(int pixels, int blocks, i
     default: tile(PIXEL_TILE, BLOCKS, taps, g.Cin, Cout, p, o, rows, w, &e, y);                  \
   }
 #endif
+#define WIDE_TILE_CASES(PIXELS)                                                                  \
+  switch (PIXELS) {                                                                              \
+    TILE_CASE(1, 4) TILE_CASE(2, 4) TILE_CASE(3, 4) TILE_CASE(4, 4) TILE_CASE(5, 4)              \
+    default: tile(WIDE_PIXELS, 4, taps, g.Cin, Cout, p, o, rows, w, &e, y);                      \
+  }
 
 /* The first block of output tile ``ot``: tiles are 3 blocks wide, but the last 4 of 3k + 1
  * blocks go as 2 + 2 (a 1-block tile costs as many input loads as a 3-block one). */
@@ -245,6 +256,35 @@ static inline int tile_start(int ot, int blocks) {
 typedef struct {
   int N, H, W, Cin, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w;
 } geometry_t;
+
+/* rows[i][t]: the input row (Cin bytes) under tap t of output pixel p + i, or ``padding`` (the
+ * zero point) where the window leaves the image. One division for the tile's first pixel, then
+ * a walk along the output rows; a window inside the image is its first row plus tap_offsets
+ * (per-pixel divisions and per-tap checks had cost ~15% of a 64-channel 3x3 conv). */
+static void window_rows(const geometry_t* g, const uint8_t* x, const uint8_t* padding, const ptrdiff_t* tap_offsets,
+                        int p, int pixels, const uint8_t* rows[][MAX_TAPS]) {
+  int n = p / (g->OH * g->OW), oh = p / g->OW % g->OH, ow = p % g->OW;
+  const int taps = g->KH * g->KW, last_h = (g->KH - 1) * g->dil_h, last_w = (g->KW - 1) * g->dil_w;
+  for (int i = 0; i < pixels; i++) {
+    const int ih0 = oh * g->stride_h - g->pad_h, iw0 = ow * g->stride_w - g->pad_w;
+    if (ih0 >= 0 && ih0 + last_h < g->H && iw0 >= 0 && iw0 + last_w < g->W) {
+      const uint8_t* first = x + (((size_t)n * g->H + ih0) * g->W + iw0) * g->Cin;
+      for (int t = 0; t < taps; t++) rows[i][t] = first + tap_offsets[t];
+    } else {
+      for (int kh = 0; kh < g->KH; kh++)
+        for (int kw = 0; kw < g->KW; kw++) {
+          const int ih = ih0 + kh * g->dil_h, iw = iw0 + kw * g->dil_w;
+          rows[i][kh * g->KW + kw] = ih < 0 || ih >= g->H || iw < 0 || iw >= g->W
+                                         ? padding
+                                         : x + (((size_t)n * g->H + ih) * g->W + iw) * g->Cin;
+        }
+    }
+    if (++ow == g->OW) {
+      ow = 0;
+      if (++oh == g->OH) oh = 0, n++;
+    }
+  }
+}
 
 /* y[P][Cout] = requantize(post_op(conv(x, w) (+ residual))) over NHWC uint8 x, or the float
  * result into yf when yf is not NULL; the residual is float32 when residual_is_float, else
@@ -265,14 +305,25 @@ static void conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int 
   memset(padding, x_zp, (size_t)g.Cin);
   const int taps = g.KH * g.KW, P = g.N * g.OH * g.OW;
   const int blocks = (Cout + BLOCK - 1) / BLOCK; /* (zmm: the last may be half padding) */
-  const int output_tiles = blocks % 3 == 1 && blocks > 1 ? blocks / 3 + 1 : (blocks + 2) / 3;
-  const int pixel_tiles = (P + PIXEL_TILE - 1) / PIXEL_TILE;
+  const int wide = WIDE_PIXELS && blocks % 4 == 0, tile_pixels = wide ? WIDE_PIXELS : PIXEL_TILE;
+  const int output_tiles = wide ? blocks / 4 : blocks % 3 == 1 && blocks > 1 ? blocks / 3 + 1 : (blocks + 2) / 3;
+  const int pixel_tiles = (P + tile_pixels - 1) / tile_pixels;
   /* The weights stay in L2 across pixel tiles when they fit. Else the output tiles go round
-   * each block of pixel tiles whose inputs fit ROW_BLOCK_BYTES, so that block stays in L2. */
+   * each block of pixel tiles whose inputs fit ROW_BLOCK_BYTES, so that block stays in L2: blocks
+   * of equal size, as many for each thread (the static schedule gives each thread whole blocks;
+   * a short last one left a thread 40% idle on ResNet's layer3 / 4 convs at batch 8). */
   const int pixels_outer = (size_t)taps * g.Cin * Cout <= WEIGHTS_IN_L2;
-  int block_tiles = pixels_outer ? pixel_tiles : ROW_BLOCK_BYTES / (PIXEL_TILE * g.Cin);
-  block_tiles = block_tiles < 1 ? 1 : block_tiles > pixel_tiles ? pixel_tiles : block_tiles;
-  const int row_blocks = (pixel_tiles + block_tiles - 1) / block_tiles;
+  int row_blocks = 1;
+  if (!pixels_outer) {
+    const int fit = ROW_BLOCK_BYTES / (tile_pixels * g.Cin) < 1 ? 1 : ROW_BLOCK_BYTES / (tile_pixels * g.Cin);
+    row_blocks = (pixel_tiles + fit - 1) / fit;
+    row_blocks = (row_blocks + threads - 1) / threads * threads;
+    row_blocks = row_blocks > pixel_tiles ? pixel_tiles : row_blocks;
+  }
+  const int block_tiles = (pixel_tiles + row_blocks - 1) / row_blocks;
+  ptrdiff_t tap_offsets[MAX_TAPS]; /* from a window's first input row, for windows inside the image */
+  for (int kh = 0; kh < g.KH; kh++)
+    for (int kw = 0; kw < g.KW; kw++) tap_offsets[kh * g.KW + kw] = ((ptrdiff_t)kh * g.dil_h * g.W + kw * g.dil_w) * g.Cin;
 #pragma omp parallel num_threads(threads)
   {
     /* a pixel tile's input rows, kept while this thread's next tiles are the same pixels' */
@@ -284,22 +335,16 @@ static void conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int 
         for (int inner = 0; inner < (pixels_outer ? output_tiles : block_tiles); inner++) {
           const int pt = block * block_tiles + (pixels_outer ? outer : inner), ot = pixels_outer ? inner : outer;
           if (pt >= pixel_tiles) continue;
-          const size_t p = (size_t)pt * PIXEL_TILE;
-          const int b0 = tile_start(ot, blocks), width = (ot + 1 < output_tiles ? tile_start(ot + 1, blocks) : blocks) - b0;
+          const size_t p = (size_t)pt * tile_pixels;
+          const int b0 = wide ? 4 * ot : tile_start(ot, blocks);
+          const int width = wide ? 4 : (ot + 1 < output_tiles ? tile_start(ot + 1, blocks) : blocks) - b0;
           const int o = b0 * BLOCK;
-          const int pixels = P - (int)p < PIXEL_TILE ? P - (int)p : PIXEL_TILE;
-          for (int i = 0; i < pixels && rows_of != pt; i++) {
-            const int q = (int)p + i, n = q / (g.OH * g.OW), oh = q / g.OW % g.OH, ow = q % g.OW;
-            for (int kh = 0; kh < g.KH; kh++)
-              for (int kw = 0; kw < g.KW; kw++) {
-                const int ih = oh * g.stride_h - g.pad_h + kh * g.dil_h, iw = ow * g.stride_w - g.pad_w + kw * g.dil_w;
-                rows[i][kh * g.KW + kw] = ih < 0 || ih >= g.H || iw < 0 || iw >= g.W
-                                              ? padding
-                                              : x + (((size_t)n * g.H + ih) * g.W + iw) * g.Cin;
-              }
-          }
+          const int pixels = P - (int)p < tile_pixels ? P - (int)p : tile_pixels;
+          if (rows_of != pt) window_rows(&g, x, padding, tap_offsets, (int)p, pixels, rows);
           rows_of = pt;
-          if (width == 3) {
+          if (width == 4) {
+            WIDE_TILE_CASES(pixels)
+          } else if (width == 3) {
             TILE_CASES(pixels, 3)
           } else if (width == 2) {
             TILE_CASES(pixels, 2)
