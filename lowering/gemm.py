@@ -30,10 +30,13 @@ aten = torch.ops.aten
 @dataclass(frozen=True)
 class Limits:
     """Up to where a GEMM build (native.gemm_build) beats oneDNN: linears of at most
-    ``max_rows`` rows and convs of at most ``max_conv_pixels`` output pixels take it."""
+    ``max_rows`` rows; 1x1 convs and convs of inputs whose zero point is not 0 of at most
+    ``max_conv_pixels`` output pixels; other convs (3x3 after a ReLU) of at most
+    ``max_dense_macs`` multiply-adds (where oneDNN's fixed ~22 us per call weighs)."""
 
     max_rows: int
     max_conv_pixels: int
+    max_dense_macs: int = 0
 
 
 # Measured against oneDNN's qlinear / qconv (benchmarks/bench_gemm.py, docs/benchmarks_gemm.md).
@@ -48,10 +51,12 @@ class Limits:
 # 0.63x at 8, 0.91x at 32, 0.97x at 64, 0.96-1.01x at 128; 1x1 convs 0.53-0.93x up to 784
 # pixels, 1.11-1.69x from 1568 (0.92-1.32x at 3136); 3x3 of inputs whose zero point is not 0
 # 0.24x at 49 pixels, 0.67x at 392.
-# Every build: 3x3 convs of zero-point-0 inputs (after a ReLU) stay on oneDNN (ymm 1.0-1.5x its
-# time, zmm 0.97-1.10x at batch 1 and 1.06-1.46x at 8: no gain).
+# 3x3 convs of zero-point-0 inputs (after a ReLU): ymm 1.0-1.5x oneDNN's time, stay on oneDNN;
+# zmm 0.88-1.09x at batch 1 (115M multiply-adds each: ResNet-18 at batch 1 ran 2.46-2.53 ms
+# with them on the GEMM, 2.87-3.02 on oneDNN, interleaved) and 0.95-1.14x at batch 8 (925M:
+# end to end no gain, 1568 output pixels and up a loss), so up to 256M multiply-adds.
 LIMITS = {"avx2": Limits(max_rows=256, max_conv_pixels=8192), "avx512_vnni": Limits(max_rows=16, max_conv_pixels=1024),
-          "avx512_vnni_zmm": Limits(max_rows=32, max_conv_pixels=1024)}
+          "avx512_vnni_zmm": Limits(max_rows=32, max_conv_pixels=1024, max_dense_macs=256_000_000)}
 
 
 def limits() -> Limits:
@@ -77,15 +82,17 @@ def _output_pixels(match) -> Optional[int]:
 
 
 def is_conv(match) -> bool:
-    """A 2-D int8 conv (groups 1) with a static input shape and at most max_conv_pixels outputs,
-    1x1 or of an input whose zero point is not 0 (LIMITS: where it is faster)."""
+    """A 2-D int8 conv (groups 1) with a static input shape within the build's limits (LIMITS:
+    where it is faster than oneDNN)."""
     p, w = match.conv, match.weight
     if p is None or w is None or p.spatial_rank != 2 or p.groups != 1:
         return False
-    if math.prod(w.int8.shape[2:]) > 1 and match.x.qparams.zero_point == 0:
-        return False
     pixels = _output_pixels(match)
-    return pixels is not None and pixels <= limits().max_conv_pixels
+    if pixels is None:
+        return False
+    if math.prod(w.int8.shape[2:]) > 1 and match.x.qparams.zero_point == 0:
+        return pixels * w.int8.numel() <= limits().max_dense_macs
+    return pixels <= limits().max_conv_pixels
 
 
 def _in_kernel_order(weight: torch.Tensor) -> torch.Tensor:

@@ -4,11 +4,19 @@ import pytest
 from qbackend import native
 
 
+@pytest.fixture(autouse=True)
+def _zmm_gemm_on_every_vnni_cpu(monkeypatch):
+    """Lowered graphs (pinned with expecttest) must not depend on native.zmm_speedup's probe of
+    this core: every AVX512-VNNI CPU lowers as one that prefers zmm (the zmm build runs on
+    all of them; ``int8_build`` below runs the kernels' numerics on every build)."""
+    monkeypatch.setattr(native, "zmm_speedup", lambda: native.ZMM_MIN_SPEEDUP)
+
+
 @pytest.fixture(params=["avx2", "avx512_vnni", "avx512_vnni_zmm"])
 def int8_build(request, monkeypatch):
     """Run the test on each build of qbackend's int8 kernels this CPU has (native.gemm_build:
-    the AVX2 one always; where the CPU has AVX512-VNNI, its GEMM on ymm and on zmm registers,
-    whichever native.zmm_speedup would choose). Returns native.int8_build's value."""
+    the AVX2 one always; where the CPU has AVX512-VNNI, its GEMM on ymm and on zmm registers).
+    Returns native.int8_build's value."""
     isa = "avx2" if request.param == "avx2" else "avx512_vnni"
     if isa == "avx512_vnni" and native._vnni_library()[0] is None:
         pytest.skip(f"needs the AVX512-VNNI kernels: {native._vnni_library()[1]}")

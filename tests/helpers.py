@@ -197,3 +197,14 @@ def simulate_cpu(monkeypatch, saturates: bool):
     import qbackend.lowering.cpu as cpu
 
     monkeypatch.setattr(cpu, "int8_pairs_saturate", lambda device, kind: saturates)
+
+
+def dense_convs_on_onednn(monkeypatch):
+    """Keep 3x3 convs of zero-point-0 inputs on oneDNN on every GEMM build (the zmm build takes
+    small ones, lowering/gemm.py max_dense_macs): for tests whose subject is oneDNN's conv."""
+    import dataclasses
+
+    from qbackend.lowering import gemm
+
+    for build, limits in list(gemm.LIMITS.items()):
+        monkeypatch.setitem(gemm.LIMITS, build, dataclasses.replace(limits, max_dense_macs=0))

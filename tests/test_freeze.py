@@ -1,7 +1,10 @@
 """Freezing: weights are quantized and prepacked once, at compile time, never per call."""
+import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from qbackend import native
+from qbackend.lowering import depthwise, gemm, stem
 from qbackend.models import tiny_resnet
 
 from .helpers import quantize
@@ -16,7 +19,9 @@ def _compiled_tiny_resnet():
     return converted, torch.compile(converted, backend="qbackend"), inputs
 
 
-def test_second_call_runs_no_weight_quantization_or_prepack():
+def test_second_call_runs_no_weight_quantization_or_prepack(monkeypatch):
+    """On oneDNN (qbackend's own kernels off: the profiler sees oneDNN's ops, not theirs)."""
+    monkeypatch.setattr(native, "available", lambda: "qbackend's own kernels are unavailable: switched off by the test")
     _, compiled, inputs = _compiled_tiny_resnet()
     with torch.no_grad():
         compiled(*inputs)
@@ -26,6 +31,22 @@ def test_second_call_runs_no_weight_quantization_or_prepack():
     assert any("qconv" in n for n in names), sorted(names)  # the profiler did see the kernels
     offenders = sorted(n for n in names if any(word in n for word in PER_CALL_WEIGHT_WORK))
     assert not offenders, offenders
+
+
+def test_second_call_packs_no_weights_for_own_kernels(monkeypatch):
+    """The own kernels' weights are packed while lowering, never on a call."""
+    if native.available() is not None:
+        pytest.skip(native.available())
+    packs = []
+    for module in (gemm, depthwise, stem):
+        original = module.pack
+        monkeypatch.setattr(module, "pack", lambda *a, original=original, **k: packs.append(1) or original(*a, **k))
+    _, compiled, inputs = _compiled_tiny_resnet()
+    with torch.no_grad():
+        compiled(*inputs)
+        lowered = len(packs)
+        compiled(*inputs)
+    assert lowered > 0 and len(packs) == lowered, (lowered, len(packs))
 
 
 def test_weights_are_snapshotted_at_compile_time():

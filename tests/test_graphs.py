@@ -1,11 +1,12 @@
 """The exact rewritten graphs, pinned with expecttest (regenerate: EXPECTTEST_ACCEPT=1)."""
 import expecttest
+import pytest
 import torch
 
 from qbackend.patterns.examples import (HandQuantized, conv_flatten_linear, conv_relu, linear_relu, residual_block,
                                         two_branch_cat)
 
-from .helpers import compile_and_run, quantize, short_graph
+from .helpers import compile_and_run, dense_convs_on_onednn, quantize, short_graph
 
 
 def lowered_graph(module, inputs, quantized=True, **options) -> str:
@@ -23,6 +24,12 @@ def seeded(build):
 
 
 class TestLoweredGraphs(expecttest.TestCase):
+    @pytest.fixture(autouse=True)
+    def _same_graphs_on_every_cpu(self, monkeypatch):
+        """Dense 3x3 convs on oneDNN, as on every GEMM build but zmm (whose limit for them is
+        tested in test_own_conv_kernels): one pinned graph whatever the CPU."""
+        dense_convs_on_onednn(monkeypatch)
+
     def test_conv_relu_then_conv(self):
         self.assertExpectedInline(lowered_graph(*conv_relu()), """\
 l_input_ = input

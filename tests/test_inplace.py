@@ -5,7 +5,7 @@ import torch.nn as nn
 
 from qbackend import native
 
-from .helpers import assert_matches_reference, onednn_linear_rows, quantize
+from .helpers import assert_matches_reference, dense_convs_on_onednn, onednn_linear_rows, quantize
 
 
 class ResidualReadAgain(nn.Module):
@@ -122,9 +122,10 @@ class OwnKernelResidual(nn.Module):
 
 
 @pytest.mark.skipif(native.available() is not None, reason=f"own kernels unavailable: {native.available()}")
-def test_own_kernel_output_is_summed_into_in_place_not_copied():
+def test_own_kernel_output_is_summed_into_in_place_not_copied(monkeypatch):
     """The own kernels allocate their outputs (``fresh_output``), so a later in-place sum may
-    reuse one when no later reader needs it."""
+    reuse one when no later reader needs it (oneDNN's binary conv: the 3x3 stays on it)."""
+    dense_convs_on_onednn(monkeypatch)
     inputs = (torch.randn(2, 8, 10, 10),)
     report = assert_matches_reference(quantize(OwnKernelResidual(), inputs), inputs).report
     by_source = {d.source: d for d in report.decisions}

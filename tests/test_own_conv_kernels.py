@@ -167,16 +167,27 @@ def test_gemm_conv_gives_the_reference_integers(kernel, stride, padding, dilatio
     assert_int8_close(actual, expected, f"kernel {kernel} stride {stride} padding {padding} dilation {dilation}")
 
 
-def test_3x3_conv_runs_on_the_gemm_kernel_unless_its_input_zero_point_is_0():
-    """A 3x3 conv of the (asymmetric) model input takes qbackend's kernel; one after a ReLU
-    (zero point 0) stays on oneDNN, which is faster there."""
+def test_3x3_conv_after_a_relu_takes_the_gemm_up_to_max_dense_macs(monkeypatch):
+    """A 3x3 conv of the (asymmetric) model input takes qbackend's kernel up to max_conv_pixels;
+    one after a ReLU (zero point 0) only up to max_dense_macs multiply-adds (the zmm build's
+    limit: oneDNN's fixed cost per call weighs on small convs), else oneDNN, which is faster."""
+    _needs_vnni_library()
     x = torch.randn(2, 8, 12, 12)
     model = quantize(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1)).eval(), (x,))
-    actual, expected, captured = compile_and_run(model, (x,))
-    assert_outputs_close(actual, expected, "3x3 convs")
-    first, second = captured.report.decisions[:2]
-    assert (first.op, first.reason) == (GEMM_OP, "qbackend's int8 GEMM kernel (288 output pixels)"), str(captured.report)
-    assert (second.op, second.reason) == ("onednn::qconv_pointwise", ""), str(captured.report)
+    macs = 288 * 16 * 16 * 9  # the second conv's
+
+    def decisions(max_dense_macs):
+        monkeypatch.setitem(gemm.LIMITS, "avx512_vnni_zmm", gemm.Limits(max_rows=32, max_conv_pixels=1024,
+                                                                         max_dense_macs=max_dense_macs))
+        actual, expected, captured = compile_and_run(model, (x,))
+        assert_outputs_close(actual, expected, "3x3 convs")
+        first, second = captured.report.decisions[:2]
+        assert (first.op, first.reason) == (GEMM_OP, "qbackend's int8 GEMM kernel (288 output pixels)"), str(captured.report)
+        return second.op
+    monkeypatch.setattr(native, "gemm_build", lambda: "avx512_vnni_zmm")
+    assert decisions(macs) == GEMM_OP
+    assert decisions(macs - 1) == "onednn::qconv_pointwise"
+    assert gemm.LIMITS["avx2"].max_dense_macs == gemm.LIMITS["avx512_vnni"].max_dense_macs == 0  # (ymm: never)
 
 
 def test_block_with_residual_adds_it_in_the_1x1_kernel():

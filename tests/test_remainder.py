@@ -9,7 +9,7 @@ from torch.profiler import profile
 import qbackend
 from qbackend.models import bert_encoder_like, tiny_resnet
 
-from .helpers import quantize
+from .helpers import dense_convs_on_onednn, quantize
 from .tolerances import assert_outputs_close, assert_weight_only_close
 
 INDUCTOR = {"remainder": "inductor"}
@@ -45,8 +45,9 @@ def test_encoder_kernels_stay_and_float_ops_fuse():
     assert "aten::native_layer_norm" in eager_ops and "aten::native_layer_norm" not in fused_ops
 
 
-def test_conv_residual_in_place_sum_through_dynamo():
+def test_conv_residual_in_place_sum_through_dynamo(monkeypatch):
     """The in-place conv sum declares its write (``Tensor(a!)``): traced and lowered by Inductor."""
+    dense_convs_on_onednn(monkeypatch)
     inputs = (torch.randn(2, 3, 32, 32),)
     model = quantize(tiny_resnet(), inputs)
     given = inputs[0].clone()

@@ -8,7 +8,7 @@ import torch.nn as nn
 import qbackend
 from qbackend.patterns.examples import residual_block
 
-from .helpers import compile_and_run, quantize
+from .helpers import compile_and_run, dense_convs_on_onednn, quantize
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,8 @@ def test_explain_gives_the_backends_own_decisions(converted):
     assert [d.line() for d in explained.decisions] == [d.line() for d in captured.report.decisions]
 
 
-def test_report_lines_name_the_rule_op_and_source(converted):
+def test_report_lines_name_the_rule_op_and_source(converted, monkeypatch):
+    dense_convs_on_onednn(monkeypatch)  # (the lines name oneDNN's ops)
     model, inputs = converted
     torch._dynamo.reset()
     lines = str(qbackend.explain(model, *inputs)).splitlines()
