@@ -142,7 +142,7 @@ def stem_rows() -> list:
     """The stem conv kernel (AVX512-VNNI only) against oneDNN's conv, on 224x224 images."""
     if native.vnni_unavailable() is not None:
         return [f"| (not run: {native.vnni_unavailable()}) | | | |"]
-    prepack, qconv, rows = resolve("qconv_prepack", "cpu").op, resolve("qconv", "cpu").op, []
+    prepack, qconv, rows, fused = resolve("qconv_prepack", "cpu").op, resolve("qconv", "cpu").op, [], []
     for name, cout, k, s, pad in STEMS:
         for batch in (1, 8):
             torch.manual_seed(0)
@@ -152,14 +152,22 @@ def stem_rows() -> list:
             packed = prepack(weight, w_scale, 0.02, 3, [s, s], [pad, pad], [1, 1], 1, x.shape)
             mult, add = (t.float() for t in scale_and_offset(weight, w_scale, 0.02, 3))
             constants = (stem.pack(weight), mult, add)
+            args = (x, 3, *constants, (k, k), (s, s), (pad, pad), 0.0, float("inf"), 0.05, 0, 0, 255)
             rows.append(torch_vs_own_row(
                 f"{name}, batch {batch}: 3->{cout}",
                 lambda x=x, packed=packed, w_scale=w_scale, w_zp=w_zp, s=s, pad=pad: qconv(
                     x, 0.02, 3, packed, w_scale, w_zp, None, [s, s], [pad, pad], [1, 1], 1, 0.05, 0, None, "relu", [], ""),
-                lambda x=x, c=constants, k=k, s=s, pad=pad: native.qconv_stem(
-                    x, 3, *c, (k, k), (s, s), (pad, pad), 0.0, float("inf"), 0.05, 0, 0, 255)))
+                lambda args=args: native.qconv_stem(*args)))
             print(rows[-1], flush=True)
-    return rows
+            if name.startswith("ResNet"):  # (its 3x3 stride-2 max pool: fused, lowering/stem.py fuse_max_pool)
+                pool = ((3, 3), (2, 2), (1, 1))
+                fused.append(torch_vs_own_row(
+                    f"{name} + max pool 3x3 s2, batch {batch}",
+                    lambda args=args: native.max_pool_u8(native.qconv_stem(*args), *pool, (1, 1)),
+                    lambda args=args: native.qconv_stem(*args, *pool)))
+                print(fused[-1], flush=True)
+    return rows + ["", "| stem conv and its max pool | two calls: stem kernel, max pool kernel (us) | one call, pool fused (us) | "
+                   "fused / two calls |", "|---|---|---|---|", *fused]
 
 
 def torch_vs_own_row(label, peer, own):

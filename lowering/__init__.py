@@ -5,6 +5,7 @@ from qbackend.patterns import RULES
 
 from . import cpu, xpu
 from .sibling_linears import merge_sibling_linears
+from .stem import fuse_max_pool
 from .base import EmitContext, Lowering, Unsupported
 from .common import SIBLING
 
@@ -13,7 +14,7 @@ TABLES = {"cpu": cpu.TABLE, "xpu": xpu.TABLE}
 PREPARE = {"cpu": cpu.PREPARE, "xpu": xpu.PREPARE}
 # Exact rewrites of the lowered graph (ctx, report) -> None. XPU: untested without the hardware,
 # and its 2-D-only qlinear gives each sibling its own reshaped input.
-FINISH = {"cpu": (merge_sibling_linears,), "xpu": ()}
+FINISH = {"cpu": (merge_sibling_linears, fuse_max_pool), "xpu": ()}
 
 
 def finish(ctx: EmitContext, report) -> None:

@@ -150,6 +150,7 @@ def _prepacked_linear_weight(ctx: EmitContext, match: Match):
 
 
 SIBLING = "qbackend_sibling"  # node meta on an emitted qlinear: (anchor name, QuantizedWeight)
+ANCHOR = "qbackend_anchor"  # node meta on every emitted node: the anchor (report line) it lowers
 
 
 def mark_sibling(node: Node, anchor: Node, weight) -> Node:

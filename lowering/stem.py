@@ -15,10 +15,11 @@ from typing import Optional
 import torch
 
 from qbackend import native
+from qbackend.patterns.base import fake_value
 
 from . import own_conv
 from .base import EmitContext
-from .common import static_shape
+from .common import ANCHOR, static_shape
 
 # Measured against oneDNN (benchmarks/bench_gemm.py): 64 outputs per tile run 0.82-0.88x its
 # time; with 32 output channels (MobileNetV2's 3x3 stem, 2-block tiles) 0.84x at 12544 output
@@ -79,3 +80,37 @@ def emit(ctx: EmitContext, match):
 
 
 KERNEL = own_conv.OwnKernel("stem conv", is_stem, refusal, emit)
+
+
+def fuse_max_pool(ctx: EmitContext, report) -> None:
+    """A max pool (own kernel, dilation 1) of a stem conv's output that nothing else reads runs
+    inside the stem conv's call: each thread pools the conv rows it has just computed, so the
+    conv output (6.4 MB for ResNet-18 at batch 8) is never written out and read back
+    (docs/benchmarks_gemm.md: 0.95x the two calls' time alone; in ResNet-18's graph at batch 8,
+    1.50 ms where the two took 1.81). Graphs of plain-function calls (not traced again), as
+    the kernel chain pass."""
+    stem, pool = native.PLAIN["qconv_stem"], native.PLAIN["max_pool_u8"]
+    decisions = {d.node: d for d in report.decisions}
+    graph = ctx.gm.graph
+    for conv in [n for n in graph.nodes if n.op == "call_function" and n.target is stem]:
+        readers = [u for u in conv.users if u.users or u.op == "output" or u.target is pool]  # (dead dequantizes go later)
+        if len(readers) != 1 or readers[0].target is not pool or readers[0].args[0] is not conv or len(conv.args) != 14:
+            continue
+        user = readers[0]
+        kernel, stride, padding, dilation = user.args[1:5]
+        conv_hw = tuple(fake_value(conv).shape[2:])
+        if tuple(dilation) != (1, 1) or native.stem_pool_refusal(conv_hw, kernel, stride, padding) is not None:
+            continue
+        with graph.inserting_before(user):
+            fused = own_conv.call_kernel(ctx, "qconv_stem", (*conv.args, tuple(kernel), tuple(stride), tuple(padding)))
+        fused.meta.update({k: v for k, v in user.meta.items() if k not in ("example_value", "val")})
+        user.replace_all_uses_with(fused)
+        graph.erase_node(user)
+        for dead in [u for u in conv.users]:
+            graph.erase_node(dead)
+        graph.erase_node(conv)
+        conv_line, pool_line = decisions.get(conv.meta.get(ANCHOR)), decisions.get(user.meta.get(ANCHOR))
+        if conv_line is not None and pool_line is not None:
+            conv_line.reason = "; ".join(filter(None, (conv_line.reason, f"{pool_line.node} pooled in its kernel")))
+            pool_line.op = conv_line.op
+            pool_line.reason = f"in {conv_line.node}'s stem conv kernel (its output pooled as computed)"

@@ -12,6 +12,7 @@ from typing import Optional
 from torch.fx import GraphModule, Node
 
 from qbackend.lowering import PREPARE, TABLES, EmitContext, Lowering, Unsupported, finish
+from qbackend.lowering.common import ANCHOR
 from qbackend.patterns import ANCHORS, SWEEPS, GraphView, Reject, anchor_kind, rules_for
 
 from .report import Attempt, Decision, Report, source_of
@@ -52,6 +53,7 @@ def _emit(ctx: EmitContext, lowering: Lowering, match) -> Node:
     new.meta.update(match.result.meta)  # same shape and dtype: later prepacks tune for this shape
     new.meta["qbackend_rule"] = match.rule.name
     new.meta["qbackend_replaces"] = match.result.name
+    new.meta[ANCHOR] = match.anchor.name  # (its report line: rewrites after lowering name it)
     match.result.replace_all_uses_with(new)
     # Erase the chain now: DCE would keep an in-place post-op (relu_) and so the float conv.
     for node in reversed(match.nodes):

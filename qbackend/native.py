@@ -62,7 +62,7 @@ OPS = {
     "attention_f32": "attention_f32(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor",
     "qconv_stem": "qconv_stem(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int[2] kernel_size, "
                   "int[2] stride, int[2] padding, float low, float high, float out_scale, int out_zero_point, int qmin, "
-                  "int qmax) -> Tensor",
+                  "int qmax, int[2] pool_kernel=[0, 0], int[2] pool_stride=[1, 1], int[2] pool_padding=[0, 0]) -> Tensor",
     "max_pool_u8": "max_pool_u8(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation) -> Tensor",
     "global_avg_pool_u8": "global_avg_pool_u8(Tensor x, int zero_point, int qmin, int qmax) -> Tensor",
 }
@@ -180,7 +180,7 @@ def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     _declare_gemm(vnni.qb_conv_call_vnni512)
     vnni.qb_vnni_zmm_speedup.argtypes, vnni.qb_vnni_zmm_speedup.restype = [ctypes.c_int], ctypes.c_double
     vnni.qb_dwconv3x3_vnni_call.argtypes = vnni.qb_stem_conv_vnni_call.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3
-    # -1: a thread's scratch could not be allocated (the stem conv: always 0)
+    # -1: a thread's scratch could not be allocated (the depthwise conv; the stem conv with a fused pool)
     vnni.qb_dwconv3x3_vnni_call.restype = vnni.qb_stem_conv_vnni_call.restype = ctypes.c_int
     return vnni, None
 
@@ -498,11 +498,29 @@ class _StemCall(ctypes.Structure):
                                                     "pad_h", "pad_w", "Cout", "x_zp")]
                 + [("w", ctypes.c_void_p), ("mult", ctypes.c_void_p), ("add", ctypes.c_void_p), ("low", ctypes.c_float),
                    ("high", ctypes.c_float), ("out_inv_scale", ctypes.c_float), ("out_zp", ctypes.c_int),
-                   ("qmin", ctypes.c_int), ("qmax", ctypes.c_int)])
+                   ("qmin", ctypes.c_int), ("qmax", ctypes.c_int)]
+                + [(name, ctypes.c_int) for name in ("pool_kh", "pool_kw", "pool_sh", "pool_sw", "pool_ph", "pool_pw", "PH", "PW")])
+
+
+STEM_MAX_POOL_ROWS = 8  # a fused max pool's kernel height, at most (stem_conv_int8_vnni.c MAX_POOL_ROWS)
+NO_POOL = ((0, 0), (1, 1), (0, 0))  # qconv_stem's pool_kernel, pool_stride, pool_padding when no pool is fused
+
+
+def stem_pool_refusal(conv_hw, pool_kernel, pool_stride, pool_padding) -> Optional[str]:
+    """Why the stem conv kernel cannot fuse this max pool (dilation 1, floor mode) of its
+    output (None if it can)."""
+    if not 1 <= pool_kernel[0] <= STEM_MAX_POOL_ROWS or pool_kernel[1] < 1:
+        return f"pool kernel {list(pool_kernel)}: the kernel keeps 1 to {STEM_MAX_POOL_ROWS} conv rows"
+    if any(2 * p > k for p, k in zip(pool_padding, pool_kernel)) or min(pool_stride) < 1:
+        return f"pool kernel {list(pool_kernel)}, stride {list(pool_stride)}, padding {list(pool_padding)}: not a max_pool2d's"
+    if min(_output_hw(*conv_hw, pool_kernel, pool_stride, pool_padding)) < 1:
+        return f"a {list(pool_kernel)} pool of a {list(conv_hw)} conv output has no output"
+    return None
 
 
 def _prepare_stem_conv(x, x_zero_point, weight, mult, add, kernel_size, stride, padding, low, high, out_scale,
-                       out_zero_point, qmin, qmax) -> Prepared:
+                       out_zero_point, qmin, qmax, pool_kernel=NO_POOL[0], pool_stride=NO_POOL[1],
+                       pool_padding=NO_POOL[2]) -> Prepared:
     _check_nchw_uint8(x, None, "qconv_stem")
     vnni = _vnni_library()[0]
     if vnni is None:
@@ -513,13 +531,18 @@ def _prepare_stem_conv(x, x_zero_point, weight, mult, add, kernel_size, stride, 
     oh, ow = _output_hw(h, w, kernel_size, stride, padding)
     if reason is None and (oh < 1 or ow < 1):
         reason = f"kernel {list(kernel_size)}, padding {list(padding)} on {list(x.shape)}: no output"
+    pooled = tuple(pool_kernel) != NO_POOL[0]
+    if reason is None and pooled:
+        reason = stem_pool_refusal((oh, ow), pool_kernel, pool_stride, pool_padding)
     if reason is not None:
         raise ValueError(f"qbackend::qconv_stem: {reason}")
     steps = stem_steps(*kernel_size, c)[3]
     _check_constants("qconv_stem", (weight, torch.int8, cout * steps * 4), (mult, torch.float32, cout), (add, torch.float32, cout))
+    ph, pw = _output_hw(oh, ow, pool_kernel, pool_stride, pool_padding) if pooled else (oh, ow)
     call = _StemCall(n, h, w, c, oh, ow, *kernel_size, *stride, *padding, cout, x_zero_point, weight.data_ptr(),
-                     mult.data_ptr(), add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
-    return _prepare(call, (n, cout, oh, ow), torch.uint8, vnni.qb_stem_conv_vnni_call, (mult, add))
+                     mult.data_ptr(), add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax,
+                     *pool_kernel, *pool_stride, *pool_padding, ph, pw)
+    return _prepare(call, (n, cout, ph, pw), torch.uint8, vnni.qb_stem_conv_vnni_call, (mult, add))
 
 
 def _stem_conv_prepared(lib, x, x_zero_point, weight, mult, add, *args, trusted=False) -> Prepared:
@@ -531,9 +554,13 @@ def _stem_conv(lib, x, *args, trusted=False):
     return _x_to_y(_stem_conv_prepared(lib, x, *args, trusted=trusted), x, "qconv_stem")
 
 
-def _stem_conv_fake(x, x_zero_point, weight, mult, add, kernel_size, stride, padding, *args):
+def _stem_conv_fake(x, x_zero_point, weight, mult, add, kernel_size, stride, padding, low, high, out_scale,
+                    out_zero_point, qmin, qmax, pool_kernel=NO_POOL[0], pool_stride=NO_POOL[1], pool_padding=NO_POOL[2]):
     n, _, h, w = x.shape
-    return _channels_last_like(x, (n, mult.numel(), *_output_hw(h, w, kernel_size, stride, padding)), torch.uint8)
+    hw = _output_hw(h, w, kernel_size, stride, padding)
+    if tuple(pool_kernel) != NO_POOL[0]:
+        hw = _output_hw(*hw, pool_kernel, pool_stride, pool_padding)
+    return _channels_last_like(x, (n, mult.numel(), *hw), torch.uint8)
 
 
 class _MaxPoolCall(ctypes.Structure):

@@ -42,13 +42,14 @@ def test_bad_inputs_get_a_clear_error():
 
 
 def conv_pool_conv(ceil_mode):
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, 1, ceil_mode=ceil_mode),
+    """(4 input channels: a stem conv's kernel would take the pool in, test_stem_kernel.py)"""
+    return nn.Sequential(nn.Conv2d(4, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, 1, ceil_mode=ceil_mode),
                          nn.Conv2d(16, 16, 3, padding=1))
 
 
 @pytest.mark.parametrize("ceil_mode", [False, True], ids=["floor", "ceil"])
 def test_int8_pool_runs_on_the_kernel_unless_ceil_mode(ceil_mode):
-    inputs = (torch.randn(2, 3, 15, 15),)
+    inputs = (torch.randn(2, 4, 15, 15),)
     report = assert_matches_reference(quantize(conv_pool_conv(ceil_mode), inputs), inputs).report
     pool = next(d for d in report.decisions if d.rule == "qmaxpool2d")
     if ceil_mode:

@@ -53,6 +53,25 @@ def test_kernel_gives_the_reference_integers(shape, post):
     assert torch.equal(native.qconv_stem(*args), actual)  # the plain function eager graphs call
 
 
+POOLS = {"ResNet's 3x3 s2 p1": ((3, 3), (2, 2), (1, 1)), "2x2 s2": ((2, 2), (2, 2), (0, 0)),
+         "3x3 s1 p1": ((3, 3), (1, 1), (1, 1)), "5x3 s3 p(2, 1)": ((5, 3), (3, 3), (2, 1))}
+
+
+@pytest.mark.parametrize("pool", POOLS.values(), ids=POOLS.keys())
+@pytest.mark.parametrize("shape", [SHAPES[k] for k in ("ResNet 7x7 s2", "1 channel 5x5", "3 pieces per row")],
+                         ids=["ResNet 7x7 s2", "1 channel 5x5", "3 pieces per row"])
+def test_fused_max_pool_gives_the_separate_pools_bytes(shape, pool):
+    """With a pool fused, each thread pools the conv rows it computes: the bytes of the conv and
+    then qbackend's max pool kernel (itself exact against quantized::max_pool2d)."""
+    _needs_vnni_library()
+    args, _ = _case(shape, "relu")
+    separate = native.max_pool_u8(native.qconv_stem(*args), *pool, (1, 1))
+    fused = native.op("qconv_stem")(*args, *pool)
+    assert fused.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(fused, separate)
+    assert torch.equal(native.qconv_stem(*args, *pool), separate)
+
+
 def test_pack_puts_each_rows_leftover_bytes_after_the_whole_words():
     """A 3-channel 3x3 window: rows of 9 bytes, 2 words each from the input, the 3 rows' 9th
     bytes packed into one more word (and a zero): K4 = 3 * 2 + 1 steps."""
@@ -86,11 +105,36 @@ class TestStemLowering(expecttest.TestCase):
         model = quantize(Stem().eval(), (x,))
         actual, expected, captured = compile_and_run(model, (x,))
         assert_outputs_close(actual, expected, "stem")
-        decision = captured.report.decisions[0]
-        assert decision.op == STEM_OP, str(captured.report)
-        assert decision.reason == "qbackend's stem conv kernel (3 input channels: oneDNN pads each window row)"
+        conv, pool = captured.report.decisions[:2]
+        assert conv.op == pool.op == STEM_OP, str(captured.report)
+        assert conv.reason == ("qbackend's stem conv kernel (3 input channels: oneDNN pads each window row); "
+                               "max_pool2d pooled in its kernel")
+        assert pool.reason == "in conv2d's stem conv kernel (its output pooled as computed)"
         graph = short_graph(captured.lowered)
-        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_stem" in line][0], """qconv_stem = native.qconv_stem(quantize_per_tensor_default, 58, <const>, <const>, <const>, (7, 7), (2, 2), (3, 3), 0, inf, 0.0165, 0, 0, 127)""")
+        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_stem" in line][0], """qconv_stem_1 = native.qconv_stem(quantize_per_tensor_default, 58, <const>, <const>, <const>, (7, 7), (2, 2), (3, 3), 0, inf, 0.0165, 0, 0, 127, (3, 3), (2, 2), (1, 1))""")
+
+
+class TwoPoolsStem(nn.Module):
+    """A stem conv whose output two max pools read: it must be written out, so no pool is fused."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.relu = nn.Conv2d(3, 64, 7, 2, 3), nn.ReLU()
+        self.wide, self.narrow = nn.MaxPool2d(3, 2, 1), nn.MaxPool2d(2, 2)
+
+    def forward(self, x):
+        y = self.relu(self.conv(x))
+        return torch.cat([self.wide(y), self.narrow(y)], 1)
+
+
+def test_a_stem_output_read_twice_is_not_pooled_in_the_kernel():
+    _needs_vnni_library()
+    x = torch.randn(1, 3, 32, 32)
+    actual, expected, captured = compile_and_run(quantize(TwoPoolsStem().eval(), (x,)), (x,))
+    assert_outputs_close(actual, expected, "two pools")
+    ops = [d.op for d in captured.report.decisions[:3]]
+    assert ops == [STEM_OP, "qbackend::max_pool_u8.default", "qbackend::max_pool_u8.default"], str(captured.report)
+    assert "pooled" not in captured.report.decisions[0].reason
 
 
 @pytest.mark.parametrize("model,reason", [
@@ -141,3 +185,7 @@ def test_bad_inputs_get_a_clear_error_not_a_crash():
         op(args[0], args[1], args[2][: 24 * 7 * 4], args[3][:24], args[4][:24], *args[5:])
     with pytest.raises(ValueError, match="no output"):
         op(args[0][..., :2, :2], *args[1:6], [1, 1], [0, 0], *args[8:])
+    with pytest.raises(ValueError, match=r"pool kernel \[9, 3\]: the kernel keeps 1 to 8 conv rows"):
+        op(*args, [9, 3], [2, 2], [1, 1])
+    with pytest.raises(ValueError, match="not a max_pool2d's"):
+        op(*args, [3, 3], [2, 2], [2, 1])

@@ -23,11 +23,13 @@
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PIECE 64     /* output pixels of a row per step (their leftover bytes: a small buffer) */
 #define MAX_LEFTOVER 64 /* leftover bytes per pixel: KH * L <= 3 * KH */
 #define MAX_STRIP 16384 /* bytes of the input under a piece of an output row (qb_stem_strip_bytes) */
+#define MAX_POOL_ROWS 8 /* a fused max pool's kernel height, at most */
 
 typedef struct {
   int N, H, W, C, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, Cout, x_zp;
@@ -35,6 +37,8 @@ typedef struct {
   const float *mult, *add;
   float low, high, out_inv_scale;
   int out_zp, qmin, qmax;
+  /* A max pool of the conv's output, fused (pool_kh 0: none): y is then the pool's PH x PW output. */
+  int pool_kh, pool_kw, pool_sh, pool_sw, pool_ph, pool_pw, PH, PW;
 } stem_call_t;
 
 typedef struct {
@@ -137,48 +141,104 @@ static void copy_strip(const stem_call_t* c, const uint8_t* x, int n, int oh, in
   }
 }
 
-/* Returns 0. Cout % 16 == 0, KH * (KW * C % 4) <= MAX_LEFTOVER and qb_stem_strip_bytes <= MAX_STRIP
- * (qbackend/native.py checks). */
+/* One output row (n, oh) of the conv into out (OW x Cout), piece by piece: the input under a
+ * piece into ``window``, its rows' leftover bytes into ``leftover``, then the tiles. */
+static void stem_row(const stem_call_t* c, const steps_t s, const requant_t* r, const uint8_t* x, int n, int oh,
+                     int piece, uint8_t* window, uint8_t* leftover, uint8_t* out) {
+  const int blocks = c->Cout / 16;
+  for (int ow0 = 0; ow0 < c->OW; ow0 += piece) {
+    const int count = c->OW - ow0 < piece ? c->OW - ow0 : piece;
+    copy_strip(c, x, n, oh, ow0, (count - 1) * c->stride_w + c->KW, s.row, window);
+    if (s.L == 1) /* (3 channels and an odd kernel width: ResNet's and MobileNet's stems) */
+      for (int i = 0; i < count; i++) {
+        const uint8_t* from = window + i * s.pixel + 4 * s.F;
+        uint8_t* to = leftover + (size_t)i * s.LQ * 4;
+#pragma GCC unroll 8
+        for (int kh = 0; kh < c->KH; kh++) to[kh] = from[kh * s.row];
+      }
+    else
+      for (int kh = 0; kh < c->KH && s.L; kh++) { /* row by row: the loads of a row are near */
+        const uint8_t* from = window + kh * s.row + 4 * s.F;
+        uint8_t* to = leftover + kh * s.L;
+        for (int i = 0; i < count; i++)
+          for (int l = 0; l < s.L; l++) to[(size_t)i * s.LQ * 4 + l] = from[i * s.pixel + l];
+      }
+    uint8_t* at = out + (size_t)ow0 * c->Cout;
+    for (int b = 0; b < blocks; b += 4) {
+      const tile_function* shapes = TILES[(blocks - b < 4 ? blocks - b : 4) - 1];
+      for (int i = 0; i < count; i += 6)
+        shapes[(count - i < 6 ? count - i : 6) - 1](c, s, window + i * s.pixel, leftover + (size_t)i * s.LQ * 4, b, r,
+                                                     at + (size_t)i * c->Cout);
+    }
+  }
+}
+
+/* Pooled row (n, ph) from the conv rows it covers, kept in ``ring`` (conv row oh in slot
+ * oh % pool_kh, which rows ``held`` records), computing the rows not yet there. Padding is
+ * skipped (the window clipped to the conv output), as max_pool2d's -inf. */
+static void pooled_row(const stem_call_t* c, const steps_t s, const requant_t* r, const uint8_t* x, int n, int ph,
+                       int piece, uint8_t* window, uint8_t* leftover, uint8_t* ring, long* held, uint8_t* y) {
+  const size_t row_bytes = (size_t)c->OW * c->Cout;
+  const int h0 = ph * c->pool_sh - c->pool_ph;
+  const int first = h0 < 0 ? 0 : h0, end = h0 + c->pool_kh < c->OH ? h0 + c->pool_kh : c->OH;
+  for (int oh = first; oh < end; oh++) {
+    const long key = (long)n * c->OH + oh;
+    if (held[oh % c->pool_kh] != key) {
+      stem_row(c, s, r, x, n, oh, piece, window, leftover, ring + (oh % c->pool_kh) * row_bytes);
+      held[oh % c->pool_kh] = key;
+    }
+  }
+  uint8_t* out = y + ((size_t)n * c->PH + ph) * c->PW * c->Cout;
+  for (int pw = 0; pw < c->PW; pw++) {
+    const int w0 = pw * c->pool_sw - c->pool_pw;
+    const int left = w0 < 0 ? 0 : w0, right = w0 + c->pool_kw < c->OW ? w0 + c->pool_kw : c->OW;
+    for (int ch = 0; ch < c->Cout; ch += 64) {
+      const __mmask64 lanes = c->Cout - ch >= 64 ? ~0ULL : (1ULL << (c->Cout - ch)) - 1;
+      __m512i m = _mm512_setzero_si512();
+      for (int oh = first; oh < end; oh++) {
+        const uint8_t* row = ring + (oh % c->pool_kh) * row_bytes + ch;
+        for (int ow = left; ow < right; ow++) m = _mm512_max_epu8(m, _mm512_maskz_loadu_epi8(lanes, row + (size_t)ow * c->Cout));
+      }
+      _mm512_mask_storeu_epi8(out + (size_t)pw * c->Cout + ch, lanes, m);
+    }
+  }
+}
+
+/* Returns 0, or -1 where a thread's buffer for the pooled rows could not be allocated.
+ * Cout % 16 == 0, KH * (KW * C % 4) <= MAX_LEFTOVER and qb_stem_strip_bytes <= MAX_STRIP
+ * (qbackend/native.py checks). With a pool: each thread computes its range of pooled rows,
+ * each conv row it needs once (rows shared by two ranges twice): the conv output, 6.4 MB for
+ * ResNet-18 at batch 8, is never written out and read back. */
 int qb_stem_conv_vnni_call(int threads, const stem_call_t* c, const uint8_t* x, uint8_t* y) {
   const int run = c->KW * c->C, pieces = (c->OW + PIECE - 1) / PIECE, piece = (c->OW + pieces - 1) / pieces;
-  const int span = (piece - 1) * c->stride_w + c->KW, blocks = c->Cout / 16;
+  const int span = (piece - 1) * c->stride_w + c->KW;
   steps_t s = {run / 4, run % 4, (c->KH * (run % 4) + 3) / 4, 0, (size_t)span * c->C, (size_t)c->stride_w * c->C};
   s.K4 = c->KH * s.F + s.LQ;
   const requant_t r = {_mm512_set1_ps(c->low), _mm512_set1_ps(c->high), _mm512_set1_ps(c->out_inv_scale),
                        _mm512_set1_ps((float)c->out_zp), _mm512_set1_epi32(c->qmin), _mm512_set1_epi32(c->qmax)};
+  int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
     uint8_t leftover[PIECE * MAX_LEFTOVER] __attribute__((aligned(64))), window[MAX_STRIP] __attribute__((aligned(64)));
     memset(leftover, 0, sizeof leftover); /* the bytes past the leftovers meet zero weights */
-#pragma omp for schedule(static) collapse(3)
-    for (int n = 0; n < c->N; n++)
-      for (int oh = 0; oh < c->OH; oh++)
-        for (int part = 0; part < pieces; part++) {
-          const int ow0 = part * piece, count = c->OW - ow0 < piece ? c->OW - ow0 : piece;
-          if (count <= 0) continue;
-          copy_strip(c, x, n, oh, ow0, (count - 1) * c->stride_w + c->KW, s.row, window);
-          if (s.L == 1) /* (3 channels and an odd kernel width: ResNet's and MobileNet's stems) */
-            for (int i = 0; i < count; i++) {
-              const uint8_t* from = window + i * s.pixel + 4 * s.F;
-              uint8_t* to = leftover + (size_t)i * s.LQ * 4;
-#pragma GCC unroll 8
-              for (int kh = 0; kh < c->KH; kh++) to[kh] = from[kh * s.row];
-            }
-          else
-            for (int kh = 0; kh < c->KH && s.L; kh++) { /* row by row: the loads of a row are near */
-              const uint8_t* from = window + kh * s.row + 4 * s.F;
-              uint8_t* to = leftover + kh * s.L;
-              for (int i = 0; i < count; i++)
-                for (int l = 0; l < s.L; l++) to[(size_t)i * s.LQ * 4 + l] = from[i * s.pixel + l];
-            }
-          uint8_t* out = y + (((size_t)n * c->OH + oh) * c->OW + ow0) * c->Cout;
-          for (int b = 0; b < blocks; b += 4) {
-            const tile_function* shapes = TILES[(blocks - b < 4 ? blocks - b : 4) - 1];
-            for (int i = 0; i < count; i += 6)
-              shapes[(count - i < 6 ? count - i : 6) - 1](c, s, window + i * s.pixel, leftover + (size_t)i * s.LQ * 4, b, &r,
-                                                           out + (size_t)i * c->Cout);
-          }
-        }
+    if (c->pool_kh == 0) {
+#pragma omp for schedule(static) collapse(2)
+      for (int n = 0; n < c->N; n++)
+        for (int oh = 0; oh < c->OH; oh++)
+          stem_row(c, s, &r, x, n, oh, piece, window, leftover, y + ((size_t)n * c->OH + oh) * c->OW * c->Cout);
+    } else {
+      uint8_t* ring = malloc((size_t)c->pool_kh * c->OW * c->Cout);
+      long held[MAX_POOL_ROWS];
+      for (int i = 0; i < MAX_POOL_ROWS; i++) held[i] = -1;
+      if (ring == NULL) {
+#pragma omp atomic write
+        failed = 1;
+      }
+#pragma omp for schedule(static)
+      for (int row = 0; row < c->N * c->PH; row++)
+        if (ring != NULL) pooled_row(c, s, &r, x, row / c->PH, row % c->PH, piece, window, leftover, ring, held, y);
+      free(ring);
+    }
   }
-  return 0;
+  return failed ? -1 : 0;
 }
