@@ -10,8 +10,10 @@
   spend ~50 us per call before computing, run depthwise convs at 3-11 GMAC/s here, and their
   AVX2 int8 kernels are slower than this GEMM's below a few thousand output rows. Both are
   built a second time for AVX512-VNNI (``conv_gemm_int8_vnni.c``, ``depthwise_conv_int8_vnni.c``:
-  a library of their own), used where the CPU has it: ``int8_build``. That library also holds
-  a conv for inputs of few channels (``stem_conv_int8_vnni.c``: a network's stem), VNNI only.
+  a library of their own), used where the CPU has it: ``int8_build``; the GEMM a third time on
+  zmm registers (``conv_gemm_int8_vnni512.c``), used where this core runs zmm ``vpdpbusd`` fast
+  (``zmm_speedup``, ``gemm_build``). That library also holds a conv for inputs of few channels
+  (``stem_conv_int8_vnni.c``: a network's stem, optionally with the max pool after it), VNNI only.
 - An int8 max pool (``max_pool_uint8.c``; torch's quantized::max_pool2d runs on one thread)
   and global average pool (``global_avg_pool_uint8.c``; torch's needs a quantized-tensor copy),
   the model input's quantize to channels-last uint8 (``quantize_nhwc.c``), float32 attention
