@@ -26,6 +26,7 @@ from .common import ANCHOR, static_shape
 # pixels (batch 1), 1.1-1.2x at 100352 (batch 8): those take the kernel up to this many pixels.
 MAX_NARROW_PIXELS = 25088
 WIDE = 64  # output channels of a full tile
+UNPOOLED_ARGS = 14  # a qconv_stem call's arguments before the pool's (native.OPS)
 
 
 def is_stem(match) -> bool:
@@ -94,7 +95,7 @@ def fuse_max_pool(ctx: EmitContext, report) -> None:
     graph = ctx.gm.graph
     for conv in [n for n in graph.nodes if n.op == "call_function" and n.target is stem]:
         readers = [u for u in conv.users if u.users or u.op == "output" or u.target is pool]  # (dead dequantizes go later)
-        if len(readers) != 1 or readers[0].target is not pool or readers[0].args[0] is not conv or len(conv.args) != 14:
+        if len(readers) != 1 or readers[0].target is not pool or readers[0].args[0] is not conv or len(conv.args) != UNPOOLED_ARGS:
             continue
         user = readers[0]
         kernel, stride, padding, dilation = user.args[1:5]

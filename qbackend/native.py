@@ -206,7 +206,7 @@ def int8_build() -> str:
 @functools.lru_cache(maxsize=None)
 def zmm_speedup() -> float:
     """How many more int8 products per second this core does with zmm vpdpbusd than with ymm
-    (qb_vnni_zmm_speedup: ~2 ms, once per process); 0 without the VNNI kernels."""
+    (qb_vnni_zmm_speedup: under 1 ms, once per process); 0 without the VNNI kernels."""
     vnni = _vnni_library()[0]
     return 0.0 if vnni is None else vnni.qb_vnni_zmm_speedup(1)
 
