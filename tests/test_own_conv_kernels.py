@@ -129,7 +129,8 @@ def test_without_the_kernels_onednn_runs_it(monkeypatch):
 @pytest.mark.parametrize("post", sorted(CLAMPS))
 @pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
 @pytest.mark.parametrize("cout", [24, 40, 56, 64], ids=["24-wide tiles", "16-wide tail", "8-wide tail", "whole zmm blocks"])
-def test_1x1_kernel_gives_the_reference_integers(post, residual, cout, int8_build):
+@pytest.mark.parametrize("qmax", [255, 127], ids=["8-bit out", "7-bit out"])
+def test_1x1_kernel_gives_the_reference_integers(post, residual, cout, qmax, int8_build):
     torch.manual_seed(0)
     cin, x_scale, x_zp, out_scale, out_zp, r_scale, r_zp = 36, 0.03, 7, 0.05, 60, 0.04, 11
     x = torch.randint(0, 128, (2, cin, 3, 5), dtype=torch.uint8)  # 30 pixels: a 2-pixel tail tile
@@ -139,8 +140,8 @@ def test_1x1_kernel_gives_the_reference_integers(post, residual, cout, int8_buil
     low, high = CLAMPS[post]
     weight, (mult, add) = gemm.pack(w), scale_and_offset(w, w_scale, x_scale, x_zp, bias, -r_zp * r_scale if residual else 0.0)
     mult, add = mult.float(), add.float()
-    actual = native.op("qconv")(x, weight, mult, add, r, r_scale if residual else 0.0, low, high, out_scale, out_zp, 0, 255)
-    expected = reference(x, x_scale, x_zp, w, w_scale, bias, 1, 0, low, high, out_scale, out_zp, 0, 255, r, r_scale, r_zp)
+    actual = native.op("qconv")(x, weight, mult, add, r, r_scale if residual else 0.0, low, high, out_scale, out_zp, 0, qmax)
+    expected = reference(x, x_scale, x_zp, w, w_scale, bias, 1, 0, low, high, out_scale, out_zp, 0, qmax, r, r_scale, r_zp)
     assert actual.is_contiguous(memory_format=torch.channels_last)
     assert_int8_close(actual, expected, f"1x1 {post} residual={residual} cout={cout}")
 

@@ -173,6 +173,47 @@ static inline void store16(const epilogue_t e, __m512i acc, int o, int Cout, siz
 }
 #endif
 
+#ifdef QB_ZMM
+/* One pixel's 64 outputs from o (4 zmm blocks, clamp-only, uint8 out): store16's float steps,
+ * then one saturating pack of all four to bytes (store8's: the same bytes) instead of four
+ * narrowing stores; the constants come broadcast already (``wide_epilogue_t``, per tile). */
+typedef struct {
+  __m512 residual_scale, low, high, inv_scale, zp;
+  __m512i qmin, qmax, order;
+} wide_epilogue_t;
+
+static inline wide_epilogue_t wide_epilogue(const epilogue_t* e) {
+  const wide_epilogue_t w = {_mm512_broadcast_f32x8(e->residual_scale), _mm512_broadcast_f32x8(e->low),
+                             _mm512_broadcast_f32x8(e->high), _mm512_broadcast_f32x8(e->out_inv_scale),
+                             _mm512_broadcast_f32x8(e->out_zp), _mm512_broadcast_i32x4(e->qmin), _mm512_broadcast_i32x4(e->qmax),
+                             /* packs work per 128-bit lane: dword 4 q + s holds block s's outputs 4 q .. 4 q + 3 */
+                             _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)};
+  return w;
+}
+
+static inline __m512i requantized(const epilogue_t* e, const wide_epilogue_t* w, __m512i acc, __m512 mult, __m512 add,
+                                  int o, int Cout, size_t pixel) {
+  __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), mult, add);
+  if (e->residual) {
+    const __m512i r = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(e->residual + pixel * Cout + o)));
+    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), w->residual_scale, f);
+  } else if (e->residual_f) {
+    f = _mm512_fmadd_ps(_mm512_loadu_ps(e->residual_f + pixel * Cout + o), w->residual_scale, f);
+  }
+  f = _mm512_min_ps(_mm512_max_ps(f, w->low), w->high);
+  return _mm512_cvtps_epi32(_mm512_fmadd_ps(f, w->inv_scale, w->zp)); /* round half to even */
+}
+
+static inline void store64(const epilogue_t* e, const wide_epilogue_t* w, const __m512i acc[4], const __m512 mult[4],
+                           const __m512 add[4], int o, int Cout, size_t pixel, uint8_t* restrict y) {
+  __m512i q[4];
+  for (int b = 0; b < 4; b++) q[b] = requantized(e, w, acc[b], mult[b], add[b], o + 16 * b, Cout, pixel);
+  __m512i bytes = _mm512_packus_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3]));
+  bytes = _mm512_min_epu8(_mm512_max_epu8(_mm512_permutexvar_epi32(w->order, bytes), w->qmin), w->qmax);
+  _mm512_storeu_si512(y + pixel * Cout + o, bytes);
+}
+#endif
+
 /* One block's sums for one pixel. A zmm block: store16 when its 16 channels are real and no
  * GELU runs (that code is 8-wide), else two 8-channel halves, skipping the half past Cout (the
  * packing's zero weights). */
@@ -219,6 +260,15 @@ static inline __attribute__((always_inline)) void tile(int pixels, int blocks, i
     }
   }
   const epilogue_t e = *shared; /* copied once the sums are done: no registers taken from the loop above */
+#ifdef QB_ZMM
+  if (blocks == 4 && e.activation == CLAMP_ONLY && !e.float_out && o + 64 <= Cout) {
+    const wide_epilogue_t wide = wide_epilogue(&e);
+    __m512 mult[4], add[4];
+    for (int b = 0; b < 4; b++) mult[b] = _mm512_loadu_ps(e.mult + o + 16 * b), add[b] = _mm512_loadu_ps(e.add + o + 16 * b);
+    for (int i = 0; i < pixels; i++) store64(&e, &wide, acc[i], mult, add, o, Cout, p + i, y);
+    return;
+  }
+#endif
   for (int i = 0; i < pixels; i++)
     for (int b = 0; b < blocks; b++) store_block(e, acc[i][b], o + BLOCK * b, Cout, p + i, y);
 }
