@@ -151,32 +151,7 @@ static inline void store8(const epilogue_t e, __m256i acc, int o, int Cout, size
 }
 
 #ifdef QB_ZMM
-/* store8 on 16 channels, for a clamp-only epilogue: the same arithmetic in zmm registers
- * (the clamp to [qmin, qmax] in int32 equals store8's saturating packs, as 0 <= qmin <= qmax <= 255). */
-static inline void store16(const epilogue_t e, __m512i acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
-  __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_loadu_ps(e.mult + o), _mm512_loadu_ps(e.add + o));
-  if (e.residual) {
-    const __m512i r = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(e.residual + pixel * Cout + o)));
-    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), _mm512_broadcast_f32x8(e.residual_scale), f);
-  } else if (e.residual_f) {
-    f = _mm512_fmadd_ps(_mm512_loadu_ps(e.residual_f + pixel * Cout + o), _mm512_broadcast_f32x8(e.residual_scale), f);
-  }
-  f = _mm512_min_ps(_mm512_max_ps(f, _mm512_broadcast_f32x8(e.low)), _mm512_broadcast_f32x8(e.high));
-  if (e.float_out) {
-    _mm512_storeu_ps(e.float_out + pixel * Cout + o, f);
-    return;
-  }
-  f = _mm512_fmadd_ps(f, _mm512_broadcast_f32x8(e.out_inv_scale), _mm512_broadcast_f32x8(e.out_zp));
-  __m512i q = _mm512_cvtps_epi32(f); /* round half to even */
-  q = _mm512_min_epi32(_mm512_max_epi32(q, _mm512_cvtepu8_epi32(e.qmin)), _mm512_cvtepu8_epi32(e.qmax));
-  _mm_storeu_si128((__m128i*)(y + pixel * Cout + o), _mm512_cvtepi32_epi8(q));
-}
-#endif
-
-#ifdef QB_ZMM
-/* One pixel's 64 outputs from o (4 zmm blocks, clamp-only, uint8 out): store16's float steps,
- * then one saturating pack of all four to bytes (store8's: the same bytes) instead of four
- * narrowing stores; the constants come broadcast already (``wide_epilogue_t``, per tile). */
+/* store8's constants broadcast to zmm (once per tile where a tile's pixels share them). */
 typedef struct {
   __m512 residual_scale, low, high, inv_scale, zp;
   __m512i qmin, qmax, order;
@@ -191,7 +166,8 @@ static inline wide_epilogue_t wide_epilogue(const epilogue_t* e) {
   return w;
 }
 
-static inline __m512i requantized(const epilogue_t* e, const wide_epilogue_t* w, __m512i acc, __m512 mult, __m512 add,
+/* 16 channels' float result: acc * mult + add (+ residual), clamped (store8's arithmetic). */
+static inline __m512 float_result(const epilogue_t* e, const wide_epilogue_t* w, __m512i acc, __m512 mult, __m512 add,
                                   int o, int Cout, size_t pixel) {
   __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), mult, add);
   if (e->residual) {
@@ -200,14 +176,33 @@ static inline __m512i requantized(const epilogue_t* e, const wide_epilogue_t* w,
   } else if (e->residual_f) {
     f = _mm512_fmadd_ps(_mm512_loadu_ps(e->residual_f + pixel * Cout + o), w->residual_scale, f);
   }
-  f = _mm512_min_ps(_mm512_max_ps(f, w->low), w->high);
+  return _mm512_min_ps(_mm512_max_ps(f, w->low), w->high);
+}
+
+static inline __m512i quantized(const wide_epilogue_t* w, __m512 f) {
   return _mm512_cvtps_epi32(_mm512_fmadd_ps(f, w->inv_scale, w->zp)); /* round half to even */
 }
 
+/* store8 on 16 channels, for a clamp-only epilogue (the clamp to [qmin, qmax] in int32 equals
+ * store8's saturating packs, as 0 <= qmin <= qmax <= 255). */
+static inline void store16(const epilogue_t e, __m512i acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
+  const wide_epilogue_t w = wide_epilogue(&e);
+  const __m512 f = float_result(&e, &w, acc, _mm512_loadu_ps(e.mult + o), _mm512_loadu_ps(e.add + o), o, Cout, pixel);
+  if (e.float_out) {
+    _mm512_storeu_ps(e.float_out + pixel * Cout + o, f);
+    return;
+  }
+  const __m512i q = _mm512_min_epi32(_mm512_max_epi32(quantized(&w, f), _mm512_cvtepu8_epi32(e.qmin)), _mm512_cvtepu8_epi32(e.qmax));
+  _mm_storeu_si128((__m128i*)(y + pixel * Cout + o), _mm512_cvtepi32_epi8(q));
+}
+
+/* One pixel's 64 outputs from o (4 zmm blocks, clamp-only, uint8 out): float_result per block,
+ * then one saturating pack of all four to bytes (store8's: the same bytes) instead of four
+ * narrowing stores; the constants broadcast once per tile. */
 static inline void store64(const epilogue_t* e, const wide_epilogue_t* w, const __m512i acc[4], const __m512 mult[4],
                            const __m512 add[4], int o, int Cout, size_t pixel, uint8_t* restrict y) {
   __m512i q[4];
-  for (int b = 0; b < 4; b++) q[b] = requantized(e, w, acc[b], mult[b], add[b], o + 16 * b, Cout, pixel);
+  for (int b = 0; b < 4; b++) q[b] = quantized(w, float_result(e, w, acc[b], mult[b], add[b], o + 16 * b, Cout, pixel));
   __m512i bytes = _mm512_packus_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3]));
   bytes = _mm512_min_epu8(_mm512_max_epu8(_mm512_permutexvar_epi32(w->order, bytes), w->qmin), w->qmax);
   _mm512_storeu_si512(y + pixel * Cout + o, bytes);
