@@ -58,7 +58,8 @@ LINEARS = [
 def builds():
     """The GEMM builds this CPU runs (native.gemm_build's values; the depthwise kernel has the
     first two only)."""
-    return ["avx2"] + (["avx512_vnni", "avx512_vnni_zmm"] if native._vnni_library()[0] is not None else [])
+    vnni = native._vnni_library()[0] is not None
+    return [build for build, (isa, _) in native.GEMM_BUILDS.items() if isa == "avx2" or vnni]
 
 
 def conv_runners(batch, cin, h, w, cout, k, s, zp):
@@ -219,7 +220,7 @@ def timed_row(label, onednn, own, columns, builds=None):
 
 def _with_build(build, own):
     saved = native.int8_build, native.gemm_build
-    native.int8_build = lambda: "avx2" if build == "avx2" else "avx512_vnni"
+    native.int8_build = lambda: native.GEMM_BUILDS[build][0]
     native.gemm_build = lambda: build
     try:
         return own()

@@ -211,7 +211,9 @@ def zmm_speedup() -> float:
     return 0.0 if vnni is None else vnni.qb_vnni_zmm_speedup(1)
 
 
-GEMM_FUNCTIONS = {"avx2": "qb_conv_call", "avx512_vnni": "qb_conv_call_vnni", "avx512_vnni_zmm": "qb_conv_call_vnni512"}
+# gemm_build's values -> the int8_build they belong to and their C function
+GEMM_BUILDS = {"avx2": ("avx2", "qb_conv_call"), "avx512_vnni": ("avx512_vnni", "qb_conv_call_vnni"),
+               "avx512_vnni_zmm": ("avx512_vnni", "qb_conv_call_vnni512")}
 
 
 def gemm_build() -> str:
@@ -430,7 +432,8 @@ def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high
                      weight.data_ptr(), mult.data_ptr(), add.data_ptr(), residual is not None and residual.dtype == torch.float32,
                      residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
     build = gemm_build()
-    gemm = getattr(lib if build == "avx2" else _vnni_library()[0], GEMM_FUNCTIONS[build])
+    isa, function = GEMM_BUILDS[build]
+    gemm = getattr(lib if isa == "avx2" else _vnni_library()[0], function)
     return _prepare(call, (n, cout, oh, ow), torch.float32 if float_out else torch.uint8, gemm, (mult, add))
 
 
@@ -508,6 +511,11 @@ STEM_MAX_POOL_ROWS = 8  # a fused max pool's kernel height, at most (stem_conv_i
 NO_POOL = ((0, 0), (1, 1), (0, 0))  # qconv_stem's pool_kernel, pool_stride, pool_padding when no pool is fused
 
 
+def _pooled_hw(conv_hw, pool_kernel, pool_stride, pool_padding) -> tuple[int, int]:
+    """The stem call's output height and width: the conv's, or its fused pool's."""
+    return conv_hw if tuple(pool_kernel) == NO_POOL[0] else _output_hw(*conv_hw, pool_kernel, pool_stride, pool_padding)
+
+
 def stem_pool_refusal(conv_hw, pool_kernel, pool_stride, pool_padding) -> Optional[str]:
     """Why the stem conv kernel cannot fuse this max pool (dilation 1, floor mode) of its
     output (None if it can)."""
@@ -540,7 +548,7 @@ def _prepare_stem_conv(x, x_zero_point, weight, mult, add, kernel_size, stride, 
         raise ValueError(f"qbackend::qconv_stem: {reason}")
     steps = stem_steps(*kernel_size, c)[3]
     _check_constants("qconv_stem", (weight, torch.int8, cout * steps * 4), (mult, torch.float32, cout), (add, torch.float32, cout))
-    ph, pw = _output_hw(oh, ow, pool_kernel, pool_stride, pool_padding) if pooled else (oh, ow)
+    ph, pw = _pooled_hw((oh, ow), pool_kernel, pool_stride, pool_padding)
     call = _StemCall(n, h, w, c, oh, ow, *kernel_size, *stride, *padding, cout, x_zero_point, weight.data_ptr(),
                      mult.data_ptr(), add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax,
                      *pool_kernel, *pool_stride, *pool_padding, ph, pw)
@@ -559,9 +567,7 @@ def _stem_conv(lib, x, *args, trusted=False):
 def _stem_conv_fake(x, x_zero_point, weight, mult, add, kernel_size, stride, padding, low, high, out_scale,
                     out_zero_point, qmin, qmax, pool_kernel=NO_POOL[0], pool_stride=NO_POOL[1], pool_padding=NO_POOL[2]):
     n, _, h, w = x.shape
-    hw = _output_hw(h, w, kernel_size, stride, padding)
-    if tuple(pool_kernel) != NO_POOL[0]:
-        hw = _output_hw(*hw, pool_kernel, pool_stride, pool_padding)
+    hw = _pooled_hw(_output_hw(h, w, kernel_size, stride, padding), pool_kernel, pool_stride, pool_padding)
     return _channels_last_like(x, (n, mult.numel(), *hw), torch.uint8)
 
 

@@ -12,12 +12,12 @@ def _zmm_gemm_on_every_vnni_cpu(monkeypatch):
     monkeypatch.setattr(native, "zmm_speedup", lambda: native.ZMM_MIN_SPEEDUP)
 
 
-@pytest.fixture(params=["avx2", "avx512_vnni", "avx512_vnni_zmm"])
+@pytest.fixture(params=list(native.GEMM_BUILDS))
 def int8_build(request, monkeypatch):
     """Run the test on each build of qbackend's int8 kernels this CPU has (native.gemm_build:
     the AVX2 one always; where the CPU has AVX512-VNNI, its GEMM on ymm and on zmm registers).
     Returns native.int8_build's value."""
-    isa = "avx2" if request.param == "avx2" else "avx512_vnni"
+    isa = native.GEMM_BUILDS[request.param][0]
     if isa == "avx512_vnni" and native._vnni_library()[0] is None:
         pytest.skip(f"needs the AVX512-VNNI kernels: {native._vnni_library()[1]}")
     monkeypatch.setattr(native, "int8_build", lambda: isa)
