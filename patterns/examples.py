@@ -52,6 +52,39 @@ def residual_block():
     return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), ResidualBlock(8)), (torch.randn(2, 3, 12, 12),)
 
 
+class InplaceResidualBlock(nn.Module):
+    """torchvision's Bottleneck / BasicBlock ending: ``out += identity`` (an in-place add_ in
+    the exported graph), then ReLU; ``into_residual`` adds into the identity instead."""
+
+    def __init__(self, channels=8, into_residual=False):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 1)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.relu = nn.ReLU()
+        self.into_residual = into_residual
+
+    def forward(self, x):
+        identity = self.relu(self.conv1(x))
+        out = self.conv2(identity)
+        if self.into_residual:
+            identity += out
+            out = identity
+        else:
+            out += identity
+        return self.relu(out)
+
+
+def inplace_residual_block():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), InplaceResidualBlock(8)), (torch.randn(2, 3, 12, 12),)
+
+
+def conv_add_into_residual():
+    """The in-place add writes into the residual (another conv's output), not into the conv's."""
+    module = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), InplaceResidualBlock(8, into_residual=True))
+    inputs = (torch.randn(2, 3, 12, 12),)
+    return _convert(module, inputs), inputs
+
+
 def conv_transpose():
     inputs = (torch.randn(2, 4, 10, 10),)
     return _convert(nn.Sequential(nn.ConvTranspose2d(4, 8, 3), nn.ReLU()), inputs), inputs

@@ -33,5 +33,6 @@ QCONV_ADD = Rule(
     near_misses=(
         NearMiss(examples.conv1d_add, "only for conv2d"),
         NearMiss(examples.conv_add_broadcast, "broadcasting add"),
+        NearMiss(examples.conv_add_into_residual, "the in-place add writes into the residual"),
     ),
 )

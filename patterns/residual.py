@@ -9,14 +9,18 @@ from .inplace import clobber_blocker
 from .qdq import dequantized_activation, float_dtype, single_user
 
 aten = torch.ops.aten
-ADD_OPS = {aten.add.Tensor}
+ADD_OPS = {aten.add.Tensor, aten.add_.Tensor}
 
 
 def residual_add(anchor: Node) -> tuple[Node, Node]:
-    """The add consuming ``anchor`` (in either operand order) and its other operand."""
+    """The add consuming ``anchor`` (in either operand order) and its other operand. An
+    in-place ``add_`` (torchvision's ``out += identity``) is the same add when it writes into
+    ``anchor``, whose only reader it is; one writing into the other operand is not."""
     add = single_user(anchor)
     require(add is not None and add.op == "call_function" and add.target in ADD_OPS,
             "output is not consumed by a single add")
+    require(add.target != aten.add_.Tensor or add.args[0] is anchor,
+            "the in-place add writes into the residual, not into this output")
     require(add.kwargs.get("alpha", 1) == 1 and len(add.args) == 2, "add has alpha != 1")
     lhs, rhs = add.args
     other = rhs if lhs is anchor else lhs

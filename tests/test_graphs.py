@@ -3,8 +3,8 @@ import expecttest
 import pytest
 import torch
 
-from qbackend.patterns.examples import (HandQuantized, conv_flatten_linear, conv_relu, linear_relu, residual_block,
-                                        two_branch_cat)
+from qbackend.patterns.examples import (HandQuantized, conv_flatten_linear, conv_relu, inplace_residual_block, linear_relu,
+                                        residual_block, two_branch_cat)
 
 from .helpers import compile_and_run, dense_convs_on_onednn, quantize, short_graph
 
@@ -47,6 +47,18 @@ dequantize_per_tensor_default_3 = fast_qdq.dequantize_per_tensor(qconv_pointwise
 qconv_pointwise_default_1 = onednn.qconv_pointwise(qconv_pointwise_default, 0.0163, 0, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.00767, 0, uint8, 'hardtanh', [0, 0.974], '')
 contiguous_default = aten.contiguous(dequantize_per_tensor_default_3, memory_format=torch.channels_last)
 qconv2d_pointwise_binary = onednn.qconv2d_pointwise.binary(qconv_pointwise_default_1, 0.00767, 0, <const>, <const>, <const>, contiguous_default, <const>, [1, 1], [1, 1], [1, 1], 1, 1, 0, float32, 1, 0, 'sum', 1, 'relu', [], '')
+return (qconv2d_pointwise_binary)""")
+
+    def test_inplace_residual_add_fuses_like_the_out_of_place_one(self):
+        # torchvision's ``out += identity``: the conv sums its residual, no float add left
+        self.assertExpectedInline(lowered_graph(*seeded(inplace_residual_block)), """\
+l_input_ = input
+quantize_per_tensor_default = fast_qdq.quantize_per_tensor_channels_last(l_input_, 0.0509, 54, 0, 127, uint8)
+qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0509, 54, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.0143, 0, uint8, 'hardtanh', [0, 1.82], '')
+qconv = native.qconv(qconv_pointwise_default, <const>, <const>, <const>, None, 0, 0, inf, 0.00524, 0, 0, 127, False, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 0)
+dequantize_per_tensor_default_3 = fast_qdq.dequantize_per_tensor(qconv, 0.00524, 0, 0, 127, uint8)
+contiguous_default = aten.contiguous(dequantize_per_tensor_default_3, memory_format=torch.channels_last)
+qconv2d_pointwise_binary = onednn.qconv2d_pointwise.binary(qconv, 0.00524, 0, <const>, <const>, <const>, contiguous_default, <const>, [1, 1], [1, 1], [1, 1], 1, 1, 0, float32, 1, 0, 'sum', 1, 'relu', [], '')
 return (qconv2d_pointwise_binary)""")
 
     def test_linear_nd_relu(self):
