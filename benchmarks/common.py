@@ -85,20 +85,41 @@ def short_error(exc):
     return f"{type(exc).__name__}: {first_line}"[:200]
 
 
-def machine_description(num_threads=NUM_THREADS):
+def _lscpu() -> dict:
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-        model_name = fields["Model name"].strip()
-        if "CPU family" in fields:  # (AMD EPYC of two generations share a name: Zen 4 is 25, Zen 5 26)
-            model_name += f" family {fields['CPU family'].strip()} model {fields.get('Model', '?').strip()}"
-    except (OSError, subprocess.CalledProcessError, KeyError):
-        model_name = "unknown CPU"
+    except (OSError, subprocess.CalledProcessError):
+        return {}
+    return {key.strip(): value.strip() for key, value in (line.split(":", 1) for line in lscpu.splitlines() if ":" in line)}
+
+
+def cpu_key() -> str:
+    """The CPU a measurement belongs to: model name, family / model (AMD EPYC of two generations
+    share a name: Zen 4 is family 25, Zen 5 26) and the widest ISA ATen uses here."""
+    fields = _lscpu()
+    name = fields.get("Model name", "unknown CPU")
+    if "CPU family" in fields:
+        name += f" family {fields['CPU family']} model {fields.get('Model', '?')}"
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
+def machine_description(num_threads=NUM_THREADS):
     load_1min = os.getloadavg()[0]  # other work on a shared machine skews latencies
-    capability = torch.backends.cpu.get_cpu_capability()  # the widest vector ISA ATen uses here
-    return (f"{model_name} ({capability}), {os.cpu_count()} CPUs, {num_threads} torch threads, "
+    return (f"{cpu_key()}, {os.cpu_count()} CPUs, {num_threads} torch threads, "
             f"load average {load_1min:.2f} at start; "
             f"torch {torch.__version__}, torchao {importlib.metadata.version('torchao')}")
+
+
+def replace_section(document: str, heading: str, body: str) -> str:
+    """``document`` with its ``## heading`` section replaced by ``body`` (appended when new):
+    docs keep one section per CPU, so a run on one machine leaves the others' results."""
+    marker = f"\n## {heading}\n"
+    start = document.find(marker)
+    if start < 0:
+        return document.rstrip("\n") + "\n" + marker + "\n" + body.rstrip("\n") + "\n"
+    end = document.find("\n## ", start + len(marker))
+    rest = document[end:] if end >= 0 else "\n"
+    return document[:start] + marker + "\n" + body.rstrip("\n") + "\n" + rest
 
 
 def fmt(value, spec):

