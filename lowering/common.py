@@ -268,4 +268,5 @@ COMMON: dict[str, Lowering] = {
     "qview": Lowering(emit_int8_views, ()),
     "sdpa": Lowering(emit_sdpa, ("sdpa",)),
     "qsmooth": Lowering(emit_smooth_quantize, ()),
+    "qscale": Lowering(emit_smooth_quantize, ()),
 }

@@ -115,4 +115,5 @@ TABLE = {
     "qview": COMMON["qview"],
     "sdpa": COMMON["sdpa"],  # composite: torch picks XPU's own attention kernel
     "qsmooth": COMMON["qsmooth"],
+    "qscale": COMMON["qscale"],
 }

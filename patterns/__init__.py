@@ -11,11 +11,12 @@ from .qavgpool import AVG_POOL_ANCHORS, QAVGPOOL
 from .qpool import POOL_ANCHORS, QMAXPOOL2D
 from .qcat import CAT_ANCHORS, QCAT
 from .qview import QVIEW, VIEW_ANCHORS
+from .qscale import QSCALE
 from .qsmooth import QSMOOTH, SMOOTH_ANCHORS
 from .weight_only import INT4_WEIGHT_LINEAR, INT8_WEIGHT_LINEAR, is_weight_matmul
 
 RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR_ADD_DYNAMIC, QLINEAR_ADD, QLINEAR, QLINEAR_DYNAMIC, QMAXPOOL2D, QAVGPOOL,
-                           QCAT, QVIEW, QSMOOTH, INT4_WEIGHT_LINEAR, INT8_WEIGHT_LINEAR, SDPA)
+                           QCAT, QVIEW, QSMOOTH, QSCALE, INT4_WEIGHT_LINEAR, INT8_WEIGHT_LINEAR, SDPA)
 
 # The node kinds the report accounts for, one line each.
 ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS, "pool": POOL_ANCHORS, "avgpool": AVG_POOL_ANCHORS,

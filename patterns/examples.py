@@ -520,3 +520,31 @@ def smoothing_by_one_factor():
 def smoothed_value_returned():
     inputs = (torch.randn(2, 5, 16),)
     return _convert(SmoothedLinear(also_return=True), inputs), inputs
+
+
+class SqueezeExcitation(nn.Module):
+    """EfficientNet's block middle: features, their per-channel gate (pool, two 1x1 convs,
+    sigmoid), the gated features into the next conv; ``spatial``: a per-pixel gate instead."""
+
+    def __init__(self, channels=16, spatial=False):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.SiLU())
+        self.squeeze = nn.Conv2d(channels, 8, 1)
+        self.excite = nn.Conv2d(8, 1 if spatial else channels, 1)
+        self.project = nn.Conv2d(channels, 8, 1)
+        self.spatial = spatial
+
+    def forward(self, x):
+        x = self.features(x)
+        pooled = x if self.spatial else torch.nn.functional.adaptive_avg_pool2d(x, 1)
+        gate = torch.sigmoid(self.excite(torch.nn.functional.silu(self.squeeze(pooled))))
+        return self.project(x * gate)
+
+
+def squeeze_excitation():
+    return SqueezeExcitation(), (torch.randn(2, 3, 10, 10),)
+
+
+def spatial_gate():
+    inputs = (torch.randn(2, 3, 10, 10),)
+    return _convert(SqueezeExcitation(spatial=True), inputs), inputs

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -67,6 +68,7 @@ OPS = {
                   "int qmax, int[2] pool_kernel=[0, 0], int[2] pool_stride=[1, 1], int[2] pool_padding=[0, 0]) -> Tensor",
     "max_pool_u8": "max_pool_u8(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation) -> Tensor",
     "global_avg_pool_u8": "global_avg_pool_u8(Tensor x, int zero_point, int qmin, int qmax) -> Tensor",
+    "scale_quantize": "scale_quantize(Tensor x, Tensor factors, float scale, int zero_point, int qmin, int qmax) -> Tensor",
 }
 # qconv's unary post-ops besides its clamp (conv_gemm_int8.c ``enum activation``)
 ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2}
@@ -130,6 +132,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_dwconv3x3_call.argtypes = [i32] + [pointer] * 3
     lib.qb_attention_f32.argtypes = [i32] + [pointer] * 6
     lib.qb_quantize_nchw_to_nhwc.argtypes = [i32] * 4 + [pointer, f32] + [i32] * 3 + [pointer]
+    lib.qb_scale_quantize.argtypes = [i32, i32, i32, ctypes.c_long, i32, pointer, pointer, ctypes.c_long, f32] + [i32] * 3 + [pointer]
     _declare_gemm(lib.qb_conv_call)
     lib.qb_run_chain.argtypes = [i32, i32, pointer, pointer]
     lib.qb_max_pool_u8_call.argtypes = lib.qb_global_avg_pool_u8_call.argtypes = [i32] + [pointer] * 3
@@ -137,7 +140,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     # (dwconv and the pools: always 0, as the VNNI dwconv when it succeeds)
     lib.qb_dwconv3x3_call.restype = lib.qb_run_chain.restype = i32
     lib.qb_max_pool_u8_call.restype = lib.qb_global_avg_pool_u8_call.restype = i32
-    lib.qb_quantize_nchw_to_nhwc.restype = lib.qb_attention_f32.restype = None
+    lib.qb_quantize_nchw_to_nhwc.restype = lib.qb_attention_f32.restype = lib.qb_scale_quantize.restype = None
     lib.qb_has_avx512_vnni.restype = i32
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
     for name, schema in OPS.items():
@@ -687,8 +690,37 @@ def _attention_fake(q, k, v, mask, scale):
     return q.new_empty(b, length, h, d).transpose(1, 2)
 
 
+def scale_quantize_refusal(x, factors) -> Optional[str]:
+    """Why scale_quantize cannot take these (tensors or fake values), None if it can."""
+    if x.dim() != 4 or x.dtype != torch.float32 or x.device.type != "cpu":
+        return f"the kernel takes a float32 CPU [N, C, H, W] tensor, not {x.dtype} of rank {x.dim()} on {x.device}"
+    n, c = x.shape[:2]
+    if factors.dtype != torch.float32 or factors.device.type != "cpu" or tuple(factors.shape) not in ((n, c, 1, 1), (1, c, 1, 1)):
+        return f"factors {factors.dtype} {tuple(factors.shape)}: the kernel takes float32 [{n} or 1, {c}, 1, 1]"
+    return None
+
+
+def _scale_quantize(lib, x, factors, scale, zero_point, qmin, qmax):
+    reason = scale_quantize_refusal(x, factors)
+    if reason is None and not (0 <= qmin <= qmax <= 255 and qmin <= zero_point <= qmax):
+        reason = f"uint8 range [{qmin}, {qmax}] with zero point {zero_point}"
+    if reason is None and not (math.isfinite(scale) and scale > 0):
+        reason = f"scale {scale}"
+    if reason is not None:
+        raise ValueError(f"qbackend::scale_quantize: {reason}")
+    channels_last = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    x = x if channels_last else x.contiguous()  # (a 1x1 image is both: read as contiguous)
+    factors = factors.contiguous()
+    n, c, h, w = x.shape
+    y = torch.empty_like(x, dtype=torch.uint8)
+    lib.qb_scale_quantize(torch.get_num_threads(), n, c, h * w, channels_last, x.data_ptr(), factors.data_ptr(),
+                          c if factors.shape[0] == n and n > 1 else 0, 1.0 / scale, zero_point, qmin, qmax, y.data_ptr())
+    return y
+
+
 _IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_dw3x3": _dwconv3x3, "qconv": _conv, "qconv_stem": _stem_conv,
-          "attention_f32": _attention, "max_pool_u8": _max_pool, "global_avg_pool_u8": _global_avg_pool}
+          "attention_f32": _attention, "max_pool_u8": _max_pool, "global_avg_pool_u8": _global_avg_pool,
+          "scale_quantize": _scale_quantize}
 FAKES = {
     "int4_mm_int16": lambda x, weight, scale, offset, group_size: x.new_empty(x.shape[0], weight.shape[0]),
     "int8_mm_int16": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
@@ -698,6 +730,7 @@ FAKES = {
     "attention_f32": _attention_fake,
     "max_pool_u8": _max_pool_fake,
     "global_avg_pool_u8": _global_avg_pool_fake,
+    "scale_quantize": lambda x, factors, *args: torch.empty_like(x, dtype=torch.uint8),
 }
 
 
@@ -747,9 +780,14 @@ def global_avg_pool_u8(x, zero_point, qmin, qmax):
     return _global_avg_pool(_load()[0], x, zero_point, qmin, qmax)
 
 
+def scale_quantize(x, factors, scale, zero_point, qmin, qmax):
+    """``qbackend::scale_quantize`` without the dispatcher round trip."""
+    return _scale_quantize(_load()[0], x, factors, scale, zero_point, qmin, qmax)
+
+
 # own kernel -> the plain function eager graphs call
 PLAIN = {"qconv_dw3x3": qconv_dw3x3, "qconv": qconv, "qconv_stem": qconv_stem, "attention_f32": attention_f32, "max_pool_u8": max_pool_u8,
-         "global_avg_pool_u8": global_avg_pool_u8}
+         "global_avg_pool_u8": global_avg_pool_u8, "scale_quantize": scale_quantize}
 # They return tensors they allocated (attention: a view of one): the in-place safety analysis
 # (patterns/inplace.py) may let a later kernel write into them.
 for _fn in PLAIN.values():

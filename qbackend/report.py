@@ -56,6 +56,10 @@ class Decision:
         return f"KEPT     {self.kind:<6} {name}: {self.reason}{where}"
 
 
+# multiply rule -> how the report names one and several
+FUSED_MULTIPLIES = {"qsmooth": ("smoothing multiply", "smoothing multiplies"), "qscale": ("channel scale", "channel scales")}
+
+
 @dataclass
 class Report:
     device: str
@@ -80,12 +84,13 @@ class Report:
     def moves_line(self) -> str:
         """e.g. 'int8 flow: 2 view chains, 1 cat run on int8; 3 smoothing multiplies fused into
         their quantize' (empty when none does)."""
-        counts = Counter(d.kind for d in self.moves if d.lowered)
-        smooth = counts.pop("smooth", 0)
+        counts = Counter(d.kind for d in self.moves if d.lowered and d.kind != "smooth")
+        fused = Counter(d.rule for d in self.moves if d.lowered and d.kind == "smooth")
         labels = {"view": "view chain"}
         parts = [f"{n} {labels.get(kind, kind)}{'s' * (n != 1)}" for kind, n in sorted(counts.items(), reverse=True)]
         text = [f"{', '.join(parts)} run on int8"] if parts else []
-        text += [f"{smooth} smoothing multipl{'ies' if smooth != 1 else 'y'} fused into {'their' if smooth != 1 else 'its'} quantize"] if smooth else []
+        text += [f"{n} {FUSED_MULTIPLIES[rule][n != 1]} fused into {'their' if n != 1 else 'its'} quantize"
+                 for rule, n in sorted(fused.items())]
         return f"int8 flow: {'; '.join(text)}" if text else ""
 
     def summary(self) -> str:

@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from qbackend.backend import graph_device
 from qbackend.patterns.examples import (HandQuantized, attention_block, conv_flatten_linear, conv_relu, linear_relu,
-                                        linear_residual, residual_block, two_branch_cat)
+                                        linear_residual, residual_block, squeeze_excitation, two_branch_cat)
 from qbackend.pt2e_flow import quantize_xpu
 
 from .helpers import (SATURATION_REASON, assert_matches_reference, cpu_saturates, lower_without_running, short_graph,
@@ -18,7 +18,7 @@ from .helpers import (SATURATION_REASON, assert_matches_reference, cpu_saturates
 from .xpu_builds import SimulatedXpuBuild, requires_xpu
 
 EXAMPLES = {"qconv": conv_relu, "qconv_add": residual_block, "qlinear": linear_relu, "qlinear_add": linear_residual,
-            "qcat": two_branch_cat, "qview": conv_flatten_linear, "sdpa": attention_block}
+            "qcat": two_branch_cat, "qview": conv_flatten_linear, "sdpa": attention_block, "qscale": squeeze_excitation}
 
 
 def xpu_converted(build):
@@ -131,6 +131,23 @@ qconv_pointwise_default_1 = onednn.qconv_pointwise(quantize_per_tensor_default, 
 cat_default = aten.cat([qconv_pointwise_default, qconv_pointwise_default_1], 1)
 qconv_pointwise_default_2 = onednn.qconv_pointwise(cat_default, 0.0103, -128, <const>, <const>, <const>, <const>, [1, 1], [0, 0], [1, 1], 1, 1, 0, float32, 'none', [], '')
 return (qconv_pointwise_default_2)""")
+
+    def test_qscale(self):
+        graph, report = lowered_for_xpu(EXAMPLES["qscale"])
+        assert "1 channel scale fused into its quantize" in report.moves_line(), str(report)
+        self.assertExpectedInline(graph, """\
+l_x_ = input
+quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.0229, -9, -128, 127, int8)
+qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0229, -9, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 1, 0, float32, 'swish', [], '')
+quantize_dequantize_per_tensor = fast_qdq.quantize_dequantize_per_tensor(qconv_pointwise_default, 0.00821, -94, -128, 127, int8, out_dtype=None)
+adaptive_avg_pool2d = aten.adaptive_avg_pool2d(quantize_dequantize_per_tensor, [1, 1])
+quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(adaptive_avg_pool2d, 0.00821, -94, -128, 127, int8)
+qconv_pointwise_default_1 = onednn.qconv_pointwise(quantize_per_tensor_default_2, 0.00821, -94, <const>, <const>, <const>, <const>, [1, 1], [0, 0], [1, 1], 1, 0.00101, -17, int8, 'swish', [], '')
+qconv_pointwise_default_2 = onednn.qconv_pointwise(qconv_pointwise_default_1, 0.00101, -17, <const>, <const>, <const>, <const>, [1, 1], [0, 0], [1, 1], 1, 1, 0, float32, 'none', [], '')
+sigmoid = aten.sigmoid(qconv_pointwise_default_2)
+scale_quantize_per_tensor = fast_qdq.scale_quantize_per_tensor(qconv_pointwise_default, sigmoid, 0.00387, -85, -128, 127, int8)
+qconv_pointwise_default_3 = onednn.qconv_pointwise(scale_quantize_per_tensor, 0.00387, -85, <const>, <const>, <const>, <const>, [1, 1], [0, 0], [1, 1], 1, 1, 0, float32, 'none', [], '')
+return (qconv_pointwise_default_3)""")
 
     def test_qview(self):
         graph, report = lowered_for_xpu(EXAMPLES["qview"])

@@ -1,0 +1,75 @@
+"""qbackend's scale-and-quantize kernel (csrc/scale_quantize.c): squeeze-excitation's channel
+gate times the features, quantized, gives the reference's integers in every layout, factor
+shape, channel tail and range, NaN / inf included; bad arguments get a clear error; the SE
+block lowers onto it with the reason in the report, a per-pixel gate does not."""
+import pytest
+import torch
+import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
+
+from qbackend import native
+from qbackend.patterns import examples
+
+from .helpers import assert_matches_reference, compile_and_run, quantize, short_graph
+
+pytestmark = pytest.mark.skipif(native.available() is not None, reason=f"own kernels unavailable: {native.available()}")
+
+
+def reference(x, factors, scale, zero_point, qmin, qmax):
+    return torch.ops.quantized_decomposed.quantize_per_tensor(x * factors, scale, zero_point, qmin, qmax, torch.uint8)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("shape,factor_batch", [((2, 40, 7, 5), 2), ((3, 13, 4, 4), 1), ((2, 37, 1, 1), 2), ((1, 96, 9, 9), 1)],
+                         ids=["per image", "one for the batch, 5 + 8 channels", "1x1 image", "96 channels"])
+@pytest.mark.parametrize("qparams", [(0.02, 128, 0, 255), (0.05, 0, 0, 127)], ids=["full range", "7-bit"])
+def test_kernel_gives_the_references_integers(layout, shape, factor_batch, qparams):
+    torch.manual_seed(0)
+    x = torch.randn(shape) * 4
+    x.view(-1)[:5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -0.0])
+    x.view(-1)[5] = 0.51 * qparams[0] * 2  # a product that lands near a rounding tie
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    factors = torch.rand(factor_batch, shape[1], 1, 1)
+    before = x.clone()
+    expected = reference(x, factors, *qparams)
+    for actual in (native.scale_quantize(x, factors, *qparams), native.op("scale_quantize")(x, factors, *qparams)):
+        assert actual.stride() == x.stride() and actual.dtype == torch.uint8
+        # NaN: the reference casts NaN to uint8 (undefined in C, 0 here); the kernel gives qmin
+        assert actual.flatten()[0] == qparams[2]
+        assert torch.equal(actual.flatten()[1:], expected.flatten()[1:])
+    torch.testing.assert_close(x, before, rtol=0, atol=0, equal_nan=True)  # the input is left as it was
+
+
+@pytest.mark.parametrize("args,message", [
+    ((torch.zeros(1, 8, 4, 4, dtype=torch.float64), torch.ones(1, 8, 1, 1), 0.1, 0, 0, 255), "float32 CPU"),
+    ((torch.zeros(8, 4, 4), torch.ones(1, 8, 1, 1), 0.1, 0, 0, 255), "float32 CPU"),
+    ((torch.zeros(2, 8, 4, 4), torch.ones(2, 8, 4, 4), 0.1, 0, 0, 255), "factors"),
+    ((torch.zeros(2, 8, 4, 4), torch.ones(3, 8, 1, 1), 0.1, 0, 0, 255), "factors"),
+    ((torch.zeros(2, 8, 4, 4), torch.ones(2, 8, 1, 1, dtype=torch.float64), 0.1, 0, 0, 255), "factors"),
+    ((torch.zeros(2, 8, 4, 4), torch.ones(2, 8, 1, 1), 0.1, 0, 200, 100), "uint8 range"),
+    ((torch.zeros(2, 8, 4, 4), torch.ones(2, 8, 1, 1), 0.1, 300, 0, 255), "uint8 range"),
+    ((torch.zeros(2, 8, 4, 4), torch.ones(2, 8, 1, 1), 0.1, 0, -5, 255), "uint8 range"),
+    ((torch.zeros(2, 8, 4, 4), torch.ones(2, 8, 1, 1), 0.0, 0, 0, 255), "scale"),
+    ((torch.zeros(2, 8, 4, 4), torch.ones(2, 8, 1, 1), float("nan"), 0, 0, 255), "scale"),
+], ids=["float64", "rank 3", "per-pixel factors", "factor batch", "float64 factors", "qmin > qmax", "zero point",
+        "negative qmin", "zero scale", "NaN scale"])
+def test_bad_arguments_get_a_clear_error(args, message):
+    for call in (native.scale_quantize, native.op("scale_quantize")):
+        with pytest.raises((ValueError, RuntimeError), match=message):
+            call(*args)
+
+
+def test_squeeze_excitation_lowers_onto_the_kernel():
+    torch.manual_seed(0)
+    module, inputs = examples.squeeze_excitation()
+    captured = assert_matches_reference(quantize(module, inputs), inputs)
+    graph = short_graph(captured.lowered)
+    assert "native.scale_quantize(" in graph and "aten.mul" not in graph, graph
+    assert "1 channel scale fused into its quantize" in str(captured.report), str(captured.report)
+
+
+def test_a_per_pixel_gate_keeps_the_graphs_multiply():
+    converted, inputs = examples.spatial_gate()
+    _, _, captured = compile_and_run(converted, inputs)
+    assert "scale_quantize" not in short_graph(captured.lowered)
+    assert "channel scale" not in str(captured.report)
