@@ -35,8 +35,13 @@ class ZooModel:
     is_cnn: bool  # ONNX Runtime's TorchScript export path is for the CNNs
 
 
-def _torchvision():
+def _without_torchvision_c_ops() -> None:
+    """(transformers imports torchvision too, where it is installed)"""
     sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+
+
+def _torchvision():
+    _without_torchvision_c_ops()
     import torchvision.models
 
     return torchvision.models
@@ -79,6 +84,7 @@ def _minilm(batch: int, calibration: int) -> ZooModel:
     from bench_smoothquant import load_minilm
     from sentences import CALIBRATION
 
+    _without_torchvision_c_ops()
     model, tokenizer = load_minilm()
 
     def encode(first: int) -> tuple:
