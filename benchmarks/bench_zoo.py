@@ -14,7 +14,6 @@ docs/benchmarks_zoo.md, one section per CPU (a section of another CPU is kept), 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import gc
 import importlib.util

@@ -17,8 +17,7 @@
 
 /* 8 floats -> their quantized int32 values (the reference's arithmetic). */
 static inline __m256i quantize8(const float* in, __m256 inv, __m256 zp, __m256 lo, __m256 hi) {
-  __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(in), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_add_ps(v, zp), lo), hi));
+  return quantize_scaled8(_mm256_mul_ps(_mm256_loadu_ps(in), inv), zp, lo, hi);
 }
 
 /* 16 floats -> 16 bytes in order (the values are already within [0, 255]). */
@@ -81,9 +80,7 @@ void qb_quantize_nchw_to_nhwc(int threads, int N, int C, int HW, const float* x,
         const float* in = x + ((size_t)n * C + c) * HW + p0;
         int32_t q[PIXELS];
         if (pixels == PIXELS) {
-          __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(in), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          v = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(v, zp), lo), hi);
-          _mm256_storeu_si256((__m256i*)q, _mm256_cvtps_epi32(v));
+          _mm256_storeu_si256((__m256i*)q, quantize8(in, inv, zp, lo, hi));
         } else {
           for (int i = 0; i < pixels; i++) q[i] = round_to_grid(in[i] * inv_scale, zero_point, qmin, qmax);
         }

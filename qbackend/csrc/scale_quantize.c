@@ -12,49 +12,40 @@
 #include <stddef.h>
 #include <stdint.h>
 
-static inline uint8_t scalar_step(float v, float inv_scale, float zp, float lo, float hi) {
-  float q = __builtin_nearbyintf(v * inv_scale) + zp;
-  q = q > lo ? q : lo; /* (a NaN fails the comparison: lo) */
-  q = q < hi ? q : hi;
-  return (uint8_t)q;
-}
+#include "vec_math.h"
 
 /* n_values floats of x times s (s_step 0: one factor for all, 1: one per value) into y. */
-static void scale_row(const float* x, const float* s, int s_step, long n_values, float inv_scale, float zp, float lo,
-                      float hi, uint8_t* y) {
-  const __m256 vinv = _mm256_set1_ps(inv_scale), vzp = _mm256_set1_ps(zp), vlo = _mm256_set1_ps(lo),
-               vhi = _mm256_set1_ps(hi);
+static void scale_row(const float* x, const float* s, int s_step, long n_values, float inv_scale, int zp, int qmin,
+                      int qmax, uint8_t* y) {
+  const __m256 vinv = _mm256_set1_ps(inv_scale), vzp = _mm256_set1_ps((float)zp), vlo = _mm256_set1_ps((float)qmin),
+               vhi = _mm256_set1_ps((float)qmax);
   long i = 0;
   for (; i + 8 <= n_values; i += 8) {
     __m256 factor = s_step ? _mm256_loadu_ps(s + i) : _mm256_set1_ps(s[0]);
     __m256 product = _mm256_mul_ps(_mm256_loadu_ps(x + i), factor);
-    __m256 q = _mm256_add_ps(_mm256_round_ps(_mm256_mul_ps(product, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                             vzp);
-    q = _mm256_min_ps(_mm256_max_ps(q, vlo), vhi); /* (max returns its second operand for a NaN: lo) */
-    __m256i ints = _mm256_cvtps_epi32(q);
+    __m256i ints = quantize_scaled8(_mm256_mul_ps(product, vinv), vzp, vlo, vhi);
     __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
     _mm_storel_epi64((__m128i*)(y + i), _mm_packus_epi16(words, words));
   }
-  for (; i < n_values; i++) y[i] = scalar_step(x[i] * s[s_step ? i : 0], inv_scale, zp, lo, hi);
+  for (; i < n_values; i++) y[i] = round_to_grid((x[i] * s[s_step ? i : 0]) * inv_scale, zp, qmin, qmax);
 }
 
 /* s: [N or 1][C] (s_batch_stride C or 0). channels_last: x is [N][HW][C], else [N][C][HW]. */
 void qb_scale_quantize(int threads, int N, int C, long HW, int channels_last, const float* x, const float* s,
                        long s_batch_stride, float inv_scale, int zp, int qmin, int qmax, uint8_t* y) {
-  const float fzp = (float)zp, lo = (float)qmin, hi = (float)qmax;
   if (channels_last) {
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int n = 0; n < N; n++)
       for (long p = 0; p < HW; p++) {
         size_t at = ((size_t)n * HW + p) * C;
-        scale_row(x + at, s + n * s_batch_stride, 1, C, inv_scale, fzp, lo, hi, y + at);
+        scale_row(x + at, s + n * s_batch_stride, 1, C, inv_scale, zp, qmin, qmax, y + at);
       }
   } else {
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
     for (int n = 0; n < N; n++)
       for (int c = 0; c < C; c++) {
         size_t at = ((size_t)n * C + c) * HW;
-        scale_row(x + at, s + n * s_batch_stride + c, 0, HW, inv_scale, fzp, lo, hi, y + at);
+        scale_row(x + at, s + n * s_batch_stride + c, 0, HW, inv_scale, zp, qmin, qmax, y + at);
       }
   }
 }

@@ -29,11 +29,18 @@ static inline __m256 reciprocal(__m256 d) {
 }
 
 /* The quantized byte of a value already divided by its scale: round half to even (as torch),
- * plus the zero point, clamped to [qmin, qmax]. */
+ * plus the zero point, clamped to [qmin, qmax]; a NaN lands on qmin (as quantize_scaled8). */
 static inline uint8_t round_to_grid(float scaled, int zero_point, int qmin, int qmax) {
   float q = _mm_cvtss_f32(_mm_round_ss(_mm_setzero_ps(), _mm_set_ss(scaled), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   q += (float)zero_point;
-  return (uint8_t)(q < (float)qmin ? (float)qmin : q > (float)qmax ? (float)qmax : q);
+  return (uint8_t)(q > (float)qmin ? (q < (float)qmax ? q : (float)qmax) : (float)qmin);
+}
+
+/* round_to_grid for 8 values at once, as int32 (the zero point and bounds as floats); a NaN
+ * lands on lo (max_ps returns its second operand for one). */
+static inline __m256i quantize_scaled8(__m256 scaled, __m256 zp, __m256 lo, __m256 hi) {
+  const __m256 q = _mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, zp), lo), hi));
 }
 
 #endif
