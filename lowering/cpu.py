@@ -9,7 +9,7 @@ from qbackend.patterns.base import fake_value
 
 from .capabilities import (INT16_MAX, conv_binary_post_op_refusal, conv_post_op_refusal, int8_pairs_saturate,
                            linear_binary_post_op_refusal, linear_post_op_refusal, quantized_tensor_pool_refusal)
-from . import attention, depthwise, gemm, pools, scale, stem
+from . import attention, choice, depthwise, gemm, pools, scale, stem
 from .base import Lowering
 from .common import (COMMON, NO_POST_OP, emit_qavgpool, emit_qconv, emit_qconv_add, emit_qlinear, emit_qlinear_add,
                      emit_qmaxpool2d, emit_sdpa, output_args)
@@ -82,7 +82,7 @@ def _own_kernel_or(onednn_emit, *kernels, fallback="oneDNN"):
                 continue
             reason = kernel.refusal(ctx, match)
             if reason is None:
-                return kernel.emit(ctx, match)
+                return kernel.emit(ctx, match) if kernel.prior is None else choice.choose(ctx, match, kernel, onednn_emit, fallback)
             ctx.notes.append(f"{fallback}, not qbackend's {kernel.name} kernel: {reason}")
         return onednn_emit(ctx, match)
     return emit

@@ -84,4 +84,4 @@ def emit(ctx: EmitContext, match):
         ctx.constant(add, "dw_add"), tuple(p.stride), tuple(p.padding), low, high, out.scale, out.zero_point, out.qmin, out.qmax))
 
 
-KERNEL = own_conv.OwnKernel("depthwise", is_depthwise_3x3, refusal, emit)
+KERNEL = own_conv.OwnKernel("depthwise", is_depthwise_3x3, refusal, emit, prior=lambda match: None)

@@ -5,7 +5,9 @@ a uint8 or float32 residual fused.
 torch 2.13's onednn::qconv_pointwise / qlinear_pointwise cost ~50 us per call before any
 compute (a MobileNetV2 image makes 35 1x1 convs; its 1280 -> 1000 classifier took 290 us for
 1.3M multiply-adds), and their AVX2 int8 kernels are slower than this one up to a few thousand
-output rows (LIMITS); above that, and for every other conv / linear, oneDNN.
+output rows. Which of the two runs a layer is measured on the compiling machine
+(lowering/choice.py: oneDNN's AMX kernels beat this one 1.4-3.7x on 3x3 convs); LIMITS, where
+it was faster on the CPUs measured so far, is the prior when measuring is off.
 """
 from __future__ import annotations
 
@@ -82,17 +84,22 @@ def _output_pixels(match) -> Optional[int]:
 
 
 def is_conv(match) -> bool:
-    """A 2-D int8 conv (groups 1) with a static input shape within the build's limits (LIMITS:
-    where it is faster than oneDNN)."""
+    """A 2-D int8 conv (groups 1) with a static input shape."""
     p, w = match.conv, match.weight
-    if p is None or w is None or p.spatial_rank != 2 or p.groups != 1:
-        return False
-    pixels = _output_pixels(match)
-    if pixels is None:
-        return False
-    if math.prod(w.int8.shape[2:]) > 1 and match.x.qparams.zero_point == 0:
-        return pixels * w.int8.numel() <= limits().max_dense_macs
-    return pixels <= limits().max_conv_pixels
+    return p is not None and w is not None and p.spatial_rank == 2 and p.groups == 1 and _output_pixels(match) is not None
+
+
+def conv_prior(match) -> Optional[str]:
+    """Why the build's LIMITS (where it was faster than oneDNN on the CPUs measured) give this
+    conv to oneDNN, or None."""
+    pixels, build = _output_pixels(match), native.gemm_build()
+    if math.prod(match.weight.int8.shape[2:]) > 1 and match.x.qparams.zero_point == 0:
+        macs = pixels * match.weight.int8.numel()
+        if macs > limits().max_dense_macs:
+            return f"{macs} multiply-adds of a zero-point-0 input > {limits().max_dense_macs} in LIMITS[{build!r}]"
+    elif pixels > limits().max_conv_pixels:
+        return f"{pixels} output pixels > {limits().max_conv_pixels} in LIMITS[{build!r}]"
+    return None
 
 
 def _in_kernel_order(weight: torch.Tensor) -> torch.Tensor:
@@ -140,11 +147,15 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
 
 
 def is_linear(match) -> bool:
-    """An int8 linear whose static input has at most max_rows rows."""
-    if match.conv is not None or match.weight is None or match.weight.int8.dim() != 2:
-        return False
-    shape = static_shape(match.x.node)
-    return shape is not None and math.prod(shape[:-1]) <= limits().max_rows
+    """An int8 linear with a static input shape."""
+    return (match.conv is None and match.weight is not None and match.weight.int8.dim() == 2
+            and static_shape(match.x.node) is not None)
+
+
+def linear_prior(match) -> Optional[str]:
+    """Why the build's LIMITS give this linear to oneDNN (more than max_rows rows), or None."""
+    rows = math.prod(static_shape(match.x.node)[:-1])
+    return f"{rows} rows > {limits().max_rows} in LIMITS[{native.gemm_build()!r}]" if rows > limits().max_rows else None
 
 
 def linear_refusal(ctx: EmitContext, match) -> Optional[str]:
@@ -215,5 +226,5 @@ def emit_linear(ctx: EmitContext, match):
     return graph.call_function(aten.reshape.default, (kernel, [*shape[:-1], cout]))
 
 
-CONV_KERNEL = own_conv.OwnKernel("conv", is_conv, refusal, emit)
-LINEAR_KERNEL = own_conv.OwnKernel("linear", is_linear, linear_refusal, emit_linear)
+CONV_KERNEL = own_conv.OwnKernel("conv", is_conv, refusal, emit, prior=conv_prior)
+LINEAR_KERNEL = own_conv.OwnKernel("linear", is_linear, linear_refusal, emit_linear, prior=linear_prior)

@@ -23,6 +23,9 @@ class OwnKernel:
     applies: Callable  # match -> bool: the kind of op it is for (else it is not mentioned)
     refusal: Callable  # (ctx, match) -> why this one cannot run on it, or None
     emit: Callable  # (ctx, match) -> the node that replaces the match
+    # match -> None where the kernel's fixed table says it beats oneDNN, else why not; no prior:
+    # not measured against oneDNN, it always runs (lowering/choice.py)
+    prior: Optional[Callable] = None
 
 
 # post-op -> the clamp the kernels apply to the float result (hardtanh: its own bounds)

@@ -49,11 +49,16 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
     reason = native.stem_refusal(shape, w.shape[0], tuple(w.shape[2:]), tuple(p.stride))
     if reason is not None:
         return reason
+    return own_conv.refusal(ctx, match, (match.x.qparams, match.output_quant))
+
+
+def prior(match) -> Optional[str]:
+    """Why oneDNN runs it by the measurements above (narrow tiles at many pixels), or None."""
+    shape, p, w = static_shape(match.x.node), match.conv, match.weight.int8
     oh, ow = native._output_hw(*shape[2:], tuple(w.shape[2:]), tuple(p.stride), tuple(p.padding))
     if w.shape[0] % WIDE and shape[0] * oh * ow > MAX_NARROW_PIXELS:
-        return (f"{w.shape[0]} output channels at {shape[0] * oh * ow} output pixels: oneDNN is faster"
-                f" (the kernel's tiles are {WIDE} wide)")
-    return own_conv.refusal(ctx, match, (match.x.qparams, match.output_quant))
+        return f"{w.shape[0]} output channels at {shape[0] * oh * ow} output pixels: oneDNN is faster (the kernel's tiles are {WIDE} wide)"
+    return None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -80,7 +85,7 @@ def emit(ctx: EmitContext, match):
         out.scale, out.zero_point, out.qmin, out.qmax))
 
 
-KERNEL = own_conv.OwnKernel("stem conv", is_stem, refusal, emit)
+KERNEL = own_conv.OwnKernel("stem conv", is_stem, refusal, emit, prior=prior)
 
 
 def fuse_max_pool(ctx: EmitContext, report) -> None:

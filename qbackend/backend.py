@@ -19,6 +19,7 @@ from torch.fx import GraphModule
 from .cleanup import cleanup, drop_inference_dropout
 from .freeze import freeze
 from .lower import lower
+from .lowering.choice import mode as choice_mode
 from .remainder import MODES, compile_with_inductor
 from .report import Report
 
@@ -44,6 +45,10 @@ class Options:
     # what runs the ops qbackend does not lower: "eager" (ATen calls, no compiler needed) or
     # "inductor" (fused C++ loops around the oneDNN calls; Inductor's compile time, see remainder.py)
     remainder: str = "eager"
+    # own kernel or oneDNN for a conv / linear both can run: "measure" (timed once per machine and
+    # layer, then cached on disk), "cached" (measured choices only) or "prior" (fixed tables);
+    # None: $QBACKEND_KERNEL_CHOICE, else "measure" (lowering/choice.py)
+    kernel_choice: Optional[str] = None
 
     @classmethod
     def parse(cls, options) -> "Options":
@@ -55,6 +60,7 @@ class Options:
         parsed = cls(**options)
         if parsed.remainder not in MODES:
             raise ValueError(f"qbackend: remainder={parsed.remainder!r}; valid: {', '.join(map(repr, MODES))}")
+        choice_mode(parsed.kernel_choice)  # (raises on an unknown mode)
         return parsed
 
 
@@ -91,7 +97,7 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
     drop_inference_dropout(work)
     inductor = options.remainder == "inductor"  # (Inductor traces the graph: ops with Meta kernels, its own q/dq)
     report = lower(work, device, registry, options.weight_only_compute, options.weight_only_dense_rows,
-                   options.need_meta or inductor)
+                   options.need_meta or inductor, options.kernel_choice)
     report.notes.extend(cleanup(work, device, fast_boundary=not inductor))
     compiled = inductor and compile_with_inductor(work, [example_inputs[i] for i in runtime_inputs], report)
     return _runner(compiled or work.forward, runtime_inputs, len(example_inputs)), report, work

@@ -11,7 +11,9 @@ from typing import Optional
 
 from torch.fx import GraphModule, Node
 
+from qbackend import choice_cache
 from qbackend.lowering import PREPARE, TABLES, EmitContext, Lowering, Unsupported, finish
+from qbackend.lowering.choice import mode as choice_mode
 from qbackend.lowering.common import ANCHOR
 from qbackend.patterns import ANCHORS, SWEEPS, GraphView, Reject, anchor_kind, rules_for
 
@@ -101,7 +103,8 @@ def _op_name(node: Node) -> str:
 
 
 def lower(gm: GraphModule, device: str, registry=None, weight_only_compute: str = "auto",
-          weight_only_dense_rows: Optional[int] = None, need_meta: bool = False) -> Report:
+          weight_only_dense_rows: Optional[int] = None, need_meta: bool = False, kernel_choice: Optional[str] = None) -> Report:
+    """``kernel_choice``: lowering/choice.py's mode (None: $QBACKEND_KERNEL_CHOICE, else "measure")."""
     report = Report(device)
     anchors = [(n, anchor_kind(n)) for n in gm.graph.nodes]
     anchors = [(n, kind) for n, kind in anchors if kind is not None]
@@ -113,7 +116,9 @@ def lower(gm: GraphModule, device: str, registry=None, weight_only_compute: str 
         report.decisions = [Decision(n.name, kind, source_of(n), False, reason=reason) for n, kind in anchors if kind in ANCHORS]
         return report
     view, ctx = GraphView(gm), EmitContext(gm, device, registry, need_meta=need_meta, weight_only_compute=weight_only_compute,
-                                            weight_only_dense_rows=weight_only_dense_rows)
+                                            weight_only_dense_rows=weight_only_dense_rows, kernel_choice=choice_mode(kernel_choice))
+    if ctx.kernel_choice != "prior":
+        ctx.choices = choice_cache.shared()
     for prepare in PREPARE[device]:
         note = prepare(gm)
         if note:

@@ -91,6 +91,12 @@ def _writable(preferred: Path) -> Path:
     raise RuntimeError(f"no writable directory for the compiled kernels ({preferred} or the temporary directory)")
 
 
+@functools.lru_cache(maxsize=None)
+def sources_digest() -> str:
+    """A hash of every C file and header (the VNNI library includes the AVX2 one's source)."""
+    return hashlib.sha256(b"".join(source.read_bytes() for source in sorted(CSRC.glob("*.[ch]")))).hexdigest()
+
+
 def _build(name: str = "qbackend_kernels", sources: tuple = SOURCES, flags: tuple = FLAGS) -> Path:
     """The shared library for these sources and compiler, compiled if not cached.
     Raises RuntimeError with the reason when it cannot be built."""
@@ -99,8 +105,7 @@ def _build(name: str = "qbackend_kernels", sources: tuple = SOURCES, flags: tupl
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise RuntimeError("no C compiler found (cc / gcc, or $CC)")
-    # every C file and header is hashed: the VNNI library includes the AVX2 one's source
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in sorted(CSRC.glob("*.[ch]"))) + " ".join((compiler,) + flags).encode())
+    key = hashlib.sha256(sources_digest().encode() + " ".join((compiler,) + flags).encode())
     target = _writable(cache_dir()) / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -209,9 +214,14 @@ def int8_build() -> str:
 @functools.lru_cache(maxsize=None)
 def zmm_speedup() -> float:
     """How many more int8 products per second this core does with zmm vpdpbusd than with ymm
-    (qb_vnni_zmm_speedup: under 1 ms, once per process); 0 without the VNNI kernels."""
+    (qb_vnni_zmm_speedup: under 1 ms); 0 without the VNNI kernels. Measured once per machine
+    and kept (qbackend/choice_cache.py): a timing race measured per process lowered the same
+    model to different kernels in different processes."""
     vnni = _vnni_library()[0]
-    return 0.0 if vnni is None else vnni.qb_vnni_zmm_speedup(1)
+    if vnni is None:
+        return 0.0
+    from qbackend import choice_cache  # (it hashes this module's sources)
+    return choice_cache.shared().remembered("zmm_speedup", lambda: vnni.qb_vnni_zmm_speedup(1))
 
 
 # gemm_build's values -> the int8_build they belong to and their C function

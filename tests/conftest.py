@@ -12,6 +12,14 @@ def _zmm_gemm_on_every_vnni_cpu(monkeypatch):
     monkeypatch.setattr(native, "zmm_speedup", lambda: native.ZMM_MIN_SPEEDUP)
 
 
+@pytest.fixture(autouse=True)
+def _kernel_choice_from_the_fixed_tables(monkeypatch):
+    """Lowered graphs (pinned with expecttest) must not depend on which kernel is faster on
+    this machine: kernels are chosen by their fixed tables (tests/test_kernel_choice.py
+    measures)."""
+    monkeypatch.setenv("QBACKEND_KERNEL_CHOICE", "prior")
+
+
 @pytest.fixture(params=list(native.GEMM_BUILDS))
 def int8_build(request, monkeypatch):
     """Run the test on each build of qbackend's int8 kernels this CPU has (native.gemm_build:

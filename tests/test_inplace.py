@@ -92,9 +92,9 @@ def test_linear_residual_never_writes_the_callers_input():
     report = assert_matches_reference(quantize(TwoLinearResiduals(), inputs), inputs).report
     assert torch.equal(inputs[0], before), "the caller's input changed"
     by_source = {d.source: d for d in report.decisions}
-    assert by_source["fc1"].rule == "qlinear_add" and by_source["fc1"].reason.startswith("residual added out of place"), str(report)
+    assert by_source["fc1"].rule == "qlinear_add" and "; residual added out of place (" in by_source["fc1"].reason, str(report)
     assert "graph input" in by_source["fc1"].reason, str(report)
-    assert by_source["fc2"].rule == "qlinear_add" and by_source["fc2"].reason == "residual updated in place", str(report)
+    assert by_source["fc2"].rule == "qlinear_add" and by_source["fc2"].reason.endswith("; residual updated in place"), str(report)
 
 
 def test_own_gemm_kernel_reads_its_residual_and_writes_a_new_tensor():

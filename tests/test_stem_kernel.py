@@ -153,10 +153,11 @@ def test_near_misses_stay_on_onednn_with_the_reason(model, reason):
 
 
 def test_narrow_convs_at_many_pixels_stay_on_onednn():
-    """32 outputs (2-block tiles) at more than MAX_NARROW_PIXELS output pixels: oneDNN is faster."""
+    """32 outputs (2-block tiles) at more than MAX_NARROW_PIXELS output pixels: oneDNN is
+    faster (the fixed table: kernel_choice "prior", the tests' default)."""
     _needs_vnni_library()
     x = torch.randn(1, 3, 2 * 160, 2 * 160)  # 160 x 160 = 25600 output pixels
-    model = quantize(nn.Sequential(nn.Conv2d(3, 32, 3, 2, 1), nn.ReLU()).eval(), (x,))
+    model = quantize(Stem(out_channels=32).eval(), (x,))
     _, _, captured = compile_and_run(model, (x,))
     decision = captured.report.decisions[0]
     assert decision.op == "onednn::qconv_pointwise"

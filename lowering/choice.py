@@ -1,0 +1,193 @@
+"""Which kernel runs a conv / linear on this CPU: measured here, not read from a table measured
+on another.
+
+Where one of qbackend's own kernels and oneDNN can both run a match, both are emitted, each
+emitted piece of graph is run on random inputs of the layer's shape and layout, interleaved,
+within a small budget, and the slower one is erased. The winner is kept per layer signature in
+the machine's choice cache (qbackend/choice_cache.py), so the next compile, in this process or
+another, decides the same way without timing. Modes (``Options.kernel_choice``, or
+``QBACKEND_KERNEL_CHOICE``): "measure" (the default), "cached" (measured choices only, else the
+prior) and "prior" (the kernels' fixed tables, e.g. lowering/gemm.py LIMITS: reproducible
+across machines).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from qbackend.patterns.base import fake_value
+
+from .base import EmitContext
+
+MODES = ("measure", "cached", "prior")
+ENVIRONMENT = "QBACKEND_KERNEL_CHOICE"
+# Seconds of timed calls per candidate and layer; at least MIN_ROUNDS interleaved rounds
+# (resnet50 at batch 1: 0.3 s for its ~25 distinct convs, once per machine).
+BUDGET_SECONDS = 0.01
+MIN_ROUNDS, MAX_ROUNDS = 5, 50
+
+
+def mode(option: Optional[str]) -> str:
+    chosen = option or os.environ.get(ENVIRONMENT) or "measure"
+    if chosen not in MODES:
+        raise ValueError(f"qbackend: kernel_choice={chosen!r}; valid: {', '.join(map(repr, MODES))}")
+    return chosen
+
+
+def signature(kernel_name: str, match) -> Optional[str]:
+    """What the speed of this layer depends on; None when a shape is not static."""
+    x, w, p, post = fake_value(match.x.node), match.weight.int8, match.conv, match.post_op
+    residual = fake_value(match.accum.node if match.accum is not None else match.accum_float)
+    if x is None or not all(_static(v) for v in (x, residual) if v is not None):
+        return None
+    parts = [kernel_name, match.rule.name, f"x{list(x.shape)}", f"w{list(w.shape)}",
+             f"zp0={match.x.qparams.zero_point == 0}", f"post={post.name}/{post.algorithm}" if post else "post=none",
+             "out=u8" if match.output_quant is not None else f"out={match.float_dtype}"]
+    if p is not None:
+        parts.append(f"conv={list(p.stride)}/{list(p.padding)}/{list(p.dilation)}/{p.groups}")
+    if residual is not None:
+        parts.append(f"residual={residual.dtype}{list(residual.shape)}")
+    return " ".join(parts)
+
+
+def _static(value: torch.Tensor) -> bool:
+    return all(isinstance(d, int) for d in value.shape)
+
+
+def _random_like(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Random values of ``value``'s shape and dtype in the layout the lowered graph passes:
+    4-D activations channels-last (what every int8 conv, oneDNN's or qbackend's, writes and the
+    boundary quantize makes; Dynamo's example strides are the float model's), others contiguous."""
+    layout = torch.channels_last if value.dim() == 4 else torch.contiguous_format
+    out = torch.empty(tuple(value.shape), dtype=value.dtype).contiguous(memory_format=layout)
+    if value.dtype.is_floating_point:
+        return out.copy_(torch.randn(out.shape, generator=generator))
+    info = torch.iinfo(value.dtype)
+    return out.copy_(torch.randint(max(info.min, -128), min(info.max, 255) + 1, out.shape, generator=generator))
+
+
+def runnable(gm: GraphModule, nodes: list[Node], result: Node, values: dict) -> Optional[tuple[Callable, list]]:
+    """The emitted ``nodes`` as a module of their own and random inputs for it, one per graph
+    node read (``values``: node -> tensor, shared between candidates); None when an input is
+    not a tensor of static shape."""
+    graph, env, inputs = Graph(), {}, []
+    emitted = set(nodes)
+
+    def outside(node: Node) -> Node:
+        if node not in env:
+            if node.op == "get_attr":
+                env[node] = graph.node_copy(node)
+                return env[node]
+            value = fake_value(node)
+            if value is None or not _static(value):
+                raise LookupError(node.name)
+            env[node] = graph.placeholder(node.name)
+            if node not in values:
+                values[node] = _random_like(value, torch.Generator().manual_seed(len(values)))
+            inputs.append(values[node])
+        return env[node]
+
+    try:
+        for node in nodes:
+            for used in node.all_input_nodes:
+                if used not in emitted:
+                    outside(used)
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    except LookupError:
+        return None
+    graph.output(env[result])
+    return GraphModule(gm, graph), inputs
+
+
+@torch.no_grad()
+def time_each(candidates: dict[str, tuple[Callable, list]]) -> dict[str, float]:
+    """Median seconds per call of each candidate, timed in interleaved rounds after one warm-up
+    call each (oneDNN builds its primitive on the first)."""
+    first = {}
+    for name, (fn, inputs) in candidates.items():
+        fn(*inputs)
+        start = time.perf_counter()
+        fn(*inputs)
+        first[name] = time.perf_counter() - start
+    rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, int(BUDGET_SECONDS / max(max(first.values()), 1e-9))))
+    samples: dict[str, list] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, (fn, inputs) in candidates.items():
+            start = time.perf_counter()
+            fn(*inputs)
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+# How the candidates are timed; tests replace it to simulate another machine.
+measure: Callable[[dict], dict] = time_each
+
+
+def _microseconds(seconds: float) -> str:
+    return f"{seconds * 1e6:.0f} us"
+
+
+def _emitted(ctx: EmitContext, emit: Callable, match, notes: list) -> tuple[Node, list[Node], list, str]:
+    """Emit one candidate: (its result, the nodes it added in graph order, its notes, its kernel)."""
+    before = set(ctx.gm.graph.nodes)
+    ctx.notes, ctx.kernel = list(notes), ""
+    result = emit(ctx, match)
+    return result, [n for n in ctx.gm.graph.nodes if n not in before], ctx.notes, ctx.kernel
+
+
+def _keep(ctx: EmitContext, kept: tuple, dropped: tuple, note: str) -> Node:
+    for node in reversed(dropped[1]):
+        ctx.gm.graph.erase_node(node)
+    ctx.notes, ctx.kernel = kept[2] + [note], kept[3]
+    return kept[0]
+
+
+def _note(seconds: dict, fallback: str) -> str:
+    return f"measured on this machine: {_microseconds(seconds['own'])} vs {fallback}'s {_microseconds(seconds['fallback'])}"
+
+
+def choose(ctx: EmitContext, match, kernel, fallback_emit: Callable, fallback: str) -> Node:
+    """Emit ``match`` with qbackend's ``kernel`` (own_conv.OwnKernel, which can run it) or
+    ``fallback_emit``, whichever is faster here (see the module docstring)."""
+    not_own = f"{fallback}, not qbackend's {kernel.name} kernel"
+    key = signature(kernel.name, match) if ctx.kernel_choice != "prior" and ctx.choices is not None else None
+    record = ctx.choices.get(key) if key is not None else None
+    if record is not None and record.get("winner") in ("own", "fallback"):
+        if record["winner"] == "own":
+            result = kernel.emit(ctx, match)
+        else:
+            ctx.notes.append(not_own)
+            result = fallback_emit(ctx, match)
+        ctx.notes.append(_note(record, fallback))
+        return result
+    if key is None or ctx.kernel_choice != "measure":
+        reason = kernel.prior(match)
+        if reason is None:
+            return kernel.emit(ctx, match)
+        ctx.notes.append(f"{not_own}: {reason}")
+        return fallback_emit(ctx, match)
+    notes = list(ctx.notes)
+    own = _emitted(ctx, kernel.emit, match, notes)
+    try:
+        other = _emitted(ctx, fallback_emit, match, notes + [not_own])
+    except Exception as error:  # oneDNN refused the layer at prepack time: the own kernel runs it
+        ctx.notes, ctx.kernel = own[2] + [f"{fallback} could not run it: {type(error).__name__}: {error}"], own[3]
+        return own[0]
+    values: dict = {}
+    runs = {"own": runnable(ctx.gm, own[1], own[0], values), "fallback": runnable(ctx.gm, other[1], other[0], values)}
+    why_not = "an input is not static" if None in runs.values() else None
+    try:
+        seconds = None if why_not else measure(runs)
+    except Exception as error:  # a candidate failed on random inputs: the fixed table decides
+        why_not = f"{type(error).__name__}: {error}"
+    if why_not is not None:
+        keep_own = kernel.prior(match) is None
+        return _keep(ctx, own if keep_own else other, other if keep_own else own, f"not measured ({why_not})")
+    record = {"winner": "own" if seconds["own"] < seconds["fallback"] else "fallback", **seconds}
+    ctx.choices.put(key, record)
+    return _keep(ctx, own, other, _note(record, fallback)) if record["winner"] == "own" else _keep(ctx, other, own, _note(record, fallback))

@@ -1,0 +1,166 @@
+"""Own kernel or oneDNN, measured on the machine that compiles (lowering/choice.py), and the
+choice cache that makes later compiles decide the same way (qbackend/choice_cache.py)."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from qbackend import choice_cache, native
+from qbackend.backend import Options
+from qbackend.lowering import choice
+
+from .helpers import assert_matches_reference, quantize
+
+pytestmark = pytest.mark.skipif(native.available() is not None, reason=f"needs qbackend's kernels: {native.available()}")
+
+
+class ResidualNet(nn.Module):
+    """A 3x3 conv, a 1x1 conv with a residual add, a linear: each runnable by both."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(16, 32, 3, padding=1), nn.Conv2d(32, 32, 1)
+        self.fc = nn.Linear(32, 16)
+
+    def forward(self, x):
+        y = torch.relu(self.conv1(x))
+        y = torch.relu(self.conv2(y) + y)
+        return self.fc(y.mean((2, 3)))
+
+
+def inputs():
+    torch.manual_seed(0)
+    return (torch.randn(1, 16, 8, 8),)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """An empty cache directory (the kernels are built already: only the choices go there)."""
+    monkeypatch.setenv("QBACKEND_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice_cache, "_shared", None)
+    return tmp_path / "choices"
+
+
+class SimulatedMachine:
+    """choice.measure on a machine where one side is faster; checks on the way that the two
+    candidates it is given give the same integers on the same random inputs."""
+
+    def __init__(self, own_us: float, onednn_us: float):
+        self.seconds = {"own": own_us * 1e-6, "fallback": onednn_us * 1e-6}
+        self.layers = 0
+
+    def __call__(self, runs: dict) -> dict:
+        self.layers += 1
+        outputs = {name: fn(*args) for name, (fn, args) in runs.items()}
+        own, onednn = (out if out.dtype == torch.uint8 else out.float() for out in outputs.values())
+        assert own.shape == onednn.shape
+        if own.dtype == torch.uint8:
+            assert (own.int() - onednn.int()).abs().max() <= 1
+        else:
+            torch.testing.assert_close(own, onednn, rtol=1e-3, atol=1e-3)
+        return dict(self.seconds)
+
+
+def compiled(monkeypatch, machine, mode="measure"):
+    monkeypatch.setattr(choice, "measure", machine)
+    return assert_matches_reference(quantize(ResidualNet().eval(), inputs()), inputs(), kernel_choice=mode)
+
+
+def ops(captured) -> list:
+    return [d.op for d in captured.report.decisions if d.kind in ("conv", "linear")]
+
+
+ONEDNN = ["onednn::qconv_pointwise", "onednn::qconv2d_pointwise.binary", "onednn::qlinear_pointwise"]
+OWN = ["qbackend::qconv.default"] * 3
+
+
+def test_where_onednn_is_faster_it_runs_every_layer(cache_dir, monkeypatch):
+    """As on a CPU with AMX: the own kernels the fixed table picks for these sizes lose."""
+    machine = SimulatedMachine(own_us=300, onednn_us=100)
+    captured = compiled(monkeypatch, machine)
+    assert ops(captured) == ONEDNN, str(captured.report)
+    assert machine.layers == 3
+    reasons = [d.reason for d in captured.report.decisions if d.kind in ("conv", "linear")]
+    assert all(r.startswith("oneDNN, not qbackend's") and r.endswith("measured on this machine: 300 us vs oneDNN's 100 us")
+               for r in reasons), reasons
+
+
+def test_where_the_own_kernel_is_faster_it_runs_every_layer(cache_dir, monkeypatch):
+    captured = compiled(monkeypatch, SimulatedMachine(own_us=100, onednn_us=300))
+    assert ops(captured) == OWN, str(captured.report)
+    assert "measured on this machine: 100 us vs oneDNN's 300 us" in captured.report.decisions[0].reason
+
+
+def test_the_next_compile_reads_the_choice_without_measuring(cache_dir, monkeypatch):
+    compiled(monkeypatch, SimulatedMachine(own_us=300, onednn_us=100))
+    monkeypatch.setattr(choice_cache, "_shared", None)  # as a new process
+    again = SimulatedMachine(own_us=100, onednn_us=300)  # (would pick the other side)
+    captured = compiled(monkeypatch, again)
+    assert again.layers == 0 and ops(captured) == ONEDNN, str(captured.report)
+    saved = json.loads(next(cache_dir.glob("*.json")).read_text())
+    assert saved["machine"] == choice_cache.machine()
+    assert sorted(r["winner"] for r in saved["entries"].values() if "winner" in r) == ["fallback"] * 3
+
+
+def test_another_cpu_measures_again(cache_dir, monkeypatch):
+    compiled(monkeypatch, SimulatedMachine(own_us=300, onednn_us=100))
+    monkeypatch.setattr(choice_cache, "cpu_description", lambda: ("Another CPU family 6 model 143", ("avx512f", "amx_int8")))
+    monkeypatch.setattr(choice_cache, "_shared", None)
+    again = SimulatedMachine(own_us=100, onednn_us=300)
+    assert ops(compiled(monkeypatch, again)) == OWN and again.layers == 3
+    assert len(list(cache_dir.glob("*.json"))) == 2
+
+
+def test_cached_mode_never_measures_and_falls_back_to_the_fixed_table(cache_dir, monkeypatch):
+    machine = SimulatedMachine(own_us=300, onednn_us=100)
+    prior = ops(compiled(monkeypatch, machine, mode="prior"))
+    assert ops(compiled(monkeypatch, machine, mode="cached")) == prior and machine.layers == 0
+    assert prior == OWN  # (these sizes are within every build's LIMITS)
+    assert not cache_dir.exists()
+
+
+def test_a_cache_others_can_write_is_not_read(cache_dir, monkeypatch):
+    compiled(monkeypatch, SimulatedMachine(own_us=300, onednn_us=100))
+    os.chmod(cache_dir, 0o777)
+    monkeypatch.setattr(choice_cache, "_shared", None)
+    again = SimulatedMachine(own_us=100, onednn_us=300)
+    assert ops(compiled(monkeypatch, again)) == OWN and again.layers == 3
+
+
+def test_a_torn_cache_file_is_measured_again(cache_dir, monkeypatch):
+    compiled(monkeypatch, SimulatedMachine(own_us=300, onednn_us=100))
+    next(cache_dir.glob("*.json")).write_text('{"machine": ')
+    monkeypatch.setattr(choice_cache, "_shared", None)
+    again = SimulatedMachine(own_us=100, onednn_us=300)
+    assert ops(compiled(monkeypatch, again)) == OWN and again.layers == 3
+
+
+def test_measured_for_real_the_faster_side_is_kept(cache_dir, monkeypatch):
+    timings = []
+
+    def timed(runs):
+        timings.append(choice.time_each(runs))
+        return timings[-1]
+
+    captured = compiled(monkeypatch, timed)
+    assert len(timings) == 3 and all(t["own"] > 0 and t["fallback"] > 0 for t in timings)
+    expected = ["qbackend::qconv.default" if t["own"] < t["fallback"] else onednn for t, onednn in zip(timings, ONEDNN)]
+    assert ops(captured) == expected, str(captured.report)
+
+
+def test_an_unknown_mode_is_refused(monkeypatch):
+    with pytest.raises(ValueError, match="kernel_choice='fastest'; valid: 'measure', 'cached', 'prior'"):
+        Options.parse({"kernel_choice": "fastest"})
+    monkeypatch.setenv(choice.ENVIRONMENT, "fast")
+    with pytest.raises(ValueError, match="kernel_choice='fast'"):
+        Options.parse({})
+
+
+def test_the_zmm_probe_is_measured_once_per_machine(cache_dir):
+    probes = []
+    first = choice_cache.shared().remembered("probe", lambda: probes.append(1) or 1.5)
+    choice_cache._shared = None
+    assert choice_cache.shared().remembered("probe", lambda: probes.append(1) or 0.5) == first == 1.5
+    assert probes == [1]
