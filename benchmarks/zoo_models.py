@@ -64,6 +64,15 @@ def _estimate_batchnorm_statistics(model: torch.nn.Module, batches: int = 4, bat
     model.eval()
 
 
+def _no_zero_classifier(model: torch.nn.Module) -> None:
+    """torchvision's ViT starts its classifier at zero (where fine-tuning starts): every output
+    would be 0, and no cosine could tell a right result from a wrong one."""
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for linear in (m for m in model.modules() if isinstance(m, torch.nn.Linear) and not m.weight.any()):
+            linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * linear.in_features ** -0.5)
+
+
 def _images(batch: int, seed: int) -> tuple:
     return (torch.randn(batch, *IMAGE, generator=torch.Generator().manual_seed(seed)),)
 
@@ -72,6 +81,7 @@ def _torchvision_model(name: str, batch: int, calibration: int) -> ZooModel:
     torch.manual_seed(0)
     model = getattr(_torchvision(), name)().eval()
     _estimate_batchnorm_statistics(model)
+    _no_zero_classifier(model)
     return ZooModel(name, model, _images(batch, 0), [_images(batch, 1000 + i) for i in range(calibration)], True)
 
 

@@ -124,6 +124,6 @@ _shared: Optional[ChoiceCache] = None
 def shared() -> ChoiceCache:
     """This process's cache (rebuilt when the machine key changes: another thread count)."""
     global _shared
-    if _shared is None or _shared.machine != machine() or _shared.directory != native.cache_dir() / "choices":
+    if _shared is None or _shared.machine != machine():
         _shared = ChoiceCache()
     return _shared

@@ -119,3 +119,27 @@ def test_a_linear_kept_float_by_the_quantizer_runs_float_with_its_reason():
     lines = {d.source: d.line() for d in captured.report.decisions}
     assert lines["fc1"].startswith("LOWERED"), lines
     assert lines["fc2"].startswith("KEPT") and "weight is not quantized" in lines["fc2"], lines
+
+
+class BatchFirstAttention(nn.Module):
+    """nn.MultiheadAttention(batch_first=True), as ViT's encoder: the quantizer leaves its
+    in-projection float, and it reads a transpose of the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.attention = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x):
+        x = self.fc(x)
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+def test_a_float_linear_of_a_transposed_input_reads_it_contiguous():
+    """(else ATen runs it as a bmm against the weight expanded per row: cleanup.py)"""
+    inputs = (torch.randn(3, 10, 32),)
+    captured = assert_matches_reference(quantize(BatchFirstAttention().eval(), inputs), inputs)
+    linears = [n for n in captured.lowered.graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert linears and all(n.args[0].op == "call_method" and n.args[0].target == "contiguous" for n in linears
+                           if n.args[0].meta["example_value"].dim() >= 3), captured.lowered.graph
+    assert any(n.args[0].op == "call_method" for n in linears), captured.lowered.graph
