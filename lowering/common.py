@@ -193,8 +193,12 @@ def emit_qlinear_add(ctx: EmitContext, match: Match, op: str = "qlinear_binary")
                      "residual added out of place" + (f" ({match.accum_clobber_reason})" if match.accum_clobber_reason else ""))
     w, w_scale, w_zp = _prepacked_linear_weight(ctx, match)
     unary = kernel_post_op(ctx, match)
+    # The kernel reads 'add''s residual as dense: a strided one (a transposed view; a graph input)
+    # gave garbage rows (vit_b_16 at batch 8). A no-op when it is contiguous.
+    residual = match.accum_float if in_place else record_fake_value(ctx.gm.graph.call_function(
+        aten.contiguous.default, (match.accum_float,)))
     return within_output_range(ctx, match, ctx.call(op, (
-        match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, match.accum_float, match.bias, *output_args(match),
+        match.x.node, x.scale, x.zero_point, w, w_scale, w_zp, residual, match.bias, *output_args(match),
         1.0, 0, "sum" if in_place else "add", 1.0, unary.name, list(unary.scalars), unary.algorithm,
     )), unary)
 

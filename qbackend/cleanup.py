@@ -134,7 +134,7 @@ def float_linears_read_contiguous(gm: GraphModule) -> None:
         if value is not None and value.dim() >= 3 and value.is_floating_point():
             with gm.graph.inserting_before(node):
                 contiguous = gm.graph.call_method("contiguous", (node.args[0],))
-            contiguous.meta = dict(node.args[0].meta)
+            contiguous.meta = {k: v for k, v in node.args[0].meta.items() if k in ("example_value", "val")}
             node.update_arg(0, contiguous)
 
 

@@ -85,6 +85,16 @@ class TwoLinearResiduals(nn.Module):
         return h + self.fc2(h)
 
 
+def test_a_strided_residual_is_read_as_it_is_laid_out():
+    """oneDNN's 'add' read a transposed residual as if dense (NaN or garbage rows: a graph
+    input here, a transposed view in ViT's encoder). Same values, another layout."""
+    x = torch.randn(onednn_linear_rows() // 2, 2, 16)
+    model = quantize(TwoLinearResiduals(), (x.transpose(0, 1).contiguous(),))
+    strided = (x.transpose(0, 1),)
+    captured = assert_matches_reference(model, strided)
+    assert "residual added out of place" in captured.report.decisions[0].reason, str(captured.report)
+
+
 def test_linear_residual_never_writes_the_callers_input():
     """On oneDNN's kernel (enough rows for it)."""
     inputs = (torch.randn(2, onednn_linear_rows() // 2, 16),)

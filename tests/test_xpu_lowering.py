@@ -108,7 +108,8 @@ quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.0206, -23, -1
 reshape_default = aten.reshape(quantize_per_tensor_default, [-1, 16])
 qlinear_pointwise_default = onednn.qlinear_pointwise(reshape_default, 0.0206, -23, <const>, <const>, <const>, <const>, 0.00642, -102, int8, 'gelu', [], 'none')
 reshape_default_1 = aten.reshape(qlinear_pointwise_default, [2, 5, 64])
-qlinear_pointwise_binary = onednn.qlinear_pointwise.binary(reshape_default_1, 0.00642, -102, <const>, <const>, <const>, l_x_, <const>, 1, 0, float32, 1, 0, 'add', 1, 'none', [], '')
+contiguous_default = aten.contiguous(l_x_)
+qlinear_pointwise_binary = onednn.qlinear_pointwise.binary(reshape_default_1, 0.00642, -102, <const>, <const>, <const>, contiguous_default, <const>, 1, 0, float32, 1, 0, 'add', 1, 'none', [], '')
 layer_norm = aten.layer_norm(qlinear_pointwise_binary, [16], <const>, <const>, 1e-05, False)
 return (layer_norm)""")
 
