@@ -4,6 +4,8 @@ lowering: drop inference-mode dropouts, which return their input and would hide 
 add from the linear that feeds it."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -124,18 +126,43 @@ def views_accept_any_layout(gm: GraphModule) -> None:
                 node.target = aten.reshape.default
 
 
-def float_linears_read_contiguous(gm: GraphModule) -> None:
-    """A float ``linear`` of a non-contiguous input of 3 or more dims (nn.MultiheadAttention's
-    batch_first in-projection reads a transpose) runs as a ``bmm`` against the weight expanded
-    per batch row: vit_b_16 at batch 8 spent 614 ms a call there, Inductor (a packed GEMM)
-    479. A contiguous input takes ATen's flattened ``addmm`` (a no-op when it already is)."""
+def _float_constant(gm: GraphModule, node) -> Optional[torch.Tensor]:
+    value = constant_value(gm, node) if isinstance(node, Node) else None
+    return value if value is not None and value.dtype == torch.float32 and value.device.type == "cpu" else None
+
+
+def float_linears(gm: GraphModule, device: str) -> Optional[str]:
+    """The float32 linears the quantizer left float (ViT's attention in-projection: vit_b_16 at
+    batch 1 spent 42 ms a call in them, Inductor 30) run as Inductor's freezing runs them: on
+    MKL's sgemm with the constant weight packed once for the input's row count (other row
+    counts: ATen's linear, inside the same op). Where MKL cannot, a non-contiguous input of 3+
+    dims (a transpose) is made contiguous: ATen would run it as a bmm against the weight
+    expanded per row (614 ms a call at batch 8, 479 on the packed GEMM)."""
+    packed_op, pack = resolve("float_linear_packed", device), resolve("float_linear_pack", device)
+    packed = 0
     for node in list(gm.graph.nodes):
-        value = fake_value(node.args[0]) if node.op == "call_function" and node.target is aten.linear.default else None
-        if value is not None and value.dim() >= 3 and value.is_floating_point():
+        if node.op != "call_function" or node.target is not aten.linear.default or node.kwargs:
+            continue
+        x_node, weight_node, bias_node = (*node.args, None)[:3]
+        x, weight, bias = fake_value(x_node), _float_constant(gm, weight_node), _float_constant(gm, bias_node)
+        if x is None or x.dtype != torch.float32 or not all(isinstance(d, int) for d in x.shape):
+            continue
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if packed_op and pack and weight is not None and weight.dim() == 2 and rows and (bias_node is None or bias is not None):
+            name = f"_qb_packed_{node.name}"
+            set_constant(gm, name, pack.op(weight, rows))
             with gm.graph.inserting_before(node):
-                contiguous = gm.graph.call_method("contiguous", (node.args[0],))
-            contiguous.meta = {k: v for k, v in node.args[0].meta.items() if k in ("example_value", "val")}
+                call = gm.graph.call_function(packed_op.op, (x_node, gm.graph.get_attr(name), weight_node, bias_node, rows))
+            call.meta = dict(node.meta)
+            node.replace_all_uses_with(call)
+            gm.graph.erase_node(node)
+            packed += 1
+        elif x.dim() >= 3:
+            with gm.graph.inserting_before(node):
+                contiguous = gm.graph.call_function(aten.contiguous.default, (x_node,))
+            contiguous.meta = {k: v for k, v in x_node.meta.items() if k in ("example_value", "val")}
             node.update_arg(0, contiguous)
+    return f"{packed} float linear(s) on MKL's sgemm, weight packed once" if packed else None
 
 
 def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True) -> list[str]:
@@ -147,10 +174,9 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True) ->
     if fast_boundary:
         fast_boundary_qdq(gm, device)
     views_accept_any_layout(gm)
-    float_linears_read_contiguous(gm)
-    chained = chain_own_kernels(gm)
+    notes = [float_linears(gm, device) if fast_boundary else None, chain_own_kernels(gm)]
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
     drop_unused_constants(gm)
-    return [chained] if chained else []
+    return [note for note in notes if note]

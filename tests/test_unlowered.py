@@ -135,11 +135,26 @@ class BatchFirstAttention(nn.Module):
         return self.attention(x, x, x, need_weights=False)[0]
 
 
-def test_a_float_linear_of_a_transposed_input_reads_it_contiguous():
-    """(else ATen runs it as a bmm against the weight expanded per row: cleanup.py)"""
+def _float_linears(captured) -> list:
+    return [n for n in captured.lowered.graph.nodes if n.target in (torch.ops.aten.linear.default, torch.ops.mkl._mkl_linear.default)]
+
+
+def test_float_linears_with_constant_weights_run_on_a_packed_gemm():
+    """As Inductor's freezing: MKL's sgemm on a weight packed once (cleanup.float_linears)."""
     inputs = (torch.randn(3, 10, 32),)
     captured = assert_matches_reference(quantize(BatchFirstAttention().eval(), inputs), inputs)
-    linears = [n for n in captured.lowered.graph.nodes if n.target is torch.ops.aten.linear.default]
-    assert linears and all(n.args[0].op == "call_method" and n.args[0].target == "contiguous" for n in linears
-                           if n.args[0].meta["example_value"].dim() >= 3), captured.lowered.graph
-    assert any(n.args[0].op == "call_method" for n in linears), captured.lowered.graph
+    assert [n.target for n in _float_linears(captured)] == [torch.ops.mkl._mkl_linear.default] * 2, captured.lowered.graph
+    assert [n.args[-1] for n in _float_linears(captured)] == [30, 30]  # (the rows it was packed for)
+    assert "2 float linear(s) on MKL's sgemm, weight packed once" in captured.report.notes
+
+
+def test_without_mkl_a_float_linear_of_a_transposed_input_reads_it_contiguous(monkeypatch):
+    """(else ATen runs it as a bmm against the weight expanded per row)"""
+    from qbackend import cleanup
+    from qbackend.ops import Resolved
+
+    monkeypatch.setattr(cleanup, "resolve", lambda logical, device: Resolved(logical, device, None, None, "no MKL"))
+    inputs = (torch.randn(3, 10, 32),)
+    captured = assert_matches_reference(quantize(BatchFirstAttention().eval(), inputs), inputs)
+    readers = [n.args[0] for n in _float_linears(captured)]
+    assert [r.target for r in readers] == [torch.ops.aten.contiguous.default, torch.ops.aten.reshape.default], captured.lowered.graph
