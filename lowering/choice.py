@@ -26,10 +26,11 @@ from .base import EmitContext
 
 MODES = ("measure", "cached", "prior")
 ENVIRONMENT = "QBACKEND_KERNEL_CHOICE"
-# Seconds of timed calls per candidate and layer; at least MIN_ROUNDS interleaved rounds
-# (resnet50 at batch 1: 0.3 s for its ~25 distinct convs, once per machine).
+# Timed calls per layer: MIN_ROUNDS interleaved rounds, more (up to MAX_ROUNDS, within
+# BUDGET_SECONDS per candidate) while the two candidates' samples overlap.
 BUDGET_SECONDS = 0.01
-MIN_ROUNDS, MAX_ROUNDS = 5, 50
+MIN_ROUNDS, MAX_ROUNDS = 3, 30
+PATTERN = 4096  # the input values repeat with this period
 
 
 def mode(option: Optional[str]) -> str:
@@ -59,16 +60,20 @@ def _static(value: torch.Tensor) -> bool:
     return all(isinstance(d, int) for d in value.shape)
 
 
-def _random_like(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Random values of ``value``'s shape and dtype in the layout the lowered graph passes:
-    4-D activations channels-last (what every int8 conv, oneDNN's or qbackend's, writes and the
-    boundary quantize makes; Dynamo's example strides are the float model's), others contiguous."""
+def _pattern_like(value: torch.Tensor, seed: int) -> torch.Tensor:
+    """Varied values of ``value``'s shape and dtype (a cheap pattern: random numbers for a batch-8
+    layer cost more than timing it), in the layout the lowered graph passes: 4-D activations
+    channels-last (what every int8 conv, oneDNN's or qbackend's, writes and the boundary
+    quantize makes; Dynamo's example strides are the float model's), others contiguous."""
     layout = torch.channels_last if value.dim() == 4 else torch.contiguous_format
-    out = torch.empty(tuple(value.shape), dtype=value.dtype).contiguous(memory_format=layout)
-    if value.dtype.is_floating_point:
-        return out.copy_(torch.randn(out.shape, generator=generator))
-    info = torch.iinfo(value.dtype)
-    return out.copy_(torch.randint(max(info.min, -128), min(info.max, 255) + 1, out.shape, generator=generator))
+    codes = (torch.arange(PATTERN, dtype=torch.int32) * 7919 + seed * 104729) % 251  # (251: prime, not a row length)
+    block = (codes.float() / 125.0 - 1.0 if value.dtype.is_floating_point else codes - (128 if value.dtype == torch.int8 else 0))
+    out = torch.empty(value.shape, dtype=value.dtype, memory_format=layout)
+    whole, rest = divmod(out.numel(), PATTERN)
+    data = out.as_strided((out.numel(),), (1,))  # (dense in either layout: its storage in order)
+    data[:whole * PATTERN].view(whole, PATTERN).copy_(block.to(value.dtype).expand(whole, PATTERN))
+    data[whole * PATTERN:].copy_(block[:rest].to(value.dtype))
+    return out
 
 
 def runnable(gm: GraphModule, nodes: list[Node], result: Node, values: dict) -> Optional[tuple[Callable, list]]:
@@ -88,7 +93,7 @@ def runnable(gm: GraphModule, nodes: list[Node], result: Node, values: dict) -> 
                 raise LookupError(node.name)
             env[node] = graph.placeholder(node.name)
             if node not in values:
-                values[node] = _random_like(value, torch.Generator().manual_seed(len(values)))
+                values[node] = _pattern_like(value, len(values))
             inputs.append(values[node])
         return env[node]
 
@@ -107,20 +112,21 @@ def runnable(gm: GraphModule, nodes: list[Node], result: Node, values: dict) -> 
 @torch.no_grad()
 def time_each(candidates: dict[str, tuple[Callable, list]]) -> dict[str, float]:
     """Median seconds per call of each candidate, timed in interleaved rounds after one warm-up
-    call each (oneDNN builds its primitive on the first)."""
-    first = {}
-    for name, (fn, inputs) in candidates.items():
+    call each (oneDNN builds its primitive on the first): at least MIN_ROUNDS, then until the
+    samples no longer overlap or BUDGET_SECONDS per candidate are spent."""
+    for fn, inputs in candidates.values():
         fn(*inputs)
-        start = time.perf_counter()
-        fn(*inputs)
-        first[name] = time.perf_counter() - start
-    rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, int(BUDGET_SECONDS / max(max(first.values()), 1e-9))))
     samples: dict[str, list] = {name: [] for name in candidates}
-    for _ in range(rounds):
+    start = time.perf_counter()
+    for round_ in range(1, MAX_ROUNDS + 1):
         for name, (fn, inputs) in candidates.items():
-            start = time.perf_counter()
+            begin = time.perf_counter()
             fn(*inputs)
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(time.perf_counter() - begin)
+        if round_ >= MIN_ROUNDS:
+            fast, slow = sorted(samples.values(), key=statistics.median)
+            if max(fast) < min(slow) or time.perf_counter() - start > BUDGET_SECONDS * len(candidates):
+                break
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
