@@ -26,7 +26,7 @@ from qbackend.lowering import depthwise, gemm, stem  # noqa: E402
 from qbackend.lowering.own_conv import scale_and_offset  # noqa: E402
 from qbackend.ops import resolve  # noqa: E402
 
-from common import NUM_THREADS, Settings, interleaved_samples, machine_description  # noqa: E402
+from common import NUM_THREADS, Settings, cpu_key, interleaved_samples, machine_description, write_section  # noqa: E402
 
 # (name, batch, Cin, H, W, Cout, kernel, stride, input zero point): H x W is the input
 CONVS = [
@@ -252,17 +252,16 @@ def main():
     stems = ["| layer | oneDNN (us) | qbackend avx512_vnni (us) | qbackend / oneDNN |", "|---|---|---|---|", *stem_rows()]
     others = ["| op | torch (us) | qbackend (us) | qbackend / torch |", "|---|---|---|---|", *other_kernel_rows()]
     print("\n".join(others[2:]), flush=True)
-    text = (f"# qbackend's own int8 kernels vs torch's, per layer\n\n- Machine: {machine}\n"
+    body = (f"- Machine: {machine}\n"
             f"- Date: {datetime.date.today()}; command: `python benchmarks/bench_gemm.py`\n"
             "- Interleaved medians of the call as a lowered graph makes it (oneDNN: the prepacked op with a relu / "
             "requantize epilogue; qbackend: the plain function, uint8 out)\n"
             f"- GEMM builds: avx512_vnni on ymm registers, avx512_vnni_zmm on zmm; this CPU's probe "
             f"(native.zmm_speedup: zmm / ymm products per second) {native.zmm_speedup():.2f}, so it runs "
-            f"{native.gemm_build()}\n\n## GEMM and depthwise vs oneDNN\n\n"
-            + "\n".join(lines) + "\n\n## Stem conv (3 input channels) vs oneDNN\n\n" + "\n".join(stems)
-            + "\n\n## Pools and input quantize\n\n" + "\n".join(others) + "\n")
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
+            f"{native.gemm_build()}\n\n### GEMM and depthwise vs oneDNN\n\n"
+            + "\n".join(lines) + "\n\n### Stem conv (3 input channels) vs oneDNN\n\n" + "\n".join(stems)
+            + "\n\n### Pools and input quantize\n\n" + "\n".join(others) + "\n")
+    write_section(args.out, "qbackend's own int8 kernels vs torch's, per layer", cpu_key(), body)
 
 
 if __name__ == "__main__":

