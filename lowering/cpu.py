@@ -13,6 +13,7 @@ from . import attention, choice, depthwise, gemm, pools, scale, stem
 from .base import Lowering
 from .common import (COMMON, NO_POST_OP, emit_qavgpool, emit_qconv, emit_qconv_add, emit_qlinear, emit_qlinear_add,
                      emit_qmaxpool2d, emit_sdpa, output_args)
+from .layer_scale import fold_layer_scale
 from .signed_int8 import signed_activations_as_unsigned
 from .weight_only import emit_weight_only, limits_for
 
@@ -106,4 +107,4 @@ TABLE["int4_weight_linear"] = Lowering(emit_weight_only, ("int4_pack", "int4_mm"
 TABLE["int8_weight_linear"] = Lowering(emit_weight_only, ("int8_weight_only_mm",), limits_for("cpu"))
 
 # Graph rewrites run before the rules (each returns a report note or None).
-PREPARE = (signed_activations_as_unsigned,)
+PREPARE = (signed_activations_as_unsigned, fold_layer_scale)

@@ -28,6 +28,7 @@ from qbackend.patterns.base import Match
 from .base import Lowering, Unsupported
 from .capabilities import conv_post_op_refusal, linear_post_op_refusal
 from .common import COMMON, emit_qlinear_2d, static_shape
+from .layer_scale import fold_layer_scale
 from .weight_only import emit_weight_only, limits_for
 
 SOURCE = "torch's XPU kernel source (no XPU here to ask)"
@@ -35,7 +36,7 @@ CONV_POST_OPS = {1: ("none",), 2: ("none", "relu", "hardtanh", "hardswish", "swi
 LINEAR_POST_OPS = ("none", "relu", "leaky_relu", "tanh", "gelu", "hardtanh", "hardswish", "swish")
 BINARY_POST_OPS = ("none", "relu")  # after conv2d + sum, linear + add / sum
 FLOAT_OUTPUTS = (torch.float32, torch.bfloat16)
-PREPARE = ()  # the XPU kernels read int8 and uint8 activations alike
+PREPARE = (fold_layer_scale,)  # (no signed -> unsigned rewrite: the XPU kernels read int8 and uint8 alike)
 
 
 def device_present() -> bool:
