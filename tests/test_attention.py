@@ -122,3 +122,30 @@ quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(scaled_dot_product_
 attention_f32 = native.attention_f32(transpose, transpose_1, transpose_2, l_mask_, 0.25)
 quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(attention_f32, 0.0131, 65, 0, 127, uint8)""")
         assert "softmax" not in graph and "matmul" not in graph
+
+
+class TwoAttentionsOneMask(nn.Module):
+    """Two fused attentions reading one boolean padding mask, as every layer of a BERT does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        q = self.fc(x).view(2, 8, 2, 8).transpose(1, 2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        return torch.nn.functional.scaled_dot_product_attention(a, a, a, attn_mask=mask)
+
+
+def test_a_boolean_mask_read_by_several_attentions_is_converted_once():
+    torch.manual_seed(0)
+    mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+    mask[0, ..., 5:] = False  # padding of the first sequence
+    inputs = (torch.randn(2, 8, 16), mask)
+    captured = assert_matches_reference(quantize(TwoAttentionsOneMask().eval(), inputs), inputs)
+    nodes = list(captured.lowered.graph.nodes)
+    fills = [n for n in nodes if n.target is torch.ops.aten.masked_fill.Scalar]
+    attentions = [n for n in nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert len(fills) == 1 and len(attentions) == 2, captured.lowered.graph
+    assert all(fills[0] in a.all_input_nodes for a in attentions), captured.lowered.graph
+    assert "2 attention calls share 1 float mask(s) built once" in captured.report.notes
