@@ -2,8 +2,8 @@
 on another.
 
 Where one of qbackend's own kernels and oneDNN can both run a match, both are emitted, each
-emitted piece of graph is run on random inputs of the layer's shape and layout, interleaved,
-within a small budget, and the slower one is erased. The winner is kept per layer signature in
+emitted piece of graph is run on inputs of the layer's shape and layout, interleaved, within a
+small budget, and the slower one is erased. The winner is kept per layer signature in
 the machine's choice cache (qbackend/choice_cache.py), so the next compile, in this process or
 another, decides the same way without timing. Modes (``Options.kernel_choice``, or
 ``QBACKEND_KERNEL_CHOICE``): "measure" (the default), "cached" (measured choices only, else the
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch.fx import Graph, GraphModule, Node
@@ -77,9 +77,9 @@ def _pattern_like(value: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 def runnable(gm: GraphModule, nodes: list[Node], result: Node, values: dict) -> Optional[tuple[Callable, list]]:
-    """The emitted ``nodes`` as a module of their own and random inputs for it, one per graph
-    node read (``values``: node -> tensor, shared between candidates); None when an input is
-    not a tensor of static shape."""
+    """The emitted ``nodes`` as a module of their own and inputs for it, one per graph node read
+    (``values``: node -> tensor, shared between candidates); None when an input is not a tensor
+    of static shape."""
     graph, env, inputs = Graph(), {}, []
     emitted = set(nodes)
 
@@ -138,19 +138,25 @@ def _microseconds(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} us"
 
 
-def _emitted(ctx: EmitContext, emit: Callable, match, notes: list) -> tuple[Node, list[Node], list, str]:
-    """Emit one candidate: (its result, the nodes it added in graph order, its notes, its kernel)."""
+class Candidate(NamedTuple):
+    result: Node  # what replaces the match
+    nodes: list  # the nodes its emitter added, in graph order
+    notes: list  # the report's notes with it
+    kernel: str  # the emitter's ctx.kernel
+
+
+def _emitted(ctx: EmitContext, emit: Callable, match, notes: list) -> Candidate:
     before = set(ctx.gm.graph.nodes)
     ctx.notes, ctx.kernel = list(notes), ""
     result = emit(ctx, match)
-    return result, [n for n in ctx.gm.graph.nodes if n not in before], ctx.notes, ctx.kernel
+    return Candidate(result, [n for n in ctx.gm.graph.nodes if n not in before], ctx.notes, ctx.kernel)
 
 
-def _keep(ctx: EmitContext, kept: tuple, dropped: tuple, note: str) -> Node:
-    for node in reversed(dropped[1]):
+def _keep(ctx: EmitContext, kept: Candidate, dropped: Candidate, note: str) -> Node:
+    for node in reversed(dropped.nodes):
         ctx.gm.graph.erase_node(node)
-    ctx.notes, ctx.kernel = kept[2] + [note], kept[3]
-    return kept[0]
+    ctx.notes, ctx.kernel = kept.notes + [note], kept.kernel
+    return kept.result
 
 
 def _note(seconds: dict, fallback: str) -> str:
@@ -182,10 +188,10 @@ def choose(ctx: EmitContext, match, kernel, fallback_emit: Callable, fallback: s
     try:
         other = _emitted(ctx, fallback_emit, match, notes + [not_own])
     except Exception as error:  # oneDNN refused the layer at prepack time: the own kernel runs it
-        ctx.notes, ctx.kernel = own[2] + [f"{fallback} could not run it: {type(error).__name__}: {error}"], own[3]
-        return own[0]
+        ctx.notes, ctx.kernel = own.notes + [f"{fallback} could not run it: {type(error).__name__}: {error}"], own.kernel
+        return own.result
     values: dict = {}
-    runs = {"own": runnable(ctx.gm, own[1], own[0], values), "fallback": runnable(ctx.gm, other[1], other[0], values)}
+    runs = {name: runnable(ctx.gm, c.nodes, c.result, values) for name, c in (("own", own), ("fallback", other))}
     why_not = "an input is not static" if None in runs.values() else None
     try:
         seconds = None if why_not else measure(runs)
@@ -196,4 +202,5 @@ def choose(ctx: EmitContext, match, kernel, fallback_emit: Callable, fallback: s
         return _keep(ctx, own if keep_own else other, other if keep_own else own, f"not measured ({why_not})")
     record = {"winner": "own" if seconds["own"] < seconds["fallback"] else "fallback", **seconds}
     ctx.choices.put(key, record)
-    return _keep(ctx, own, other, _note(record, fallback)) if record["winner"] == "own" else _keep(ctx, other, own, _note(record, fallback))
+    kept, dropped = (own, other) if record["winner"] == "own" else (other, own)
+    return _keep(ctx, kept, dropped, _note(record, fallback))

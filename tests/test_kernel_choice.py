@@ -137,6 +137,16 @@ def test_a_torn_cache_file_is_measured_again(cache_dir, monkeypatch):
     assert ops(compiled(monkeypatch, again)) == OWN and again.layers == 3
 
 
+def test_a_candidate_failing_on_the_timing_inputs_leaves_the_fixed_table_to_decide(cache_dir, monkeypatch):
+    def failing(runs):
+        raise RuntimeError("simulated kernel failure")
+
+    captured = compiled(monkeypatch, failing)
+    assert ops(captured) == OWN, str(captured.report)  # (these sizes: the own kernel in every build's LIMITS)
+    assert captured.report.decisions[0].reason.endswith("not measured (RuntimeError: simulated kernel failure)")
+    assert not cache_dir.exists() or not list(cache_dir.glob("*.json"))
+
+
 def test_measured_for_real_the_faster_side_is_kept(cache_dir, monkeypatch):
     timings = []
 
