@@ -18,7 +18,6 @@ import importlib.metadata
 import importlib.util
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 if importlib.util.find_spec("qbackend") is None:  # not installed: use this checkout

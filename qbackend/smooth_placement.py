@@ -14,7 +14,7 @@ Everything else gets ``x * (1/s)`` as a new node that only the smoothed linears 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch.fx import GraphModule, Node

@@ -9,7 +9,7 @@ from qbackend import fast_qdq
 from qbackend.backend import Options, compile_graph
 from qbackend.direct import CompiledGraphModule, _with_shapes
 from qbackend.lowering.common import static_shape
-from qbackend.models import bert_encoder_like, tiny_resnet
+from qbackend.models import tiny_resnet
 
 from .helpers import chained_convs, quantize
 
