@@ -23,6 +23,7 @@ from torch.fx import Graph, GraphModule, Node
 from qbackend.patterns.base import fake_value
 
 from .base import EmitContext
+from .common import static_shape
 
 MODES = ("measure", "cached", "prior")
 ENVIRONMENT = "QBACKEND_KERNEL_CHOICE"
@@ -42,10 +43,11 @@ def mode(option: Optional[str]) -> str:
 
 def signature(kernel_name: str, match) -> Optional[str]:
     """What the speed of this layer depends on; None when a shape is not static."""
-    x, w, p, post = fake_value(match.x.node), match.weight.int8, match.conv, match.post_op
-    residual = fake_value(match.accum.node if match.accum is not None else match.accum_float)
-    if x is None or not all(_static(v) for v in (x, residual) if v is not None):
+    residual_node = match.accum.node if match.accum is not None else match.accum_float
+    if static_shape(match.x.node) is None or (residual_node is not None and static_shape(residual_node) is None):
         return None
+    x, w, p, post = fake_value(match.x.node), match.weight.int8, match.conv, match.post_op
+    residual = fake_value(residual_node)
     parts = [kernel_name, match.rule.name, f"x{list(x.shape)}", f"w{list(w.shape)}",
              f"zp0={match.x.qparams.zero_point == 0}", f"post={post.name}/{post.algorithm}" if post else "post=none",
              "out=u8" if match.output_quant is not None else f"out={match.float_dtype}"]
@@ -54,10 +56,6 @@ def signature(kernel_name: str, match) -> Optional[str]:
     if residual is not None:
         parts.append(f"residual={residual.dtype}{list(residual.shape)}")
     return " ".join(parts)
-
-
-def _static(value: torch.Tensor) -> bool:
-    return all(isinstance(d, int) for d in value.shape)
 
 
 def _pattern_like(value: torch.Tensor, seed: int) -> torch.Tensor:
@@ -88,9 +86,9 @@ def runnable(gm: GraphModule, nodes: list[Node], result: Node, values: dict) -> 
             if node.op == "get_attr":
                 env[node] = graph.node_copy(node)
                 return env[node]
-            value = fake_value(node)
-            if value is None or not _static(value):
+            if static_shape(node) is None:
                 raise LookupError(node.name)
+            value = fake_value(node)
             env[node] = graph.placeholder(node.name)
             if node not in values:
                 values[node] = _pattern_like(value, len(values))

@@ -99,14 +99,18 @@ class ChoiceCache:
                     return  # kept for this process only
                 merged = {**self._read(), **self.entries}
                 handle, temporary = tempfile.mkstemp(dir=self.directory, prefix=".choices-", suffix=".json")
-                with os.fdopen(handle, "w") as out:
-                    json.dump({"machine": self.machine, "entries": merged}, out, indent=1, sort_keys=True)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.replace(temporary, self.path)
+                try:
+                    with os.fdopen(handle, "w") as out:
+                        json.dump({"machine": self.machine, "entries": merged}, out, indent=1, sort_keys=True)
+                        out.flush()
+                        os.fsync(out.fileno())
+                    os.replace(temporary, self.path)
+                finally:
+                    if os.path.exists(temporary):  # (a failed write leaves no partial file behind)
+                        os.unlink(temporary)
                 self.entries = merged
             except OSError:
-                pass  # a read-only cache directory: measured again by the next process
+                pass  # a read-only cache directory or a full disk: measured again by the next process
 
     def remembered(self, name: str, measure: Callable[[], float]) -> float:
         """``measure()``'s value, measured once per machine."""

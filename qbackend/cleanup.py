@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from qbackend.lowering.common import static_shape
 from qbackend.patterns.base import constant_value, fake_value
 
 from . import fast_qdq, native
@@ -145,7 +146,7 @@ def float_linears(gm: GraphModule, device: str) -> Optional[str]:
             continue
         x_node, weight_node, bias_node = (*node.args, None)[:3]
         x, weight, bias = fake_value(x_node), _float_constant(gm, weight_node), _float_constant(gm, bias_node)
-        if x is None or x.dtype != torch.float32 or not all(isinstance(d, int) for d in x.shape):
+        if x is None or x.dtype != torch.float32 or static_shape(x_node) is None:
             continue
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if packed_op and pack and weight is not None and weight.dim() == 2 and rows and (bias_node is None or bias is not None):
