@@ -21,6 +21,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from qbackend.patterns.base import fake_value
+from qbackend.stack_room import in_fresh_chunk
 
 from .base import EmitContext
 from .common import static_shape
@@ -107,11 +108,16 @@ def runnable(gm: GraphModule, nodes: list[Node], result: Node, values: dict) -> 
     return GraphModule(gm, graph), inputs
 
 
-@torch.no_grad()
 def time_each(candidates: dict[str, tuple[Callable, list]]) -> dict[str, float]:
     """Median seconds per call of each candidate, timed in interleaved rounds after one warm-up
     call each (oneDNN builds its primitive on the first): at least MIN_ROUNDS, then until the
-    samples no longer overlap or BUDGET_SECONDS per candidate are spent."""
+    samples no longer overlap or BUDGET_SECONDS per candidate are spent. The loop runs in a
+    fresh chunk of Python's frame stack, as the lowered graph runs (``qbackend.stack_room``)."""
+    return in_fresh_chunk(_time_rounds, candidates)
+
+
+@torch.no_grad()
+def _time_rounds(candidates: dict[str, tuple[Callable, list]]) -> dict[str, float]:
     for fn, inputs in candidates.values():
         fn(*inputs)
     samples: dict[str, list] = {name: [] for name in candidates}

@@ -22,6 +22,7 @@ from .lower import lower
 from .lowering.choice import mode as choice_mode
 from .remainder import MODES, compile_with_inductor
 from .report import Report
+from .stack_room import StackRoom
 
 log = logging.getLogger("qbackend")
 
@@ -78,14 +79,13 @@ def graph_device(example_inputs, gm: GraphModule) -> str:
 
 
 def _runner(forward: Callable, runtime_inputs: list[int], total: int) -> Callable:
-    if runtime_inputs == list(range(total)):
-        return forward
-    keep = tuple(runtime_inputs)
+    if runtime_inputs != list(range(total)):
+        keep, graph = tuple(runtime_inputs), forward
 
-    def run(*args):
-        return forward(*[args[i] for i in keep])
+        def forward(*args):
+            return graph(*[args[i] for i in keep])
 
-    return run
+    return StackRoom(forward)
 
 
 def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=None) -> tuple[Callable, Report, GraphModule]:
