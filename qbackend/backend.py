@@ -22,7 +22,7 @@ from .lower import lower
 from .lowering.choice import mode as choice_mode
 from .remainder import MODES, compile_with_inductor
 from .report import Report
-from .stack_room import StackRoom
+from .runnable import runnable
 
 log = logging.getLogger("qbackend")
 
@@ -78,16 +78,6 @@ def graph_device(example_inputs, gm: GraphModule) -> str:
     return "cpu"
 
 
-def _runner(forward: Callable, runtime_inputs: list[int], total: int) -> Callable:
-    if runtime_inputs != list(range(total)):
-        keep, graph = tuple(runtime_inputs), forward
-
-        def forward(*args):
-            return graph(*[args[i] for i in keep])
-
-    return StackRoom(forward)
-
-
 def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=None) -> tuple[Callable, Report, GraphModule]:
     """(callable taking Dynamo's inputs, report, the lowered GraphModule). ``gm`` is not
     modified. ``registry`` replaces the live op registry (tests simulate other torch versions)."""
@@ -100,7 +90,7 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
                    options.need_meta or inductor, options.kernel_choice)
     report.notes.extend(cleanup(work, device, fast_boundary=not inductor))
     compiled = inductor and compile_with_inductor(work, [example_inputs[i] for i in runtime_inputs], report)
-    return _runner(compiled or work.forward, runtime_inputs, len(example_inputs)), report, work
+    return runnable(compiled or work, runtime_inputs, len(example_inputs)), report, work
 
 
 def qbackend(gm: GraphModule, example_inputs, options=None, **_mode):
