@@ -149,3 +149,21 @@ def test_a_boolean_mask_read_by_several_attentions_is_converted_once():
     assert len(fills) == 1 and len(attentions) == 2, captured.lowered.graph
     assert all(fills[0] in a.all_input_nodes for a in attentions), captured.lowered.graph
     assert "2 attention calls share 1 float mask(s) built once" in captured.report.notes
+
+
+@pytest.mark.parametrize("where", ["query", "key", "inf score"])
+def test_a_nan_or_infinite_score_makes_the_rows_softmax_makes_nan(where):
+    q, k, v = _heads(1, 2, 20, 16, 0), _heads(1, 2, 20, 16, 1), _heads(1, 2, 20, 16, 2)
+    q, k = q.clone(), k.clone()
+    if where == "query":
+        q[0, 1, 5, 3] = float("nan")  # one query row of head 1: that output row
+    elif where == "key":
+        k[0, 0, 9, 0] = float("nan")  # one key of head 0: every row of head 0
+    else:
+        q[0, 1, 7, :] = float("inf")  # scores of +-inf: inf - inf in the softmax
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.25)
+    assert expected.isnan().any()
+    for kernel in native.own_kernel_forms("attention_f32"):
+        actual = kernel(q, k, v, None, 0.25)
+        assert torch.equal(actual.isnan(), expected.isnan())
+        torch.testing.assert_close(actual.nan_to_num(), expected.nan_to_num(), **TOLERANCE["attention_f32"])

@@ -274,3 +274,36 @@ def test_weight_only_kernels_refuse_bad_inputs_with_a_clear_error():
         int4(torch.randn(2, 128), nibbles, scale, offset, 48)
     with pytest.raises(ValueError, match="in_features 40 is not a multiple of 64"):
         native.op("int8_mm_int16")(torch.randn(2, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 128), (8, None)], ids=["int4-g32", "int4-g128", "int8"])
+def test_nan_and_infinity_come_out_as_the_float_linear_gives_them(bits, group_size):
+    from qbackend.weight_quant import quantize
+
+    torch.manual_seed(0)
+    weight = quantize(torch.randn(16, 256), bits, group_size or 256)
+    x = torch.randn(5, 256)
+    # infinities where no weight is near 0 (inf * 0 is NaN, and the kernel's u * scale + offset
+    # form of a weight that dequantizes to exactly 0 may round to +-1e-9 instead)
+    a, b = (weight.dequantize().abs().amin(0) > 1e-3).nonzero().flatten()[[0, -1]].tolist()
+    assert a != b
+    x[1, 7] = float("nan")
+    x[2, a] = float("inf")
+    x[3, a], x[3, b] = float("inf"), -float("inf")
+    expected = x @ weight.dequantize().T  # NaN rows, and +-inf / NaN where the weights' signs say
+    if bits == 4:
+        scale = weight.scale.float().contiguous()  # (the kernel's offset is for u = q + 8: lowering/weight_only.py)
+        args = (weight.nibble_storage(), scale, (weight.float_offset() - 8 * scale).contiguous(), group_size)
+        kernel = native.op("int4_mm_int16")
+    else:
+        args = (weight.stored, weight.scale.float().flatten().contiguous())
+        kernel = native.op("int8_mm_int16")
+    actual = kernel(x, *args)
+    for row in (1, 2, 3):  # exactly IEEE's NaN / inf pattern, row by row
+        assert torch.equal(actual[row].isnan(), expected[row].isnan()), row
+        assert torch.equal(actual[row].isinf() & (actual[row] > 0), expected[row].isinf() & (expected[row] > 0)), row
+        finite = expected[row].isfinite()
+        torch.testing.assert_close(actual[row][finite], expected[row][finite], rtol=1e-4, atol=1e-3)
+    assert expected[1].isnan().all() and expected[2].isinf().all() and expected[3].isnan().any()
+    assert actual[[0, 4]].isfinite().all()
+    assert_weight_only_close(actual[[0, 4]], expected[[0, 4]], "finite rows", "weight_only_int16")

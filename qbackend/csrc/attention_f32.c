@@ -83,16 +83,22 @@ static inline __attribute__((always_inline)) void output_tile(int rows, int S, c
     default: CALL(ROWS);                                                                             \
   }
 
-/* One row of scores (with its mask) -> e^(s - max) in place; returns 1 / their sum. */
+/* One row of scores (with its mask) -> e^(s - max) in place; returns 1 / their sum. A NaN
+ * score (max would skip it) or a +inf one (inf - inf) makes the row NaN, as softmax does. */
 static float softmax_row(float* s, int S, int S16, const float* mask, long mask_col) {
   if (mask)
     for (int j = 0; j < S; j++) s[j] += mask[j * mask_col];
   for (int j = S; j < S16; j++) s[j] = -INFINITY;
-  __m256 m = _mm256_set1_ps(-INFINITY);
-  for (int j = 0; j < S16; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+  __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+  for (int j = 0; j < S16; j += 8) {
+    const __m256 x = _mm256_loadu_ps(s + j);
+    m = _mm256_max_ps(m, x);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
   m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
   m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4e));
   m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xb1));
+  if (_mm256_movemask_ps(nan) || _mm256_cvtss_f32(m) == INFINITY) return NAN;
   __m256 sum = _mm256_setzero_ps();
   for (int j = 0; j < S16; j += 8) {
     const __m256 x = _mm256_loadu_ps(s + j); /* -inf (a padding column, or masked): exactly 0, where exp256 gives 1e-38 */

@@ -11,6 +11,10 @@
  * 64-column block holds columns 4i + j in nibble j: extracting nibble j of all 16 lanes gives
  * columns j, 4 + j, ..., 60 + j, so the activations are quantized into that order
  * (x'[16j + i] = x[4i + j]). The weight is u * scale + offset per (row, group).
+ *
+ * A row of x holding a NaN or an infinity cannot ride int16 values: it is quantized as zeros
+ * and then computed again from the float weights (``float_rows``), so it comes out as the
+ * float linear gives it (NaN, +-inf), never finite.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -54,13 +58,14 @@ static void quantize_rows(int M, int K, int group, int sum_group, int interleave
       const float* src = x + (size_t)m * K + (size_t)g * group;
       int16_t* dst = xq + (size_t)m * K + (size_t)g * group;
       float amax = 0.f;
-      for (int k = 0; k < group; k++) amax = fmaxf(amax, fabsf(src[k]));
+      for (int k = 0; k < group; k++)
+        if (isfinite(src[k])) amax = fmaxf(amax, fabsf(src[k]));
       const float scale = amax > 0.f ? amax / 32767.f : 1.f, inv = 1.f / scale;
       xs[(size_t)m * G + g] = scale;
       for (int part = 0; part < group / sum_group; part++) {
         int sum = 0;
         for (int k = part * sum_group; k < (part + 1) * sum_group; k++) {
-          const int q = (int)lrintf(src[k] * inv);
+          const int q = isfinite(src[k]) ? (int)lrintf(src[k] * inv) : 0; /* (the row is redone in float) */
           dst[interleave ? (k & ~(BLOCK - 1)) + 16 * (k & 3) + ((k & (BLOCK - 1)) >> 2) : k] = (int16_t)q;
           sum += q;
         }
@@ -137,6 +142,27 @@ static inline void int8_row(int mt, int N, int K, int n, const int8_t* w, const 
   for (int i = 0; i < mt; i++) y[(size_t)i * N + n] = sum8(acc[i]) * scale[n];
 }
 
+/* The rows of x holding a NaN or an infinity, computed from the float weights: w(n, k) is
+ * ``weight(n, k)`` (scalar; such rows are rare and the result must be IEEE's, not fast). */
+#define FLOAT_ROWS(M, N, K, x, y, weight)                                  \
+  for (int m = 0; m < (M); m++) {                                          \
+    const float* xm = (x) + (size_t)m * (K);                               \
+    int finite = 1;                                                        \
+    for (int k = 0; k < (K) && finite; k++) finite = isfinite(xm[k]);      \
+    if (finite) continue;                                                  \
+    for (int n = 0; n < (N); n++) {                                        \
+      float sum = 0.f;                                                     \
+      for (int k = 0; k < (K); k++) sum += xm[k] * (weight);              \
+      (y)[(size_t)m * (N) + n] = sum;                                      \
+    }                                                                      \
+  }
+
+static inline float int4_weight(const uint8_t* w, const float* scale, const float* offset, int K, int group, int n, int k) {
+  const int u = (w[(size_t)n * (K / 2) + k / 2] >> (4 * (k & 1))) & 0x0F;
+  const size_t g = (size_t)n * (K / group) + k / group;
+  return (float)u * scale[g] + offset[g];
+}
+
 /* The ROW_TILE cases are spelled out so the compiler keeps each tile's sums in registers. */
 #define FOR_ROW_TILES(M, CALL)                      \
   for (int m0 = 0; m0 < (M); m0 += ROW_TILE) {      \
@@ -163,6 +189,7 @@ void qb_int4_mm(int threads, int M, int N, int K, int group, const float* x, con
     int4_row(T, N, K, group, n, w, scale, offset, xq + (size_t)m0 * K, xs + (size_t)m0 * G, xsum + (size_t)m0 * G, y + (size_t)m0 * N)
     FOR_ROW_TILES(M, INT4_CALL)
   }
+  FLOAT_ROWS(M, N, K, x, y, int4_weight(w, scale, offset, K, group, n, k))
 }
 
 void qb_int8_mm(int threads, int M, int N, int K, const float* x, const int8_t* w, const float* scale, int16_t* xq,
@@ -174,4 +201,5 @@ void qb_int8_mm(int threads, int M, int N, int K, const float* x, const int8_t* 
 #define INT8_CALL(T) int8_row(T, N, K, n, w, scale, xq + (size_t)m0 * K, xs + (size_t)m0 * B, y + (size_t)m0 * N)
     FOR_ROW_TILES(M, INT8_CALL)
   }
+  FLOAT_ROWS(M, N, K, x, y, (float)w[(size_t)n * K + k] * scale[n])
 }
