@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import platform
-import stat
 import tempfile
 import threading
 from functools import lru_cache
@@ -22,7 +21,8 @@ from typing import Callable, Optional
 
 import torch
 
-from qbackend import native
+from qbackend import kernel_build
+from qbackend.kernel_build import trusted  # (else another user could steer choices)
 
 # the CPU flags that change which kernel is faster (/proc/cpuinfo spelling)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16")
@@ -52,16 +52,7 @@ def machine() -> dict:
     """What a measurement depends on besides the layer itself."""
     model, flags = cpu_description()
     return {"cpu": model, "isa": list(flags), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "kernels": native.sources_digest()[:16]}
-
-
-def _trusted(path: Path) -> bool:
-    """Owned by this user and writable by no one else (else another user could steer choices)."""
-    try:
-        info = path.stat()
-    except OSError:
-        return False
-    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+            "kernels": kernel_build.sources_digest()[:16]}
 
 
 class ChoiceCache:
@@ -71,13 +62,13 @@ class ChoiceCache:
     def __init__(self, directory: Optional[Path] = None):
         self.machine = machine()
         digest = hashlib.sha256(json.dumps(self.machine, sort_keys=True).encode()).hexdigest()[:16]
-        self.directory = directory if directory is not None else native.cache_dir() / "choices"
+        self.directory = directory if directory is not None else kernel_build.cache_dir() / "choices"
         self.path = self.directory / f"{digest}.json"
         self.entries: dict = self._read()
         self._lock = threading.Lock()
 
     def _read(self) -> dict:
-        if not (_trusted(self.directory) and _trusted(self.path)):
+        if not (trusted(self.directory) and trusted(self.path)):
             return {}
         try:
             data = json.loads(self.path.read_text())
@@ -95,7 +86,7 @@ class ChoiceCache:
             self.entries[name] = record
             try:
                 self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-                if not _trusted(self.directory):
+                if not trusted(self.directory):
                     return  # kept for this process only
                 merged = {**self._read(), **self.entries}
                 handle, temporary = tempfile.mkstemp(dir=self.directory, prefix=".choices-", suffix=".json")

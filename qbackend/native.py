@@ -20,7 +20,8 @@
   (``attention_f32.c``), and the runner of own-kernel chains (``kernel_chain.c``).
 
 The sources are compiled once per machine with the system C compiler (as Inductor does for
-its own kernels) into one library, cached by a hash of sources and flags, loaded with ctypes,
+its own kernels) into one library, cached by a hash of sources, flags and compiler
+(``kernel_build``: only libraries this user built and no one else could touch), loaded with ctypes,
 and registered as ops in qbackend's own ``qbackend::`` namespace so graphs (and Inductor,
 under ``remainder="inductor"``) can call them. No AVX2, no compiler, or a failed build:
 ``available`` says why and the lowering keeps torch's kernels.
@@ -29,19 +30,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import math
-import os
-import shutil
-import subprocess
-import tempfile
+import threading
 import weakref
 from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
 
-CSRC = Path(__file__).parent / "csrc"
+from . import kernel_build
+from .kernel_build import CSRC
+
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # Two libraries: every kernel for AVX2, and the int8 conv kernels again for AVX512-VNNI
 # (optional: a compiler without these flags or a CPU without VNNI leaves the AVX2 ones).
@@ -74,57 +73,33 @@ OPS = {
 ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2}
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("QBACKEND_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qbackend"
-    return Path(root)
-
-
-def _writable(preferred: Path) -> Path:
-    """``preferred``, or a per-user temporary directory where it cannot be written (read-only home)."""
-    for directory in (preferred, Path(tempfile.gettempdir()) / f"qbackend-{os.getuid()}"):
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(directory, os.W_OK):
-            return directory
-    raise RuntimeError(f"no writable directory for the compiled kernels ({preferred} or the temporary directory)")
-
-
-@functools.lru_cache(maxsize=None)
-def sources_digest() -> str:
-    """A hash of every C file and header (the VNNI library includes the AVX2 one's source)."""
-    return hashlib.sha256(b"".join(source.read_bytes() for source in sorted(CSRC.glob("*.[ch]")))).hexdigest()
-
-
 def _build(name: str = "qbackend_kernels", sources: tuple = SOURCES, flags: tuple = FLAGS) -> Path:
-    """The shared library for these sources and compiler, compiled if not cached.
-    Raises RuntimeError with the reason when it cannot be built."""
+    """``kernel_build.build`` on a CPU that can run the kernels (RuntimeError with the reason)."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise RuntimeError(f"the CPU (capability {torch.backends.cpu.get_cpu_capability()}) has no AVX2")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise RuntimeError("no C compiler found (cc / gcc, or $CC)")
-    key = hashlib.sha256(sources_digest().encode() + " ".join((compiler,) + flags).encode())
-    target = _writable(cache_dir()) / f"{name}-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    partial = target.with_name(f"{target.stem}.{os.getpid()}.partial.so")  # renamed when whole: safe across processes
-    try:
-        done = subprocess.run([compiler, *flags, *map(str, sources), "-o", str(partial)], capture_output=True, text=True,
-                              timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise RuntimeError(f"running {compiler} failed: {error}") from None
-    if done.returncode:
-        raise RuntimeError(f"{compiler} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
-    os.replace(partial, target)
-    return target
+    return kernel_build.build(name, sources, flags)
+
+
+def _once(function):
+    """``function()``'s result, computed by one thread once (two threads loading at once had
+    registered the ops twice: "Tried to register an operator ... with the same name")."""
+    lock, result = threading.Lock(), []
+
+    @functools.wraps(function)
+    def once():
+        if not result:
+            with lock:
+                if not result:
+                    result.append(function())
+        return result[0]
+
+    return once
 
 
 _library = None  # the torch.library.Library that holds the op registrations (alive while the process is)
 
 
-@functools.lru_cache(maxsize=None)
+@_once
 def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     global _library
     try:
@@ -172,7 +147,7 @@ class _ConvCall(ctypes.Structure):
                    ("out_zp", ctypes.c_int), ("qmin", ctypes.c_int), ("qmax", ctypes.c_int)])
 
 
-@functools.lru_cache(maxsize=None)
+@_once
 def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     """The AVX512-VNNI kernels' library (the GEMM's qb_conv_call_vnni, the depthwise
     qb_dwconv3x3_vnni_call, the stem conv's qb_stem_conv_vnni_call) where this CPU and
@@ -309,6 +284,30 @@ def _output_hw(h: int, w: int, kernel_size, stride, padding, dilation=(1, 1)) ->
     return tuple(conv_output_size(size, *args) for size, args in zip((h, w), zip(stride, padding, kernel_size, dilation)))
 
 
+WINDOW_LIMIT = 1 << 15  # kernel sizes, strides, paddings and dilations the C kernels take (int arithmetic)
+
+
+def _check_levels(name: str, x_zero_point: int, out_zero_point: int, qmin: int, qmax: int) -> None:
+    """uint8 zero points and an output clamp within uint8 (the C kernels store bytes)."""
+    if not (0 <= x_zero_point <= 255 and 0 <= out_zero_point <= 255 and 0 <= qmin <= qmax <= 255):
+        raise ValueError(f"qbackend::{name}: zero points {x_zero_point}, {out_zero_point} and clamp [{qmin}, {qmax}] "
+                         "must lie within 0..255")
+
+
+def _window(name: str, h: int, w: int, kernel_size, stride, padding, dilation=(1, 1)) -> tuple[int, int]:
+    """``_output_hw`` for a C kernel: each argument two ints in range (kernel, stride and
+    dilation from 1, padding from 0), and an output of at least one pixel; else ValueError."""
+    lowest = {"kernel_size": 1, "stride": 1, "padding": 0, "dilation": 1}
+    for (what, low), value in zip(lowest.items(), (kernel_size, stride, padding, dilation)):
+        if len(value) != 2 or not all(isinstance(v, int) and low <= v < WINDOW_LIMIT for v in value):
+            raise ValueError(f"qbackend::{name}: {what} {list(value)}: two ints from {low} to {WINDOW_LIMIT - 1} expected")
+    oh, ow = _output_hw(h, w, kernel_size, stride, padding, dilation)
+    if oh < 1 or ow < 1:
+        raise ValueError(f"qbackend::{name}: kernel {list(kernel_size)}, stride {list(stride)}, padding {list(padding)}, "
+                         f"dilation {list(dilation)} on a {h}x{w} input: no output")
+    return oh, ow
+
+
 class Prepared(NamedTuple):
     """One call site's kernel arguments for one input shape (a ctypes struct passed by
     pointer), with what the call needs besides, and the other constants the struct points to."""
@@ -387,7 +386,8 @@ def _prepare_dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding,
     else:
         function, dtype, taps = lib.qb_dwconv3x3_call, torch.int16, 10  # 5 pairs of int16
     _check_constants("qconv_dw3x3", (weight, dtype, taps * c), (mult, torch.float32, c), (add, torch.float32, c))
-    oh, ow = _output_hw(h, w, (3, 3), stride, padding)
+    oh, ow = _window("qconv_dw3x3", h, w, (3, 3), stride, padding)
+    _check_levels("qconv_dw3x3", x_zero_point, out_zero_point, qmin, qmax)
     call = _DepthwiseCall(n, h, w, c, *stride, *padding, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
                           add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
     return _prepare(call, (n, c, oh, ow), torch.uint8, function, (mult, add))
@@ -427,6 +427,9 @@ def _dwconv3x3_fake(x, x_zero_point, weight, mult, add, stride, padding, *args):
 def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point,
                   qmin, qmax, float_out, activation, kernel_size, stride, padding, dilation, x_zero_point) -> Prepared:
     """Check one call site's arguments and make its _ConvCall."""
+    _check_nchw_uint8(x, None, "qconv")
+    oh, ow = _window("qconv", x.shape[2], x.shape[3], kernel_size, stride, padding, dilation)
+    _check_levels("qconv", x_zero_point, out_zero_point, qmin, qmax)
     cout, taps = mult.numel(), kernel_size[0] * kernel_size[1]
     packed_cout = -(-cout // GEMM_BLOCK) * GEMM_BLOCK  # (the packing pads Cout with zero weights)
     _check_nchw_uint8(x, weight.numel() // max(packed_cout * taps, 1), "qconv")
@@ -440,7 +443,6 @@ def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high
         raise ValueError(f"qbackend::qconv: activation {activation!r} is not one of {list(ACTIVATIONS)}")
     if residual is not None and residual.dtype != torch.float32:  # a float32 residual, or a uint8 one checked like the input
         _check_nchw_uint8(residual, cout, "qconv (residual)")
-    oh, ow = _output_hw(h, w, kernel_size, stride, padding, dilation)
     call = _ConvCall(n, h, w, cin, oh, ow, *kernel_size, *stride, *padding, *dilation, cout, x_zero_point,
                      weight.data_ptr(), mult.data_ptr(), add.data_ptr(), residual is not None and residual.dtype == torch.float32,
                      residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
@@ -534,7 +536,7 @@ def stem_pool_refusal(conv_hw, pool_kernel, pool_stride, pool_padding) -> Option
     output (None if it can)."""
     if not 1 <= pool_kernel[0] <= STEM_MAX_POOL_ROWS or pool_kernel[1] < 1:
         return f"pool kernel {list(pool_kernel)}: the kernel keeps 1 to {STEM_MAX_POOL_ROWS} conv rows"
-    if any(2 * p > k for p, k in zip(pool_padding, pool_kernel)) or min(pool_stride) < 1:
+    if any(not 0 <= 2 * p <= k for p, k in zip(pool_padding, pool_kernel)) or min(pool_stride) < 1:
         return f"pool kernel {list(pool_kernel)}, stride {list(pool_stride)}, padding {list(pool_padding)}: not a max_pool2d's"
     if min(_output_hw(*conv_hw, pool_kernel, pool_stride, pool_padding)) < 1:
         return f"a {list(pool_kernel)} pool of a {list(conv_hw)} conv output has no output"
@@ -550,10 +552,9 @@ def _prepare_stem_conv(x, x_zero_point, weight, mult, add, kernel_size, stride, 
         raise ValueError(f"qbackend::qconv_stem needs the AVX512-VNNI kernels: {vnni_unavailable()}")
     n, c, h, w = x.shape
     cout = mult.numel()
+    oh, ow = _window("qconv_stem", h, w, kernel_size, stride, padding)
+    _check_levels("qconv_stem", x_zero_point, out_zero_point, qmin, qmax)
     reason = stem_refusal(x.shape, cout, kernel_size, stride)
-    oh, ow = _output_hw(h, w, kernel_size, stride, padding)
-    if reason is None and (oh < 1 or ow < 1):
-        reason = f"kernel {list(kernel_size)}, padding {list(padding)} on {list(x.shape)}: no output"
     pooled = tuple(pool_kernel) != NO_POOL[0]
     if reason is None and pooled:
         reason = stem_pool_refusal((oh, ow), pool_kernel, pool_stride, pool_padding)
@@ -594,10 +595,9 @@ class _MaxPoolCall(ctypes.Structure):
 @functools.lru_cache(maxsize=256)  # per input shape and pool geometry (the graph passes tuples)
 def _max_pool_prepared_for(lib, shape, kernel_size, stride, padding, dilation) -> Prepared:
     n, c, h, w = shape
-    oh, ow = _output_hw(h, w, kernel_size, stride, padding, dilation)
-    if oh < 1 or ow < 1 or any(2 * p > k for p, k in zip(padding, kernel_size)):
-        raise ValueError(f"qbackend::max_pool_u8: kernel {list(kernel_size)}, padding {list(padding)} on {list(shape)}: "
-                         "no output, or padding over half the kernel")
+    oh, ow = _window("max_pool_u8", h, w, kernel_size, stride, padding, dilation)
+    if any(2 * p > k for p, k in zip(padding, kernel_size)):
+        raise ValueError(f"qbackend::max_pool_u8: padding {list(padding)} over half the kernel {list(kernel_size)}")
     call = _MaxPoolCall(n, h, w, c, *kernel_size, *stride, *padding, *dilation, oh, ow)
     return _prepare(call, (n, c, oh, ow), torch.uint8, lib.qb_max_pool_u8_call, ())
 

@@ -1,7 +1,6 @@
 """qbackend's own int8 conv kernels (depthwise 3x3, 1x1): the same integers as dequantize ->
 conv -> quantize, chosen on CPU where they apply, and oneDNN (with the reason) elsewhere."""
 import math
-import os
 
 import expecttest
 import pytest
@@ -261,6 +260,17 @@ def test_bad_inputs_get_a_clear_error_not_a_crash():
     with pytest.raises(ValueError, match="residual"):
         conv1x1(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), weight, mult, add, torch.zeros(1, 16, 2, 2, dtype=torch.uint8),
                 0.1, 0.0, 6.0, 0.1, 0, 0, 255)
+    x = torch.zeros(1, 8, 4, 4, dtype=torch.uint8)
+    geometry = dict(kernel_size=[1, 1], stride=[1, 1], padding=[0, 0], dilation=[1, 1])
+    for bad, message in [(dict(dilation=[-1, -1]), r"dilation \[-1, -1\]: two ints from 1"),
+                         (dict(kernel_size=[-1, -3]), r"kernel_size \[-1, -3\]: two ints from 1"),
+                         (dict(stride=[0, 1]), r"stride \[0, 1\]: two ints from 1"),
+                         (dict(padding=[-1, 0]), r"padding \[-1, 0\]: two ints from 0"),
+                         (dict(kernel_size=[3, 3], padding=[0, 0], dilation=[3, 3]), "no output")]:
+        with pytest.raises(ValueError, match=message):  # (torch's convs reject each; #20 read past the input)
+            conv1x1(x, weight, mult, add, None, 0.0, 0.0, 6.0, 0.1, 0, 0, 255, False, "none", **{**geometry, **bad})
+    with pytest.raises(ValueError, match=r"zero points 0, 300 and clamp \[0, 255\] must lie within 0..255"):
+        conv1x1(x, weight, mult, add, None, 0.0, 0.0, 6.0, 0.1, 300, 0, 255)
     dw = torch.zeros(16, 1, 3, 3, dtype=torch.int8)
     dw_weight, dw_mult, dw_add = depthwise.pack(dw, *scale_and_offset(dw, torch.ones(16), 0.1, 0))
     with pytest.raises(ValueError, match=r"takes uint8 CPU activations \[N, 16, H, W\]"):
@@ -269,14 +279,9 @@ def test_bad_inputs_get_a_clear_error_not_a_crash():
     with pytest.raises(ValueError, match="expected a contiguous CPU torch.int16 constant"):  # (int8 would mean VNNI packing)
         native.op("qconv_dw3x3")(torch.zeros(1, 16, 4, 4, dtype=torch.uint8), 0, torch.zeros(160), dw_mult, dw_add, [1, 1],
                                  [1, 1], 0.0, 6.0, 0.1, 0, 0, 255)
-
-
-def test_kernels_build_in_a_temporary_directory_when_the_cache_cannot_be_made(tmp_path, monkeypatch):
-    blocked = tmp_path / "a-file"
-    blocked.write_text("")  # a cache directory below a file cannot be created, even by root
-    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
-    assert native._writable(blocked / "qbackend") == tmp_path / "tmp" / f"qbackend-{os.getuid()}"
-    assert native._writable(tmp_path / "cache") == tmp_path / "cache"
+    with pytest.raises(ValueError, match=r"stride \[-1, -1\]: two ints from 1"):
+        native.op("qconv_dw3x3")(torch.zeros(1, 16, 4, 4, dtype=torch.uint8), 0, dw_weight, dw_mult, dw_add, [-1, -1],
+                                 [1, 1], 0.0, 6.0, 0.1, 0, 0, 255)
 
 
 def test_block_traced_by_inductor_runs_the_kernels_as_ops():

@@ -37,8 +37,10 @@ def test_kernel_gives_torchs_bytes(geometry, channels):
 def test_bad_inputs_get_a_clear_error():
     with pytest.raises(ValueError, match="takes uint8 CPU activations"):
         native.max_pool_u8(torch.zeros(1, 8, 4, 4), (2, 2), (2, 2), (0, 0), (1, 1))
-    with pytest.raises(ValueError, match="padding over half the kernel"):
+    with pytest.raises(ValueError, match=r"padding \[2, 2\] over half the kernel \[2, 2\]"):
         native.max_pool_u8(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), (2, 2), (2, 2), (2, 2), (1, 1))
+    with pytest.raises(ValueError, match=r"dilation \[0, 0\]: two ints from 1"):  # (#20: SIGFPE in C)
+        native.op("max_pool_u8")(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), [2, 2], [2, 2], [0, 0], [0, 0])
 
 
 def conv_pool_conv(ceil_mode):

@@ -186,6 +186,8 @@ def test_bad_inputs_get_a_clear_error_not_a_crash():
         op(args[0], args[1], args[2][: 24 * 7 * 4], args[3][:24], args[4][:24], *args[5:])
     with pytest.raises(ValueError, match="no output"):
         op(args[0][..., :2, :2], *args[1:6], [1, 1], [0, 0], *args[8:])
+    with pytest.raises(ValueError, match=r"stride \[-1, -1\]: two ints from 1"):  # (#20: a 3x3 output of a 1x1 input)
+        op(args[0], *args[1:6], [-1, -1], *args[7:])
     with pytest.raises(ValueError, match=r"pool kernel \[9, 3\]: the kernel keeps 1 to 8 conv rows"):
         op(*args, [9, 3], [2, 2], [1, 1])
     with pytest.raises(ValueError, match="not a max_pool2d's"):

@@ -1,0 +1,138 @@
+"""Compiling qbackend's C kernels once per machine, and loading only what this user built.
+
+- The cache directory (``$QBACKEND_CACHE_DIR``, else ``~/.cache/qbackend``; a per-user
+  temporary one where that cannot be made) is used only if this user owns it and no one else
+  can write it: else another local user could plant a library that runs in this process.
+- A library is written under a name no other process or thread uses, flushed to disk, then
+  renamed into place, with its SHA-256 beside it; a cached one loads only if both files are
+  this user's and the bytes match the digest (a truncated library killed every process that
+  loaded it with SIGBUS; an empty one disabled the kernels until deleted by hand).
+- The key: the sources, the flags and the compiler as its ``--version`` names it (``$CC`` is
+  split into words, as make does: ``ccache gcc``), so an upgraded compiler builds again.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+CSRC = Path(__file__).parent / "csrc"
+COMPILE_SECONDS = 120
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("QBACKEND_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qbackend"
+    return Path(root)
+
+
+def trusted(path: Path) -> bool:
+    """Owned by this user and writable by no one else."""
+    try:
+        info = path.stat()
+    except OSError:
+        return False
+    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def kernel_dir(preferred: Path) -> Path:
+    """``preferred``, or a per-user temporary directory where it cannot be made or is not
+    trusted (a read-only home; a directory another user made first)."""
+    for directory in (preferred, Path(tempfile.gettempdir()) / f"qbackend-{os.getuid()}"):
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if trusted(directory) and os.access(directory, os.W_OK):
+            return directory
+    raise RuntimeError(f"no directory for the compiled kernels that only this user can write ({preferred} or the "
+                       "temporary directory)")
+
+
+@functools.lru_cache(maxsize=None)
+def compiler() -> tuple[tuple[str, ...], str]:
+    """(the command that compiles, what its ``--version`` says); RuntimeError if none runs."""
+    words = tuple(shlex.split(os.environ.get("CC", ""))) or tuple(filter(None, [shutil.which("cc") or shutil.which("gcc")]))
+    if not words:
+        raise RuntimeError("no C compiler found (cc / gcc, or $CC)")
+    try:
+        version = subprocess.run([*words, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise RuntimeError(f"running {' '.join(words)} failed: {error}") from None
+    if version.returncode:
+        raise RuntimeError(f"{' '.join(words)} --version failed: {(version.stderr or version.stdout).strip()[-200:]}")
+    return words, version.stdout.strip()
+
+
+@functools.lru_cache(maxsize=None)
+def sources_digest() -> str:
+    """A hash of every C file and header (the VNNI library includes the AVX2 one's source)."""
+    return hashlib.sha256(b"".join(source.read_bytes() for source in sorted(CSRC.glob("*.[ch]")))).hexdigest()
+
+
+def _digest_file(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _intact(library: Path) -> bool:
+    """This user's library whose bytes match the digest written beside it when it was built."""
+    digest = _digest_file(library)
+    if not (trusted(library) and trusted(digest)):
+        return False
+    try:
+        return hashlib.sha256(library.read_bytes()).hexdigest() == digest.read_text().strip()
+    except OSError:
+        return False
+
+
+def _write_durably(directory: Path, prefix: str, suffix: str, write) -> Path:
+    """A new file in ``directory`` filled by ``write(path)``, flushed to disk; its unique name."""
+    handle, name = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=suffix)
+    os.close(handle)
+    try:
+        write(Path(name))
+        with open(name, "rb") as written:
+            os.fsync(written.fileno())
+    except BaseException:
+        os.unlink(name)
+        raise
+    return Path(name)
+
+
+def build(name: str, sources: Iterable[Path], flags: tuple) -> Path:
+    """The shared library for these sources, flags and compiler, compiled if no intact one is
+    cached. RuntimeError with the reason when it cannot be built."""
+    words, version = compiler()
+    sources = tuple(sources)
+    key = hashlib.sha256("\n".join((sources_digest(), " ".join(words), version, " ".join(flags))).encode()).hexdigest()
+    directory = kernel_dir(cache_dir())
+    target = directory / f"{name}-{key[:16]}.so"
+    if _intact(target):
+        return target
+
+    def compile_into(path: Path) -> None:
+        try:
+            done = subprocess.run([*words, *flags, *map(str, sources), "-o", str(path)], capture_output=True, text=True,
+                                  timeout=COMPILE_SECONDS)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            raise RuntimeError(f"running {' '.join(words)} failed: {error}") from None
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(words)} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+
+    library = _write_durably(directory, f".{target.stem}-", ".partial.so", compile_into)
+    digest = hashlib.sha256(library.read_bytes()).hexdigest()
+    digest_file = _write_durably(directory, f".{target.stem}-", ".partial.sha256", lambda path: path.write_text(digest))
+    os.replace(library, target)  # (the library first: a digest never vouches for bytes not yet in place)
+    os.replace(digest_file, _digest_file(target))
+    directory_handle = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(directory_handle)  # (the renames too)
+    finally:
+        os.close(directory_handle)
+    return target

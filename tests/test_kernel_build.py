@@ -1,0 +1,97 @@
+"""qbackend.kernel_build: the kernels' library is built once, and only this user's intact build loads."""
+import ctypes
+import os
+import threading
+
+import pytest
+
+from qbackend import kernel_build, native
+
+SOURCE = "int qb_answer(void) { return 42; }\n"
+FLAGS = ("-O1", "-shared", "-fPIC")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("QBACKEND_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernel_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    source = tmp_path / "answer.c"
+    source.write_text(SOURCE)
+    return tmp_path / "cache", source
+
+
+def _answer(library) -> int:
+    return ctypes.CDLL(str(library)).qb_answer()
+
+
+def test_a_blocked_or_foreign_cache_directory_gives_a_private_temporary_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    private = tmp_path / "tmp" / f"qbackend-{os.getuid()}"
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # a directory below a file cannot be made, even by root
+    assert kernel_build.kernel_dir(blocked / "qbackend") == private
+    assert oct(private.stat().st_mode & 0o777) == oct(0o700)
+    assert kernel_build.kernel_dir(tmp_path / "cache") == tmp_path / "cache"
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # (mkdir's mode passes through the umask)
+    assert kernel_build.kernel_dir(shared) == private  # another user could plant a library there
+    private.chmod(0o775)
+    with pytest.raises(RuntimeError, match="that only this user can write"):
+        kernel_build.kernel_dir(blocked / "qbackend")
+
+
+def test_a_damaged_or_writable_library_is_built_again_not_loaded(cache):
+    directory, source = cache
+    library = kernel_build.build("answer", [source], FLAGS)
+    assert library.parent == directory and _answer(library) == 42
+    built = library.read_bytes()
+    assert [p.name for p in directory.iterdir() if "partial" in p.name] == []  # (nothing half-written left)
+    assert kernel_build.build("answer", [source], FLAGS) == library  # cached: not compiled again
+    for damage in (lambda: library.write_bytes(built[: len(built) // 2]),  # torn: SIGBUS if loaded
+                   lambda: library.write_bytes(b""),
+                   lambda: library.chmod(0o666),
+                   lambda: (library.parent / (library.name + ".sha256")).unlink()):
+        damage()
+        assert not kernel_build._intact(library)
+        assert kernel_build.build("answer", [source], FLAGS) == library
+        assert kernel_build._intact(library) and library.read_bytes() == built
+
+
+def test_cc_is_split_into_words_and_the_compiler_version_is_in_the_key(cache, monkeypatch):
+    _, source = cache
+    compiler = kernel_build.compiler
+    compiler.cache_clear()
+    try:
+        monkeypatch.setenv("CC", "env cc")  # (a wrapper before the compiler, as "ccache gcc")
+        words, version = kernel_build.compiler()
+        assert words == ("env", "cc") and version
+        first = kernel_build.build("answer", [source], FLAGS)
+        assert _answer(first) == 42
+        monkeypatch.setattr(kernel_build, "compiler", lambda: (words, version + " (upgraded)"))
+        assert kernel_build.build("answer", [source], FLAGS) != first
+    finally:
+        compiler.cache_clear()  # (the next build asks the real $CC again)
+
+
+def test_threads_loading_at_once_load_once():
+    calls = []
+    barrier = threading.Barrier(8)
+
+    @native._once
+    def load():
+        calls.append(1)
+        return object()
+
+    results = []
+
+    def worker():
+        barrier.wait()
+        results.append(load())
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(calls) == 1 and len({id(r) for r in results}) == 1
