@@ -59,8 +59,8 @@ def in_fresh_chunk(fn: Callable, *args):
 class StackRoom:
     """``fn`` called from the pad that faults least (see the module doc). The first call is
     not judged (it prepares kernels and allocates); a pad that faults is left for an untried
-    one, then for the one that faulted least; a pad faulting more than it did has a caller at
-    a new depth, so every pad is tried again."""
+    one, then for the one that faulted least; a pad faulting well over what it did has a caller
+    at a new depth, so every pad is tried again."""
 
     def __init__(self, fn: Callable):
         self.fn = fn
@@ -89,7 +89,7 @@ class StackRoom:
         previous, self.faults[pad] = self.faults[pad], faults
         if not faults:
             return
-        if previous is not None and faults > previous:
+        if previous is not None and faults > 2 * previous + 2:  # (not a fault or two of other causes)
             self.faults = [None] * len(PADS)
             self.faults[pad] = faults
         untried = [i for i, seen in enumerate(self.faults) if seen is None]
