@@ -48,8 +48,13 @@ def test_a_damaged_or_writable_library_is_built_again_not_loaded(cache):
     built = library.read_bytes()
     assert [p.name for p in directory.iterdir() if "partial" in p.name] == []  # (nothing half-written left)
     assert kernel_build.build("answer", [source], FLAGS) == library  # cached: not compiled again
-    for damage in (lambda: library.write_bytes(built[: len(built) // 2]),  # torn: SIGBUS if loaded
-                   lambda: library.write_bytes(b""),
+    def replaced_by(data: bytes):  # (a new file, as an interrupted build leaves one: this process maps the old one,
+        staged = library.with_suffix(".staged")  # and truncating a mapped library in place is SIGBUS here too)
+        staged.write_bytes(data)
+        os.replace(staged, library)
+
+    for damage in (lambda: replaced_by(built[: len(built) // 2]),  # torn: SIGBUS if loaded
+                   lambda: replaced_by(b""),
                    lambda: library.chmod(0o666),
                    lambda: (library.parent / (library.name + ".sha256")).unlink()):
         damage()
