@@ -82,25 +82,32 @@ class _Script:
         return SimpleNamespace(ru_minflt=self.total)
 
 
-def test_the_pad_that_faults_least_is_kept(monkeypatch):
-    # per call, the faults the pad used for it saw: the first call (unjudged), then pad 0
-    # faults, pad 1 faults less, pad 2 more: the guard settles on pad 1 and stays there.
-    monkeypatch.setattr(stack_room, "getrusage", _Script([50, 30, 1, 4, 1, 1]))
+def _pads_used(monkeypatch, faults_per_call: list) -> tuple[list, StackRoom]:
+    """The pad each call ran from, when call i sees ``faults_per_call[i]`` faults."""
+    monkeypatch.setattr(stack_room, "getrusage", _Script(faults_per_call))
     room = StackRoom(lambda: None)
     pads = []
-    for _ in range(6):
+    for _ in faults_per_call:
         pads.append(room.pad)
         room()
+    return pads, room
+
+
+def test_the_pad_that_faults_least_is_kept(monkeypatch):
+    # the first call (unjudged), then pad 0 faults, pad 1 faults less, pad 2 more: the guard
+    # settles on pad 1 and stays there
+    pads, room = _pads_used(monkeypatch, [50, 30, 1, 4, 1, 1])
     assert pads == [0, 0, 1, 2, 1, 1]
     assert room.faults == [30, 1, 4]
 
 
-def test_a_pad_faulting_more_than_before_tries_every_pad_again(monkeypatch):
+def test_a_pad_faulting_well_over_before_tries_every_pad_again(monkeypatch):
     # settled on pad 0 without faults; the caller moves, pad 0 now faults: pads 1 and 2 are tried
-    monkeypatch.setattr(stack_room, "getrusage", _Script([9, 0, 0, 20, 0, 0]))
-    room = StackRoom(lambda: None)
-    pads = []
-    for _ in range(6):
-        pads.append(room.pad)
-        room()
+    pads, _ = _pads_used(monkeypatch, [9, 0, 0, 20, 0, 0])
     assert pads == [0, 0, 0, 0, 1, 1]
+
+
+def test_a_fault_or_two_of_other_causes_keeps_the_pad(monkeypatch):
+    # settled on pad 1 at 3 faults (the least), then 4 and 2: still pad 1
+    pads, _ = _pads_used(monkeypatch, [0, 9, 3, 5, 4, 2, 4])
+    assert pads == [0, 0, 1, 2, 1, 1, 1]
