@@ -193,6 +193,41 @@ def attention_masks_once(gm: GraphModule) -> Optional[str]:
     return f"{calls} attention calls share {len(shared)} float mask(s) built once" if shared else None
 
 
+# Views that take any strides (a reshape copies when it must; ``view`` could fail, so it is not here)
+_STRIDED_VIEWS = {aten.select.int, aten.reshape.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default,
+                  aten.squeeze.dim, aten.slice.Tensor}
+# Readers whose result does not depend on their inputs' strides
+_ANY_STRIDES = {aten.scaled_dot_product_attention.default}
+
+
+def _reaches_only_strided_readers(node: Node) -> bool:
+    pending = list(node.users)
+    while pending:
+        user = pending.pop()
+        if user.op != "call_function" or user.kwargs.get("out") is not None:
+            return False
+        if user.target in _STRIDED_VIEWS:
+            pending.extend(user.users)
+        elif user.target not in _ANY_STRIDES:
+            return False
+    return True
+
+
+def attention_inputs_uncopied(gm: GraphModule) -> Optional[str]:
+    """torch's MultiheadAttention makes its packed q / k / v projection contiguous before
+    splitting it into heads (``unflatten ... squeeze(-2).contiguous()``): a copy of the whole
+    projection, which only views then read, and then fused attention, which takes any strides.
+    Without it: vit_b_16 60.8 -> 59.3 ms at batch 1, 491 -> 483 at 8, bit-identical."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.contiguous.default and len(node.args) == 1 \
+                and not node.kwargs and isinstance(node.args[0], Node) and _reaches_only_strided_readers(node):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            dropped += 1
+    return f"{dropped} copy(s) before fused attention left out (it reads the strided views)" if dropped else None
+
+
 def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True) -> list[str]:
     """``fast_boundary=False`` keeps the reference q/dq ops (another compiler, Inductor, fuses
     them). Returns notes for the report."""
@@ -202,7 +237,8 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True) ->
     if fast_boundary:
         fast_boundary_qdq(gm, device)
     views_accept_any_layout(gm)
-    notes = [float_linears(gm, device) if fast_boundary else None, attention_masks_once(gm), chain_own_kernels(gm)]
+    notes = [float_linears(gm, device) if fast_boundary else None, attention_masks_once(gm), attention_inputs_uncopied(gm),
+             chain_own_kernels(gm)]
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()

@@ -167,3 +167,32 @@ def test_a_nan_or_infinite_score_makes_the_rows_softmax_makes_nan(where):
         actual = kernel(q, k, v, None, 0.25)
         assert torch.equal(actual.isnan(), expected.isnan())
         torch.testing.assert_close(actual.nan_to_num(), expected.nan_to_num(), **TOLERANCE["attention_f32"])
+
+
+class TorchMultiheadAttention(nn.Module):
+    """ViT's encoder attention: torch's MultiheadAttention (its projections stay float), then a
+    residual; ``returned_copy`` also returns a contiguous copy of a transpose (kept: the caller
+    sees its strides)."""
+
+    def __init__(self, returned_copy=False):
+        super().__init__()
+        self.ln, self.fc, self.returned_copy = nn.LayerNorm(32), nn.Linear(32, 32), returned_copy
+        self.attention = nn.MultiheadAttention(32, 2, batch_first=True)
+
+    def forward(self, x):
+        h = self.ln(x)
+        h, _ = self.attention(h, h, h, need_weights=False)
+        y = self.fc(h + x)
+        return (y, y.transpose(1, 2).contiguous()) if self.returned_copy else y
+
+
+@pytest.mark.parametrize("returned_copy", [False, True], ids=["attention only", "a returned copy too"])
+def test_multihead_attentions_projection_is_not_copied_before_attention(returned_copy):
+    torch.manual_seed(0)
+    inputs = (torch.randn(3, 10, 32),)
+    captured = assert_matches_reference(quantize(TorchMultiheadAttention(returned_copy).eval(), inputs), inputs)
+    copies = [n for n in captured.lowered.graph.nodes if n.target is torch.ops.aten.contiguous.default]
+    assert len(copies) == (1 if returned_copy else 0), captured.lowered.graph
+    assert "1 copy(s) before fused attention left out (it reads the strided views)" in captured.report.notes
+    if returned_copy:
+        assert copies[0].users and next(iter(copies[0].users)).op == "output"
