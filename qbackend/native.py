@@ -117,7 +117,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_run_chain.argtypes = [i32, i32, pointer, pointer]
     lib.qb_max_pool_u8_call.argtypes = lib.qb_global_avg_pool_u8_call.argtypes = [i32] + [pointer] * 3
     lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = None
-    # (dwconv and the pools: always 0, as the VNNI dwconv when it succeeds)
+    # (0; -1 when the depthwise conv could not allocate its padding row: the pools always 0)
     lib.qb_dwconv3x3_call.restype = lib.qb_run_chain.restype = i32
     lib.qb_max_pool_u8_call.restype = lib.qb_global_avg_pool_u8_call.restype = i32
     lib.qb_quantize_nchw_to_nhwc.restype = lib.qb_attention_f32.restype = lib.qb_scale_quantize.restype = None

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define TAPS 9
@@ -23,11 +24,12 @@
 
 /* weight: [PAIRS][C/16][2 (lo, hi)][16] int16; mult, add: [C/16][2][8] float.
  * y = clamp(acc * mult + add, lo, hi) / out_scale + out_zp, rounded and clamped to [qmin, qmax]. */
-static void dwconv3x3(int threads, int N, int H, int W, int C, int stride_h, int stride_w, int pad_h, int pad_w, int OH, int OW,
+static int dwconv3x3(int threads, int N, int H, int W, int C, int stride_h, int stride_w, int pad_h, int pad_w, int OH, int OW,
                   const uint8_t* x, int x_zp, const int16_t* weight, const float* mult, const float* add, float lo, float hi,
                   float out_inv_scale, int out_zp, int qmin, int qmax, uint8_t* y) {
   const int groups = C / LANES;
-  uint8_t zero_row[C];
+  uint8_t* zero_row = malloc((size_t)C); /* (not on the stack: C is the caller's, up to 2^31) */
+  if (!zero_row) return -1;
   memset(zero_row, x_zp, (size_t)C);
   const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi), vinv = _mm256_set1_ps(out_inv_scale);
   const __m256 vzp = _mm256_set1_ps((float)out_zp);
@@ -65,6 +67,8 @@ static void dwconv3x3(int threads, int N, int H, int W, int C, int stride_h, int
         }
       }
     }
+  free(zero_row);
+  return 0;
 }
 
 /* What one call site fixes (qbackend/native.py _DepthwiseCall, made once per call site and
@@ -77,9 +81,8 @@ typedef struct {
   int out_zp, qmin, qmax;
 } dwconv_call_t;
 
-/* Returns 0 (as the VNNI kernel, which can fail to allocate: one signature for kernel_chain.c). */
+/* Returns 0, or -1 when the padding row could not be allocated (as the VNNI kernel). */
 int qb_dwconv3x3_call(int threads, const dwconv_call_t* c, const uint8_t* x, uint8_t* y) {
-  dwconv3x3(threads, c->N, c->H, c->W, c->C, c->stride_h, c->stride_w, c->pad_h, c->pad_w, c->OH, c->OW, x, c->x_zp,
+  return dwconv3x3(threads, c->N, c->H, c->W, c->C, c->stride_h, c->stride_w, c->pad_h, c->pad_w, c->OH, c->OW, x, c->x_zp,
             c->weight, c->mult, c->add, c->lo, c->hi, c->out_inv_scale, c->out_zp, c->qmin, c->qmax, y);
-  return 0;
 }
