@@ -1,12 +1,13 @@
 """Calls a lowered graph where CPython's frame stack does not thrash.
 
-CPython (3.11 to 3.13.12 / 3.14.3; gh-142183) keeps Python frames in 16 KB chunks of memory and
-frees a chunk as soon as its first frame returns. When a caller sits just below a chunk's end,
-every Python call it makes maps a fresh chunk and unmaps it again: a page fault and, in a
-multi-threaded process, a TLB shootdown on every other CPU, per call. Measured on resnet50 at
-batch 1 (KVM guest): 19-34 faults a call and +2-3 ms (30-40%), or nothing, depending only on
-how deep the user's code called the model. A lowered graph makes dozens of Python calls per
-run (own-kernel wrappers, op overloads), so where it lands decides its speed.
+CPython (3.11, 3.12, and 3.13 / 3.14 before their fix of gh-142183) keeps Python frames in
+16 KB chunks of memory and frees a chunk as soon as its first frame returns. When a caller sits
+just below a chunk's end, every Python call it makes maps a fresh chunk and unmaps it again: a
+page fault and, in a multi-threaded process, a TLB shootdown on every other CPU, per call.
+Measured on resnet50 at batch 1 (KVM guest): 19-34 faults a call and +2-3 ms (30-40%), or
+nothing, depending only on how deep the user's code called the model. A lowered graph makes
+dozens of Python calls per run (own-kernel wrappers, op overloads), so where it lands decides
+its speed.
 
 ``StackRoom`` runs the callable from a frame padded by one of ``PADS``: the process's own
 minor-fault count (``getrusage`` before and after, ~0.3 us each) tells whether a call
