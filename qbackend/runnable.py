@@ -41,12 +41,15 @@ def direct_calls(gm: GraphModule) -> GraphModule:
 
 def runnable(lowered, runtime_inputs: list[int], total: int) -> Callable:
     """A callable taking Dynamo's ``total`` inputs, of which ``lowered`` (the GraphModule, or
-    what Inductor compiled from it) reads ``runtime_inputs``."""
-    forward = direct_calls(lowered).forward if isinstance(lowered, GraphModule) else lowered
-    if runtime_inputs != list(range(total)):
-        keep, graph = tuple(runtime_inputs), forward
+    what Inductor compiled from it) reads ``runtime_inputs``. It runs with grad mode off: the
+    lowered graph is an inference graph (its weights frozen, its kernels without gradients),
+    and oneDNN's in-place sum cannot resize a float tensor autograd records (an input that
+    requires grad gave "cannot resize variables that require grad" where the eager module ran)."""
+    graph = direct_calls(lowered).forward if isinstance(lowered, GraphModule) else lowered
+    keep = None if runtime_inputs == list(range(total)) else tuple(runtime_inputs)
 
-        def forward(*args):
-            return graph(*[args[i] for i in keep])
+    def forward(*args):
+        with torch.no_grad():
+            return graph(*args) if keep is None else graph(*[args[i] for i in keep])
 
     return StackRoom(forward)

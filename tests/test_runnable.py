@@ -5,11 +5,14 @@ import operator
 import torch
 import torch.nn as nn
 
+import qbackend
+
 from qbackend.backend import Options, compile_graph
 from qbackend.runnable import direct_calls
 from qbackend.stack_room import StackRoom
 
 from .helpers import quantize
+from .tolerances import assert_outputs_close
 
 aten = torch.ops.aten
 
@@ -65,3 +68,20 @@ def test_direct_calls_pass_keyword_arguments_and_share_constants():
     assert torch.equal(copy(value), gm(value))
     assert copy.weight is gm.weight
     assert operator.getitem in [n.target for n in copy.graph.nodes]  # (not an op overload: kept)
+
+
+def test_an_input_that_requires_grad_runs_as_in_eager():
+    """#20: oneDNN's in-place sum into a LayerNorm output that autograd recorded raised "cannot
+    resize variables that require grad"; the lowered graph runs with grad mode off."""
+    from qbackend import models
+
+    model = models.bert_encoder_like(num_layers=1).eval()
+    inputs = models.example_inputs("bert_encoder_like", 1)
+    converted = quantize(model, inputs)
+    x = inputs[0].clone().requires_grad_(True)
+    with torch.no_grad():
+        expected = converted(inputs[0])
+    torch._dynamo.reset()
+    for compiled in (qbackend.compile(converted), torch.compile(converted, backend="qbackend")):
+        assert torch.is_grad_enabled()
+        assert_outputs_close(compiled(x), expected, "input requiring grad")
