@@ -24,11 +24,35 @@ aten = torch.ops.aten
 log = logging.getLogger("qbackend")
 
 
+def _check_layout(qdata, scale, zero, bits, group_size, shape, dtype) -> None:
+    """The stored tensors hold the declared [out, in] weight (ValueError otherwise): a declared
+    (128, 256) over 64 stored rows had run and returned 64 columns."""
+    if bits not in (4, 8) or len(shape) != 2 or not all(isinstance(d, int) and d > 0 for d in shape):
+        raise ValueError(f"QuantizedLinearWeight: {bits}-bit weight of shape {tuple(shape)}; expected 4 or 8 bits, [out, in]")
+    n, k = shape
+    if not (isinstance(group_size, int) and group_size > 0 and k % group_size == 0) or (bits == 4 and k % 2):
+        raise ValueError(f"QuantizedLinearWeight: group size {group_size} does not divide in_features {k}"
+                         + (" (int4: in_features must be even)" if bits == 4 else ""))
+    expected = {"qdata": ((n, k // 2), torch.uint8) if bits == 4 else ((n, k), torch.int8), "scale": ((n, k // group_size), None),
+                "zero": ((n, k // group_size), None)}
+    for name, value in (("qdata", qdata), ("scale", scale), ("zero", zero)):
+        size, wanted = expected[name]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != size or (wanted is not None and value.dtype != wanted):
+            got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"QuantizedLinearWeight: {name} of a {bits}-bit [{n}, {k}] weight (group {group_size}) must be "
+                             f"{wanted or 'a'} {size}, got {got}")
+    if not (scale.is_floating_point() and dtype.is_floating_point):
+        raise ValueError(f"QuantizedLinearWeight: float scales and a float model dtype expected, got {scale.dtype}, {dtype}")
+    if qdata.device != scale.device or qdata.device != zero.device:
+        raise ValueError("QuantizedLinearWeight: qdata, scale and zero must be on one device")
+
+
 class QuantizedLinearWeight(torch.Tensor):
     """Logical shape [out, in] (or [in, out] when ``transposed``), dtype of the float model."""
 
     @staticmethod
     def __new__(cls, qdata, scale, zero, bits, group_size, shape, dtype, transposed=False, compute="auto"):
+        _check_layout(qdata, scale, zero, bits, group_size, shape, dtype)
         logical = tuple(reversed(shape)) if transposed else tuple(shape)
         return torch.Tensor._make_wrapper_subclass(cls, logical, dtype=dtype, device=qdata.device, requires_grad=False)
 

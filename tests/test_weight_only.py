@@ -307,3 +307,18 @@ def test_nan_and_infinity_come_out_as_the_float_linear_gives_them(bits, group_si
     assert expected[1].isnan().all() and expected[2].isinf().all() and expected[3].isnan().any()
     assert actual[[0, 4]].isfinite().all()
     assert_weight_only_close(actual[[0, 4]], expected[[0, 4]], "finite rows", "weight_only_int16")
+
+
+def test_a_quantized_weight_must_hold_its_declared_shape():
+    good = QuantizedLinearWeight.from_float(torch.randn(64, 256), bits=4, group_size=128)
+    parts = dict(qdata=good.qdata, scale=good.scale, zero=good.zero, bits=4, group_size=128, shape=(64, 256),
+                 dtype=torch.float32)
+    assert QuantizedLinearWeight(**parts).shape == (64, 256)
+    for change, message in [(dict(shape=(128, 256)), r"qdata of a 4-bit \[128, 256\] weight \(group 128\) must be"),  # (#20)
+                            (dict(qdata=good.qdata.view(torch.int8)), "must be torch.uint8"),
+                            (dict(group_size=96), "group size 96 does not divide in_features 256"),
+                            (dict(scale=good.scale[:, :1]), r"scale of a 4-bit \[64, 256\] weight"),
+                            (dict(bits=3), "expected 4 or 8 bits"),
+                            (dict(dtype=torch.int32), "a float model dtype")]:
+        with pytest.raises(ValueError, match=message):
+            QuantizedLinearWeight(**{**parts, **change})
