@@ -629,6 +629,7 @@ GLOBAL_POOL_MAX_PIXELS = 1 << 23  # the kernel sums 8-bit values in int32
 @functools.lru_cache(maxsize=256)  # per input shape and zero point
 def _global_avg_pool_prepared_for(lib, shape, zero_point, qmin, qmax) -> Prepared:
     n, c, h, w = shape
+    _check_levels("global_avg_pool_u8", zero_point, zero_point, qmin, qmax)
     if not 0 < h * w <= GLOBAL_POOL_MAX_PIXELS:
         raise ValueError(f"qbackend::global_avg_pool_u8 takes 1 to {GLOBAL_POOL_MAX_PIXELS} pixels, got {h}x{w}")
     call = _GlobalAvgPoolCall(n, h * w, c, zero_point, qmin, qmax)
