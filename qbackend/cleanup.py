@@ -11,6 +11,7 @@ from torch.fx import GraphModule, Node
 
 from qbackend.lowering.common import static_shape
 from qbackend.patterns.base import constant_value, fake_value
+from qbackend.patterns.inplace import schema_writes
 
 from . import fast_qdq, native
 from .freeze import drop_unused_constants, set_constant
@@ -34,6 +35,29 @@ def drop_inference_dropout(gm: GraphModule) -> int:
     return dropped
 
 
+# Factories of fixed values: a transformer's masks start from ``arange`` over the sequence
+# (all-MiniLM-L6-v2's ~20 mask-building ops per call fold with them: 6.02 -> 5.88 ms at batch 1)
+_FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
+              aten.full.default, aten.scalar_tensor.default}
+FACTORY_MAX_ELEMENTS = 1 << 20  # (a bigger constant costs more memory than the op costs time)
+
+
+def _written_later(node: Node) -> bool:
+    """Some reader may write into ``node``'s value, directly or through a view of it (a folded
+    constant is shared by every call, so it must never change)."""
+    pending = [node]
+    while pending:
+        value = pending.pop()
+        for user in value.users:
+            if user.op == "output":
+                continue
+            if not isinstance(user.target, torch._ops.OpOverload) or schema_writes(user, value) or user.target._schema.is_mutable:
+                return True
+            if any(ret.alias_info is not None for ret in user.target._schema.returns):
+                pending.append(user)
+    return False
+
+
 def _foldable(gm: GraphModule, node: Node) -> bool:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
@@ -41,7 +65,11 @@ def _foldable(gm: GraphModule, node: Node) -> bool:
     if schema.is_mutable or torch.Tag.nondeterministic_seeded in node.target.tags:
         return False
     inputs = node.all_input_nodes
-    return bool(inputs) and all(constant_value(gm, n) is not None for n in inputs)
+    if not inputs:
+        value = fake_value(node)
+        return node.target in _FACTORIES and value is not None and value.numel() <= FACTORY_MAX_ELEMENTS \
+            and not _written_later(node)
+    return all(constant_value(gm, n) is not None for n in inputs)
 
 
 def fold_constants(gm: GraphModule) -> int:

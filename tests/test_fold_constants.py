@@ -1,0 +1,57 @@
+"""cleanup.fold_constants: what depends on constants only runs once, at compile time; a
+constant something writes into never becomes one."""
+import torch
+import torch.nn as nn
+
+from .helpers import Captured, assert_matches_reference, quantize
+
+aten = torch.ops.aten
+
+
+class PositionMask(nn.Module):
+    """A transformer's mask prelude: positions from ``arange`` compared with the real lengths."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, lengths):
+        positions = torch.arange(x.shape[1]).unsqueeze(0)  # [1, L]: the same every call
+        keep = (positions < lengths.unsqueeze(1)).unsqueeze(-1)
+        return self.fc(x) * keep
+
+
+class WrittenZeros(nn.Module):
+    """A ``zeros`` buffer the graph then writes into: it must be new on every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, lengths):
+        totals = torch.zeros(x.shape[0], 16)
+        totals[:, 0] += lengths.float()  # (an in-place write through a view of the zeros)
+        return self.fc(x).sum(1) + totals
+
+
+def _inputs(seed):
+    torch.manual_seed(seed)
+    return torch.randn(2, 8, 16), torch.randint(1, 9, (2,))
+
+
+def test_a_mask_from_arange_is_built_at_compile_time():
+    captured = assert_matches_reference(quantize(PositionMask().eval(), _inputs(0)), _inputs(0))
+    targets = [n.target for n in captured.lowered.graph.nodes]
+    assert aten.arange.default not in targets and aten.arange.start not in targets, captured.lowered.graph
+
+
+def test_a_factory_written_in_place_is_not_folded():
+    model = quantize(WrittenZeros().eval(), _inputs(0))
+    captured = Captured()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=captured)
+    with torch.no_grad():
+        for seed in (0, 1):  # (one compiled graph, called twice: a folded buffer would keep the first lengths)
+            inputs = _inputs(seed)
+            torch.testing.assert_close(compiled(*inputs)[:, 0], model(*inputs)[:, 0], atol=0.1, rtol=0)
+    assert aten.zeros.default in [n.target for n in captured.lowered.graph.nodes], captured.lowered.graph
