@@ -21,13 +21,9 @@ from torch.fx import GraphModule, Node
 
 from qbackend.freeze import set_constant
 from qbackend.patterns.base import constant_value, fake_value
-from qbackend.patterns.qdq import is_op
+from qbackend.patterns.qdq import is_op, single_user
 
 aten = torch.ops.aten
-
-
-def _only_reader(node: Node) -> Optional[Node]:
-    return next(iter(node.users)) if len(node.users) == 1 else None
 
 
 def _channel_factors(gm: GraphModule, mul: Node) -> Optional[tuple[Node, torch.Tensor]]:
@@ -60,12 +56,12 @@ def fold_layer_scale(gm: GraphModule) -> Optional[str]:
             continue
         permute, factors = found
         linear = permute.args[0]
-        if not (isinstance(linear, Node) and linear.target is aten.linear.default and _only_reader(linear) is permute
-                and _only_reader(permute) is mul and len(linear.args) == 3 and not linear.kwargs):
+        if not (isinstance(linear, Node) and linear.target is aten.linear.default and single_user(linear) is permute
+                and single_user(permute) is mul and len(linear.args) == 3 and not linear.kwargs):
             continue
         _, weight, bias = linear.args
         bias_value = constant_value(gm, bias) if bias is not None else None
-        if not is_op(weight, "dequantize_per_channel") or _only_reader(weight) is not linear or weight.args[3] != 0 \
+        if not is_op(weight, "dequantize_per_channel") or single_user(weight) is not linear or weight.args[3] != 0 \
                 or (bias is not None and bias_value is None):
             continue
         scales = constant_value(gm, weight.args[1])
