@@ -1,14 +1,15 @@
 """Quantize / dequantize for the q/dq that stay in a lowered graph (model boundaries, ops left
 unlowered), much faster than ``quantized_decomposed``.
 
-On CPU both run ATen's vectorised quantized-tensor kernels in one pass, and the integer
-tensor is a view of the quantized tensor's bytes (no copy): quantize 5x faster than the
-step-by-step float path below, dequantize 1.6x. Dequantize is bit-exact. Quantize multiplies
-by a float32 inverse scale rounded differently from the reference's, so a value exactly on a
-rounding tie may land one step away (3 of 786k elements on a BERT activation; within the
-tolerance, and what Inductor's fused quantize does too). Without those kernels (another
-device, a torch without quantized tensors, a partial range) the reference's own float32
-sequence runs in place on one buffer: bit-exact, 2-6x faster than the reference.
+On CPU, quantize runs qbackend's kernel (``native.quantize_dense``: one pass, bit-exact,
+a NaN stored as the reference's 0, as fast as ATen's quantize) where it is built; else ATen's
+vectorised quantized-tensor kernels, whose integer tensor is a view of the quantized tensor's
+bytes (no copy), 5x faster than the step-by-step float path below, but a NaN lands on qmax and
+a value exactly on a rounding tie may land one step away (its inverse scale is rounded
+differently: 3 of 786k elements on a BERT activation). Dequantize runs ATen's (bit-exact,
+1.6x faster). Without either (another device, a torch without quantized tensors) the
+reference's own float32 sequence runs in place on one buffer: bit-exact, 2-6x faster than
+the reference.
 """
 from __future__ import annotations
 
@@ -89,7 +90,16 @@ def _memory_order(x: torch.Tensor) -> Optional[list]:
     return order if x.permute(order).is_contiguous() else None
 
 
+def _own_kernel(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """native.quantize_dense's result, None where it does not apply (a fake tensor under
+    tracing, another device or dtype, a non-dense view, the kernels not built)."""
+    return native.quantize_dense(x, scale, zero_point, qmin, qmax, dtype) if type(x) is torch.Tensor else None
+
+
 def quantize_per_tensor(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype):
+    y = _own_kernel(x, scale, zero_point, qmin, qmax, dtype)
+    if y is not None:
+        return y
     if _vectorised(x, dtype):
         # ATen's quantize writes a contiguous result from a contiguous copy of its input: a
         # permuted input is quantized in its memory order and the result permuted back, so
@@ -132,6 +142,9 @@ def scale_quantize_per_tensor(x, factors: torch.Tensor, scale: float, zero_point
     198 vs 565 us on [512, 1536]; rounding ties as ``quantize_per_tensor``), or else the
     quantize steps in place on the product (one buffer instead of two)."""
     y = torch.mul(x, factors)
+    q = _own_kernel(y, scale, zero_point, qmin, qmax, dtype)
+    if q is not None:
+        return q
     if _vectorised(y, dtype):
         return _quantized_integers(y, scale, zero_point, qmin, qmax, dtype)[1]
     if y.dtype in (torch.float16, torch.bfloat16):
@@ -143,6 +156,9 @@ def scale_quantize_per_tensor(x, factors: torch.Tensor, scale: float, zero_point
 def quantize_dequantize_per_tensor(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, out_dtype=None):
     """dq(q(x)) without materialising the integer tensor: exact, because the rounded,
     clamped value is an integer-valued float32 that the integer cast would keep unchanged."""
+    q = _own_kernel(x, scale, zero_point, qmin, qmax, dtype)
+    if q is not None:
+        return dequantize_per_tensor(q, scale, zero_point, qmin, qmax, dtype, out_dtype=out_dtype)
     if out_dtype in (None, torch.float32) and _vectorised(x, dtype):
         return _quantized_integers(x, scale, zero_point, qmin, qmax, dtype)[0].dequantize()
     y = _scaled_rounded(x, scale, zero_point, qmin, qmax)

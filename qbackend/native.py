@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 import threading
 import weakref
 from pathlib import Path
@@ -69,6 +70,19 @@ OPS = {
     "global_avg_pool_u8": "global_avg_pool_u8(Tensor x, int zero_point, int qmin, int qmax) -> Tensor",
     "scale_quantize": "scale_quantize(Tensor x, Tensor factors, float scale, int zero_point, int qmin, int qmax) -> Tensor",
 }
+# $QBACKEND_KERNELS: which of the own kernels may run ("auto", the default: the best this CPU
+# has). "off": none (torch's kernels only); otherwise a GEMM build forced (GEMM_BUILDS below;
+# "avx2" also keeps the AVX512-VNNI library unloaded). For tests and for ruling the kernels out.
+SWITCH = "QBACKEND_KERNELS"
+
+
+def _switch() -> str:
+    chosen = os.environ.get(SWITCH) or "auto"
+    if chosen not in ("auto", "off") + tuple(GEMM_BUILDS):
+        raise ValueError(f"qbackend: ${SWITCH}={chosen!r}; valid: 'auto', 'off', {', '.join(map(repr, GEMM_BUILDS))}")
+    return chosen
+
+
 # qconv's unary post-ops besides its clamp (conv_gemm_int8.c ``enum activation``)
 ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2}
 
@@ -102,6 +116,8 @@ _library = None  # the torch.library.Library that holds the op registrations (al
 @_once
 def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     global _library
+    if _switch() == "off":
+        return None, f"qbackend's own kernels are unavailable: switched off by ${SWITCH}=off"
     try:
         lib = ctypes.CDLL(str(_build()))
     except (RuntimeError, OSError) as error:
@@ -112,6 +128,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_dwconv3x3_call.argtypes = [i32] + [pointer] * 3
     lib.qb_attention_f32.argtypes = [i32] + [pointer] * 6
     lib.qb_quantize_nchw_to_nhwc.argtypes = [i32] * 4 + [pointer, f32] + [i32] * 3 + [pointer]
+    lib.qb_quantize_dense.argtypes = [i32, ctypes.c_long, pointer, f32] + [i32] * 4 + [pointer]
     lib.qb_scale_quantize.argtypes = [i32, i32, i32, ctypes.c_long, i32, pointer, pointer, ctypes.c_long, f32] + [i32] * 3 + [pointer]
     _declare_gemm(lib.qb_conv_call)
     lib.qb_run_chain.argtypes = [i32, i32, pointer, pointer]
@@ -120,7 +137,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     # (0; -1 when the depthwise conv could not allocate its padding row: the pools always 0)
     lib.qb_dwconv3x3_call.restype = lib.qb_run_chain.restype = i32
     lib.qb_max_pool_u8_call.restype = lib.qb_global_avg_pool_u8_call.restype = i32
-    lib.qb_quantize_nchw_to_nhwc.restype = lib.qb_attention_f32.restype = lib.qb_scale_quantize.restype = None
+    lib.qb_quantize_nchw_to_nhwc.restype = lib.qb_quantize_dense.restype = lib.qb_attention_f32.restype = lib.qb_scale_quantize.restype = None
     lib.qb_has_avx512_vnni.restype = i32
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
     for name, schema in OPS.items():
@@ -155,6 +172,8 @@ def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib, reason = _load()
     if lib is None:
         return None, reason
+    if _switch() == "avx2":
+        return None, f"the AVX512-VNNI kernels are switched off by ${SWITCH}=avx2"
     if not lib.qb_has_avx512_vnni():
         return None, "the CPU has no AVX512-VNNI"
     try:
@@ -208,7 +227,11 @@ def gemm_build() -> str:
     """The build of qbackend::qconv's GEMM that runs here: int8_build's, and for AVX512-VNNI the
     register width this core runs faster ("avx512_vnni": ymm, "avx512_vnni_zmm"). All take the
     same packed weights; lowering/gemm.py LIMITS holds where each beats oneDNN."""
-    build = int8_build()
+    build, forced = int8_build(), _switch()
+    if forced in GEMM_BUILDS:
+        if GEMM_BUILDS[forced][0] != build:
+            raise RuntimeError(f"qbackend: ${SWITCH}={forced} needs the {GEMM_BUILDS[forced][0]} kernels: {vnni_unavailable()}")
+        return forced
     return "avx512_vnni_zmm" if build == "avx512_vnni" and zmm_speedup() >= ZMM_MIN_SPEEDUP else build
 
 
@@ -769,6 +792,35 @@ def quantize_channels_last(x: torch.Tensor, scale: float, zero_point: int, qmin:
     lib.qb_quantize_nchw_to_nhwc(torch.get_num_threads(), n, c, h * w, x.data_ptr(), 1.0 / scale, zero_point, qmin, qmax,
                                  y.data_ptr())
     return y
+
+
+INTEGER_RANGE = {torch.uint8: (0, 255), torch.int8: (-128, 127)}
+
+
+def quantize_dense(x: torch.Tensor, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """uint8 / int8 quantize of a dense float32 CPU tensor in its own dim order
+    (quantize_dense.c: the reference's arithmetic and its NaN -> 0), or None where the kernel
+    does not apply (other tensors, a range beyond the dtype's, a scale or zero point whose
+    float32 arithmetic the kernel does not reproduce) or is not built."""
+    lib = _load()[0]
+    if (lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or dtype not in INTEGER_RANGE
+            or not _is_dense(x)):
+        return None
+    low, high = INTEGER_RANGE[dtype]
+    if not (low <= qmin <= qmax <= high and abs(zero_point) <= 1 << 24 and scale > 0 and math.isfinite(scale)):
+        return None
+    y = torch.empty_like(x, dtype=dtype)  # (a dense input's strides)
+    lib.qb_quantize_dense(torch.get_num_threads(), x.numel(), x.data_ptr(), 1.0 / scale, zero_point, qmin, qmax,
+                          dtype == torch.int8, y.data_ptr())
+    return y
+
+
+def _is_dense(x: torch.Tensor) -> bool:
+    """x's elements fill its storage span exactly once (some dim order is contiguous)."""
+    if x.is_contiguous():
+        return True
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), -x.shape[d]))
+    return x.permute(order).is_contiguous()
 
 
 def qconv_stem(*args):

@@ -4,11 +4,18 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Interpreter
 
+import pytest
+
+from qbackend import native
 from qbackend.backend import Options, compile_graph
 from qbackend.kernel_chain import KernelChain, Ref
 from qbackend.pt2e_flow import quantize_x86
 
 from .tolerances import assert_int8_close, assert_outputs_close
+
+
+# tests whose subject is qbackend's own kernels (the rest run either way: $QBACKEND_KERNELS=off)
+needs_own_kernels = pytest.mark.skipif(native.available() is not None, reason=f"needs qbackend's own kernels: {native.available()}")
 
 
 def quantize(module, inputs, **flags):

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from qbackend import native
 
-from .helpers import assert_matches_reference, compile_and_run, quantize, short_graph
+from .helpers import assert_matches_reference, compile_and_run, quantize, short_graph, needs_own_kernels
 from .tolerances import TOLERANCE
 
 
@@ -35,6 +35,7 @@ def inputs():
     return torch.randn(2, 8, 32), mask
 
 
+@needs_own_kernels
 @pytest.mark.parametrize("heads", [4, 2])  # head dim 8: torch's fused attention; 16: qbackend's kernel
 @pytest.mark.parametrize("scale_by", ["div", "mul"])
 def test_masked_attention_is_fused_with_reference_numerics(scale_by, heads):
@@ -46,6 +47,7 @@ def test_masked_attention_is_fused_with_reference_numerics(scale_by, heads):
     assert fused[0].op == own, str(captured.report)
 
 
+@needs_own_kernels
 def test_head_dim_the_kernel_does_not_take_says_why():
     captured = assert_matches_reference(quantize(MaskedAttention(heads=4), inputs()), inputs())
     [decision] = [d for d in captured.report.decisions if d.kind == "attention"]
@@ -65,6 +67,7 @@ KERNEL_CASES = [(1, 12, 128, 128, 64, None), (2, 3, 37, 45, 32, (2, 1, 1, 45)), 
                 (3, 1, 1, 200, 48, (1, 1, 1, 200)), (2, 2, 9, 17, 16, (9, 1)), (1, 1, 130, 33, 128, (1, 1, 130, 1))]
 
 
+@needs_own_kernels
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
 def test_attention_kernel_matches_torch(case):
     batch, heads, length, keys, dim, mask_shape = case
@@ -89,6 +92,7 @@ def test_attention_kernel_matches_torch(case):
     (dict(mask=torch.zeros(1, 1, 4, 6, dtype=torch.bool)), "not an additive float32 one"),
     (dict(v=torch.randn(1, 2, 6, 16, dtype=torch.float64)), "float32 CPU"),
 ])
+@needs_own_kernels
 def test_attention_kernel_rejects_what_it_cannot_compute(bad, message):
     args = dict(q=torch.randn(1, 2, 4, 16), k=torch.randn(1, 2, 6, 16), v=torch.randn(1, 2, 6, 16), mask=None)
     args.update(bad)
@@ -113,6 +117,7 @@ scaled_dot_product_attention_default = aten.scaled_dot_product_attention(transpo
 quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(scaled_dot_product_attention_default, 0.0131, 53, 0, 127, uint8)""")
         assert "softmax" not in graph and "matmul" not in graph
 
+    @needs_own_kernels
     def test_own_attention_kernel_graph(self):  # head dim 16: qbackend's kernel
         torch.manual_seed(0)
         _, _, captured = compile_and_run(quantize(MaskedAttention(heads=2), inputs()), inputs())
@@ -151,6 +156,7 @@ def test_a_boolean_mask_read_by_several_attentions_is_converted_once():
     assert "2 attention calls share 1 float mask(s) built once" in captured.report.notes
 
 
+@needs_own_kernels
 @pytest.mark.parametrize("where", ["query", "key", "inf score"])
 def test_a_nan_or_infinite_score_makes_the_rows_softmax_makes_nan(where):
     q, k, v = _heads(1, 2, 20, 16, 0), _heads(1, 2, 20, 16, 1), _heads(1, 2, 20, 16, 2)

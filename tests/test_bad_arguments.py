@@ -8,6 +8,7 @@ from qbackend.lowering import depthwise, gemm
 from qbackend.lowering.own_conv import scale_and_offset
 from qbackend.weight_quant import quantize as quantize_weight
 
+from .helpers import needs_own_kernels
 from .test_stem_kernel import SHAPES, _case as stem_case, _needs_vnni_library
 
 U8 = torch.uint8
@@ -95,6 +96,7 @@ def test_the_table_covers_every_registered_op():
     assert sorted(op for op, _, _ in TABLE) == sorted(native.OPS)
 
 
+@needs_own_kernels
 @pytest.mark.parametrize("op, good, bad", TABLE, ids=[row[0] for row in TABLE])
 def test_bad_arguments_get_a_clear_error(op, good, bad):
     args = good()

@@ -1,10 +1,12 @@
 """The q/dq kept in lowered graphs match the reference ops: dequantize bit for bit, quantize
-except one step at exact rounding ties (ATen's kernel rounds its inverse scale differently)."""
+except, on ATen's path, one step at exact rounding ties (it rounds its inverse scale differently)."""
 import pytest
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  registers the reference ops
 
 from qbackend import fast_qdq
+
+from .helpers import needs_own_kernels
 
 qd = torch.ops.quantized_decomposed
 
@@ -73,6 +75,7 @@ def test_tensor_overloads_match_the_reference(params):
                        qd.dequantize_per_tensor.tensor(q_ref, scale_t, zp_t, *rest))
 
 
+@needs_own_kernels
 @pytest.mark.parametrize("params", PARAMS, ids=str)
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 @pytest.mark.parametrize("shape", [(4, 16, 9, 9), (2, 3, 33, 35)], ids=["16 channels", "RGB"])
@@ -105,3 +108,22 @@ def test_quantize_of_a_permuted_tensor_keeps_its_strides(params):
     assert_equal_but_at_ties(q, qd.quantize_per_tensor(x, *params), x, params[0])
     sliced = x[:, :, :3]  # not dense: quantized as ATen does it (contiguous)
     assert fast_qdq.quantize_per_tensor(sliced, *params).is_contiguous()
+
+
+SPECIAL_VALUES = [float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 0.0, 0.01, -0.03]
+
+
+@needs_own_kernels
+@pytest.mark.parametrize("params", PARAMS, ids=str)
+@pytest.mark.parametrize("count", [7, 64, 100, 16384 + 33])  # the kernel's scalar tail, its 64- and 16-wide steps, two tasks
+def test_own_quantize_is_the_reference_bit_for_bit_with_nan_and_infinity(params, count):
+    """A NaN is stored as 0, as the reference's integer conversion does (ATen's quantize gives
+    qmax); infinities and huge values clamp; ties round half to even."""
+    scale, zero_point, qmin, qmax, dtype = params
+    torch.manual_seed(0)
+    x = torch.randn(count) * 3
+    x[torch.randint(0, count, (count // 3 + 1,))] = torch.tensor(SPECIAL_VALUES)[torch.randint(0, 8, (count // 3 + 1,))]
+    expected = qd.quantize_per_tensor(x, scale, zero_point, qmin, qmax, dtype)
+    assert torch.equal(fast_qdq.quantize_per_tensor(x, scale, zero_point, qmin, qmax, dtype), expected)
+    expected_float = qd.dequantize_per_tensor(expected, scale, zero_point, qmin, qmax, dtype)
+    assert torch.equal(fast_qdq.quantize_dequantize_per_tensor(x, scale, zero_point, qmin, qmax, dtype), expected_float)

@@ -5,7 +5,7 @@ import torch.nn as nn
 
 from qbackend import native
 
-from .helpers import assert_matches_reference, dense_convs_on_onednn, onednn_linear_rows, quantize
+from .helpers import assert_matches_reference, dense_convs_on_onednn, needs_own_kernels, onednn_linear_rows, quantize
 
 
 class ResidualReadAgain(nn.Module):
@@ -107,6 +107,7 @@ def test_linear_residual_never_writes_the_callers_input():
     assert by_source["fc2"].rule == "qlinear_add" and by_source["fc2"].reason.endswith("; residual updated in place"), str(report)
 
 
+@needs_own_kernels
 def test_own_gemm_kernel_reads_its_residual_and_writes_a_new_tensor():
     inputs = (torch.randn(3, 5, 16),)
     before = inputs[0].clone()
@@ -131,7 +132,7 @@ class OwnKernelResidual(nn.Module):
         return self.head(torch.relu(self.conv2(torch.relu(self.conv1(r))) + r))
 
 
-@pytest.mark.skipif(native.available() is not None, reason=f"own kernels unavailable: {native.available()}")
+@needs_own_kernels
 def test_own_kernel_output_is_summed_into_in_place_not_copied(monkeypatch):
     """The own kernels allocate their outputs (``fresh_output``), so a later in-place sum may
     reuse one when no later reader needs it (oneDNN's binary conv: the 3x3 stays on it)."""

@@ -10,7 +10,7 @@ from qbackend.lowering.cpu import _largest_pair_sum
 from qbackend.patterns.examples import HandQuantized
 from qbackend.pt2e_flow import cpu_needs_reduce_range
 
-from .helpers import (SATURATION_REASON, assert_matches_reference, compile_and_run, onednn_linear_rows, quantize, short_graph,
+from .helpers import (needs_own_kernels, SATURATION_REASON, assert_matches_reference, compile_and_run, onednn_linear_rows, quantize, short_graph,
                       simulate_cpu)
 from .tolerances import assert_outputs_close
 
@@ -95,6 +95,7 @@ def test_unknown_reduce_range_is_a_clear_error():
         quantize(_conv_linear(), (torch.randn(2, 8, 6, 6),), reduce_range="both")
 
 
+@needs_own_kernels
 @pytest.mark.parametrize("post_op", [None, "relu", "relu6", "gelu"])
 def test_seven_bit_outputs_of_the_own_gemm_kernel_stay_in_range(post_op):
     """qbackend's own int8 GEMM clamps to the output's [qmin, qmax] itself, after any post-op."""

@@ -8,10 +8,10 @@ import torch.nn as nn
 from qbackend import cleanup, native
 from qbackend.kernel_chain import KernelChain, Ref, _plan
 
-from .helpers import compile_and_run, quantize, short_graph
+from .helpers import compile_and_run, needs_own_kernels, quantize, short_graph
 from .test_own_conv_kernels import InvertedResidual
 
-pytestmark = pytest.mark.skipif(native.available() is not None, reason=f"own kernels unavailable: {native.available()}")
+pytestmark = needs_own_kernels
 
 
 class ProjectAndPool(nn.Module):

@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend import choice_cache, native
+from qbackend import choice_cache
 from qbackend.backend import Options
 from qbackend.lowering import choice
 
-from .helpers import assert_matches_reference, quantize
+from .helpers import assert_matches_reference, needs_own_kernels, quantize
 
-pytestmark = pytest.mark.skipif(native.available() is not None, reason=f"needs qbackend's kernels: {native.available()}")
+pytestmark = needs_own_kernels
 
 
 class ResidualNet(nn.Module):
@@ -53,7 +53,10 @@ class SimulatedMachine:
 
     def __call__(self, runs: dict) -> dict:
         self.layers += 1
-        outputs = {name: fn(*args) for name, (fn, args) in runs.items()}
+        # (the model's activations are 7-bit: choice's timing inputs span 8 bits, on which the
+        # AVX2 GEMM's int16 pair sums may saturate where oneDNN's do not)
+        outputs = {name: fn(*[a.clamp(max=127) if isinstance(a, torch.Tensor) and a.dtype == torch.uint8 else a for a in args])
+                   for name, (fn, args) in runs.items()}
         own, onednn = (out if out.dtype == torch.uint8 else out.float() for out in outputs.values())
         assert own.shape == onednn.shape
         if own.dtype == torch.uint8:

@@ -11,7 +11,7 @@ from qbackend import native
 from qbackend.lowering import capabilities, depthwise, gemm
 from qbackend.lowering.own_conv import scale_and_offset
 
-from .helpers import compile_and_run, quantize, short_graph
+from .helpers import compile_and_run, needs_own_kernels, quantize, short_graph
 from .tolerances import assert_int8_close, assert_outputs_close
 
 CLAMPS = {"none": (-math.inf, math.inf), "relu": (0.0, math.inf), "relu6": (0.0, 6.0)}
@@ -47,6 +47,7 @@ def _depthwise_case(channels, post, stride, padding, qmax):
     return run, reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, low, high, out_scale, out_zp, 0, qmax)
 
 
+@needs_own_kernels
 @pytest.mark.parametrize("post", sorted(CLAMPS))
 @pytest.mark.parametrize("stride,padding", [(1, 1), (2, 1), (1, 0), (2, 0)])
 @pytest.mark.parametrize("qmax", [255, 127], ids=["8-bit out", "7-bit out"])
@@ -90,6 +91,7 @@ DEPTHWISE_OP, GEMM_OP = "qbackend::qconv_dw3x3.default", "qbackend::qconv.defaul
 
 
 class TestDepthwiseLowering(expecttest.TestCase):
+    @needs_own_kernels
     def test_block_runs_on_qbackends_kernels(self):
         torch.manual_seed(0)  # (the pinned line holds a calibrated scale)
         x = torch.randn(2, 8, 14, 14)
@@ -125,6 +127,7 @@ def test_without_the_kernels_onednn_runs_it(monkeypatch):
     assert decision.op == "onednn::qconv_pointwise" and "no C compiler found" in decision.reason
 
 
+@needs_own_kernels
 @pytest.mark.parametrize("post", sorted(CLAMPS))
 @pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
 @pytest.mark.parametrize("cout", [24, 40, 56, 64], ids=["24-wide tiles", "16-wide tail", "8-wide tail", "whole zmm blocks"])
@@ -149,6 +152,7 @@ def test_1x1_kernel_gives_the_reference_integers(post, residual, cout, qmax, int
     ((3, 3), (1, 1), (1, 1), (1, 1)), ((3, 3), (2, 2), (1, 1), (1, 1)), ((3, 3), (1, 1), (0, 0), (1, 1)),
     ((3, 3), (1, 1), (2, 2), (2, 2)), ((1, 1), (2, 2), (0, 0), (1, 1)), ((1, 3), (1, 2), (0, 1), (1, 1)),
 ], ids=["3x3", "3x3 stride 2", "3x3 no padding", "3x3 dilation 2", "1x1 stride 2", "1x3"])
+@needs_own_kernels
 @pytest.mark.parametrize("cout", [40, 64], ids=["3-block tiles", "64-wide tiles"])
 def test_gemm_conv_gives_the_reference_integers(kernel, stride, padding, dilation, cout, int8_build):
     """Windows that leave the image read the input's zero point (7 here), as zero padding of
@@ -190,6 +194,7 @@ def test_3x3_conv_after_a_relu_takes_the_gemm_up_to_max_dense_macs(monkeypatch):
     assert gemm.LIMITS["avx2"].max_dense_macs == gemm.LIMITS["avx512_vnni"].max_dense_macs == 0  # (ymm: never)
 
 
+@needs_own_kernels
 def test_block_with_residual_adds_it_in_the_1x1_kernel():
     x = torch.randn(2, 16, 10, 10)
     block = nn.Sequential(InvertedResidual(channels=16, expanded=64, residual=True), nn.Conv2d(16, 8, 1))  # sum read as int8
@@ -249,6 +254,7 @@ def test_8bit_weights_run_on_the_vnni_build():
         (GEMM_OP, "qbackend's int8 GEMM kernel (36 output pixels)")] * 2, str(captured.report)
 
 
+@needs_own_kernels
 def test_bad_inputs_get_a_clear_error_not_a_crash():
     w = torch.zeros(16, 8, 1, 1, dtype=torch.int8)
     weight, (mult, add) = gemm.pack(w), (t.float() for t in scale_and_offset(w, torch.ones(16), 0.1, 0))
@@ -284,6 +290,7 @@ def test_bad_inputs_get_a_clear_error_not_a_crash():
                                  [1, 1], 0.0, 6.0, 0.1, 0, 0, 255)
 
 
+@needs_own_kernels
 def test_block_traced_by_inductor_runs_the_kernels_as_ops():
     """remainder='inductor' traces the lowered graph with fake tensors: the kernels' fake
     implementations give the NHWC uint8 outputs the real ones return."""
@@ -300,6 +307,7 @@ def test_block_traced_by_inductor_runs_the_kernels_as_ops():
     assert [d.op for d in reports[0].decisions][:3] == [GEMM_OP, DEPTHWISE_OP, GEMM_OP]
 
 
+@needs_own_kernels
 def test_prepared_calls_go_with_their_weight():
     """The eager graphs' calls keep one prepared argument struct per packed weight; it must not
     keep a dropped model's constants alive (nor outlive the weight whose id it is keyed by)."""

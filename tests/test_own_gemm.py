@@ -11,7 +11,7 @@ from qbackend.lowering.capabilities import linear_binary_post_op_refusal
 from qbackend.lowering.own_conv import scale_and_offset
 from qbackend.patterns import examples
 
-from .helpers import compile_and_run, onednn_linear_rows, quantize
+from .helpers import compile_and_run, needs_own_kernels, onednn_linear_rows, quantize
 from .tolerances import assert_int8_close, assert_outputs_close
 
 OWN, ONEDNN, ONEDNN_ADD = "qbackend::qconv.default", "onednn::qlinear_pointwise", "onednn::qlinear_pointwise.binary"
@@ -30,6 +30,7 @@ def _gemm_case(rows=37, cin=64, cout=40, x_zp=9, x_scale=0.03):
     return x.reshape(rows, cin, 1, 1), constants, exact
 
 
+@needs_own_kernels
 @pytest.mark.parametrize("activation", sorted(GELU))
 def test_gelu_in_the_epilogue_gives_the_reference_values(activation, int8_build):
     """Float out: within 2e-6 of float64 GELU over the exact sum (37 rows: a tail tile; 40
@@ -48,6 +49,7 @@ def test_gelu_in_the_epilogue_gives_the_reference_values(activation, int8_build)
     assert (ints.reshape(reference.shape) == reference).double().mean() > 0.999
 
 
+@needs_own_kernels
 @pytest.mark.parametrize("cin,cout", [(768, 400), (2304, 128)], ids=["3-block tiles", "64-wide tiles"])
 def test_weights_beyond_l2_run_in_row_blocks(cin, cout, int8_build):
     """Weights over the kernel's 256 KB WEIGHTS_IN_L2: output tiles go round blocks of rows,
@@ -57,6 +59,7 @@ def test_weights_beyond_l2_run_in_row_blocks(cin, cout, int8_build):
     torch.testing.assert_close(floats.reshape(exact.shape).double(), exact, atol=2e-6, rtol=1e-6)
 
 
+@needs_own_kernels
 def test_float_residual_is_added_before_the_post_op(int8_build):
     x, constants, exact = _gemm_case()
     residual = torch.randn(exact.shape)
@@ -66,6 +69,7 @@ def test_float_residual_is_added_before_the_post_op(int8_build):
                                atol=2e-6, rtol=1e-6)
 
 
+@needs_own_kernels
 def test_bad_activation_or_residual_is_a_clear_error():
     x, constants, exact = _gemm_case()
     kernel = native.op("qconv")
@@ -88,6 +92,7 @@ class FeedForward(nn.Module):
         return x + self.fc2(self.gelu(self.fc1(x)))
 
 
+@needs_own_kernels
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_feed_forward_runs_on_the_own_kernel_with_its_post_ops(approximate):
     inputs = (torch.randn(2, 8, 32),)  # 16 rows: within every GEMM build's max_rows
@@ -103,6 +108,7 @@ def test_rows_above_the_limit_run_on_onednn():
     assert [d.op for d in captured.report.decisions] == [ONEDNN, ONEDNN_ADD], str(captured.report)
 
 
+@needs_own_kernels
 def test_a_bf16_output_stays_on_onednn_with_the_reason():
     module, inputs = examples.linear_residual()
     inputs = tuple(t.bfloat16() for t in inputs)

@@ -8,10 +8,10 @@ import torch.nn as nn
 
 from qbackend import native
 
-from .helpers import assert_matches_reference, quantize
+from .helpers import assert_matches_reference, needs_own_kernels, quantize
 from .tolerances import assert_int8_close
 
-pytestmark = pytest.mark.skipif(native.available() is not None, reason=f"own kernels unavailable: {native.available()}")
+pytestmark = needs_own_kernels
 
 GEOMETRIES = [  # kernel, stride, padding, dilation
     ((3, 3), (2, 2), (1, 1), (1, 1)),  # ResNet's

@@ -9,7 +9,7 @@ from torch.profiler import profile
 import qbackend
 from qbackend.models import bert_encoder_like, tiny_resnet
 
-from .helpers import dense_convs_on_onednn, quantize
+from .helpers import dense_convs_on_onednn, needs_own_kernels, quantize
 from .tolerances import assert_outputs_close, assert_weight_only_close
 
 INDUCTOR = {"remainder": "inductor"}
@@ -27,6 +27,7 @@ def _ops_run(compiled, inputs) -> set:
     return {event.name for event in trace.events()}
 
 
+@needs_own_kernels
 def test_encoder_kernels_stay_and_float_ops_fuse():
     model, inputs = _encoder()
     reports = []
@@ -111,6 +112,7 @@ def test_symbolic_sizes_keep_the_eager_remainder():
     assert "remainder runs eagerly: the graph has symbolic sizes (Inductor is handed static ones here)" in reports[0].notes
 
 
+@needs_own_kernels
 def test_weight_only_int16_kernel_stays_an_extern_call_under_inductor():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.SiLU(), nn.Linear(512, 256)).eval()

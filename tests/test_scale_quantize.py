@@ -9,9 +9,9 @@ import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_
 from qbackend import native
 from qbackend.patterns import examples
 
-from .helpers import assert_matches_reference, compile_and_run, quantize, short_graph
+from .helpers import assert_matches_reference, compile_and_run, needs_own_kernels, quantize, short_graph
 
-pytestmark = pytest.mark.skipif(native.available() is not None, reason=f"own kernels unavailable: {native.available()}")
+pytestmark = needs_own_kernels
 
 
 def reference(x, factors, scale, zero_point, qmin, qmax):

@@ -11,7 +11,7 @@ import qbackend.lowering as lowering
 from qbackend import native
 from qbackend.lowering import gemm
 
-from .helpers import assert_matches_reference, compile_and_run, lower_without_running, onednn_linear_rows, quantize, short_graph
+from .helpers import assert_matches_reference, compile_and_run, lower_without_running, needs_own_kernels, onednn_linear_rows, quantize, short_graph
 
 
 class Projections(nn.Module):
@@ -66,6 +66,7 @@ qlinear_pointwise_default_3 = onednn.qlinear_pointwise(quantize_per_tensor_defau
         assert notes["linear"].endswith("; one call with linear_1, linear_2 (same input, weights concatenated)"), str(captured.report)
         assert "one call" not in notes["linear_3"], str(captured.report)
 
+    @needs_own_kernels
     def test_q_k_v_run_as_one_call_of_the_own_kernel(self):
         torch.manual_seed(0)
         captured = assert_matches_reference(quantize(Projections(), inputs("own")), inputs("own"))
@@ -80,6 +81,7 @@ qconv_3 = native.qconv(reshape_default_6, <const>, <const>, <const>, None, 0, 0,
         assert "one call" not in notes["linear_3"], str(captured.report)
 
 
+@needs_own_kernels
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_merged_call_is_bit_exact(monkeypatch, kernel):
     torch.manual_seed(0)
@@ -92,6 +94,7 @@ def test_merged_call_is_bit_exact(monkeypatch, kernel):
     assert torch.equal(merged, separate)
 
 
+@needs_own_kernels
 def test_sibling_updated_in_place_keeps_its_own_call():
     torch.manual_seed(0)
     captured = assert_matches_reference(quantize(ResidualSibling(), inputs()), inputs())
@@ -102,6 +105,7 @@ def test_sibling_updated_in_place_keeps_its_own_call():
     assert notes == {"q": onednn, "k": onednn, "out": f"{onednn}; residual updated in place"}, str(captured.report)
 
 
+@needs_own_kernels
 def test_sibling_read_as_the_own_kernels_residual_is_merged():
     """qbackend's own kernel only reads its residual (and copies a strided one): k may merge."""
     torch.manual_seed(0)

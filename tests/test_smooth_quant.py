@@ -9,7 +9,7 @@ import qbackend
 from qbackend.pt2e_flow import quantize_x86
 
 from . import smooth_models as sm
-from .helpers import assert_matches_reference, short_graph
+from .helpers import assert_matches_reference, needs_own_kernels, short_graph
 
 FLOAT_RELATIVE = 1e-5  # the bound for "the float model is unchanged"
 
@@ -89,6 +89,7 @@ def test_search_simulates_the_weights_range():
     assert eight.keys() == seven.keys() and all(seven[a] > eight[a] for a in eight), (eight, seven)
 
 
+@needs_own_kernels
 def test_smoothed_int8_model_lowers_every_linear_and_the_multiply():
     module, inputs = sm.TinyPostLNBlock().eval(), sm.outlier_inputs()
     converted = quantize_x86(module, inputs, [inputs, sm.outlier_inputs(seed=1)], reduce_range=True, smooth={"alpha": 0.5})

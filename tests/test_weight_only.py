@@ -12,7 +12,7 @@ from qbackend import native
 from qbackend.quantized_tensor import QuantizedLinearWeight
 from qbackend.weight_quant import pack_int4, unpack_int4
 
-from .helpers import compile_and_run, short_graph
+from .helpers import compile_and_run, needs_own_kernels, short_graph
 from .tolerances import assert_weight_only_close
 
 
@@ -82,6 +82,7 @@ class TestWeightOnlyGraphs(expecttest.TestCase):
         _, _, captured = compile_and_run(model, (x,), **options)
         return short_graph(captured.lowered), str(captured.report)
 
+    @needs_own_kernels
     def test_int4_fp32_model_runs_qbackends_int16_kernel(self):
         model, _ = quantized_and_reference(4, 128)
         graph, report = self.lowered(model.gate, torch.randn(4, 256), weight_only_compute="int16")
@@ -195,6 +196,7 @@ def test_int16_limits_fall_back_to_torchs_kernel_with_the_reason():
         qbackend.lowering.weight_only.pack(model.weight.group_quantized(), "cpu", torch.float32, "int16")
 
 
+@needs_own_kernels
 def test_int16_kernel_takes_40_outputs_torchs_int4_kernel_refuses():
     torch.manual_seed(0)
     model = qbackend.quantize_weights(nn.Linear(128, 40), bits=4, group_size=32, compute="int16")
@@ -220,6 +222,7 @@ def test_other_compilers_see_through_the_tensor():
         assert_weight_only_close(actual, reference(x), "aot_eager")
 
 
+@needs_own_kernels
 @pytest.mark.parametrize("compute", ["bf16", "int16"])
 def test_int4_packing_in_row_chunks_gives_the_one_shot_bytes(compute):
     from qbackend.lowering.weight_only import PACK_ROWS, pack
@@ -232,6 +235,7 @@ def test_int4_packing_in_row_chunks_gives_the_one_shot_bytes(compute):
     assert torch.equal(pack(weight, "cpu", torch.float32, compute).args[0], whole)
 
 
+@needs_own_kernels
 def test_int16_kernel_reads_the_stored_nibbles_without_a_copy():
     from qbackend.lowering.weight_only import pack
 
@@ -258,6 +262,7 @@ def test_dense_from_a_row_count_when_asked(monkeypatch):
     assert calls == [(1, torch.bfloat16), (32, torch.bfloat16)]
 
 
+@needs_own_kernels
 def test_weight_only_kernels_refuse_bad_inputs_with_a_clear_error():
     from qbackend.weight_quant import quantize
 
@@ -276,6 +281,7 @@ def test_weight_only_kernels_refuse_bad_inputs_with_a_clear_error():
         native.op("int8_mm_int16")(torch.randn(2, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
 
 
+@needs_own_kernels
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 128), (8, None)], ids=["int4-g32", "int4-g128", "int8"])
 def test_nan_and_infinity_come_out_as_the_float_linear_gives_them(bits, group_size):
     from qbackend.weight_quant import quantize

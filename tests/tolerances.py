@@ -5,8 +5,9 @@ import torch
 TOLERANCE = {
     # integer tensors, in quantization steps of their own scale
     "int8": {"within_one_step": 0.999, "max_steps": 2},
-    # float outputs
-    "float": {"min_cosine": 0.9999},
+    # float outputs: cosine, or every element within atol (a reference of zeros has no cosine;
+    # a float residual add there gave 1.2e-7)
+    "float": {"min_cosine": 0.9999, "atol": 1e-5},
     # weight-only linears vs the fp32 linear on the dequantized weight, as a fraction of the
     # largest output. The kernels run bf16 activations by default; measured on the test MLPs:
     # fp32 models <= 0.4%, bf16 models (whose every intermediate is bf16) <= 1.1%

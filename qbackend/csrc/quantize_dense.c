@@ -1,0 +1,86 @@
+/* Quantize the n floats of a dense float32 tensor (any dim order: the bytes keep it) to uint8
+ * or int8: every activation quantize that is not a conv input's (quantize_nhwc.c).
+ *
+ * Why not ATen's quantize_per_tensor: it maps a NaN to qmax, where the reference
+ * (quantized_decomposed: clamp, which keeps the NaN, then the integer conversion) stores 0;
+ * and it costs a quantized tensor per call. Here: the reference's arithmetic
+ * (round_half_even(x * inv_scale) + zero_point, clamped), a NaN stored as 0.
+ */
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "vec_math.h"
+
+#define CHUNK 16384 /* values per parallel task */
+
+/* 16 values -> 16 bytes in order; ``flip``: 0x80 turns the biased (value + 128) into int8, and
+ * ``nan_value`` (the bias) becomes the 0 a NaN is stored as. */
+static inline __m128i quantize16_dense(const float* in, __m256 inv, __m256 zp, __m256 lo, __m256 hi, __m256i nan_value,
+                                       __m128i flip) {
+  const __m256 a = _mm256_loadu_ps(in), b = _mm256_loadu_ps(in + 8);
+  const __m256i nan_a = _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  const __m256i nan_b = _mm256_castps_si256(_mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+  const __m256i qa = _mm256_blendv_epi8(quantize_scaled8(_mm256_mul_ps(a, inv), zp, lo, hi), nan_value, nan_a);
+  const __m256i qb = _mm256_blendv_epi8(quantize_scaled8(_mm256_mul_ps(b, inv), zp, lo, hi), nan_value, nan_b);
+  const __m256i words = _mm256_packs_epi32(qa, qb);
+  const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(words, words), _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5));
+  return _mm_xor_si128(_mm256_castsi256_si128(bytes), flip);
+}
+
+/* The same 16 values with AVX512 (a third faster than the AVX2 step at 0.8-1.6 M values), where
+ * the CPU has it: one vector, one saturating narrow. */
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void quantize_run512(const float* x, long n, float inv_scale,
+                                                                               float zp, float lo, float hi, int bias,
+                                                                               uint8_t* y) {
+  const __m512 vinv = _mm512_set1_ps(inv_scale), vzp = _mm512_set1_ps(zp), vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+  const __m512i nan_value = _mm512_set1_epi32(bias);
+  const __m128i flip = _mm_set1_epi8((char)bias);
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i flip64 = _mm512_set1_epi8((char)bias);
+  long i = 0;
+  for (; i + 64 <= n; i += 64) {  /* 64 values: two packs and one lane permute to 64 ordered bytes */
+    __m512i ints[4];
+    for (int k = 0; k < 4; k++) {
+      const __m512 v = _mm512_loadu_ps(x + i + 16 * k);
+      const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(v, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      ints[k] = _mm512_mask_mov_epi32(_mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_add_ps(q, vzp), vlo), vhi)),
+                                      _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan_value);
+    }
+    const __m512i bytes = _mm512_packus_epi16(_mm512_packs_epi32(ints[0], ints[1]), _mm512_packs_epi32(ints[2], ints[3]));
+    _mm512_storeu_si512((void*)(y + i), _mm512_xor_si512(_mm512_permutexvar_epi32(order, bytes), flip64));
+  }
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(v, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i ints = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_add_ps(q, vzp), vlo), vhi));
+    ints = _mm512_mask_mov_epi32(ints, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan_value);
+    _mm_storeu_si128((__m128i*)(y + i), _mm_xor_si128(_mm512_cvtusepi32_epi8(ints), flip));
+  }
+  for (; i < n; i++) y[i] = x[i] != x[i] ? 0 : (uint8_t)(round_to_grid(x[i] * inv_scale, (int)zp, (int)lo, (int)hi) ^ bias);
+}
+
+/* ``is_signed``: y is int8 (computed biased by 128 in [0, 255], then flipped back). */
+void qb_quantize_dense(int threads, long n, const float* x, float inv_scale, int zero_point, int qmin, int qmax,
+                       int is_signed, uint8_t* y) {
+  const int bias = is_signed ? 128 : 0;
+  const __m256 inv = _mm256_set1_ps(inv_scale), zp = _mm256_set1_ps((float)(zero_point + bias));
+  const __m256 lo = _mm256_set1_ps((float)(qmin + bias)), hi = _mm256_set1_ps((float)(qmax + bias));
+  const __m128i flip = _mm_set1_epi8((char)bias);
+  const __m256i nan_value = _mm256_set1_epi32(bias);
+  const long chunks = (n + CHUNK - 1) / CHUNK;
+  const int wide = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#pragma omp parallel for num_threads(chunks > 1 ? threads : 1) schedule(static)
+  for (long c = 0; c < chunks; c++) {
+    const long start = c * CHUNK, stop = n - start < CHUNK ? n : start + CHUNK;
+    if (wide) {
+      quantize_run512(x + start, stop - start, inv_scale, (float)(zero_point + bias), (float)(qmin + bias),
+                      (float)(qmax + bias), bias, y + start);
+      continue;
+    }
+    long i = start;
+    for (; i + 16 <= stop; i += 16) _mm_storeu_si128((__m128i*)(y + i), quantize16_dense(x + i, inv, zp, lo, hi, nan_value, flip));
+    for (; i < stop; i++)
+      y[i] = x[i] != x[i] ? 0 : (uint8_t)(round_to_grid(x[i] * inv_scale, zero_point + bias, qmin + bias, qmax + bias) ^ bias);
+  }
+}

@@ -1,0 +1,221 @@
+"""One fuzz case end to end: build the seed's model, quantize it with a torchao flow (or
+weight-only), compile it with qbackend through a random path, run it on a random input layout
+with random special values, and compare with the reference. Returns the problems found
+(empty: the case passed)."""
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import warnings
+
+import torch
+
+import qbackend
+from qbackend.pt2e_flow import quantize_x86, quantize_xpu
+
+from ..helpers import _Recorder, _in_reference_dtype
+from ..tolerances import TOLERANCE, cosine
+from .models import Case, build
+
+SPECIALS = (0.0, 1e30, -1e30, math.inf, -math.inf, math.nan)
+# kernels chosen by their fixed tables: reproducible on every machine, and no timing per layer
+# (which would fill the machine's choice cache with thousands of random layers)
+OPTIONS = {"kernel_choice": "prior"}
+
+
+def _quantized(case: Case, rng: random.Random, calibration: list):
+    """(model to compile, reference module, flow description)."""
+    if case.family == "weight_only":
+        bits, compute = rng.choice([4, 8]), rng.choice(["auto", "int16", "bf16", "activation"])
+        group = rng.choice([32, 64])
+        model = qbackend.quantize_weights(case.model, bits=bits, group_size=group, compute=compute)
+        reference = _dequantized_copy(model)
+        return model, reference, f"weight-only int{bits} group {group} compute {compute}"
+    flow = rng.choice(["x86", "x86", "x86 7-bit activations", "x86 7-bit weights", "x86 qat", "xpu"])
+    example = calibration[0]
+    if flow == "xpu":
+        converted = quantize_xpu(case.model, example, calibration)
+    else:
+        reduce_range = {"x86 7-bit activations": True, "x86 7-bit weights": "weights"}.get(flow, None)
+        converted = quantize_x86(case.model, example, calibration, is_qat=flow == "x86 qat", reduce_range=reduce_range)
+    return converted, converted, flow
+
+
+def _dequantized_copy(model):
+    """The weight-only model with every quantized weight replaced by its float dequantization."""
+    import copy
+
+    from qbackend.quantized_tensor import QuantizedLinearWeight
+
+    reference = copy.deepcopy(model)
+    for module in reference.modules():
+        if isinstance(module, torch.nn.Linear) and isinstance(module.weight, QuantizedLinearWeight):
+            module.weight = torch.nn.Parameter(module.weight.dequantize().float(), requires_grad=False)
+    return reference
+
+
+def _layout(rng: random.Random, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(input with ``values`` in a random memory layout, the storage it views, layout name);
+    "expanded" repeats the first batch row."""
+    layout = rng.choice(["contiguous", "channels_last", "transposed", "offset", "expanded"])
+    if layout == "channels_last" and values.dim() in (4, 5):
+        base = values.contiguous(memory_format=torch.channels_last if values.dim() == 4 else torch.channels_last_3d)
+        return base, base, layout
+    if layout == "transposed" and values.dim() >= 2:
+        base = values.transpose(0, -1).contiguous()
+        return base.transpose(0, -1), base, layout
+    if layout == "offset":
+        base = torch.empty(values.numel() + 7)
+        base[:7] = 1.0
+        view = base[7:].view(values.shape)
+        view.copy_(values)
+        return view, base, layout
+    if layout == "expanded" and values.shape[0] > 1:  # every batch row the first one, stored once
+        base = values[:1].clone()
+        return base.expand_as(values), base, layout
+    base = values.clone()
+    return base, base, "contiguous"
+
+
+def _values(rng: random.Random, shape: tuple, generator: torch.Generator) -> tuple[torch.Tensor, str]:
+    scale = rng.choice([0.5, 1.0, 3.0])
+    values = torch.randn(shape, generator=generator) * scale
+    kind = rng.choice(["normal", "normal", "zeros", "specials"])
+    if kind == "zeros":
+        values.zero_()
+    elif kind == "specials":
+        flat = values.view(-1)
+        for _ in range(rng.randint(1, 4)):
+            flat[rng.randrange(flat.numel())] = rng.choice(SPECIALS)
+    return values, f"{kind} x{scale}"
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _compare(actual, expected, family: str) -> list[str]:
+    actual = actual if isinstance(actual, tuple) else (actual,)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    if len(actual) != len(expected):
+        return [f"{len(actual)} outputs, the reference has {len(expected)}"]
+    problems = []
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if a.shape != e.shape or a.dtype != e.dtype:
+            problems.append(f"output {i}: {a.dtype}{list(a.shape)} vs reference {e.dtype}{list(e.shape)}")
+            continue
+        if not torch.equal(a.isnan(), e.isnan()):
+            problems.append(f"output {i}: NaN at {int((a.isnan() ^ e.isnan()).sum())} other positions")
+        infinite = a.isinf() | e.isinf()
+        if not torch.equal(a[infinite], e[infinite]):
+            problems.append(f"output {i}: infinities differ at {int((a[infinite] != e[infinite]).sum())} positions")
+        finite = a.isfinite() & e.isfinite()
+        a, e = a[finite], e[finite]
+        if e.numel() == 0 or problems:
+            continue
+        if family == "weight_only":
+            limit = TOLERANCE["weight_only"]["max_relative_error"][torch.float32]
+            error = (a - e).abs().max().item() / max(e.abs().max().item(), 1e-30)
+            if error > limit:
+                problems.append(f"output {i}: max error {error:.4g} of the largest output (limit {limit})")
+        elif (a - e).abs().max() > TOLERANCE["float"]["atol"] and cosine(a, e) < TOLERANCE["float"]["min_cosine"]:
+            problems.append(f"output {i}: cosine {cosine(a, e):.6f}, max difference {(a - e).abs().max().item():.3g}")
+    return problems
+
+
+class _Lowered:
+    """A Dynamo backend that lowers with qbackend and keeps (reference graph, inputs, lowered
+    graph, report) to compare every int8 value afterwards."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        from qbackend.backend import Options, compile_graph
+
+        runner, report, lowered = compile_graph(gm, example_inputs, Options(**OPTIONS))
+        self.graphs.append((gm, list(example_inputs), lowered))
+        return runner
+
+
+def _int8_steps(graphs) -> list[str]:
+    """Every int8 tensor the lowered graph makes in place of a reference quantize, within the
+    tolerance table's steps of it."""
+    problems, tolerance = [], TOLERANCE["int8"]
+    for gm, inputs, lowered in graphs:
+        reference, got = _Recorder(gm), _Recorder(lowered)
+        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        with torch.no_grad():
+            reference.run(*inputs)
+            got.run(*[inputs[placeholders.index(n.name)] for n in lowered.graph.nodes if n.op == "placeholder"])
+        for node in lowered.graph.nodes:
+            replaced = node.meta.get("qbackend_replaces")
+            value = got.values.get(node.name)
+            if replaced not in reference.values or not isinstance(value, torch.Tensor) or value.is_floating_point():
+                continue
+            expected = reference.values[replaced]
+            steps = (_in_reference_dtype(value, expected).int() - expected.int()).abs()
+            if steps.shape != expected.shape:
+                problems.append(f"{node.name}: shape {list(steps.shape)} vs {list(expected.shape)}")
+            elif steps.max() > tolerance["max_steps"] or (steps <= 1).double().mean() < tolerance["within_one_step"]:
+                problems.append(f"{node.name} vs {replaced}: up to {steps.max().item()} steps")
+    return problems
+
+
+class InvalidCase(Exception):
+    """The seed's model could not be quantized or its reference could not run: a generator
+    bug, not a qbackend one (counted apart)."""
+
+
+def run_case(seed: int) -> tuple[str, list[str]]:
+    """(what ran, problems) for ``seed``; InvalidCase when the reference cannot run."""
+    case = build(seed)
+    rng = random.Random(seed * 7919 + 1)
+    generator = torch.Generator().manual_seed(seed)
+    calibration = [(torch.randn(case.shape, generator=generator),) for _ in range(2)]
+    values, kind = _values(rng, case.shape, generator)
+    x, storage, layout = _layout(rng, values)
+    path = rng.choice(["torch.compile", "qbackend.compile"])
+    try:
+        with _quiet(), torch.no_grad():
+            model, reference, flow = _quantized(case, rng, calibration)
+            expected = reference(x.contiguous())  # (the same values, a copy)
+    except Exception as error:
+        raise InvalidCase(f"{case.describe()}: {type(error).__name__}: {error}") from error
+    what = f"{case.describe()}; {flow}; {path}; input {layout} {kind}"
+    reports = []
+    options = {**OPTIONS, "report_sink": reports.append}
+    stored = storage.clone()
+    with _quiet(), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch._dynamo.reset()
+        lowered = _Lowered()
+        if path == "torch.compile":
+            compiled = torch.compile(model, backend=lowered)
+        else:
+            compiled = qbackend.compile(model, options)
+        actual = compiled(x)
+        again = compiled(x)  # (a second call runs the prepared kernels)
+    problems = _compare(actual, expected, case.family)
+    if not all(map(_same_bits, again if isinstance(again, tuple) else (again,), actual if isinstance(actual, tuple) else (actual,))):
+        problems.append("a second call with the same input gave other values")
+    if not _same_bits(storage, stored):
+        problems.append(f"the input's storage changed ({layout})")
+    problems += [f"lowering failed: {note}" for report in reports for note in report.notes if note.startswith("lowering failed")]
+    if case.family == "int8":
+        problems += _int8_steps(lowered.graphs)
+    return what, problems
+
+
+@contextlib.contextmanager
+def _quiet():
+    """torchao's and export's log lines, once per case, would drown the report."""
+    import logging
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
