@@ -14,6 +14,7 @@ from qbackend.patterns.base import Match, PostOp, QuantizedValue, fake_value
 
 from . import capabilities
 from .base import EmitContext, Lowering
+from .signed_int8 import NAN_AS, nan_as
 
 aten = torch.ops.aten
 NO_POST_OP = PostOp("none")
@@ -246,6 +247,7 @@ def emit_int8_views(ctx: EmitContext, match: Match) -> Node:
     else:
         quant = match.result
         value = record_fake_value(graph.call_function(quant.target, (match.float_source, *quant.args[1:]), dict(quant.kwargs)))
+        value.meta.update({key: quant.meta[key] for key in (NAN_AS,) if key in quant.meta})
         ctx.notes.append("quantize moved above the views")
     for op in match.op_args:
         value = record_fake_value(graph.call_function(op.target, (value, *op.args[1:]), dict(op.kwargs)))
@@ -255,7 +257,7 @@ def emit_int8_views(ctx: EmitContext, match: Match) -> Node:
 def emit_smooth_quantize(ctx: EmitContext, match: Match) -> Node:
     q = match.output_quant
     return ctx.gm.graph.call_function(fast_qdq.scale_quantize_per_tensor, (
-        match.float_source, match.op_args[0], q.scale, q.zero_point, q.qmin, q.qmax, q.dtype))
+        match.float_source, match.op_args[0], q.scale, q.zero_point, q.qmin, q.qmax, q.dtype), nan_as(match.result))
 
 
 COMMON: dict[str, Lowering] = {

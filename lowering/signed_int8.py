@@ -5,7 +5,10 @@ The rewrite is exact: for any float x,
 
     clamp(round(x / s) + z, -128, 127) + 128 == clamp(round(x / s) + z + 128, 0, 255)
 
-and both dequantize to the same value ((q - z) * s). So a signed quantize whose every reader
+and both dequantize to the same value ((q - z) * s). A NaN is the exception: the reference's
+integer conversion stores it as 0 (128 once shifted), where a uint8 quantize stores 0; the
+rewritten quantize carries ``NAN_AS`` in its meta, which fast_qdq's quantizes take (cleanup.py,
+common.py). So a signed quantize whose every reader
 is a dequantize with the same qparams becomes an unsigned quantize with zero point z + 128,
 its dequantizes likewise, and every rule that takes uint8 then applies. A signed tensor that
 anything else reads (a graph output, an op that is not a dequantize) stays signed.
@@ -21,6 +24,12 @@ from qbackend.patterns.base import fake_value
 from qbackend.patterns.qdq import FULL_RANGE, is_op
 
 SHIFT = 128
+NAN_AS = "qbackend_nan_as"  # node meta: the integer a NaN quantizes to, where not the reference's 0
+
+
+def nan_as(quantize: Node) -> dict:
+    """The keyword fast_qdq's quantizes take for ``quantize``'s NaN (none: the reference's 0)."""
+    return {"nan_as": quantize.meta[NAN_AS]} if NAN_AS in quantize.meta else {}
 
 
 def _signed_qparams(node: Node) -> Optional[tuple]:
@@ -56,6 +65,7 @@ def signed_activations_as_unsigned(gm: GraphModule) -> Optional[str]:
                                   and tuple(r.args[1:6]) == tuple(node.args[1:6]) for r in readers):
             continue
         _as_unsigned(node)
+        node.meta[NAN_AS] = SHIFT
         _retype(node)
         for reader in readers:
             _as_unsigned(reader)

@@ -10,6 +10,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from qbackend.lowering.common import static_shape
+from qbackend.lowering.signed_int8 import nan_as
 from qbackend.patterns.base import constant_value, fake_value
 from qbackend.patterns.inplace import schema_writes
 
@@ -126,7 +127,8 @@ def fast_boundary_qdq(gm: GraphModule, device: str = "cpu") -> None:
             out_dtype = {u.kwargs.get("out_dtype") for u in users}
             if len(out_dtype) == 1:
                 with gm.graph.inserting_before(node):
-                    fused = gm.graph.call_function(fast_qdq.quantize_dequantize_per_tensor, node.args, {"out_dtype": out_dtype.pop()})
+                    fused = gm.graph.call_function(fast_qdq.quantize_dequantize_per_tensor, node.args,
+                                                   {"out_dtype": out_dtype.pop(), **nan_as(node)})
                 fused.meta = dict(users[0].meta)
                 for user in users:
                     user.replace_all_uses_with(fused)
@@ -134,6 +136,7 @@ def fast_boundary_qdq(gm: GraphModule, device: str = "cpu") -> None:
                 gm.graph.erase_node(node)
                 continue
         node.target = fast_qdq.quantize_per_tensor_channels_last if _feeds_convs_only(node, readers) else fast_qdq.quantize_per_tensor
+        node.kwargs = nan_as(node)
     replacements = {dq_op: fast_qdq.dequantize_per_tensor,
                     graph_op("quantize_per_tensor_tensor"): fast_qdq.quantize_per_tensor_tensor,
                     graph_op("dequantize_per_tensor_tensor"): fast_qdq.dequantize_per_tensor_tensor}

@@ -90,16 +90,30 @@ def _memory_order(x: torch.Tensor) -> Optional[list]:
     return order if x.permute(order).is_contiguous() else None
 
 
-def _own_kernel(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+def _own_kernel(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, nan_as: int) -> Optional[torch.Tensor]:
     """native.quantize_dense's result, None where it does not apply (a fake tensor under
     tracing, another device or dtype, a non-dense view, the kernels not built)."""
-    return native.quantize_dense(x, scale, zero_point, qmin, qmax, dtype) if type(x) is torch.Tensor else None
+    return native.quantize_dense(x, scale, zero_point, qmin, qmax, dtype, nan_as) if type(x) is torch.Tensor else None
 
 
-def quantize_per_tensor(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype):
-    y = _own_kernel(x, scale, zero_point, qmin, qmax, dtype)
+def _nan_stored_as(q: torch.Tensor, x: torch.Tensor, nan_as: int) -> torch.Tensor:
+    """The other paths store a NaN as 0 (the float steps) or qmax (ATen's quantize): put
+    ``nan_as`` there. (A sum is 2-20x cheaper than isnan().any(); inf - inf also gives NaN,
+    which costs only the fill.)"""
+    if type(x) is torch.Tensor and bool(x.sum().isnan()):
+        q.masked_fill_(x.isnan(), nan_as)
+    return q
+
+
+def quantize_per_tensor(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, nan_as: int = 0):
+    """``nan_as``: a NaN's integer (the reference's 0; lowering/signed_int8.py asks for 128)."""
+    y = _own_kernel(x, scale, zero_point, qmin, qmax, dtype, nan_as)
     if y is not None:
         return y
+    return _nan_stored_as(_quantize_without_own_kernel(x, scale, zero_point, qmin, qmax, dtype), x, nan_as)
+
+
+def _quantize_without_own_kernel(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype):
     if _vectorised(x, dtype):
         # ATen's quantize writes a contiguous result from a contiguous copy of its input: a
         # permuted input is quantized in its memory order and the result permuted back, so
@@ -113,18 +127,19 @@ def quantize_per_tensor(x, scale: float, zero_point: int, qmin: int, qmax: int, 
     return _scaled_rounded(x, scale, zero_point, qmin, qmax).to(dtype)
 
 
-def quantize_per_tensor_channels_last(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype):
+def quantize_per_tensor_channels_last(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype,
+                                      nan_as: int = 0):
     """``quantize_per_tensor`` for a conv's input: a channels-last result, which the conv
     kernels read without a transpose of their own. A float32 NCHW input is quantized and laid
     out in one pass (qbackend's kernel: the reference's arithmetic, bit-exact); otherwise a CPU
     input is made channels-last first."""
-    if dtype == torch.uint8 and type(x) is torch.Tensor:
+    if dtype == torch.uint8 and type(x) is torch.Tensor and nan_as == qmin:  # (the kernel stores a NaN as qmin)
         y = native.quantize_channels_last(x, scale, zero_point, qmin, qmax)
         if y is not None:
             return y
     if x.dim() == 4 and x.device.type == "cpu":  # (elsewhere the device's own conv picks its layout)
         x = x.contiguous(memory_format=torch.channels_last)
-    return quantize_per_tensor(x, scale, zero_point, qmin, qmax, dtype)
+    return quantize_per_tensor(x, scale, zero_point, qmin, qmax, dtype, nan_as)
 
 
 def dequantize_per_tensor(q, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, *, out_dtype=None):
@@ -136,28 +151,32 @@ def dequantize_per_tensor(q, scale: float, zero_point: int, qmin: int, qmax: int
 
 
 def scale_quantize_per_tensor(x, factors: torch.Tensor, scale: float, zero_point: int, qmin: int, qmax: int,
-                              dtype: torch.dtype):
+                              dtype: torch.dtype, nan_as: int = 0):
     """quantize_per_tensor(x * factors): the graph's float32 product, then the vectorised
     quantize (2-3x faster than the float steps: 33 vs 58 us on MiniLM's [64, 384] at batch 1,
     198 vs 565 us on [512, 1536]; rounding ties as ``quantize_per_tensor``), or else the
     quantize steps in place on the product (one buffer instead of two)."""
     y = torch.mul(x, factors)
-    q = _own_kernel(y, scale, zero_point, qmin, qmax, dtype)
+    q = _own_kernel(y, scale, zero_point, qmin, qmax, dtype, nan_as)
     if q is not None:
         return q
     if _vectorised(y, dtype):
-        return _quantized_integers(y, scale, zero_point, qmin, qmax, dtype)[1]
+        return _nan_stored_as(_quantized_integers(y, scale, zero_point, qmin, qmax, dtype)[1], y, nan_as)
     if y.dtype in (torch.float16, torch.bfloat16):
         y = y.to(torch.float32)
+    nan = y.isnan() if nan_as else None
     y.mul_(1.0 / scale)
-    return _to_grid_(y, zero_point, qmin, qmax).to(dtype)
+    q = _to_grid_(y, zero_point, qmin, qmax).to(dtype)
+    return q if nan is None else q.masked_fill_(nan, nan_as)  # (the float steps store a NaN as 0)
 
 
-def quantize_dequantize_per_tensor(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, out_dtype=None):
+def quantize_dequantize_per_tensor(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, out_dtype=None,
+                                   nan_as: int = 0):
     """dq(q(x)) without materialising the integer tensor: exact, because the rounded,
     clamped value is an integer-valued float32 that the integer cast would keep unchanged."""
-    q = _own_kernel(x, scale, zero_point, qmin, qmax, dtype)
-    if q is not None:
+    q = _own_kernel(x, scale, zero_point, qmin, qmax, dtype, nan_as)
+    if q is not None or nan_as:
+        q = q if q is not None else quantize_per_tensor(x, scale, zero_point, qmin, qmax, dtype, nan_as)
         return dequantize_per_tensor(q, scale, zero_point, qmin, qmax, dtype, out_dtype=out_dtype)
     if out_dtype in (None, torch.float32) and _vectorised(x, dtype):
         return _quantized_integers(x, scale, zero_point, qmin, qmax, dtype)[0].dequantize()

@@ -128,7 +128,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_dwconv3x3_call.argtypes = [i32] + [pointer] * 3
     lib.qb_attention_f32.argtypes = [i32] + [pointer] * 6
     lib.qb_quantize_nchw_to_nhwc.argtypes = [i32] * 4 + [pointer, f32] + [i32] * 3 + [pointer]
-    lib.qb_quantize_dense.argtypes = [i32, ctypes.c_long, pointer, f32] + [i32] * 4 + [pointer]
+    lib.qb_quantize_dense.argtypes = [i32, ctypes.c_long, pointer, f32] + [i32] * 5 + [pointer]
     lib.qb_scale_quantize.argtypes = [i32, i32, i32, ctypes.c_long, i32, pointer, pointer, ctypes.c_long, f32] + [i32] * 3 + [pointer]
     _declare_gemm(lib.qb_conv_call)
     lib.qb_run_chain.argtypes = [i32, i32, pointer, pointer]
@@ -797,9 +797,10 @@ def quantize_channels_last(x: torch.Tensor, scale: float, zero_point: int, qmin:
 INTEGER_RANGE = {torch.uint8: (0, 255), torch.int8: (-128, 127)}
 
 
-def quantize_dense(x: torch.Tensor, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+def quantize_dense(x: torch.Tensor, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype,
+                   nan_as: int = 0) -> Optional[torch.Tensor]:
     """uint8 / int8 quantize of a dense float32 CPU tensor in its own dim order
-    (quantize_dense.c: the reference's arithmetic and its NaN -> 0), or None where the kernel
+    (quantize_dense.c: the reference's arithmetic, a NaN stored as ``nan_as``), or None where the kernel
     does not apply (other tensors, a range beyond the dtype's, a scale or zero point whose
     float32 arithmetic the kernel does not reproduce) or is not built."""
     lib = _load()[0]
@@ -807,11 +808,12 @@ def quantize_dense(x: torch.Tensor, scale: float, zero_point: int, qmin: int, qm
             or not _is_dense(x)):
         return None
     low, high = INTEGER_RANGE[dtype]
-    if not (low <= qmin <= qmax <= high and abs(zero_point) <= 1 << 24 and scale > 0 and math.isfinite(scale)):
+    if not (low <= qmin <= qmax <= high and low <= nan_as <= high and abs(zero_point) <= 1 << 24 and scale > 0
+            and math.isfinite(scale)):
         return None
     y = torch.empty_like(x, dtype=dtype)  # (a dense input's strides)
     lib.qb_quantize_dense(torch.get_num_threads(), x.numel(), x.data_ptr(), 1.0 / scale, zero_point, qmin, qmax,
-                          dtype == torch.int8, y.data_ptr())
+                          dtype == torch.int8, nan_as & 0xFF, y.data_ptr())
     return y
 
 

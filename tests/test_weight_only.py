@@ -98,7 +98,7 @@ return (add_tensor)""")
         graph, report = self.lowered(model.gate, torch.randn(4, 256), weight_only_compute="bf16")
         self.assertExpectedInline(graph, """\
 l_args_0_ = input
-_to_copy_default = aten._to_copy(l_args_0_, dtype=bfloat16)
+_to_copy_default = aten._to_copy(l_args_0_, dtype=bfloat16, memory_format=torch.contiguous_format)
 _weight_int4pack_mm_for_cpu_default = aten._weight_int4pack_mm_for_cpu(_to_copy_default, <const>, 128, <const>)
 _to_copy_default_1 = aten._to_copy(_weight_int4pack_mm_for_cpu_default, dtype=float32)
 add_tensor = aten.add.Tensor(_to_copy_default_1, <const>)
@@ -112,7 +112,8 @@ return (add_tensor)""")
         self.assertExpectedInline(graph, """\
 l_args_0_ = input
 reshape_default = aten.reshape(l_args_0_, [-1, 256])
-_weight_int8pack_mm_default = aten._weight_int8pack_mm(reshape_default, <const>, <const>)
+contiguous_rows = weight_only.contiguous_rows(reshape_default)
+_weight_int8pack_mm_default = aten._weight_int8pack_mm(contiguous_rows, <const>, <const>)
 unflatten_rows = weight_only.unflatten_rows(_weight_int8pack_mm_default, l_args_0_)
 return (unflatten_rows)""")
         assert "computed in" not in report
@@ -211,6 +212,18 @@ def test_int16_kernel_takes_40_outputs_torchs_int4_kernel_refuses():
 def test_in_features_not_a_multiple_of_the_group_stay_float():
     model = qbackend.quantize_weights(nn.Sequential(nn.Linear(96, 32)), bits=4, group_size=64)
     assert not isinstance(model[0].weight, QuantizedLinearWeight)
+
+
+@pytest.mark.parametrize("compute,bits,op", [("bf16", 4, KERNELS["bf16", 4]), ("bf16", 8, KERNELS["bf16", 8]),
+                                             ("activation", 8, KERNELS["bf16", 8])])  # (fp32 rows, no copy)
+def test_torchs_kernels_take_a_transposed_input(compute, bits, op):
+    """torch's packed kernels raise on strided rows ("expect A to be contiguous"): the lowering
+    hands them contiguous ones (found by the fuzzer with the own kernels switched off)."""
+    model, reference = quantized_and_reference(bits, 32)
+    x = torch.randn(256, 3).t()
+    actual, _, captured = compile_and_run(model, (x,), weight_only_compute=compute)
+    assert {d.op for d in captured.report.decisions} == {op}
+    assert_weight_only_close(actual, reference(x), compute)
 
 
 def test_other_compilers_see_through_the_tensor():

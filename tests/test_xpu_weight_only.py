@@ -22,7 +22,7 @@ class TestXpuWeightOnlyGraphs(expecttest.TestCase):
         lowered, report = lowered_for_xpu(model, torch.randn(4, 256))
         self.assertExpectedInline(short_graph(lowered), """\
 l_args_0_ = input
-_to_copy_default = aten._to_copy(l_args_0_, dtype=bfloat16)
+_to_copy_default = aten._to_copy(l_args_0_, dtype=bfloat16, memory_format=torch.contiguous_format)
 _weight_int4pack_mm_with_scales_and_zeros_default = aten._weight_int4pack_mm_with_scales_and_zeros(_to_copy_default, <const>, 128, <const>, <const>)
 _to_copy_default_1 = aten._to_copy(_weight_int4pack_mm_with_scales_and_zeros_default, dtype=float32)
 add_tensor = aten.add.Tensor(_to_copy_default_1, <const>)
@@ -42,7 +42,8 @@ return (add_tensor)""")
         lowered, _ = lowered_for_xpu(model, torch.randn(2, 64, dtype=torch.float16))
         self.assertExpectedInline(short_graph(lowered), """\
 l_args_0_ = input
-_weight_int8pack_mm_default = aten._weight_int8pack_mm(l_args_0_, <const>, <const>)
+contiguous_rows = weight_only.contiguous_rows(l_args_0_)
+_weight_int8pack_mm_default = aten._weight_int8pack_mm(contiguous_rows, <const>, <const>)
 return (_weight_int8pack_mm_default)""")
 
 

@@ -4,7 +4,8 @@
  * Why not ATen's quantize_per_tensor: it maps a NaN to qmax, where the reference
  * (quantized_decomposed: clamp, which keeps the NaN, then the integer conversion) stores 0;
  * and it costs a quantized tensor per call. Here: the reference's arithmetic
- * (round_half_even(x * inv_scale) + zero_point, clamped), a NaN stored as 0.
+ * (round_half_even(x * inv_scale) + zero_point, clamped), a NaN stored as ``nan_byte`` (0 as
+ * the reference; 128 where an int8 quantize runs as uint8 + 128: lowering/signed_int8.py).
  */
 #include <immintrin.h>
 #include <stddef.h>
@@ -14,8 +15,8 @@
 
 #define CHUNK 16384 /* values per parallel task */
 
-/* 16 values -> 16 bytes in order; ``flip``: 0x80 turns the biased (value + 128) into int8, and
- * ``nan_value`` (the bias) becomes the 0 a NaN is stored as. */
+/* 16 values -> 16 bytes in order; ``flip``: 0x80 turns the biased (value + 128) into int8;
+ * ``nan_value``: a NaN's byte before the flip. */
 static inline __m128i quantize16_dense(const float* in, __m256 inv, __m256 zp, __m256 lo, __m256 hi, __m256i nan_value,
                                        __m128i flip) {
   const __m256 a = _mm256_loadu_ps(in), b = _mm256_loadu_ps(in + 8);
@@ -32,9 +33,9 @@ static inline __m128i quantize16_dense(const float* in, __m256 inv, __m256 zp, _
  * the CPU has it: one vector, one saturating narrow. */
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static void quantize_run512(const float* x, long n, float inv_scale,
                                                                                float zp, float lo, float hi, int bias,
-                                                                               uint8_t* y) {
+                                                                               int nan_byte, uint8_t* y) {
   const __m512 vinv = _mm512_set1_ps(inv_scale), vzp = _mm512_set1_ps(zp), vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
-  const __m512i nan_value = _mm512_set1_epi32(bias);
+  const __m512i nan_value = _mm512_set1_epi32(nan_byte ^ bias);
   const __m128i flip = _mm_set1_epi8((char)bias);
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   const __m512i flip64 = _mm512_set1_epi8((char)bias);
@@ -57,17 +58,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static void quantize_run512
     ints = _mm512_mask_mov_epi32(ints, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan_value);
     _mm_storeu_si128((__m128i*)(y + i), _mm_xor_si128(_mm512_cvtusepi32_epi8(ints), flip));
   }
-  for (; i < n; i++) y[i] = x[i] != x[i] ? 0 : (uint8_t)(round_to_grid(x[i] * inv_scale, (int)zp, (int)lo, (int)hi) ^ bias);
+  for (; i < n; i++) y[i] = x[i] != x[i] ? (uint8_t)nan_byte : (uint8_t)(round_to_grid(x[i] * inv_scale, (int)zp, (int)lo, (int)hi) ^ bias);
 }
 
 /* ``is_signed``: y is int8 (computed biased by 128 in [0, 255], then flipped back). */
 void qb_quantize_dense(int threads, long n, const float* x, float inv_scale, int zero_point, int qmin, int qmax,
-                       int is_signed, uint8_t* y) {
+                       int is_signed, int nan_byte, uint8_t* y) {
   const int bias = is_signed ? 128 : 0;
   const __m256 inv = _mm256_set1_ps(inv_scale), zp = _mm256_set1_ps((float)(zero_point + bias));
   const __m256 lo = _mm256_set1_ps((float)(qmin + bias)), hi = _mm256_set1_ps((float)(qmax + bias));
   const __m128i flip = _mm_set1_epi8((char)bias);
-  const __m256i nan_value = _mm256_set1_epi32(bias);
+  const __m256i nan_value = _mm256_set1_epi32(nan_byte ^ bias);
   const long chunks = (n + CHUNK - 1) / CHUNK;
   const int wide = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 #pragma omp parallel for num_threads(chunks > 1 ? threads : 1) schedule(static)
@@ -75,12 +76,13 @@ void qb_quantize_dense(int threads, long n, const float* x, float inv_scale, int
     const long start = c * CHUNK, stop = n - start < CHUNK ? n : start + CHUNK;
     if (wide) {
       quantize_run512(x + start, stop - start, inv_scale, (float)(zero_point + bias), (float)(qmin + bias),
-                      (float)(qmax + bias), bias, y + start);
+                      (float)(qmax + bias), bias, nan_byte, y + start);
       continue;
     }
     long i = start;
     for (; i + 16 <= stop; i += 16) _mm_storeu_si128((__m128i*)(y + i), quantize16_dense(x + i, inv, zp, lo, hi, nan_value, flip));
     for (; i < stop; i++)
-      y[i] = x[i] != x[i] ? 0 : (uint8_t)(round_to_grid(x[i] * inv_scale, zero_point + bias, qmin + bias, qmax + bias) ^ bias);
+      y[i] = x[i] != x[i] ? (uint8_t)nan_byte
+                          : (uint8_t)(round_to_grid(x[i] * inv_scale, zero_point + bias, qmin + bias, qmax + bias) ^ bias);
   }
 }

@@ -24,6 +24,47 @@ SPECIALS = (0.0, 1e30, -1e30, math.inf, -math.inf, math.nan)
 OPTIONS = {"kernel_choice": "prior"}
 
 
+_PATTERNS: dict = {}
+
+
+def _pattern_key(pattern, example_inputs, is_cuda, kwargs):
+    def spell(value):
+        return (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else value
+
+    function = getattr(pattern, "fn", pattern)  # (torchao wraps some patterns in a WrapperModule)
+    cells = tuple(cell.cell_contents for cell in function.__closure__ or ())
+    return (type(pattern), function.__code__, cells, tuple(map(spell, example_inputs)), is_cuda,
+            tuple((k, spell(v)) for k, v in sorted(kwargs.items())))
+
+
+@contextlib.contextmanager
+def _conv_bn_patterns_exported_once():
+    """convert_pt2e exports torchao's 28 QAT conv-BN pattern graphs on every call on a graph
+    with a BatchNorm (~1 s, 80% of a case): each graph depends only on the pattern's code,
+    its closure (flags, conv function) and the example shapes, so the fuzzer keeps a copy."""
+    import copy
+
+    from torchao.quantization.pt2e import qat_utils
+
+    export = qat_utils._get_aten_graph_module_for_pattern
+
+    def exported_once(pattern, example_inputs, is_cuda=False, **kwargs):
+        key = _pattern_key(pattern, example_inputs, is_cuda, kwargs)
+        try:
+            hash(key)
+        except TypeError:  # (a closure holding something unhashable: exported every time)
+            return export(pattern, example_inputs, is_cuda, **kwargs)
+        if key not in _PATTERNS:
+            _PATTERNS[key] = export(pattern, example_inputs, is_cuda, **kwargs)
+        return copy.deepcopy(_PATTERNS[key])
+
+    qat_utils._get_aten_graph_module_for_pattern = exported_once
+    try:
+        yield
+    finally:
+        qat_utils._get_aten_graph_module_for_pattern = export
+
+
 def _quantized(case: Case, rng: random.Random, calibration: list):
     """(model to compile, reference module, flow description)."""
     if case.family == "weight_only":
@@ -178,7 +219,7 @@ def run_case(seed: int) -> tuple[str, list[str]]:
     x, storage, layout = _layout(rng, values)
     path = rng.choice(["torch.compile", "qbackend.compile"])
     try:
-        with _quiet(), torch.no_grad():
+        with _quiet(), torch.no_grad(), _conv_bn_patterns_exported_once():
             model, reference, flow = _quantized(case, rng, calibration)
             expected = reference(x.contiguous())  # (the same values, a copy)
     except Exception as error:
