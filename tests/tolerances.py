@@ -7,7 +7,10 @@ TOLERANCE = {
     "int8": {"within_one_step": 0.999, "max_steps": 2},
     # float outputs: cosine, or every element within atol (a reference of zeros has no cosine;
     # a float residual add there gave 1.2e-7)
-    "float": {"min_cosine": 0.9999, "atol": 1e-5},
+    "float": {"min_cosine": 0.9999, "atol": 1e-5,
+              # computed from an int8 value a rule within one step (qavgpool's ties) made one step
+              # off: a 3x4x2 pool output measured 0.9974
+              "min_cosine_after_a_step": 0.99},
     # weight-only linears vs the fp32 linear on the dequantized weight, as a fraction of the
     # largest output. The kernels run bf16 activations by default; measured on the test MLPs:
     # fp32 models <= 0.4%, bf16 models (whose every intermediate is bf16) <= 1.1%

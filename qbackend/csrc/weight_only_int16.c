@@ -157,9 +157,14 @@ static inline void int8_row(int mt, int N, int K, int n, const int8_t* w, const 
     }                                                                      \
   }
 
+/* The float weight as the reference dequantizes it: with an integer zero point (offset = -z s),
+ * (u - z) * s, so a weight on the zero point is exactly 0 (inf * 0 must give NaN, as in the
+ * reference, not inf * 1e-9); with a float zero point, u * s + offset. */
 static inline float int4_weight(const uint8_t* w, const float* scale, const float* offset, int K, int group, int n, int k) {
   const int u = (w[(size_t)n * (K / 2) + k / 2] >> (4 * (k & 1))) & 0x0F;
   const size_t g = (size_t)n * (K / group) + k / group;
+  const float zero = -offset[g] / scale[g], nearest = nearbyintf(zero);
+  if (fabsf(zero - nearest) < 1e-3f) return ((float)u - nearest) * scale[g];
   return (float)u * scale[g] + offset[g];
 }
 
