@@ -172,15 +172,13 @@ def scale_quantize_per_tensor(x, factors: torch.Tensor, scale: float, zero_point
 
 def quantize_dequantize_per_tensor(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, out_dtype=None,
                                    nan_as: int = 0):
-    """dq(q(x)) without materialising the integer tensor: exact, because the rounded,
-    clamped value is an integer-valued float32 that the integer cast would keep unchanged."""
+    """dq(q(x)) for a quantize whose readers all dequantize it alike: qbackend's quantize, or
+    else the float steps without the integer tensor (exact: the rounded, clamped value is an
+    integer-valued float32 the integer cast would keep; a NaN is the integer it is stored as)."""
     q = _own_kernel(x, scale, zero_point, qmin, qmax, dtype, nan_as)
-    if q is not None or nan_as:
-        q = q if q is not None else quantize_per_tensor(x, scale, zero_point, qmin, qmax, dtype, nan_as)
+    if q is not None:
         return dequantize_per_tensor(q, scale, zero_point, qmin, qmax, dtype, out_dtype=out_dtype)
-    if out_dtype in (None, torch.float32) and _vectorised(x, dtype):
-        return _quantized_integers(x, scale, zero_point, qmin, qmax, dtype)[0].dequantize()
-    y = _scaled_rounded(x, scale, zero_point, qmin, qmax)
+    y = _scaled_rounded(x, scale, zero_point, qmin, qmax).nan_to_num_(nan=float(nan_as))
     if out_dtype not in (None, torch.float32):
         y = y.to(out_dtype)
     y.sub_(zero_point)

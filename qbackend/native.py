@@ -128,7 +128,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_dwconv3x3_call.argtypes = [i32] + [pointer] * 3
     lib.qb_attention_f32.argtypes = [i32] + [pointer] * 6
     lib.qb_quantize_nchw_to_nhwc.argtypes = [i32] * 4 + [pointer, f32] + [i32] * 3 + [pointer]
-    lib.qb_quantize_dense.argtypes = [i32, ctypes.c_long, pointer, f32] + [i32] * 5 + [pointer]
+    lib.qb_quantize_dense.argtypes = [i32, ctypes.c_long, pointer, f32] + [i32] * 6 + [pointer]
     lib.qb_scale_quantize.argtypes = [i32, i32, i32, ctypes.c_long, i32, pointer, pointer, ctypes.c_long, f32] + [i32] * 3 + [pointer]
     _declare_gemm(lib.qb_conv_call)
     lib.qb_run_chain.argtypes = [i32, i32, pointer, pointer]
@@ -813,8 +813,14 @@ def quantize_dense(x: torch.Tensor, scale: float, zero_point: int, qmin: int, qm
         return None
     y = torch.empty_like(x, dtype=dtype)  # (a dense input's strides)
     lib.qb_quantize_dense(torch.get_num_threads(), x.numel(), x.data_ptr(), 1.0 / scale, zero_point, qmin, qmax,
-                          dtype == torch.int8, nan_as & 0xFF, y.data_ptr())
+                          dtype == torch.int8, nan_as & 0xFF, _wide_quantize(), y.data_ptr())
     return y
+
+
+@functools.lru_cache(maxsize=None)
+def _wide_quantize() -> bool:
+    """quantize_dense.c's AVX512 step: where ATen finds AVX512 and $QBACKEND_KERNELS is not avx2."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and _switch() != "avx2"
 
 
 def _is_dense(x: torch.Tensor) -> bool:
