@@ -7,7 +7,7 @@ Per model and batch: the float model quantized once with ``qbackend.pt2e_flow.qu
 (the same converted module for every PT2E path), then Inductor int8 (PT2E + freezing), qbackend
 through ``torch.compile(backend="qbackend")`` with default options and through
 ``qbackend.compile``, and the peers outside PyTorch that are installed (ONNX Runtime int8 QDQ
-for the CNNs), timed in interleaved rounds in this one process. Writes
+for the CNNs, OpenVINO int8 via NNCF), timed in interleaved rounds in this one process. Writes
 docs/benchmarks_zoo.md, one section per CPU (a section of another CPU is kept), and with
 ``--profile`` docs/profile_zoo.md: where each model's time goes, qbackend beside Inductor.
 """
@@ -38,6 +38,7 @@ import qbackend  # noqa: E402
 from qbackend import choice_cache, pt2e_flow  # noqa: E402
 
 import ort_peer  # noqa: E402
+import ov_peer  # noqa: E402
 import zoo_models  # noqa: E402
 from common import (NUM_THREADS, Settings, clone_inputs, cosine, cpu_key, log, machine_description,  # noqa: E402
                     interleaved_samples, paired_ratios, short_error, write_section)
@@ -68,7 +69,17 @@ def _ort(case: Case):
     return case.cache["ort"]
 
 
+def _openvino(case: Case):
+    if importlib.util.find_spec("openvino") is None or importlib.util.find_spec("nncf") is None:
+        raise NotApplicable("openvino / nncf not installed")
+    if "openvino" not in case.cache:
+        case.cache["openvino"] = ov_peer.int8_model(case.zoo.model, case.zoo.inputs, case.zoo.calibration, NUM_THREADS,
+                                                    transformer=not case.zoo.is_cnn)
+    return case.cache["openvino"]
+
+
 INDUCTOR, TORCH_COMPILE, DIRECT, ORT = "Inductor int8", "qbackend (torch.compile)", "qbackend.compile", "ONNX Runtime int8"
+OPENVINO = "OpenVINO int8"
 # path -> builder (a callable taking the model's inputs); the first is the baseline. The two
 # torch.compile paths compile copies: Dynamo keeps its compiled code per code object, and with
 # both on one module every call checked the other backend's guards first (~1 ms on resnet50).
@@ -77,6 +88,7 @@ PATHS: dict[str, Callable[[Case], Callable]] = {
     TORCH_COMPILE: lambda case: torch.compile(copy.deepcopy(case.converted), backend="qbackend"),
     DIRECT: lambda case: qbackend.compile(case.converted),
     ORT: _ort,
+    OPENVINO: _openvino,
 }
 QBACKEND = (TORCH_COMPILE, DIRECT)
 PEERS = tuple(p for p in PATHS if p not in QBACKEND)
