@@ -8,8 +8,10 @@ from .fuzz.check import run_case
 SLICE = range(0, 150)
 # seeds that failed once, kept whatever the slice: NaN quantized to qmax by ATen's quantize where
 # the reference stores 0 (138, 169, 173); an XPU-quantized model's NaN, int8 0 in the reference,
-# run as uint8 (58, 161: lowering/signed_int8.py NAN_AS)
-REGRESSIONS = (58, 138, 161, 169, 173)
+# run as uint8 (58, 161: lowering/signed_int8.py NAN_AS); inf times a zero int4 weight, NaN in
+# the reference, inf from the kernel's float rows (378); a 2x2 int8 average pool's tie, one
+# step off by design, then read by a conv (517: the check stops at the first stepped value)
+REGRESSIONS = (58, 138, 161, 169, 173, 378, 517)
 
 
 @pytest.mark.parametrize("seed", sorted(set(SLICE) | set(REGRESSIONS)))
