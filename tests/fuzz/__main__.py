@@ -16,6 +16,8 @@ def main(argv=None) -> int:
     first, end = map(int, args.seeds.split(":"))
     start, failed, invalid = time.time(), [], []
     for seed in range(first, end):
+        if (seed - first) % 250 == 0 and seed > first:
+            print(f"... {seed - first} seeds in {time.time() - start:.0f} s, {len(failed)} failed", file=sys.stderr, flush=True)
         try:
             what, problems = run_case(seed)
         except InvalidCase as error:
