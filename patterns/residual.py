@@ -43,5 +43,9 @@ def set_accumulator(graph: GraphView, match: Match, add: Node, other: Node, quan
         match.accum_float = other
         buffer, reader = other, add
     blocker = clobber_blocker(graph, buffer, reader, match.result)
+    if blocker is None and match.x is not None and match.x.node is buffer:
+        # (the kernel would write its output over the input it is still reading: a 5x5 conv's
+        # windows came out garbage, one run in three)
+        blocker = f"{buffer.name} is also the input the kernel reads"
     match.accum_clobber_safe = blocker is None
     match.accum_clobber_reason = blocker or ""

@@ -34,6 +34,20 @@ class ResidualIsGraphInput(nn.Module):
         return torch.relu(self.conv(x) + residual)
 
 
+class ResidualIsTheConvInput(nn.Module):
+    """``y = conv(x); y += x``: the residual is the very tensor the conv reads (fuzz seed 723)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.conv, self.head = nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(8, 8, 5, padding=2), nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):  # (the head makes the sum int8, written into the int8 residual)
+        x = torch.relu(self.stem(x))
+        y = self.conv(x)
+        y += x
+        return self.head(y)
+
+
 @pytest.fixture
 def onednn_only(monkeypatch):
     """oneDNN's kernels, which write into their residual, rather than qbackend's own (which never do)."""
@@ -48,6 +62,18 @@ def test_residual_read_later_is_copied_not_clobbered():
     assert by_source["conv2"].rule == "qconv_add", str(report)
     assert "residual copied:" in by_source["conv2"].reason, str(report)
     assert "is read again later by conv2d_3" in by_source["conv2"].reason, str(report)
+
+
+@pytest.mark.usefixtures("onednn_only")
+def test_a_residual_the_conv_also_reads_is_copied():
+    """Summing into the conv's own input overwrote pixels its 5x5 windows still had to read:
+    garbage in one run of three, by thread timing."""
+    inputs = (torch.randn(1, 4, 8, 12),)
+    converted = quantize(ResidualIsTheConvInput(), inputs)
+    report = assert_matches_reference(converted, inputs).report
+    conv = next(d for d in report.decisions if d.source == "conv")
+    assert conv.rule == "qconv_add" and "residual copied:" in conv.reason, str(report)
+    assert "is also the input the kernel reads" in conv.reason, str(report)
 
 
 @pytest.mark.usefixtures("onednn_only")
