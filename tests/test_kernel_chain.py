@@ -30,11 +30,10 @@ class ProjectAndPool(nn.Module):
 
 
 def _compiled(model, x, chained: bool, monkeypatch):
-    if not chained:
-        monkeypatch.setattr(cleanup, "chain_own_kernels", lambda gm: None)
-    _, _, captured = compile_and_run(model, (x,))
-    monkeypatch.undo()
-    return captured
+    with monkeypatch.context() as patch:  # (undo() would also undo conftest's fixed kernel choice)
+        if not chained:
+            patch.setattr(cleanup, "chain_own_kernels", lambda gm: None)
+        return compile_and_run(model, (x,))[2]
 
 
 @pytest.mark.parametrize("model_kind", ["residual block", "value leaving mid-chain"])
