@@ -3,6 +3,7 @@ float32 residual fused in its epilogue, the same values as the reference, chosen
 up to its build's max_rows rows and oneDNN's qlinear above, or with the reason where it does not apply."""
 import pytest
 import torch
+import torch.ao.quantization.fx._decomposed  # noqa: F401  registers the reference ops
 import torch.nn as nn
 
 from qbackend import native
@@ -67,6 +68,24 @@ def test_float_residual_is_added_before_the_post_op(int8_build):
                                    1.0, 0, 0, 255, True)
     torch.testing.assert_close(floats.reshape(exact.shape).double(), (exact + residual.double()).clamp_min(0),
                                atol=2e-6, rtol=1e-6)
+
+
+@needs_own_kernels
+@pytest.mark.parametrize("low", [-float("inf"), 0.0])  # no post-op; a ReLU
+def test_nan_and_infinity_in_a_float_residual_come_out_as_the_reference_has_them(int8_build, low):
+    """The reference clamps keeping a NaN, and its quantize clamps an infinity to the range's
+    end and stores a NaN as 0: the epilogue had made a NaN -inf and an infinity INT_MIN."""
+    x, constants, exact = _gemm_case()
+    residual = torch.randn(exact.shape)
+    residual.view(-1)[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30, float("nan")])
+    expected = (exact.float() + residual).clamp_min(low)  # (clamp_min keeps a NaN)
+    args = (residual.reshape(*exact.shape, 1, 1), 1.0, low, float("inf"))
+    floats = native.op("qconv")(x, *constants, *args, 1.0, 0, 0, 255, True).reshape(exact.shape)
+    assert torch.equal(floats.isnan(), expected.isnan()) and torch.equal(floats[expected.isinf()], expected[expected.isinf()])
+    scale, zero_point = 0.05, 100
+    integers = native.op("qconv")(x, *constants, *args, scale, zero_point, 0, 255, False).reshape(exact.shape)
+    reference = torch.ops.quantized_decomposed.quantize_per_tensor(expected, scale, zero_point, 0, 255, torch.uint8)
+    assert torch.equal(integers.view(-1)[:6], reference.view(-1)[:6])
 
 
 @needs_own_kernels

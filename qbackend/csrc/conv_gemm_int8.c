@@ -124,6 +124,7 @@ typedef struct {
   int activation;          /* enum activation, applied before the clamp */
   __m256 residual_scale, low, high, out_inv_scale, out_zp;
   __m128i qmin, qmax;
+  __m256 qlow, qhigh; /* qmin, qmax as floats: the grid's clamp before the integer conversion */
 } epilogue_t;
 
 /* ``e`` is a local copy: read through a pointer, its constants would be reloaded after every
@@ -138,12 +139,16 @@ static inline void store8(const epilogue_t e, __m256i acc, int o, int Cout, size
   }
   if (e.activation == GELU_ERF) f = gelu_erf(f);
   else if (e.activation == GELU_TANH) f = gelu_tanh(f);
-  f = _mm256_min_ps(_mm256_max_ps(f, e.low), e.high);
+  /* (max_ps / min_ps return their second operand for a NaN: this order keeps a NaN, as the
+   * reference's clamp does; a float residual may hold one, or an infinity) */
+  f = _mm256_min_ps(e.high, _mm256_max_ps(e.low, f));
   if (e.float_out) {
     _mm256_storeu_ps(e.float_out + pixel * Cout + o, f);
     return;
   }
-  f = _mm256_fmadd_ps(f, e.out_inv_scale, e.out_zp);
+  /* clamped as floats first: an infinity converts to INT_MIN; a NaN lands on qmin, the 0 the
+   * reference's integer conversion stores (qmin is 0 in every uint8 flow) */
+  f = _mm256_min_ps(_mm256_max_ps(_mm256_fmadd_ps(f, e.out_inv_scale, e.out_zp), e.qlow), e.qhigh);
   const __m256i q32 = _mm256_cvtps_epi32(f); /* round half to even, as torch's quantize does */
   const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
   const __m128i q8 = _mm_min_epu8(_mm_max_epu8(_mm_packus_epi16(q16, q16), e.qmin), e.qmax);
@@ -155,6 +160,7 @@ static inline void store8(const epilogue_t e, __m256i acc, int o, int Cout, size
 typedef struct {
   __m512 residual_scale, low, high, inv_scale, zp;
   __m512i qmin, qmax, order;
+  __m512 qlow, qhigh;
 } wide_epilogue_t;
 
 static inline wide_epilogue_t wide_epilogue(const epilogue_t* e) {
@@ -162,7 +168,8 @@ static inline wide_epilogue_t wide_epilogue(const epilogue_t* e) {
                              _mm512_broadcast_f32x8(e->high), _mm512_broadcast_f32x8(e->out_inv_scale),
                              _mm512_broadcast_f32x8(e->out_zp), _mm512_broadcast_i32x4(e->qmin), _mm512_broadcast_i32x4(e->qmax),
                              /* packs work per 128-bit lane: dword 4 q + s holds block s's outputs 4 q .. 4 q + 3 */
-                             _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)};
+                             _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+                             _mm512_broadcast_f32x8(e->qlow), _mm512_broadcast_f32x8(e->qhigh)};
   return w;
 }
 
@@ -176,11 +183,12 @@ static inline __m512 float_result(const epilogue_t* e, const wide_epilogue_t* w,
   } else if (e->residual_f) {
     f = _mm512_fmadd_ps(_mm512_loadu_ps(e->residual_f + pixel * Cout + o), w->residual_scale, f);
   }
-  return _mm512_min_ps(_mm512_max_ps(f, w->low), w->high);
+  return _mm512_min_ps(w->high, _mm512_max_ps(w->low, f)); /* (store8's operand order: a NaN stays) */
 }
 
 static inline __m512i quantized(const wide_epilogue_t* w, __m512 f) {
-  return _mm512_cvtps_epi32(_mm512_fmadd_ps(f, w->inv_scale, w->zp)); /* round half to even */
+  /* round half to even, clamped as floats first (store8) */
+  return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_fmadd_ps(f, w->inv_scale, w->zp), w->qlow), w->qhigh));
 }
 
 /* store8 on 16 channels, for a clamp-only epilogue (the clamp to [qmin, qmax] in int32 equals
@@ -345,7 +353,7 @@ static void conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int 
   const epilogue_t e = {mult, add, residual_is_float ? NULL : residual, residual_is_float ? residual : NULL, yf, activation,
                         _mm256_set1_ps(residual_scale), _mm256_set1_ps(low), _mm256_set1_ps(high),
                         _mm256_set1_ps(out_inv_scale), _mm256_set1_ps((float)out_zp), _mm_set1_epi8((char)qmin),
-                        _mm_set1_epi8((char)qmax)};
+                        _mm_set1_epi8((char)qmax), _mm256_set1_ps((float)qmin), _mm256_set1_ps((float)qmax)};
   uint8_t* padding = malloc((size_t)g.Cin);
   memset(padding, x_zp, (size_t)g.Cin);
   const int taps = g.KH * g.KW, P = g.N * g.OH * g.OW;
