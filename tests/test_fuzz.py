@@ -14,7 +14,8 @@ SLICE = range(0, 150)
 # the residual summed in place into the int8 tensor the conv itself reads (723 one run in three,
 # 1044); the own GEMM's clamp turned a float residual's NaN into -inf, an infinity into INT_MIN
 # (594, 761)
-REGRESSIONS = (58, 138, 161, 169, 173, 378, 517, 594, 723, 761, 1044)
+# (and the tolerance table's atol: a LayerNorm of near-constant rows, 1671, 2239, 2611)
+REGRESSIONS = (58, 138, 161, 169, 173, 378, 517, 594, 723, 761, 1044, 1671, 2239, 2611)
 
 
 @pytest.mark.parametrize("seed", sorted(set(SLICE) | set(REGRESSIONS)))

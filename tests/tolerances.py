@@ -5,9 +5,11 @@ import torch
 TOLERANCE = {
     # integer tensors, in quantization steps of their own scale
     "int8": {"within_one_step": 0.999, "max_steps": 2},
-    # float outputs: cosine, or every element within atol (a reference of zeros has no cosine;
-    # a float residual add there gave 1.2e-7)
-    "float": {"min_cosine": 0.9999, "atol": 1e-5,
+    # float outputs: cosine, or every element within atol: a reference of zeros has no cosine,
+    # and a LayerNorm of a near-constant row (a zero input plus a bias) scales 1-ulp differences
+    # of its input by 1 / sqrt(eps) ~ 316 (fuzz seeds 1671, 2239, 2611: up to 4.2e-5 on outputs
+    # that are all below 1e-4)
+    "float": {"min_cosine": 0.9999, "atol": 1e-4,
               # computed from an int8 value a rule within one step (qavgpool's ties) made one step
               # off: a 3x4x2 pool output measured 0.9974
               "min_cosine_after_a_step": 0.99},
