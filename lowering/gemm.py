@@ -25,6 +25,7 @@ from . import own_conv
 from .base import EmitContext
 from .capabilities import INT16_MAX
 from .common import mark_sibling, record_fake_value, static_shape
+from .signed_int8 import NAN_AS
 
 aten = torch.ops.aten
 
@@ -124,6 +125,8 @@ def _operands_refusal(match, output_shape: list[int]) -> Optional[str]:
             return f"the kernel adds uint8 or float32 residuals, not {getattr(residual, 'dtype', 'an unknown dtype')}"
         if list(residual.shape) != output_shape:
             return f"the residual's shape {list(residual.shape)} is not the output's"
+        if match.output_quant is not None and NAN_AS in match.result.meta:
+            return "a signed int8 output run as uint8 stores a NaN as 128, the kernel as 0 (a float residual may hold one)"
     return None
 
 

@@ -88,6 +88,30 @@ def test_nan_and_infinity_in_a_float_residual_come_out_as_the_reference_has_them
     assert torch.equal(integers.view(-1)[:6], reference.view(-1)[:6])
 
 
+class ResidualThenLinear(nn.Module):
+    """x + fc1(x), quantized for fc2: a float residual summed into an int8 output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.fc2(x + self.fc1(x))
+
+
+@needs_own_kernels
+def test_a_signed_output_with_a_float_residual_stays_on_onednn():
+    """XPU-quantized models run on CPU as uint8 + 128, where the reference's NaN is 128; the
+    kernel would store a NaN residual's sum as 0."""
+    from qbackend.pt2e_flow import quantize_xpu
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 64)
+    _, _, captured = compile_and_run(quantize_xpu(ResidualThenLinear().eval(), (x,), [(x,)]), (x,))
+    fc1 = next(d for d in captured.report.decisions if d.source == "fc1")
+    assert fc1.rule == "qlinear_add" and "stores a NaN as 128" in fc1.reason, str(captured.report)
+
+
 @needs_own_kernels
 def test_bad_activation_or_residual_is_a_clear_error():
     x, constants, exact = _gemm_case()
