@@ -247,7 +247,8 @@ def emit_int8_views(ctx: EmitContext, match: Match) -> Node:
     else:
         quant = match.result
         value = record_fake_value(graph.call_function(quant.target, (match.float_source, *quant.args[1:]), dict(quant.kwargs)))
-        value.meta.update({key: quant.meta[key] for key in (NAN_AS,) if key in quant.meta})
+        if NAN_AS in quant.meta:
+            value.meta[NAN_AS] = quant.meta[NAN_AS]
         ctx.notes.append("quantize moved above the views")
     for op in match.op_args:
         value = record_fake_value(graph.call_function(op.target, (value, *op.args[1:]), dict(op.kwargs)))

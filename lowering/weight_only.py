@@ -219,10 +219,6 @@ def emit_weight_only(ctx, match):
                         dataclasses.replace(packed, args=args), kernel.op, match.bias, dense, ctx.weight_only_dense_rows)
 
 
-def contiguous_rows(rows: torch.Tensor) -> torch.Tensor:
-    return rows.contiguous()
-
-
 def unflatten_rows(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """[M, N] -> [*like.shape[:-1], N]: the packed kernels take 2-D activations only."""
     return y.reshape(*like.shape[:-1], y.shape[-1])
@@ -245,7 +241,7 @@ def linear_steps(call: Callable, x, x_rank: int, x_dtype: torch.dtype, packed: P
     if packed.compute_dtype != x_dtype:
         rows = call(aten._to_copy.default, rows, dtype=packed.compute_dtype, memory_format=torch.contiguous_format)
     elif packed.op not in native.OPS:
-        rows = call(contiguous_rows, rows)
+        rows = call(aten.contiguous.default, rows)
     if dense is None:
         y = call(kernel, rows, *packed.args)
     else:

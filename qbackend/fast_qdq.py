@@ -81,15 +81,6 @@ def _to_grid_(y: torch.Tensor, zero_point: int, qmin: int, qmax: int) -> torch.T
     return y.clamp_(qmin, qmax)
 
 
-def _memory_order(x: torch.Tensor) -> Optional[list]:
-    """The dim order that makes a dense, non-contiguous ``x`` contiguous (None: it is contiguous,
-    or not dense): e.g. attention's output, a [B, H, L, D] view of [B, L, H, D] memory."""
-    if x.is_contiguous():
-        return None
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
-    return order if x.permute(order).is_contiguous() else None
-
-
 def _own_kernel(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, nan_as: int) -> Optional[torch.Tensor]:
     """native.quantize_dense's result, None where it does not apply (a fake tensor under
     tracing, another device or dtype, a non-dense view, the kernels not built)."""
@@ -119,7 +110,7 @@ def _quantize_without_own_kernel(x, scale: float, zero_point: int, qmin: int, qm
         # permuted input is quantized in its memory order and the result permuted back, so
         # the integers keep the input's strides (measured: 1.3 ms of copies per BERT-base
         # encoder call at batch 8, attention's output and the reshape after its quantize)
-        order = _memory_order(x)
+        order = native.memory_order(x)
         if order is not None:
             inverse = sorted(range(x.dim()), key=order.__getitem__)
             return _quantized_integers(x.permute(order), scale, zero_point, qmin, qmax, dtype)[1].permute(inverse)
@@ -152,22 +143,10 @@ def dequantize_per_tensor(q, scale: float, zero_point: int, qmin: int, qmax: int
 
 def scale_quantize_per_tensor(x, factors: torch.Tensor, scale: float, zero_point: int, qmin: int, qmax: int,
                               dtype: torch.dtype, nan_as: int = 0):
-    """quantize_per_tensor(x * factors): the graph's float32 product, then the vectorised
+    """quantize_per_tensor(x * factors): the graph's float32 product, then the one-pass
     quantize (2-3x faster than the float steps: 33 vs 58 us on MiniLM's [64, 384] at batch 1,
-    198 vs 565 us on [512, 1536]; rounding ties as ``quantize_per_tensor``), or else the
-    quantize steps in place on the product (one buffer instead of two)."""
-    y = torch.mul(x, factors)
-    q = _own_kernel(y, scale, zero_point, qmin, qmax, dtype, nan_as)
-    if q is not None:
-        return q
-    if _vectorised(y, dtype):
-        return _nan_stored_as(_quantized_integers(y, scale, zero_point, qmin, qmax, dtype)[1], y, nan_as)
-    if y.dtype in (torch.float16, torch.bfloat16):
-        y = y.to(torch.float32)
-    nan = y.isnan() if nan_as else None
-    y.mul_(1.0 / scale)
-    q = _to_grid_(y, zero_point, qmin, qmax).to(dtype)
-    return q if nan is None else q.masked_fill_(nan, nan_as)  # (the float steps store a NaN as 0)
+    198 vs 565 us on [512, 1536])."""
+    return quantize_per_tensor(torch.mul(x, factors), scale, zero_point, qmin, qmax, dtype, nan_as)
 
 
 def quantize_dequantize_per_tensor(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, out_dtype=None,

@@ -78,22 +78,28 @@ def assert_matches_reference(module, inputs, registry=None, intermediates=True, 
     actual, expected, captured = compile_and_run(module, inputs, registry, **options)
     assert_outputs_close(actual, expected, type(module).__name__)
     for gm, example_inputs, lowered, _ in captured.graphs if intermediates else ():
-        reference = _Recorder(gm)
-        with torch.no_grad():
-            reference.run(*example_inputs)
-        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        runtime = [example_inputs[placeholders.index(n.name)] for n in lowered.graph.nodes if n.op == "placeholder"]
-        got = _Recorder(lowered)
-        with torch.no_grad():
-            got.run(*runtime)
-        for node in lowered.graph.nodes:
-            replaced = node.meta.get("qbackend_replaces")
-            # (a quantize the pass moved above a view chain has no reference node; the chain's
-            # end, which replaces the reference's quantize, is checked instead)
-            if replaced in reference.values and not got.values[node.name].is_floating_point():
-                assert_int8_close(_in_reference_dtype(got.values[node.name], reference.values[replaced]),
-                                  reference.values[replaced], f"{node.name} vs {replaced}")
+        for node, (actual, expected, replaced) in int8_replacements(gm, example_inputs, lowered).items():
+            assert_int8_close(actual, expected, f"{node.name} vs {replaced}")
     return captured
+
+
+def int8_replacements(gm: GraphModule, example_inputs: list, lowered: GraphModule) -> dict:
+    """{lowered node: (its int8 value in the reference's dtype, the reference value, the name
+    of the reference quantize it replaces)} for one run of both graphs on ``example_inputs``.
+    (A quantize the pass moved above a view chain has no reference node; the chain's end,
+    which replaces the reference's quantize, is there instead.)"""
+    reference, got = _Recorder(gm), _Recorder(lowered)
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    with torch.no_grad():
+        reference.run(*example_inputs)
+        got.run(*[example_inputs[placeholders.index(n.name)] for n in lowered.graph.nodes if n.op == "placeholder"])
+    found = {}
+    for node in lowered.graph.nodes:
+        replaced, value = node.meta.get("qbackend_replaces"), got.values.get(node.name)
+        if replaced in reference.values and isinstance(value, torch.Tensor) and not value.is_floating_point():
+            expected = reference.values[replaced]
+            found[node] = (_in_reference_dtype(value, expected), expected, replaced)
+    return found
 
 
 def _in_reference_dtype(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:

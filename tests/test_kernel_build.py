@@ -102,25 +102,37 @@ def test_threads_loading_at_once_load_once():
     assert len(calls) == 1 and len({id(r) for r in results}) == 1
 
 
-def test_the_kernel_switch_names_its_valid_values(monkeypatch):
-    monkeypatch.setenv(native.SWITCH, "fast")
+@pytest.fixture
+def switch(monkeypatch):
+    """Sets $QBACKEND_KERNELS for this test (native reads it once per process)."""
+    def set_to(value):
+        monkeypatch.setenv(native.SWITCH, value)
+        native._switch.cache_clear()
+
+    yield set_to
+    monkeypatch.undo()
+    native._switch.cache_clear()
+
+
+def test_the_kernel_switch_names_its_valid_values(switch):
+    switch("fast")
     with pytest.raises(ValueError, match=r"QBACKEND_KERNELS='fast'; valid: 'auto', 'off', 'avx2'"):
         native.gemm_build()
 
 
 @pytest.mark.skipif(native.available() is not None or native.vnni_unavailable() is None,
                     reason="needs the own kernels, and a CPU without AVX512-VNNI")
-def test_a_forced_build_the_cpu_lacks_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv(native.SWITCH, "avx512_vnni_zmm")
+def test_a_forced_build_the_cpu_lacks_is_a_clear_error(switch):
+    switch("avx512_vnni_zmm")
     with pytest.raises(RuntimeError, match="needs the avx512_vnni kernels"):
         native.gemm_build()
 
 
 @pytest.mark.skipif(native.available() is not None, reason="needs the own kernels")
-def test_a_forced_build_is_the_one_that_runs(monkeypatch):
-    monkeypatch.setenv(native.SWITCH, native.gemm_build())  # (forcing the build this CPU runs anyway)
+def test_a_forced_build_is_the_one_that_runs(switch):
+    switch(native.gemm_build())  # (forcing the build this CPU runs anyway)
     assert native.gemm_build() == os.environ[native.SWITCH]
     if native.int8_build() == "avx512_vnni":
         for build in ("avx512_vnni", "avx512_vnni_zmm"):  # either register width, whatever the probe said
-            monkeypatch.setenv(native.SWITCH, build)
+            switch(build)
             assert native.gemm_build() == build

@@ -112,8 +112,8 @@ return (add_tensor)""")
         self.assertExpectedInline(graph, """\
 l_args_0_ = input
 reshape_default = aten.reshape(l_args_0_, [-1, 256])
-contiguous_rows = weight_only.contiguous_rows(reshape_default)
-_weight_int8pack_mm_default = aten._weight_int8pack_mm(contiguous_rows, <const>, <const>)
+contiguous_default = aten.contiguous(reshape_default)
+_weight_int8pack_mm_default = aten._weight_int8pack_mm(contiguous_default, <const>, <const>)
 unflatten_rows = weight_only.unflatten_rows(_weight_int8pack_mm_default, l_args_0_)
 return (unflatten_rows)""")
         assert "computed in" not in report

@@ -42,8 +42,8 @@ return (add_tensor)""")
         lowered, _ = lowered_for_xpu(model, torch.randn(2, 64, dtype=torch.float16))
         self.assertExpectedInline(short_graph(lowered), """\
 l_args_0_ = input
-contiguous_rows = weight_only.contiguous_rows(l_args_0_)
-_weight_int8pack_mm_default = aten._weight_int8pack_mm(contiguous_rows, <const>, <const>)
+contiguous_default = aten.contiguous(l_args_0_)
+_weight_int8pack_mm_default = aten._weight_int8pack_mm(contiguous_default, <const>, <const>)
 return (_weight_int8pack_mm_default)""")
 
 

@@ -45,12 +45,13 @@ static void quantize_run256(const float* x, long n, float inv_scale, int zp, int
   for (; i < n; i++) y[i] = x[i] != x[i] ? (uint8_t)nan_byte : (uint8_t)(round_to_grid(x[i] * inv_scale, zp, lo, hi) ^ bias);
 }
 
-/* The same 16 values with AVX512 (a third faster than the AVX2 step at 0.8-1.6 M values), where
- * the CPU has it: one vector, one saturating narrow. */
+/* quantize_run256 with AVX512, where the CPU has it: 64 values per step (55 vs 62 us at
+ * [512, 1536] on an AMX Xeon), then 16 with one saturating narrow. */
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static void quantize_run512(const float* x, long n, float inv_scale,
-                                                                               float zp, float lo, float hi, int bias,
+                                                                               int zp, int lo, int hi, int bias,
                                                                                int nan_byte, uint8_t* y) {
-  const __m512 vinv = _mm512_set1_ps(inv_scale), vzp = _mm512_set1_ps(zp), vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+  const __m512 vinv = _mm512_set1_ps(inv_scale), vzp = _mm512_set1_ps((float)zp), vlo = _mm512_set1_ps((float)lo),
+               vhi = _mm512_set1_ps((float)hi);
   const __m512i nan_value = _mm512_set1_epi32(nan_byte ^ bias);
   const __m128i flip = _mm_set1_epi8((char)bias);
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
@@ -74,7 +75,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static void quantize_run512
     ints = _mm512_mask_mov_epi32(ints, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan_value);
     _mm_storeu_si128((__m128i*)(y + i), _mm_xor_si128(_mm512_cvtusepi32_epi8(ints), flip));
   }
-  for (; i < n; i++) y[i] = x[i] != x[i] ? (uint8_t)nan_byte : (uint8_t)(round_to_grid(x[i] * inv_scale, (int)zp, (int)lo, (int)hi) ^ bias);
+  for (; i < n; i++) y[i] = x[i] != x[i] ? (uint8_t)nan_byte : (uint8_t)(round_to_grid(x[i] * inv_scale, zp, lo, hi) ^ bias);
 }
 
 /* ``is_signed``: y is int8 (computed biased by 128 in [0, 255], then flipped back); ``wide``:
@@ -87,10 +88,7 @@ void qb_quantize_dense(int threads, long n, const float* x, float inv_scale, int
 #pragma omp parallel for num_threads(chunks > 1 ? threads : 1) schedule(static)
   for (long c = 0; c < chunks; c++) {
     const long start = c * CHUNK, count = n - start < CHUNK ? n - start : CHUNK;
-    if (wide)
-      quantize_run512(x + start, count, inv_scale, (float)(zero_point + bias), (float)(qmin + bias), (float)(qmax + bias),
-                      bias, nan_byte, y + start);
-    else
-      quantize_run256(x + start, count, inv_scale, zero_point + bias, qmin + bias, qmax + bias, bias, nan_byte, y + start);
+    (wide ? quantize_run512 : quantize_run256)(x + start, count, inv_scale, zero_point + bias, qmin + bias, qmax + bias, bias,
+                                               nan_byte, y + start);
   }
 }

@@ -14,7 +14,7 @@ import torch
 import qbackend
 from qbackend.pt2e_flow import quantize_x86, quantize_xpu
 
-from ..helpers import _Recorder, _in_reference_dtype
+from ..helpers import int8_replacements
 from ..tolerances import TOLERANCE, cosine
 from .models import Case, build
 
@@ -196,25 +196,20 @@ def _int8_steps(graphs) -> tuple[list[str], set]:
     reference's, and so legitimately the values."""
     problems, stepped, tolerance = [], set(), TOLERANCE["int8"]
     for gm, inputs, lowered in graphs:
-        reference, got = _Recorder(gm), _Recorder(lowered)
-        placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        with torch.no_grad():
-            reference.run(*inputs)
-            got.run(*[inputs[placeholders.index(n.name)] for n in lowered.graph.nodes if n.op == "placeholder"])
+        compared = int8_replacements(gm, inputs, lowered)
         downstream = set()  # nodes that read a stepped value
         for node in lowered.graph.nodes:
             if any(arg in downstream for arg in node.all_input_nodes):
                 downstream.add(node)
                 continue
-            replaced = node.meta.get("qbackend_replaces")
-            value = got.values.get(node.name)
-            if replaced not in reference.values or not isinstance(value, torch.Tensor) or value.is_floating_point():
+            if node not in compared:
                 continue
-            expected = reference.values[replaced]
-            steps = (_in_reference_dtype(value, expected).int() - expected.int()).abs()
-            if steps.shape != expected.shape:
-                problems.append(f"{node.name}: shape {list(steps.shape)} vs {list(expected.shape)}")
-            elif steps.max() > tolerance["max_steps"] or (steps <= 1).double().mean() < tolerance["within_one_step"]:
+            actual, expected, replaced = compared[node]
+            if actual.shape != expected.shape:
+                problems.append(f"{node.name}: shape {list(actual.shape)} vs {list(expected.shape)}")
+                continue
+            steps = (actual.int() - expected.int()).abs()
+            if steps.max() > tolerance["max_steps"] or (steps <= 1).double().mean() < tolerance["within_one_step"]:
                 problems.append(f"{node.name} vs {replaced}: up to {steps.max().item()} steps")
             elif steps.max() > 0:
                 downstream.add(node)
