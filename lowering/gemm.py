@@ -104,8 +104,10 @@ def conv_prior(match) -> Optional[str]:
 
 
 def _in_kernel_order(weight: torch.Tensor) -> torch.Tensor:
-    """[Cout, Cin, KH, KW] (or [Cout, Cin]) -> [Cout, KH * KW * Cin]: the order the kernel sums in."""
-    return weight.reshape(*weight.shape[:2], -1).permute(0, 2, 1).reshape(weight.shape[0], -1)
+    """[Cout, Cin, KH, KW] (or [Cout, Cin]) -> [Cout, KH * KW * ceil(Cin / 4) * 4]: the order the
+    kernel sums in, each kernel position's Cin padded with zero weights to whole 4-input groups."""
+    by_position = weight.reshape(*weight.shape[:2], -1).permute(0, 2, 1)
+    return torch.nn.functional.pad(by_position, (0, -weight.shape[1] % 4)).reshape(weight.shape[0], -1)
 
 
 def _largest_adjacent_pair_sum(weight: torch.Tensor) -> int:
@@ -130,9 +132,7 @@ def _operands_refusal(match, output_shape: list[int]) -> Optional[str]:
     return None
 
 
-def _gemm_refusal(ctx: EmitContext, match, cout: int, cin: int) -> Optional[str]:
-    if cin % 4 or cout % 8:
-        return f"{cin} -> {cout} channels: the kernel takes in_channels % 4 == 0 and out_channels % 8 == 0"
+def _gemm_refusal(ctx: EmitContext, match) -> Optional[str]:
     if native.int8_build() == "avx2":  # (the VNNI build adds in int32: no limit)
         bound = match.x.qparams.qmax * _largest_adjacent_pair_sum(match.weight.int8)
         if bound > INT16_MAX:
@@ -146,7 +146,7 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
     kernel = match.weight.int8.shape[2:]
     if math.prod(kernel) > native.MAX_TAPS:
         return f"a {'x'.join(map(str, kernel))} kernel: the kernel takes up to {native.MAX_TAPS} positions (3x3)"
-    return _operands_refusal(match, _conv_output_shape(match)) or _gemm_refusal(ctx, match, *match.weight.int8.shape[:2])
+    return _operands_refusal(match, _conv_output_shape(match)) or _gemm_refusal(ctx, match)
 
 
 def is_linear(match) -> bool:
@@ -164,12 +164,13 @@ def linear_prior(match) -> Optional[str]:
 def linear_refusal(ctx: EmitContext, match) -> Optional[str]:
     """Why this linear is not for the kernel (None if it is)."""
     output_shape = [*static_shape(match.x.node)[:-1], match.weight.int8.shape[0]]
-    return _operands_refusal(match, output_shape) or _gemm_refusal(ctx, match, *match.weight.int8.shape)
+    return _operands_refusal(match, output_shape) or _gemm_refusal(ctx, match)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight as [ceil(Cout/B)][KH*KW*Cin/4][B][4], B = native.GEMM_BLOCK (every build; Cout
-    padded with zero weights): one row feeds B outputs x 4 inputs, a zmm vector or two ymm ones."""
+    """The weight as [ceil(Cout/B)][KH*KW*ceil(Cin/4)][B][4], B = native.GEMM_BLOCK (every build;
+    Cout and each kernel position's Cin padded with zero weights): one row feeds B outputs x 4
+    inputs, a zmm vector or two ymm ones."""
     block, ordered = native.GEMM_BLOCK, _in_kernel_order(weight)
     ordered = torch.nn.functional.pad(ordered, (0, 0, 0, -ordered.shape[0] % block))
     return ordered.reshape(ordered.shape[0] // block, block, -1, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)

@@ -151,9 +151,10 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
 
 
 def _declare_gemm(function) -> None:
-    """qb_conv_call's and qb_conv_call_vnni's signature: (threads, call, x, residual, y, yf)."""
+    """qb_conv_call's and qb_conv_call_vnni's signature: (threads, call, x, residual, y, yf) -> 0 /
+    -1 (a scratch buffer could not be allocated)."""
     function.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5
-    function.restype = None
+    function.restype = ctypes.c_int
 
 
 class _ConvCall(ctypes.Structure):
@@ -457,14 +458,14 @@ def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high
     oh, ow = _window("qconv", x.shape[2], x.shape[3], kernel_size, stride, padding, dilation)
     _check_levels("qconv", x_zero_point, out_zero_point, qmin, qmax)
     cout, taps = mult.numel(), kernel_size[0] * kernel_size[1]
-    packed_cout = -(-cout // GEMM_BLOCK) * GEMM_BLOCK  # (the packing pads Cout with zero weights)
-    _check_nchw_uint8(x, weight.numel() // max(packed_cout * taps, 1), "qconv")
+    if not 1 <= taps <= MAX_TAPS:
+        raise ValueError(f"qbackend::qconv takes up to {MAX_TAPS} kernel positions, got kernel {list(kernel_size)}")
     n, cin, h, w = x.shape
-    _check_constants("qconv", (weight, torch.int8, taps * cin * packed_cout), (mult, torch.float32, cout),
-                     (add, torch.float32, cout))
-    if cin % 4 or cout % 8 or not 1 <= taps <= MAX_TAPS:
-        raise ValueError(f"qbackend::qconv takes in_channels % 4 == 0, out_channels % 8 == 0 and up to {MAX_TAPS} kernel "
-                         f"positions, got {cin} -> {cout}, kernel {list(kernel_size)}")
+    packed_cin, packed_cout = -(-cin // 4) * 4, -(-cout // GEMM_BLOCK) * GEMM_BLOCK  # (the packing pads both with zero weights)
+    if weight.numel() != taps * packed_cin * packed_cout:
+        raise ValueError(f"qbackend::qconv: {weight.numel()} packed weights are not {cin} -> {cout} channels x {taps} "
+                         f"kernel positions ({taps * packed_cin * packed_cout}: Cin and Cout padded)")
+    _check_constants("qconv", (weight, torch.int8, weight.numel()), (mult, torch.float32, cout), (add, torch.float32, cout))
     if activation not in ACTIVATIONS:
         raise ValueError(f"qbackend::qconv: activation {activation!r} is not one of {list(ACTIVATIONS)}")
     if residual is not None and residual.dtype != torch.float32:  # a float32 residual, or a uint8 one checked like the input
@@ -497,8 +498,10 @@ def _conv(lib, x, weight, mult, add, residual, *args, trusted=False):
         if residual.shape != shape or residual.device.type != "cpu":
             raise ValueError(f"qbackend::qconv: residual {tuple(residual.shape)} on {residual.device} for output {shape}")
         residual = residual.contiguous(memory_format=torch.channels_last)
-    prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), None if residual is None else residual.data_ptr(),
-                      None if float_out else y.data_ptr(), y.data_ptr() if float_out else None)
+    if prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(),
+                         None if residual is None else residual.data_ptr(), None if float_out else y.data_ptr(),
+                         y.data_ptr() if float_out else None):
+        raise MemoryError("qbackend::qconv: a thread could not allocate its scratch")
     return y
 
 

@@ -212,6 +212,12 @@ def simulate_cpu(monkeypatch, saturates: bool):
     monkeypatch.setattr(cpu, "int8_pairs_saturate", lambda device, kind: saturates)
 
 
+def onednn_only(monkeypatch):
+    """Lower as without qbackend's own kernels (QBACKEND_KERNELS=off): for graph tests whose
+    subject is oneDNN's ops or the int8 flow between them, the same graph on every CPU and build."""
+    monkeypatch.setattr(native, "available", lambda: "qbackend's own kernels are off for this test")
+
+
 def dense_convs_on_onednn(monkeypatch):
     """Keep 3x3 convs of zero-point-0 inputs on oneDNN on every GEMM build (the zmm build takes
     small ones, lowering/gemm.py max_dense_macs): for tests whose subject is oneDNN's conv."""

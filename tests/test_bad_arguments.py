@@ -67,7 +67,7 @@ TABLE = [
                                   (1, torch.zeros(8, 64, dtype=torch.int16), "expected a contiguous CPU torch.int8 constant"),
                                   (2, torch.ones(7), "expected a contiguous CPU torch.float32 constant")]),
     ("qconv", qconv_args, [(0, torch.zeros(1, 8, 6, 6), "takes uint8 CPU activations"),
-                           (0, _uint8(1, 4, 6, 6), "takes uint8 CPU activations"),
+                           (0, _uint8(1, 4, 6, 6), "packed weights are not 4 -> 16 channels"),
                            (2, torch.ones(16).double(), "expected a contiguous CPU torch.float32 constant"),
                            (4, _uint8(1, 16, 2, 2), "residual"),
                            (13, "silu", "activation 'silu'"),

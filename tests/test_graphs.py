@@ -6,7 +6,7 @@ import torch
 from qbackend.patterns.examples import (HandQuantized, conv_flatten_linear, conv_relu, inplace_residual_block, linear_relu,
                                         residual_block, two_branch_cat)
 
-from .helpers import compile_and_run, dense_convs_on_onednn, needs_own_kernels, quantize, short_graph
+from .helpers import compile_and_run, dense_convs_on_onednn, needs_own_kernels, onednn_only, quantize, short_graph
 
 
 def lowered_graph(module, inputs, quantized=True, **options) -> str:
@@ -29,6 +29,7 @@ class TestLoweredGraphs(expecttest.TestCase):
         """Dense 3x3 convs on oneDNN, as on every GEMM build but zmm (whose limit for them is
         tested in test_own_conv_kernels): one pinned graph whatever the CPU."""
         dense_convs_on_onednn(monkeypatch)
+        self.monkeypatch = monkeypatch
 
     @needs_own_kernels
     def test_conv_relu_then_conv(self):
@@ -40,6 +41,7 @@ qconv_pointwise_default = onednn.qconv_pointwise(qconv, 0.0166, 0, <const>, <con
 return (qconv_pointwise_default)""")
 
     def test_residual_block(self):
+        onednn_only(self.monkeypatch)
         self.assertExpectedInline(lowered_graph(*seeded(residual_block)), """\
 l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor_channels_last(l_input_, 0.052, 55, 0, 127, uint8)
@@ -56,11 +58,13 @@ return (qconv2d_pointwise_binary)""")
         self.assertExpectedInline(lowered_graph(*seeded(inplace_residual_block)), """\
 l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor_channels_last(l_input_, 0.0509, 54, 0, 127, uint8)
-qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0509, 54, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.0143, 0, uint8, 'hardtanh', [0, 1.82], '')
-qconv = native.qconv(qconv_pointwise_default, <const>, <const>, <const>, None, 0, 0, inf, 0.00524, 0, 0, 127, False, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 0)
-dequantize_per_tensor_default_3 = fast_qdq.dequantize_per_tensor(qconv, 0.00524, 0, 0, 127, uint8)
+qconv = native.qconv(quantize_per_tensor_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0143, 0, 0, 127, False, 'none', (3, 3), (1, 1), (1, 1), (1, 1), 54)
+qconv_1 = native.qconv(qconv, <const>, <const>, <const>, None, 0, 0, inf, 0.00524, 0, 0, 127, False, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 0)
+kernel_chain_0 = kernel_chain(quantize_per_tensor_default) of 2 steps -> (qconv_1)
+getitem = _operator.getitem(kernel_chain_0, 0)
+dequantize_per_tensor_default_3 = fast_qdq.dequantize_per_tensor(getitem, 0.00524, 0, 0, 127, uint8)
 contiguous_default = aten.contiguous(dequantize_per_tensor_default_3, memory_format=torch.channels_last)
-qconv2d_pointwise_binary = onednn.qconv2d_pointwise.binary(qconv, 0.00524, 0, <const>, <const>, <const>, contiguous_default, <const>, [1, 1], [1, 1], [1, 1], 1, 1, 0, float32, 1, 0, 'sum', 1, 'relu', [], '')
+qconv2d_pointwise_binary = onednn.qconv2d_pointwise.binary(getitem, 0.00524, 0, <const>, <const>, <const>, contiguous_default, <const>, [1, 1], [1, 1], [1, 1], 1, 1, 0, float32, 1, 0, 'sum', 1, 'relu', [], '')
 return (qconv2d_pointwise_binary)""")
 
     @needs_own_kernels
@@ -87,6 +91,7 @@ quantize_dequantize_per_tensor = fast_qdq.quantize_dequantize_per_tensor(y_1, 0.
 return (quantize_dequantize_per_tensor)""")
 
     def test_cat_on_int8(self):
+        onednn_only(self.monkeypatch)
         self.assertExpectedInline(lowered_graph(*seeded(two_branch_cat)), """\
 l_x_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor_channels_last(l_x_, 0.0501, 69, 0, 127, uint8)
@@ -97,6 +102,7 @@ qconv_pointwise_default_2 = onednn.qconv_pointwise(cat_default, 0.0206, 0, <cons
 return (qconv_pointwise_default_2)""")
 
     def test_views_on_int8_and_quantize_moved_above_views(self):
+        onednn_only(self.monkeypatch)
         self.assertExpectedInline(lowered_graph(*seeded(conv_flatten_linear)), """\
 l_x_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor_channels_last(l_x_, 0.0567, 61, 0, 127, uint8)

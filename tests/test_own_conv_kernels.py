@@ -171,6 +171,41 @@ def test_gemm_conv_gives_the_reference_integers(kernel, stride, padding, dilatio
     assert_int8_close(actual, expected, f"kernel {kernel} stride {stride} padding {padding} dilation {dilation}")
 
 
+@needs_own_kernels
+@pytest.mark.parametrize("kernel,padding", [((1, 1), 0), ((3, 3), 1)], ids=["1x1", "3x3"])
+@pytest.mark.parametrize("cin,cout", [(58, 58), (3, 116), (5, 5), (7, 232)],
+                         ids=["58 -> 58", "3 -> 116", "5 -> 5", "7 -> 232"])
+@pytest.mark.parametrize("residual", [None, "uint8", "float"])
+def test_any_channel_counts_give_the_reference(kernel, padding, cin, cout, residual, int8_build):
+    """ShuffleNet's 58 / 116 / 232 channels: each kernel position's last 1-3 inputs are read alone
+    (the packing's weights past Cin are 0), the last 1-7 outputs through 8-wide local copies. The
+    last pixel ends the input: a read past it would cross the tensor's end."""
+    torch.manual_seed(0)
+    x_scale, x_zp, out_scale, out_zp, r_scale, r_zp = 0.03, 7, 0.05, 60, 0.04, 11
+    x = torch.randint(0, 128, (2, cin, 5, 7), dtype=torch.uint8)
+    w = torch.randint(-128, 128, (cout, cin, *kernel), dtype=torch.int8)  # 127 x 256 < 32767: exact on AVX2
+    w_scale, bias = torch.rand(cout) * 0.01 + 0.001, torch.randn(cout)
+    r = {None: None, "uint8": torch.randint(0, 256, (2, cout, 5, 7), dtype=torch.uint8),
+         "float": torch.randn(2, cout, 5, 7)}[residual]
+    shift = -r_zp * r_scale if residual == "uint8" else 0.0
+    mult, add = (t.float() for t in scale_and_offset(w, w_scale, x_scale, x_zp, bias, shift))
+    scale = {None: 0.0, "uint8": r_scale, "float": 1.0}[residual]
+    geometry = (kernel, (1, 1), (padding, padding), (1, 1), x_zp)
+    conv = native.op("qconv")
+    floats = conv(x, gemm.pack(w), mult, add, r, scale, 0.0, math.inf, 1.0, 0, 0, 255, True, "none", *geometry)
+    ints = conv(x, gemm.pack(w), mult, add, r, scale, 0.0, math.inf, out_scale, out_zp, 0, 255, False, "none", *geometry)
+    xf, wf = (x.float() - x_zp) * x_scale, w.float() * w_scale[:, None, None, None]
+    exact = nn.functional.conv2d(xf.double(), wf.double(), bias.double(), 1, padding)
+    if residual == "uint8":
+        exact = exact + (r.double() - r_zp) * r_scale
+    elif residual == "float":
+        exact = exact + r.double()
+    exact = exact.clamp_min(0)
+    torch.testing.assert_close(floats.double(), exact, atol=2e-5, rtol=1e-5)
+    assert_int8_close(ints, (torch.round(exact / out_scale) + out_zp).clamp(0, 255).to(torch.uint8),
+                      f"{cin} -> {cout} {kernel} residual={residual}")
+
+
 def test_3x3_conv_after_a_relu_takes_the_gemm_up_to_max_dense_macs(monkeypatch):
     """A 3x3 conv of the (asymmetric) model input takes qbackend's kernel up to max_conv_pixels;
     one after a ReLU (zero point 0) only up to max_dense_macs multiply-adds (the zmm build's

@@ -18,8 +18,8 @@
  * zmm vpdpbusd ran a third of ymm's instructions per ns (1.6x fewer products), on a Zen 5 EPYC
  * 2 per cycle like ymm (2x the products). qbackend/native.py asks qb_vnni_zmm_speedup once.
  *
- * Weights, every build: [ceil(Cout / 16)][KH * KW * Cin / 4][16 outputs][4 inputs], Cout
- * padded with zero weights. A zmm block is one 64-byte row of 16 outputs; a ymm block (BLOCK
+ * Weights, every build: [ceil(Cout / 16)][KH * KW * ceil(Cin / 4)][16 outputs][4 inputs], Cout
+ * and each kernel position's Cin padded with zero weights. A zmm block is one 64-byte row of 16 outputs; a ymm block (BLOCK
  * 8) is its half, the same row 32 bytes in. A broadcast 4-byte load of one pixel's 4 inputs
  * meets each. Tiles: AVX2, 4 pixels x 24 outputs (12 accumulators: 4-6% faster than 4 x 16,
  * while 5 or 6 pixels x 16 were slower); VNNI, whose AVX512VL has 32 ymm registers, 8 pixels x
@@ -343,8 +343,8 @@ static void window_rows(const geometry_t* g, const uint8_t* x, const uint8_t* pa
  * result into yf when yf is not NULL; the residual is float32 when residual_is_float, else
  * uint8. Weights: [ceil(Cout / 16)][KH * KW * Cin / 4][16][4] (kernel position, then input
  * channel); padding reads x_zp.
- * Cin % 4 == 0, Cout % 8 == 0, KH * KW <= MAX_TAPS. */
-static void conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int KH, int KW, int stride_h, int stride_w,
+ * Cin % 4 == 0, Cout % 8 == 0 (QB_CONV_CALL pads other counts), KH * KW <= MAX_TAPS. */
+static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int KH, int KW, int stride_h, int stride_w,
              int pad_h, int pad_w, int dil_h, int dil_w, int Cout, int x_zp, const uint8_t* x, const int8_t* w,
              const float* mult, const float* add, const void* residual, int residual_is_float, float residual_scale,
              int activation, float low, float high, float out_inv_scale, int out_zp, int qmin, int qmax, uint8_t* y,
@@ -355,6 +355,7 @@ static void conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int 
                         _mm256_set1_ps(out_inv_scale), _mm256_set1_ps((float)out_zp), _mm_set1_epi8((char)qmin),
                         _mm_set1_epi8((char)qmax), _mm256_set1_ps((float)qmin), _mm256_set1_ps((float)qmax)};
   uint8_t* padding = malloc((size_t)g.Cin);
+  if (!padding) return -1;
   memset(padding, x_zp, (size_t)g.Cin);
   const int taps = g.KH * g.KW, P = g.N * g.OH * g.OW;
   const int blocks = (Cout + BLOCK - 1) / BLOCK; /* (zmm: the last may be half padding) */
@@ -407,6 +408,7 @@ static void conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int 
         }
   }
   free(padding);
+  return 0;
 }
 
 /* What one call site fixes: geometry, constants, epilogue (qbackend/native.py _ConvCall, made
@@ -423,8 +425,49 @@ typedef struct {
   int out_zp, qmin, qmax;
 } conv_call_t;
 
-void QB_CONV_CALL(int threads, const conv_call_t* c, const uint8_t* x, const void* residual, uint8_t* y, float* yf) {
-  conv(threads, c->N, c->H, c->W, c->Cin, c->OH, c->OW, c->KH, c->KW, c->stride_h, c->stride_w, c->pad_h, c->pad_w,
-       c->dil_h, c->dil_w, c->Cout, c->x_zp, x, c->w, c->mult, c->add, residual, c->residual_is_float, c->residual_scale,
-       c->activation, c->low, c->high, c->out_inv_scale, c->out_zp, c->qmin, c->qmax, y, yf);
+static int run(int threads, const conv_call_t* c, int Cin, int Cout, const float* mult, const float* add, const uint8_t* x,
+               const void* residual, uint8_t* y, float* yf) {
+  return conv(threads, c->N, c->H, c->W, Cin, c->OH, c->OW, c->KH, c->KW, c->stride_h, c->stride_w, c->pad_h, c->pad_w, c->dil_h,
+       c->dil_w, Cout, c->x_zp, x, c->w, mult, add, residual, c->residual_is_float, c->residual_scale, c->activation, c->low,
+       c->high, c->out_inv_scale, c->out_zp, c->qmin, c->qmax, y, yf);
+}
+
+/* ``rows`` rows of ``size``-byte items, ``from`` items apart in src, ``to`` apart in dst: the
+ * first min(from, to) items of each (the rest of a wider dst row is left as it is). */
+static void copy_rows(void* dst, const void* src, size_t rows, size_t from, size_t to, size_t size) {
+  const size_t bytes = (from < to ? from : to) * size;
+  for (size_t r = 0; r < rows; r++) memcpy((char*)dst + r * to * size, (const char*)src + r * from * size, bytes);
+}
+
+/* 0, or -1 when a scratch buffer could not be allocated. Channel counts the tiles do not take
+ * whole (Cin % 4, Cout % 8: ShuffleNet's 58 / 116 / 232 channels) run on copies padded to whole
+ * 4-input groups and 8-output blocks, with zero constants there (the packing's weights there
+ * are zero too), and the real outputs are copied back: handling the partial group in the tiles
+ * made every layer's code slower (a 64-channel 1x1 by 30%, its sums no longer kept in registers). */
+int QB_CONV_CALL(int threads, const conv_call_t* c, const uint8_t* x, const void* residual, uint8_t* y, float* yf) {
+  const int Cin = (c->Cin + 3) / 4 * 4, Cout = (c->Cout + 7) / 8 * 8;
+  if (Cin == c->Cin && Cout == c->Cout) return run(threads, c, Cin, Cout, c->mult, c->add, x, residual, y, yf);
+  const size_t in_pixels = (size_t)c->N * c->H * c->W, out_pixels = (size_t)c->N * c->OH * c->OW;
+  const size_t out_item = yf ? sizeof(float) : 1, residual_item = c->residual_is_float ? sizeof(float) : 1;
+  uint8_t* x_padded = Cin == c->Cin ? NULL : calloc(in_pixels * Cin, 1);
+  float* constants = calloc(2 * (size_t)Cout, sizeof(float));
+  void* residual_padded = residual && Cout != c->Cout ? calloc(out_pixels * Cout, residual_item) : NULL;
+  void* out_padded = Cout == c->Cout ? NULL : malloc(out_pixels * Cout * out_item);
+  int status = -1;
+  if ((Cin == c->Cin || x_padded) && constants && (!residual || Cout == c->Cout || residual_padded) &&
+      (Cout == c->Cout || out_padded)) {
+    if (x_padded) copy_rows(x_padded, x, in_pixels, c->Cin, Cin, 1);
+    memcpy(constants, c->mult, c->Cout * sizeof(float));
+    memcpy(constants + Cout, c->add, c->Cout * sizeof(float));
+    if (residual_padded) copy_rows(residual_padded, residual, out_pixels, c->Cout, Cout, residual_item);
+    void* out = out_padded ? out_padded : yf ? (void*)yf : (void*)y;
+    status = run(threads, c, Cin, Cout, constants, constants + Cout, x_padded ? x_padded : x,
+                 residual_padded ? residual_padded : residual, yf ? NULL : out, yf ? out : NULL);
+    if (out_padded && !status) copy_rows(yf ? (void*)yf : (void*)y, out_padded, out_pixels, Cout, c->Cout, out_item);
+  }
+  free(x_padded);
+  free(constants);
+  free(residual_padded);
+  free(out_padded);
+  return status;
 }

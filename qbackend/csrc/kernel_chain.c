@@ -23,7 +23,7 @@ typedef struct {
   operand_t x, residual, y, yf; /* yf: a float32 output (GEMM_CONV only) */
 } chain_step_t;
 
-typedef void (*gemm_conv_fn)(int, const void*, const uint8_t*, const void*, uint8_t*, float*);
+typedef int (*gemm_conv_fn)(int, const void*, const uint8_t*, const void*, uint8_t*, float*);
 typedef int (*x_to_y_fn)(int, const void*, const uint8_t*, uint8_t*);
 
 static void* address(void* const* bases, operand_t o) { return o.base < 0 ? NULL : (char*)bases[o.base] + o.offset; }
@@ -32,11 +32,11 @@ static void* address(void* const* bases, operand_t o) { return o.base < 0 ? NULL
 int qb_run_chain(int threads, int count, const chain_step_t* steps, void* const* bases) {
   for (int i = 0; i < count; i++) {
     const chain_step_t* s = &steps[i];
-    if (s->kind == GEMM_CONV)
-      ((gemm_conv_fn)s->function)(threads, s->call, address(bases, s->x), address(bases, s->residual), address(bases, s->y),
-                                  address(bases, s->yf));
-    else if (((x_to_y_fn)s->function)(threads, s->call, address(bases, s->x), address(bases, s->y)))
-      return i + 1;
+    const int failed = s->kind == GEMM_CONV
+                           ? ((gemm_conv_fn)s->function)(threads, s->call, address(bases, s->x), address(bases, s->residual),
+                                                         address(bases, s->y), address(bases, s->yf))
+                           : ((x_to_y_fn)s->function)(threads, s->call, address(bases, s->x), address(bases, s->y));
+    if (failed) return i + 1;
   }
   return 0;
 }
