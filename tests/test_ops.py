@@ -3,7 +3,7 @@ and a missing op disables its rules with a reason instead of failing."""
 from qbackend.ops import ALIASES, TorchRegistry, resolve
 from qbackend.patterns.examples import residual_block
 
-from .helpers import assert_matches_reference, dense_convs_on_onednn, quantize
+from .helpers import assert_matches_reference, onednn_only, quantize
 from .xpu_builds import Generation as FakeRegistry
 
 
@@ -74,7 +74,7 @@ def test_every_alias_candidate_is_spelled_namespace_colon_name():
 
 def test_older_torch_lowers_through_the_2d_name_end_to_end(monkeypatch):
     """Only the pre-rename qconv2d_pointwise exists: the emitted graph calls it, and it runs."""
-    dense_convs_on_onednn(monkeypatch)
+    onednn_only(monkeypatch)
     module, inputs = residual_block()
     old = ("qconv2d_pointwise", "qconv2d_pointwise.binary", "qconv_prepack")
     registry = _LiveOps({f"onednn::{name}" + ("" if "." in name else ".default"): {"MkldnnCPU", "CPU"} for name in old})

@@ -8,7 +8,7 @@ import torch.nn as nn
 import qbackend
 from qbackend.patterns.examples import residual_block
 
-from .helpers import compile_and_run, dense_convs_on_onednn, quantize
+from .helpers import compile_and_run, onednn_only, quantize
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def test_explain_gives_the_backends_own_decisions(converted):
 
 
 def test_report_lines_name_the_rule_op_and_source(converted, monkeypatch):
-    dense_convs_on_onednn(monkeypatch)  # (the lines name oneDNN's ops)
+    onednn_only(monkeypatch)  # (the lines name oneDNN's ops)
     model, inputs = converted
     torch._dynamo.reset()
     lines = str(qbackend.explain(model, *inputs)).splitlines()
