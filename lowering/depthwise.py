@@ -35,14 +35,17 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
     channels = w.int8.shape[0]
     if list(p.dilation) != [1, 1] or any(s not in (1, 2) for s in p.stride) or any(q not in (0, 1) for q in p.padding):
         return f"stride {p.stride}, padding {p.padding}, dilation {p.dilation}: the kernel takes stride 1-2, padding 0-1"
-    if channels % LANES or channels > MAX_CHANNELS:
-        return f"{channels} channels: the kernel takes a multiple of {LANES} up to {MAX_CHANNELS}"
+    if channels > MAX_CHANNELS:
+        return f"{channels} channels: the kernel takes up to {MAX_CHANNELS}"
     return own_conv.refusal(ctx, match, (match.x.qparams, match.output_quant))
 
 
 def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed weights, multiplier, addend) in the order of the kernel build that runs here
-    (native.int8_build): int16 tap pairs for AVX2, int8 row triples for AVX512-VNNI."""
+    (native.int8_build): int16 tap pairs for AVX2, int8 row triples for AVX512-VNNI; channels
+    padded to a multiple of LANES with zeros (the kernels run such layers on padded copies)."""
+    pad = -weight.shape[0] % LANES
+    weight, mult, add = (torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (weight, mult, add))
     return (pack_vnni if native.int8_build() == "avx512_vnni" else pack_avx2)(weight, mult, add)
 
 

@@ -401,10 +401,9 @@ class _DepthwiseCall(ctypes.Structure):
 def _prepare_dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point,
                        qmin, qmax) -> Prepared:
     """The AVX2 kernel for int16 packed weights, the VNNI one for int8 (``lowering/depthwise.py``)."""
-    _check_nchw_uint8(x, mult.numel(), "qconv_dw3x3")
+    _check_nchw_uint8(x, None, "qconv_dw3x3")
     n, c, h, w = x.shape
-    if c % 16:
-        raise ValueError(f"qbackend::qconv_dw3x3 takes a multiple of 16 channels, got {c}")
+    packed = -(-c // 16) * 16  # (the packing pads the channels with zeros)
     if weight.dtype == torch.int8:
         vnni = _vnni_library()[0]
         if vnni is None:
@@ -412,7 +411,10 @@ def _prepare_dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding,
         function, dtype, taps = vnni.qb_dwconv3x3_vnni_call, torch.int8, 12  # 3 kernel rows of 4 bytes
     else:
         function, dtype, taps = lib.qb_dwconv3x3_call, torch.int16, 10  # 5 pairs of int16
-    _check_constants("qconv_dw3x3", (weight, dtype, taps * c), (mult, torch.float32, c), (add, torch.float32, c))
+    if mult.numel() != packed:
+        raise ValueError(f"qbackend::qconv_dw3x3: activations of {c} channels for constants packed for {mult.numel()} "
+                         f"({c} channels pack as {packed})")
+    _check_constants("qconv_dw3x3", (weight, dtype, taps * packed), (mult, torch.float32, packed), (add, torch.float32, packed))
     oh, ow = _window("qconv_dw3x3", h, w, (3, 3), stride, padding)
     _check_levels("qconv_dw3x3", x_zero_point, out_zero_point, qmin, qmax)
     call = _DepthwiseCall(n, h, w, c, *stride, *padding, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),

@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "padded_channels.h"
 #include "vec_math.h"
 
 #define MAX_TAPS 9 /* up to 3x3 kernels */
@@ -432,20 +433,11 @@ static int run(int threads, const conv_call_t* c, int Cin, int Cout, const float
        c->high, c->out_inv_scale, c->out_zp, c->qmin, c->qmax, y, yf);
 }
 
-/* ``rows`` rows of ``size``-byte items, ``from`` items apart in src, ``to`` apart in dst: the
- * first min(from, to) items of each (the rest of a wider dst row is left as it is). */
-static void copy_rows(void* dst, const void* src, size_t rows, size_t from, size_t to, size_t size) {
-  const size_t bytes = (from < to ? from : to) * size;
-  for (size_t r = 0; r < rows; r++) memcpy((char*)dst + r * to * size, (const char*)src + r * from * size, bytes);
-}
-
-/* 0, or -1 when a scratch buffer could not be allocated. Channel counts the tiles do not take
- * whole (Cin % 4, Cout % 8: ShuffleNet's 58 / 116 / 232 channels) run on copies padded to whole
- * 4-input groups and 8-output blocks, with zero constants there (the packing's weights there
- * are zero too), and the real outputs are copied back: handling the partial group in the tiles
- * made every layer's code slower (a 64-channel 1x1 by 30%, its sums no longer kept in registers). */
+/* 0, or -1 when a scratch buffer could not be allocated. Cin % 4 or Cout % 8 run on copies
+ * padded to whole 4-input groups and 8-output blocks (padded_channels.h), a residual and the
+ * constants (zero there) with them. */
 int QB_CONV_CALL(int threads, const conv_call_t* c, const uint8_t* x, const void* residual, uint8_t* y, float* yf) {
-  const int Cin = (c->Cin + 3) / 4 * 4, Cout = (c->Cout + 7) / 8 * 8;
+  const int Cin = padded_channels(c->Cin, 4), Cout = padded_channels(c->Cout, 8);
   if (Cin == c->Cin && Cout == c->Cout) return run(threads, c, Cin, Cout, c->mult, c->add, x, residual, y, yf);
   const size_t in_pixels = (size_t)c->N * c->H * c->W, out_pixels = (size_t)c->N * c->OH * c->OW;
   const size_t out_item = yf ? sizeof(float) : 1, residual_item = c->residual_is_float ? sizeof(float) : 1;

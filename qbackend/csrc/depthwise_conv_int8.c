@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "padded_channels.h"
+
 #define TAPS 9
 #define PAIRS 5 /* the 10th tap has zero weights */
 #define LANES 16
@@ -81,8 +83,17 @@ typedef struct {
   int out_zp, qmin, qmax;
 } dwconv_call_t;
 
-/* Returns 0, or -1 when the padding row could not be allocated (as the VNNI kernel). */
-int qb_dwconv3x3_call(int threads, const dwconv_call_t* c, const uint8_t* x, uint8_t* y) {
+static int run(int threads, const void* call, const uint8_t* x, uint8_t* y) {
+  const dwconv_call_t* c = call;
   return dwconv3x3(threads, c->N, c->H, c->W, c->C, c->stride_h, c->stride_w, c->pad_h, c->pad_w, c->OH, c->OW, x, c->x_zp,
-            c->weight, c->mult, c->add, c->lo, c->hi, c->out_inv_scale, c->out_zp, c->qmin, c->qmax, y);
+                   c->weight, c->mult, c->add, c->lo, c->hi, c->out_inv_scale, c->out_zp, c->qmin, c->qmax, y);
+}
+
+/* Returns 0, or -1 when a scratch buffer could not be allocated (as the VNNI kernel). Channels
+ * that are not whole groups of 16 run on padded copies (padded_channels.h). */
+int qb_dwconv3x3_call(int threads, const dwconv_call_t* c, const uint8_t* x, uint8_t* y) {
+  if (c->C % LANES == 0) return run(threads, c, x, y);
+  dwconv_call_t padded = *c;
+  padded.C = padded_channels(c->C, LANES);
+  return run_padded(run, threads, &padded, (size_t)c->N * c->H * c->W, (size_t)c->N * c->OH * c->OW, c->C, padded.C, x, y);
 }

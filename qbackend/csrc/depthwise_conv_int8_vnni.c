@@ -27,6 +27,8 @@
 
 #include <omp.h>
 
+#include "padded_channels.h"
+
 #define GROUP 32       /* channels per group */
 #define GROUP_BYTES 128 /* a group's triples for one output column: 32 channels x 4 bytes */
 
@@ -127,7 +129,8 @@ static void output_row(const dwconv_vnni_call_t* c, const uint8_t* const rows[3]
 }
 
 /* 0, or -1 when a thread could not allocate its triples (y is then incomplete). */
-int qb_dwconv3x3_vnni_call(int threads, const dwconv_vnni_call_t* c, const uint8_t* x, uint8_t* y) {
+static int run(int threads, const void* call, const uint8_t* x, uint8_t* y) {
+  const dwconv_vnni_call_t* c = call;
   const size_t row_bytes = (size_t)((c->C + GROUP - 1) / GROUP) * c->OW * GROUP_BYTES;
   const int rows = c->N * c->OH;
   int failed = 0;
@@ -157,4 +160,12 @@ int qb_dwconv3x3_vnni_call(int threads, const dwconv_vnni_call_t* c, const uint8
     free(slots);
   }
   return failed ? -1 : 0;
+}
+
+/* Channels that are not whole groups of 16 run on padded copies (padded_channels.h). */
+int qb_dwconv3x3_vnni_call(int threads, const dwconv_vnni_call_t* c, const uint8_t* x, uint8_t* y) {
+  if (c->C % 16 == 0) return run(threads, c, x, y);
+  dwconv_vnni_call_t padded = *c;
+  padded.C = padded_channels(c->C, 16);
+  return run_padded(run, threads, &padded, (size_t)c->N * c->H * c->W, (size_t)c->N * c->OH * c->OW, c->C, padded.C, x, y);
 }
