@@ -175,9 +175,9 @@ def test_gemm_conv_gives_the_reference_integers(kernel, stride, padding, dilatio
                          ids=["58 -> 58", "3 -> 116", "5 -> 5", "7 -> 232"])
 @pytest.mark.parametrize("residual", [None, "uint8", "float"])
 def test_any_channel_counts_give_the_reference(kernel, padding, cin, cout, residual, int8_build):
-    """ShuffleNet's 58 / 116 / 232 channels: each kernel position's last 1-3 inputs are read alone
-    (the packing's weights past Cin are 0), the last 1-7 outputs through 8-wide local copies. The
-    last pixel ends the input: a read past it would cross the tensor's end."""
+    """ShuffleNet's 58 / 116 / 232 channels: the call runs on copies padded to whole 4-input groups
+    and 8-output blocks (the packing's weights there are 0), a residual padded with the output,
+    and only the real channels come back."""
     torch.manual_seed(0)
     x_scale, x_zp, out_scale, out_zp, r_scale, r_zp = 0.03, 7, 0.05, 60, 0.04, 11
     x = torch.randint(0, 128, (2, cin, 5, 7), dtype=torch.uint8)

@@ -19,8 +19,8 @@
  * 2 per cycle like ymm (2x the products). qbackend/native.py asks qb_vnni_zmm_speedup once.
  *
  * Weights, every build: [ceil(Cout / 16)][KH * KW * ceil(Cin / 4)][16 outputs][4 inputs], Cout
- * and each kernel position's Cin padded with zero weights. A zmm block is one 64-byte row of 16 outputs; a ymm block (BLOCK
- * 8) is its half, the same row 32 bytes in. A broadcast 4-byte load of one pixel's 4 inputs
+ * and each kernel position's Cin padded with zero weights. A zmm block is one 64-byte row of 16
+ * outputs; a ymm block (BLOCK 8) is its half, the same row 32 bytes in. A broadcast 4-byte load of one pixel's 4 inputs
  * meets each. Tiles: AVX2, 4 pixels x 24 outputs (12 accumulators: 4-6% faster than 4 x 16,
  * while 5 or 6 pixels x 16 were slower); VNNI, whose AVX512VL has 32 ymm registers, 8 pixels x
  * 24 outputs; zmm, 8 pixels x 48 outputs.
@@ -438,24 +438,27 @@ static int run(int threads, const conv_call_t* c, int Cin, int Cout, const float
  * constants (zero there) with them. */
 int QB_CONV_CALL(int threads, const conv_call_t* c, const uint8_t* x, const void* residual, uint8_t* y, float* yf) {
   const int Cin = padded_channels(c->Cin, 4), Cout = padded_channels(c->Cout, 8);
-  if (Cin == c->Cin && Cout == c->Cout) return run(threads, c, Cin, Cout, c->mult, c->add, x, residual, y, yf);
+  const int pad_in = Cin != c->Cin, pad_out = Cout != c->Cout;
+  if (!pad_in && !pad_out) return run(threads, c, Cin, Cout, c->mult, c->add, x, residual, y, yf);
   const size_t in_pixels = (size_t)c->N * c->H * c->W, out_pixels = (size_t)c->N * c->OH * c->OW;
   const size_t out_item = yf ? sizeof(float) : 1, residual_item = c->residual_is_float ? sizeof(float) : 1;
-  uint8_t* x_padded = Cin == c->Cin ? NULL : calloc(in_pixels * Cin, 1);
-  float* constants = calloc(2 * (size_t)Cout, sizeof(float));
-  void* residual_padded = residual && Cout != c->Cout ? calloc(out_pixels * Cout, residual_item) : NULL;
-  void* out_padded = Cout == c->Cout ? NULL : malloc(out_pixels * Cout * out_item);
+  uint8_t* x_padded = pad_in ? calloc(in_pixels * Cin, 1) : NULL;
+  float* constants = pad_out ? calloc(2 * (size_t)Cout, sizeof(float)) : NULL;
+  void* residual_padded = pad_out && residual ? calloc(out_pixels * Cout, residual_item) : NULL;
+  void* out_padded = pad_out ? malloc(out_pixels * Cout * out_item) : NULL;
+  void* out = yf ? (void*)yf : (void*)y;
   int status = -1;
-  if ((Cin == c->Cin || x_padded) && constants && (!residual || Cout == c->Cout || residual_padded) &&
-      (Cout == c->Cout || out_padded)) {
-    if (x_padded) copy_rows(x_padded, x, in_pixels, c->Cin, Cin, 1);
-    memcpy(constants, c->mult, c->Cout * sizeof(float));
-    memcpy(constants + Cout, c->add, c->Cout * sizeof(float));
-    if (residual_padded) copy_rows(residual_padded, residual, out_pixels, c->Cout, Cout, residual_item);
-    void* out = out_padded ? out_padded : yf ? (void*)yf : (void*)y;
-    status = run(threads, c, Cin, Cout, constants, constants + Cout, x_padded ? x_padded : x,
-                 residual_padded ? residual_padded : residual, yf ? NULL : out, yf ? out : NULL);
-    if (out_padded && !status) copy_rows(yf ? (void*)yf : (void*)y, out_padded, out_pixels, Cout, c->Cout, out_item);
+  if ((!pad_in || x_padded) && (!pad_out || (constants && out_padded && (!residual || residual_padded)))) {
+    if (pad_in) copy_rows(x_padded, x, in_pixels, c->Cin, Cin, 1);
+    if (pad_out) {
+      memcpy(constants, c->mult, c->Cout * sizeof(float));
+      memcpy(constants + Cout, c->add, c->Cout * sizeof(float));
+      if (residual) copy_rows(residual_padded, residual, out_pixels, c->Cout, Cout, residual_item);
+    }
+    void* target = pad_out ? out_padded : out;
+    status = run(threads, c, Cin, Cout, pad_out ? constants : c->mult, pad_out ? constants + Cout : c->add,
+                 pad_in ? x_padded : x, pad_out ? residual_padded : residual, yf ? NULL : target, yf ? target : NULL);
+    if (pad_out && !status) copy_rows(out, out_padded, out_pixels, Cout, c->Cout, out_item);
   }
   free(x_padded);
   free(constants);
