@@ -21,7 +21,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from qbackend.patterns.base import fake_value
-from qbackend.runnable import direct_calls
+from qbackend.runnable import module_of_direct_calls
 from qbackend.stack_room import in_fresh_chunk
 
 from .base import EmitContext
@@ -106,7 +106,7 @@ def runnable(gm: GraphModule, nodes: list[Node], result: Node, values: dict) -> 
     except LookupError:
         return None
     graph.output(env[result])
-    return direct_calls(GraphModule(gm, graph)), inputs  # (ops called as the lowered graph will call them)
+    return module_of_direct_calls(gm, graph), inputs  # (ops called as the lowered graph will call them)
 
 
 def time_each(candidates: dict[str, tuple[Callable, list]]) -> dict[str, float]:

@@ -33,10 +33,16 @@ def direct_calls(gm: GraphModule) -> GraphModule:
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # (placeholders and codegen as they were)
     graph._codegen = gm.graph._codegen
+    return module_of_direct_calls(gm, graph)
+
+
+def module_of_direct_calls(root: torch.nn.Module, graph: torch.fx.Graph) -> GraphModule:
+    """``GraphModule(root, graph)`` with ``graph``'s ops (changed in place) calling their entry
+    points."""
     for node in graph.nodes:
         if node.op == "call_function" and type(node.target) is torch._ops.OpOverload:  # (not a subclass with its own __call__)
             node.target = _entry_point(node.target)
-    return GraphModule(gm, graph)
+    return GraphModule(root, graph)
 
 
 def runnable(lowered, runtime_inputs: list[int], total: int) -> Callable:

@@ -48,6 +48,30 @@ def test_prepacks_see_the_shapes_convert_pt2e_left_unrecorded():
     assert kernels and all(static_shape(n.args[0]) is not None for n in kernels)
 
 
+def _metadata(gm) -> list:
+    return [(n.name, tuple(v.shape), v.stride(), v.dtype) if isinstance(v := n.meta.get("val"), torch.Tensor) else (n.name, None)
+            for n in gm.graph.nodes if n.op != "output"]
+
+
+def test_values_reused_from_export_are_what_a_fake_tensor_pass_gives():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from qbackend.direct import _frozen_copy, _reuse_export_values
+
+    model, inputs = _resnet()
+    reused, propagated = _frozen_copy(model), _frozen_copy(model)
+    assert _reuse_export_values(reused, list(inputs))
+    FakeTensorProp(propagated, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*inputs)
+    assert _metadata(reused) == _metadata(propagated)
+    assert all(v[1] is not None for v in _metadata(reused))
+    # an input in another layout than export's gives other strides downstream: the full pass runs
+    channels_last = [inputs[0].contiguous(memory_format=torch.channels_last)]
+    assert not _reuse_export_values(_frozen_copy(model), channels_last)
+    x = next(n for n in _with_shapes(model, channels_last).graph.nodes if n.op == "placeholder")
+    assert x.meta["val"].stride() == channels_last[0].stride()
+
+
 def _dynamic_batch_linear():
     """A converted module exported with a symbolic batch dim (quantize_x86 exports static)."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
