@@ -150,7 +150,7 @@ def _prepacked_linear_weight(ctx: EmitContext, match: Match):
     return weight_constants(ctx, match, packed, "qlinear_w")
 
 
-SIBLING = "qbackend_sibling"  # node meta on an emitted qlinear: (anchor name, QuantizedWeight)
+SIBLING = "qbackend_sibling"  # node meta on an emitted qlinear: (anchor name, QuantizedWeight, or None on a weight-only kernel)
 ANCHOR = "qbackend_anchor"  # node meta on every emitted node: the anchor (report line) it lowers
 
 

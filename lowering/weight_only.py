@@ -16,6 +16,8 @@ from qbackend.ops import Resolved, resolve
 from qbackend.patterns.base import fake_value
 from qbackend.weight_quant import GroupQuantized
 
+from .common import mark_sibling
+
 aten = torch.ops.aten
 
 # How activations meet the kernels (option): "int16" quantizes them per group for qbackend's own
@@ -214,9 +216,17 @@ def emit_weight_only(ctx, match):
     if ctx.weight_only_dense_rows is not None:
         dense = ctx.constant(match.weight_only.dequantize(packed.compute_dtype), f"int{bits}_dense")
         ctx.notes.append(f"dense {packed.compute_dtype} matmul from {ctx.weight_only_dense_rows} rows on")
-    graph = ctx.gm.graph
-    return linear_steps(lambda fn, *a, **k: graph.call_function(fn, a, k), x, value.dim(), value.dtype,
-                        dataclasses.replace(packed, args=args), kernel.op, match.bias, dense, ctx.weight_only_dense_rows)
+    graph, calls = ctx.gm.graph, []
+
+    def call(fn, *a, **k):
+        calls.append(graph.call_function(fn, a, k))
+        return calls[-1]
+
+    result = linear_steps(call, x, value.dim(), value.dtype, dataclasses.replace(packed, args=args), kernel.op, match.bias,
+                          dense, ctx.weight_only_dense_rows)
+    if packed.op in native.OPS and dense is None:  # (sibling_linears.py merges those reading one input)
+        mark_sibling(next(n for n in calls if n.target is kernel.op), match.anchor, None)
+    return result
 
 
 def unflatten_rows(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.nn as nn
 
+import qbackend
 import qbackend.lowering as lowering
 from qbackend import native
 from qbackend.lowering import gemm
 
+from .tolerances import assert_weight_only_close
 from .helpers import assert_matches_reference, compile_and_run, lower_without_running, needs_own_kernels, onednn_linear_rows, quantize, short_graph
 
 
@@ -130,3 +132,57 @@ def test_no_int8_weight_is_left_behind_in_the_lowered_graph(device):
     lowered, report = lower_without_running(quantize(Projections(), inputs()), inputs(), registry, device=device)
     assert {"q", "k", "v"} <= {d.source for d in report.lowered}, str(report)
     assert not [n.name for n in lowered.graph.nodes if SIBLING in n.meta]
+
+
+class LlamaProjections(nn.Module):
+    """A Llama block's Q / K / V (of one normed input) and gate / up (of another), no biases."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(128, 128, bias=False), nn.Linear(128, 32, bias=False), nn.Linear(128, 32, bias=False)
+        self.gate, self.up, self.down = nn.Linear(128, 256, bias=False), nn.Linear(128, 256, bias=False), nn.Linear(256, 128, bias=False)
+
+    def forward(self, x):
+        attended = self.q(x) * torch.cat([self.k(x), self.v(x)], -1).repeat(1, 1, 2)
+        h = x + attended
+        return self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+def _weight_only_lines(captured) -> list[str]:
+    return [line for line in short_graph(captured.lowered).splitlines() if "= qbackend.int" in line or "= aten.slice" in line]
+
+
+class TestWeightOnlySiblingGraph(expecttest.TestCase):
+    @needs_own_kernels
+    def test_q_k_v_and_gate_up_run_as_one_call_each(self):
+        torch.manual_seed(0)
+        model = qbackend.quantize_weights(LlamaProjections().eval(), bits=4, group_size=64)
+        actual, expected, captured = compile_and_run(model, (torch.randn(1, 3, 128),))
+        self.assertExpectedInline("\n".join(_weight_only_lines(captured)), """\
+int4_mm_int16_default_6 = qbackend.int4_mm_int16(reshape_default, <const>, <const>, <const>, 64)
+slice_tensor = aten.slice.Tensor(int4_mm_int16_default_6, -1, 0, 128)
+slice_tensor_1 = aten.slice.Tensor(int4_mm_int16_default_6, -1, 128, 160)
+slice_tensor_2 = aten.slice.Tensor(int4_mm_int16_default_6, -1, 160, 192)
+int4_mm_int16_default_7 = qbackend.int4_mm_int16(reshape_default_3, <const>, <const>, <const>, 64)
+slice_tensor_3 = aten.slice.Tensor(int4_mm_int16_default_7, -1, 0, 256)
+slice_tensor_4 = aten.slice.Tensor(int4_mm_int16_default_7, -1, 256, 512)
+int4_mm_int16_default_5 = qbackend.int4_mm_int16(reshape_default_5, <const>, <const>, <const>, 64)""")
+        notes = {d.source: d.reason for d in captured.report.decisions}
+        assert notes["q"].endswith("one call with linear_1, linear_2 (same input, weights concatenated)"), str(captured.report)
+        assert notes["up"].endswith("one call with linear_3 (same input, weights concatenated)"), str(captured.report)
+        assert "one call" not in notes["down"], str(captured.report)
+
+
+@needs_own_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_merged_weight_only_call_is_bit_exact(monkeypatch, bits):
+    torch.manual_seed(0)
+    model = qbackend.quantize_weights(LlamaProjections().eval(), bits=bits, group_size=64)
+    x = (torch.randn(2, 5, 128),)
+    merged, expected, captured = compile_and_run(model, x)
+    monkeypatch.setitem(lowering.FINISH, "cpu", ())
+    separate, _, unmerged = compile_and_run(model, x)
+    calls = [sum("= qbackend.int" in line for line in _weight_only_lines(c)) for c in (captured, unmerged)]
+    assert calls == [3, 6], calls
+    assert torch.equal(merged, separate)
+    assert_weight_only_close(merged, expected)

@@ -1,0 +1,360 @@
+"""LLM decode on CPU end to end: a Hugging Face Llama-architecture model, weight-only int4 / int8.
+
+    pip install -e ".[bench]"
+    python benchmarks/bench_llm.py [--quick] [--contexts 32 512 2048]
+
+The model: ``transformers.LlamaForCausalLM`` from a ``LlamaConfig`` (hidden 2048, intermediate
+5632, 4 layers, 32 heads, 4 KV heads, vocab 32000), random init, fp32. Paths, each timed on the
+same inputs: fp32 eager, bf16 eager, Inductor on the bf16 model (``torch.compile`` default),
+``qbackend.quantize_weights`` int4 (group 128) eager and through
+``torch.compile(model.forward, backend="qbackend")``, and int8 the same way compiled.
+
+Per path: greedy decode latency (median ms per generated token, the KV cache filled to each
+context length first), prefill of 512 tokens (``logits_to_keep=1``, as ``generate`` asks), the
+first calls' time (compile included) and how many graphs Dynamo compiled after the second decode
+step (recompiles). Accuracy: the logits' cosine on the prompt and on every decoded step against
+the fp32 model and against the same model with the quantized weights dequantized into fp32 (the
+kernels' own error). Memory: the peak RSS of a fresh process that loads the int4 checkpoint
+and decodes, against the same for the fp32 checkpoint. The floor: the bytes a decode step must
+read (int4 weights and their scales; the embedding row is negligible) over the measured copy
+bandwidth. Writes docs/benchmarks_llm.md, one section per CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import importlib.util
+import inspect
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+if importlib.util.find_spec("qbackend") is None:  # not installed: use this checkout
+    sys.path.insert(0, str(PROJECT_ROOT))
+
+import qbackend  # noqa: E402
+from qbackend.quantized_tensor import QuantizedLinearWeight  # noqa: E402
+
+from common import NUM_THREADS, cosine, cpu_key, fmt, log, machine_description, short_error, write_section  # noqa: E402
+
+# (transformers imports torchvision where it is installed; its CUDA-built C ops do not load: zoo_models.py)
+sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
+              vocab_size=32000, max_position_embeddings=4096)
+GROUP = 128
+PROMPT, PREFILL, ACCURACY_STEPS = 32, 512, 32
+
+
+def config() -> LlamaConfig:
+    return LlamaConfig(**CONFIG)
+
+
+def build_fp32() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config()).eval()
+
+
+# transformers 5 renamed ``past_key_values`` to ``cache`` (argument and output field)
+_CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
+
+
+def _cache_of(output):
+    return getattr(output, _CACHE_ARG)
+
+
+@dataclass
+class Runner:
+    name: str
+    forward: Callable  # model.forward or its compiled form
+    dtype: torch.dtype  # of the KV cache
+    compiled: bool = False
+    results: dict = field(default_factory=dict)
+
+
+def step(path: Runner, tokens: torch.Tensor, cache, **kwargs):
+    with torch.no_grad():
+        out = path.forward(input_ids=tokens, use_cache=True, **{_CACHE_ARG: cache}, **kwargs)
+    return out.logits[:, -1:].argmax(-1), _cache_of(out), out.logits
+
+
+def filled_cache(length: int, dtype: torch.dtype):
+    """A KV cache holding ``length`` positions (random keys / values: a decode step's time does
+    not depend on them, and filling it by a prefill of 2048 tokens costs minutes in bf16 on AVX2)."""
+    cache, cfg = DynamicCache(), config()
+    generator = torch.Generator().manual_seed(5)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    for layer in range(cfg.num_hidden_layers):
+        shape = (1, cfg.num_key_value_heads, length, head_dim)
+        cache.update(torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype), layer)
+    return cache
+
+
+def decode_ms(path: Runner, context: int, steps: int) -> float:
+    cache, token = filled_cache(context, path.dtype), torch.tensor([[7]])
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        token, cache, _ = step(path, token, cache)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3  # (the first step after a new cache length may compile)
+
+
+def prefill_ms(path: Runner, calls: int) -> float:
+    tokens = torch.randint(0, CONFIG["vocab_size"], (1, PREFILL), generator=torch.Generator().manual_seed(3))
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        step(path, tokens, DynamicCache(), logits_to_keep=1)
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def first_calls(path: Runner, prompt: torch.Tensor) -> dict:
+    """The prompt and two decode steps from cold (Dynamo reset): their time, then the graphs
+    Dynamo compiles over 8 more steps (0: no recompiles)."""
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    start = time.perf_counter()
+    token, cache, _ = step(path, prompt, DynamicCache())
+    for _ in range(2):
+        token, cache, _ = step(path, token, cache)
+    seconds = time.perf_counter() - start
+    frames = counters["frames"]["ok"]
+    for _ in range(8):
+        token, cache, _ = step(path, token, cache)
+    return {"first_s": seconds, "graphs": frames, "recompiles": counters["frames"]["ok"] - frames}
+
+
+def greedy_logits(path: Runner, prompt: torch.Tensor, tokens: Optional[list] = None) -> tuple[list, list]:
+    """Logits of the prompt, then of each decoded step (feeding ``tokens`` when given, so every
+    path sees the reference's sequence); the tokens it chose."""
+    token, cache, logits = step(path, prompt, DynamicCache())
+    all_logits, chosen = [logits[0].float()], []
+    for i in range(ACCURACY_STEPS):
+        feed = token if tokens is None else tokens[i]
+        chosen.append(feed)
+        token, cache, logits = step(path, feed, cache)
+        all_logits.append(logits[0, -1:].float())
+    return all_logits, chosen
+
+
+def min_cosine(a: list, b: list) -> float:
+    return min(cosine(x, y) for x, y in zip(a, b))
+
+
+def dequantized_copy(quantized: torch.nn.Module) -> torch.nn.Module:
+    """The quantized model with each weight replaced by its dequantized fp32 values."""
+    model = copy.deepcopy(quantized)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and isinstance(module.weight, QuantizedLinearWeight):
+            module.weight = torch.nn.Parameter(module.weight.dequantize().float(), requires_grad=False)
+    return model
+
+
+def measure_bandwidth(megabytes=512, repeats=10) -> float:
+    """Bytes per second of a large copy (read + write), the best of ``repeats``."""
+    source = torch.ones(megabytes << 20, dtype=torch.uint8)
+    target = torch.zeros_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() / best
+
+
+def decode_bytes(model: torch.nn.Module) -> int:
+    """What one decode step reads of the quantized weights: integers and scales / zero points."""
+    total = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if isinstance(module, torch.nn.Linear) and isinstance(w, QuantizedLinearWeight):
+            total += sum(t.numel() * t.element_size() for t in (w.qdata, w.scale, w.zero))
+    return total
+
+
+# --- peak memory: a fresh process loads a checkpoint and decodes ------------------------------
+
+
+def memory_child(checkpoint: str, bits: int) -> None:
+    with torch.device("meta"):  # the structure only: no fp32 weights are made for the int4 model
+        model = LlamaForCausalLM(config()).eval()
+    if bits:
+        qbackend.quantize_weights(model, bits=bits, group_size=GROUP)
+    rotary = model.model.rotary_emb  # (its inverse frequencies are not in a state_dict)
+    model.model.rotary_emb = type(rotary)(config=config())
+    _reset_peak_rss()
+    before = _rss_bytes()
+    with torch.serialization.safe_globals([QuantizedLinearWeight]):
+        state = torch.load(checkpoint, weights_only=True, mmap=False)
+    model.load_state_dict(state, assign=True, strict=False)
+    del state
+    path = Runner("child", model.forward, torch.float32)
+    token, cache, _ = step(path, torch.arange(PROMPT).unsqueeze(0), DynamicCache())
+    for _ in range(4):
+        token, cache, _ = step(path, token, cache)
+    print(json.dumps({"peak": _peak_rss_bytes() - before}))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # resets VmHWM to the current RSS
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def peak_memory(models: dict) -> dict:
+    found = {}
+    for name, (model, bits) in models.items():
+        with tempfile.NamedTemporaryFile(suffix=".pt") as checkpoint:
+            torch.save(model.state_dict(), checkpoint.name)
+            child = subprocess.run([sys.executable, __file__, "--memory-child", checkpoint.name, str(bits)],
+                                   capture_output=True, text=True)
+        if child.returncode != 0:
+            found[name] = f"failed: {(child.stderr.strip().splitlines() or ['?'])[-1]}"
+        else:
+            found[name] = json.loads(child.stdout.strip().splitlines()[-1])["peak"]
+    return found
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+def paths(fp32, bf16, int4, int8) -> list[Runner]:
+    return [
+        Runner("fp32 eager", fp32.forward, torch.float32),
+        Runner("bf16 eager", bf16.forward, torch.bfloat16),
+        Runner("Inductor bf16", torch.compile(bf16.forward), torch.bfloat16, compiled=True),
+        Runner("qbackend int4 eager", int4.forward, torch.float32),
+        Runner("qbackend int4", torch.compile(int4.forward, backend="qbackend"), torch.float32, compiled=True),
+        Runner("qbackend int8", torch.compile(int8.forward, backend="qbackend"), torch.float32, compiled=True),
+    ]
+
+
+def run(contexts: list, steps: int, prefill_calls: int) -> tuple[list, dict]:
+    log("building the models")
+    fp32 = build_fp32()
+    bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
+    int4 = qbackend.quantize_weights(copy.deepcopy(fp32), bits=4, group_size=GROUP)
+    int8 = qbackend.quantize_weights(copy.deepcopy(fp32), bits=8)
+    prompt = torch.randint(0, CONFIG["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    fp32_path = Runner("fp32", fp32.forward, torch.float32)
+    reference, tokens = greedy_logits(fp32_path, prompt)
+    dequantized = {bits: greedy_logits(Runner("dq", dequantized_copy(m).forward, torch.float32), prompt, tokens)[0]
+                   for bits, m in ((4, int4), (8, int8))}
+    extra = {"bandwidth": measure_bandwidth(), "int4_bytes": decode_bytes(int4), "int8_bytes": decode_bytes(int8)}
+    rows = paths(fp32, bf16, int4, int8)
+    for path in rows:
+        log(f"{path.name}: first calls")
+        try:
+            if path.compiled:
+                path.results.update(first_calls(path, prompt))
+            logits, _ = greedy_logits(path, prompt, tokens)
+            path.results["cos_fp32"] = min_cosine(logits, reference)
+            bits = 4 if "int4" in path.name else 8 if "int8" in path.name else None
+            if bits:
+                path.results["cos_dequantized"] = min_cosine(logits, dequantized[bits])
+            for context in contexts:
+                log(f"{path.name}: decode at context {context}")
+                path.results[f"decode_{context}"] = decode_ms(path, context, steps)
+            log(f"{path.name}: prefill of {PREFILL}")
+            path.results["prefill"] = prefill_ms(path, prefill_calls)
+        except Exception as error:  # one broken path must not hide the others
+            path.results["error"] = short_error(error)
+            log(f"{path.name} failed: {path.results['error']}")
+        gc.collect()
+    log("peak memory of fresh processes")
+    extra["memory"] = peak_memory({"fp32": (fp32, 0), "qbackend int4": (int4, 4)})
+    return rows, extra
+
+
+def report(rows: list, extra: dict, contexts: list, command: str) -> str:
+    bandwidth = extra["bandwidth"]
+    floor = {"int4": extra["int4_bytes"] / bandwidth * 1e3, "int8": extra["int8_bytes"] / bandwidth * 1e3}
+    fp32 = rows[0].results
+    lines = [
+        f"- Machine: {machine_description()}",
+        f"- Date: {datetime.date.today().isoformat()}; command: `{command}`",
+        f"- Model: LlamaForCausalLM, {', '.join(f'{k} {v}' for k, v in CONFIG.items())}; random init; prompt {PROMPT}"
+        f" tokens; greedy decode, batch 1, {NUM_THREADS} threads.",
+        f"- Copy bandwidth (512 MB, read + write): {bandwidth / 1e9:.1f} GB/s. Floor of a decode step = the weight bytes"
+        f" it reads / that bandwidth: int4 g{GROUP} {extra['int4_bytes'] / 1e6:.0f} MB -> {floor['int4']:.2f} ms,"
+        f" int8 {extra['int8_bytes'] / 1e6:.0f} MB -> {floor['int8']:.2f} ms.",
+        "- Decode: median ms per token over the steps after a KV cache of that many positions; `x floor` for the"
+        " quantized paths; speedups against fp32 / bf16 eager at context 32. Prefill: best of the calls, 512 tokens.",
+        "- First calls: the prompt and two decode steps from cold (compile included); `graphs`: graphs Dynamo"
+        " compiled for them; `recompiles`: graphs compiled over the next 8 steps.",
+        "- cos: the minimum over the prompt's logits and 32 decoded steps (every path fed the fp32 model's tokens),"
+        " against fp32 and against the same model with its quantized weights dequantized into fp32.",
+        "",
+    ]
+    header = ["path", *(f"decode ctx {c} ms" for c in contexts), "x floor (ctx 32 / ctx 2048)", "vs fp32 / bf16 eager",
+              f"prefill {PREFILL} ms", "first calls s (graphs, recompiles)", "cos vs fp32", "cos vs dequantized"]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for path in rows:
+        r = path.results
+        if "error" in r:
+            lines.append(f"| {path.name} | {r['error'].replace('|', '/')} |" + " |" * (len(header) - 2))
+            continue
+        bits = "int4" if "int4" in path.name else "int8" if "int8" in path.name else None
+        x_floor = " / ".join(fmt(r.get(f"decode_{c}") and r[f"decode_{c}"] / floor[bits], ".2f") for c in (32, 2048)
+                             if c in contexts) if bits else "–"
+        speed = " / ".join(fmt(base.get("decode_32") and r.get("decode_32") and base["decode_32"] / r["decode_32"], ".1f")
+                           for base in (fp32, rows[1].results))
+        first = f"{r['first_s']:.1f} ({r['graphs']}, {r['recompiles']})" if "first_s" in r else "–"
+        lines.append("| " + " | ".join([path.name, *(fmt(r.get(f"decode_{c}"), ".2f") for c in contexts), x_floor, speed,
+                                         fmt(r.get("prefill"), ".0f"), first, fmt(r.get("cos_fp32"), ".5f"),
+                                         fmt(r.get("cos_dequantized"), ".5f")]) + " |")
+    memory = extra["memory"]
+    lines += ["", "Peak RSS of a fresh process that loads the checkpoint (int4: into a model built on the meta device) and"
+              " decodes 4 tokens, above its RSS before the load:", ""]
+    for name, peak in memory.items():
+        ratio = f" ({peak / memory['fp32']:.2f}x fp32's)" if isinstance(peak, int) and isinstance(memory.get("fp32"), int) else ""
+        lines.append(f"- {name}: {peak / 1e6:.0f} MB{ratio}" if isinstance(peak, int) else f"- {name}: {peak}")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[32, 512, 2048])
+    parser.add_argument("--quick", action="store_true", help="fewer decode steps and prefill calls")
+    parser.add_argument("--docs", type=Path, default=PROJECT_ROOT / "docs")
+    parser.add_argument("--memory-child", nargs=2, metavar=("CHECKPOINT", "BITS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(NUM_THREADS)
+    if args.memory_child:
+        return memory_child(args.memory_child[0], int(args.memory_child[1]))
+    rows, extra = run(args.contexts, steps=6 if args.quick else 16, prefill_calls=1 if args.quick else 3)
+    command = "python benchmarks/bench_llm.py " + " ".join(sys.argv[1:])
+    body = report(rows, extra, args.contexts, command.strip())
+    write_section(args.docs / "benchmarks_llm.md", "LLM decode on CPU: Llama-architecture, weight-only int4 / int8", cpu_key(), body)
+    print(body)
+
+
+if __name__ == "__main__":
+    main()
