@@ -63,7 +63,9 @@ def _own_kernel_output(node: Node) -> Optional[Node]:
 
 
 def _weight_only_kernels() -> tuple:
-    return tuple(native.op(name) for name in ("int4_mm_int16", "int8_mm_int16")) if native.available() is None else ()
+    if native.available() is not None:
+        return ()
+    return tuple(form for name in ("int4_mm_int16", "int8_mm_int16") for form in native.own_kernel_forms(name))
 
 
 def _weight_only_input(node: Node) -> Node:

@@ -211,6 +211,7 @@ def emit_weight_only(ctx, match):
         ctx.notes.append(packed.note)
     bits, kernel = match.weight_only.bits, kernel_of(packed.op, ctx.op)
     ctx.kernel = kernel.qualname
+    call_target = native.own_kernel(packed.op, traced=ctx.need_meta) if packed.op in native.OPS else kernel.op
     args = tuple(ctx.constant(a, f"int{bits}_w") if isinstance(a, torch.Tensor) else a for a in packed.args)
     dense = None
     if ctx.weight_only_dense_rows is not None:
@@ -222,10 +223,10 @@ def emit_weight_only(ctx, match):
         calls.append(graph.call_function(fn, a, k))
         return calls[-1]
 
-    result = linear_steps(call, x, value.dim(), value.dtype, dataclasses.replace(packed, args=args), kernel.op, match.bias,
+    result = linear_steps(call, x, value.dim(), value.dtype, dataclasses.replace(packed, args=args), call_target, match.bias,
                           dense, ctx.weight_only_dense_rows)
     if packed.op in native.OPS and dense is None:  # (sibling_linears.py merges those reading one input)
-        mark_sibling(next(n for n in calls if n.target is kernel.op), match.anchor, None)
+        mark_sibling(next(n for n in calls if n.target is call_target), match.anchor, None)
     return result
 
 

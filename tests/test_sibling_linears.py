@@ -149,7 +149,7 @@ class LlamaProjections(nn.Module):
 
 
 def _weight_only_lines(captured) -> list[str]:
-    return [line for line in short_graph(captured.lowered).splitlines() if "= qbackend.int" in line or "= aten.slice" in line]
+    return [line for line in short_graph(captured.lowered).splitlines() if "= native.int" in line or "= aten.slice" in line]
 
 
 class TestWeightOnlySiblingGraph(expecttest.TestCase):
@@ -157,16 +157,16 @@ class TestWeightOnlySiblingGraph(expecttest.TestCase):
     def test_q_k_v_and_gate_up_run_as_one_call_each(self):
         torch.manual_seed(0)
         model = qbackend.quantize_weights(LlamaProjections().eval(), bits=4, group_size=64)
-        actual, expected, captured = compile_and_run(model, (torch.randn(1, 3, 128),))
+        _, _, captured = compile_and_run(model, (torch.randn(1, 3, 128),))
         self.assertExpectedInline("\n".join(_weight_only_lines(captured)), """\
-int4_mm_int16_default_6 = qbackend.int4_mm_int16(reshape_default, <const>, <const>, <const>, 64)
-slice_tensor = aten.slice.Tensor(int4_mm_int16_default_6, -1, 0, 128)
-slice_tensor_1 = aten.slice.Tensor(int4_mm_int16_default_6, -1, 128, 160)
-slice_tensor_2 = aten.slice.Tensor(int4_mm_int16_default_6, -1, 160, 192)
-int4_mm_int16_default_7 = qbackend.int4_mm_int16(reshape_default_3, <const>, <const>, <const>, 64)
-slice_tensor_3 = aten.slice.Tensor(int4_mm_int16_default_7, -1, 0, 256)
-slice_tensor_4 = aten.slice.Tensor(int4_mm_int16_default_7, -1, 256, 512)
-int4_mm_int16_default_5 = qbackend.int4_mm_int16(reshape_default_5, <const>, <const>, <const>, 64)""")
+int4_mm_int16_6 = native.int4_mm_int16(reshape_default, <const>, <const>, <const>, 64)
+slice_tensor = aten.slice.Tensor(int4_mm_int16_6, -1, 0, 128)
+slice_tensor_1 = aten.slice.Tensor(int4_mm_int16_6, -1, 128, 160)
+slice_tensor_2 = aten.slice.Tensor(int4_mm_int16_6, -1, 160, 192)
+int4_mm_int16_7 = native.int4_mm_int16(reshape_default_3, <const>, <const>, <const>, 64)
+slice_tensor_3 = aten.slice.Tensor(int4_mm_int16_7, -1, 0, 256)
+slice_tensor_4 = aten.slice.Tensor(int4_mm_int16_7, -1, 256, 512)
+int4_mm_int16_5 = native.int4_mm_int16(reshape_default_5, <const>, <const>, <const>, 64)""")
         notes = {d.source: d.reason for d in captured.report.decisions}
         assert notes["q"].endswith("one call with linear_1, linear_2 (same input, weights concatenated)"), str(captured.report)
         assert notes["up"].endswith("one call with linear_3 (same input, weights concatenated)"), str(captured.report)
@@ -182,7 +182,7 @@ def test_merged_weight_only_call_is_bit_exact(monkeypatch, bits):
     merged, expected, captured = compile_and_run(model, x)
     monkeypatch.setitem(lowering.FINISH, "cpu", ())
     separate, _, unmerged = compile_and_run(model, x)
-    calls = [sum("= qbackend.int" in line for line in _weight_only_lines(c)) for c in (captured, unmerged)]
+    calls = [sum("= native.int" in line for line in _weight_only_lines(c)) for c in (captured, unmerged)]
     assert calls == [3, 6], calls
     assert torch.equal(merged, separate)
     assert_weight_only_close(merged, expected)

@@ -88,8 +88,8 @@ class TestWeightOnlyGraphs(expecttest.TestCase):
         graph, report = self.lowered(model.gate, torch.randn(4, 256), weight_only_compute="int16")
         self.assertExpectedInline(graph, """\
 l_args_0_ = input
-int4_mm_int16_default = qbackend.int4_mm_int16(l_args_0_, <const>, <const>, <const>, 128)
-add_tensor = aten.add.Tensor(int4_mm_int16_default, <const>)
+int4_mm_int16 = native.int4_mm_int16(l_args_0_, <const>, <const>, <const>, 128)
+add_tensor = aten.add.Tensor(int4_mm_int16, <const>)
 return (add_tensor)""")
         assert "float32 activations quantized per group to int16 for qbackend's kernel" in report
 
