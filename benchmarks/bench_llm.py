@@ -104,14 +104,19 @@ def filled_cache(length: int, dtype: torch.dtype):
     return cache
 
 
-def decode_ms(path: Runner, context: int, steps: int) -> float:
-    cache, token = filled_cache(context, path.dtype), torch.tensor([[7]])
-    times = []
+def decode_ms(paths: list, context: int, steps: int) -> dict:
+    """Median ms per decode step of each path, the paths taking turns step by step (this
+    machine's speed drifts by 20-40% over minutes: each path sees the same drift)."""
+    state = {path.name: (torch.tensor([[7]]), filled_cache(context, path.dtype)) for path in paths}
+    for path in paths:  # the first step after a new cache length may compile
+        state[path.name] = step(path, *state[path.name])[:2]
+    times = {path.name: [] for path in paths}
     for _ in range(steps):
-        start = time.perf_counter()
-        token, cache, _ = step(path, token, cache)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) * 1e3  # (the first step after a new cache length may compile)
+        for path in paths:
+            start = time.perf_counter()
+            state[path.name] = step(path, *state[path.name])[:2]
+            times[path.name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 def prefill_ms(path: Runner, calls: int) -> float:
@@ -279,14 +284,20 @@ def run(contexts: list, steps: int, prefill_calls: int) -> tuple[list, dict]:
             bits = 4 if "int4" in path.name else 8 if "int8" in path.name else None
             if bits:
                 path.results["cos_dequantized"] = min_cosine(logits, dequantized[bits])
-            for context in contexts:
-                log(f"{path.name}: decode at context {context}")
-                path.results[f"decode_{context}"] = decode_ms(path, context, steps)
             log(f"{path.name}: prefill of {PREFILL}")
             path.results["prefill"] = prefill_ms(path, prefill_calls)
         except Exception as error:  # one broken path must not hide the others
             path.results["error"] = short_error(error)
             log(f"{path.name} failed: {path.results['error']}")
+        gc.collect()
+    working = [path for path in rows if "error" not in path.results]
+    for context in contexts:
+        log(f"decode at context {context}, every path in turn")
+        try:
+            for name, ms in decode_ms(working, context, steps).items():
+                next(p for p in working if p.name == name).results[f"decode_{context}"] = ms
+        except Exception as error:
+            log(f"decode at context {context} failed: {short_error(error)}")
         gc.collect()
     log("peak memory of fresh processes")
     extra["memory"] = peak_memory({"fp32": (fp32, 0), "qbackend int4": (int4, 4)})
@@ -305,8 +316,8 @@ def report(rows: list, extra: dict, contexts: list, command: str) -> str:
         f"- Copy bandwidth (512 MB, read + write): {bandwidth / 1e9:.1f} GB/s. Floor of a decode step = the weight bytes"
         f" it reads / that bandwidth: int4 g{GROUP} {extra['int4_bytes'] / 1e6:.0f} MB -> {floor['int4']:.2f} ms,"
         f" int8 {extra['int8_bytes'] / 1e6:.0f} MB -> {floor['int8']:.2f} ms.",
-        "- Decode: median ms per token over the steps after a KV cache of that many positions; `x floor` for the"
-        " quantized paths; speedups against fp32 / bf16 eager at context 32. Prefill: best of the calls, 512 tokens.",
+        "- Decode: median ms per token over the steps after a KV cache of that many positions, the paths taking"
+        " turns step by step; `x floor` for the quantized paths; speedups against fp32 / bf16 eager at context 32. Prefill: best of the calls, 512 tokens.",
         "- First calls: the prompt and two decode steps from cold (compile included); `graphs`: graphs Dynamo"
         " compiled for them; `recompiles`: graphs compiled over the next 8 steps.",
         "- cos: the minimum over the prompt's logits and 32 decoded steps (every path fed the fp32 model's tokens),"

@@ -6,6 +6,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,9 +82,14 @@ def max_abs_diff(a, b):
 
 
 def short_error(exc):
+    """The error's type and first line; for an error without a message (a bare assert in a
+    peer's code), where it was raised instead."""
     lines = str(exc).strip().splitlines()
-    first_line = lines[0] if lines else ""
-    return f"{type(exc).__name__}: {first_line}"[:200]
+    if lines:
+        return f"{type(exc).__name__}: {lines[0]}"[:200]
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" raised in {frames[-1].name} ({'/'.join(Path(frames[-1].filename).parts[-2:])}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}{where}"[:200]
 
 
 def _lscpu() -> dict:
