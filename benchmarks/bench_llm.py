@@ -28,7 +28,6 @@ import gc
 import importlib.util
 import inspect
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,8 @@ if importlib.util.find_spec("qbackend") is None:  # not installed: use this chec
 import qbackend  # noqa: E402
 from qbackend.quantized_tensor import QuantizedLinearWeight  # noqa: E402
 
-from common import NUM_THREADS, cosine, cpu_key, fmt, log, machine_description, short_error, write_section  # noqa: E402
+from common import (NUM_THREADS, cosine, cpu_key, fmt, log, machine_description, measure_bandwidth,  # noqa: E402
+                    peak_rss_bytes, reset_peak_rss, rss_bytes, short_error, write_section)
 
 # (transformers imports torchvision where it is installed; its CUDA-built C ops do not load: zoo_models.py)
 sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
@@ -172,18 +172,6 @@ def dequantized_copy(quantized: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def measure_bandwidth(megabytes=512, repeats=10) -> float:
-    """Bytes per second of a large copy (read + write), the best of ``repeats``."""
-    source = torch.ones(megabytes << 20, dtype=torch.uint8)
-    target = torch.zeros_like(source)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - start)
-    return 2 * source.numel() / best
-
-
 def decode_bytes(model: torch.nn.Module) -> int:
     """What one decode step reads of the quantized weights: integers and scales / zero points."""
     total = 0
@@ -204,8 +192,8 @@ def memory_child(checkpoint: str, bits: int) -> None:
         qbackend.quantize_weights(model, bits=bits, group_size=GROUP)
     rotary = model.model.rotary_emb  # (its inverse frequencies are not in a state_dict)
     model.model.rotary_emb = type(rotary)(config=config())
-    _reset_peak_rss()
-    before = _rss_bytes()
+    reset_peak_rss()
+    before = rss_bytes()
     with torch.serialization.safe_globals([QuantizedLinearWeight]):
         state = torch.load(checkpoint, weights_only=True, mmap=False)
     model.load_state_dict(state, assign=True, strict=False)
@@ -214,23 +202,7 @@ def memory_child(checkpoint: str, bits: int) -> None:
     token, cache, _ = step(path, torch.arange(PROMPT).unsqueeze(0), DynamicCache())
     for _ in range(4):
         token, cache, _ = step(path, token, cache)
-    print(json.dumps({"peak": _peak_rss_bytes() - before}))
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
-
-
-def _reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # resets VmHWM to the current RSS
-
-
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
+    print(json.dumps({"peak": peak_rss_bytes() - before}))
 
 
 def peak_memory(models: dict) -> dict:

@@ -15,11 +15,9 @@ import datetime
 import gc
 import importlib.util
 import json
-import resource
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -35,7 +33,7 @@ import qbackend  # noqa: E402
 from qbackend.quantized_tensor import QuantizedLinearWeight  # noqa: E402
 
 from common import (NUM_THREADS, Settings, cosine, fmt, log, machine_description, measure_back_to_back,  # noqa: E402
-                    measure_interleaved, short_error)
+                    measure_bandwidth, measure_interleaved, peak_rss_bytes, reset_peak_rss, rss_bytes, short_error)
 
 HIDDEN, INTERMEDIATE, GROUP = 4096, 11008, 128
 DENSE_ROWS = 16  # the measured crossover of the int4 kernel and dense bf16 (lowering/weight_only.py)
@@ -90,19 +88,6 @@ def packed_bytes(bits: int, scale_bytes: int = 2) -> int:
     for n, k in ((INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)):
         total += n * k // 2 + (k // GROUP) * n * 2 * scale_bytes if bits == 4 else n * k + n * scale_bytes
     return total
-
-
-def measure_bandwidth(megabytes=512, repeats=20) -> float:
-    """Bytes per second of a large copy (read + write), the best of ``repeats`` (the target is
-    written once first, so page faults are not timed)."""
-    source = torch.ones(megabytes << 20, dtype=torch.uint8)
-    target = torch.zeros_like(source)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        target.copy_(source)
-        best = min(best, time.perf_counter() - start)
-    return 2 * source.numel() / best
 
 
 def paths_for(dtype, tokens, fp32_model, models):
@@ -191,37 +176,19 @@ def memory_child(checkpoint: str, dtype_name: str) -> None:
             torch.compile(m, backend="qbackend")(torch.randn(1, 1, width, dtype=dtype))
 
     compile_and_run(tiny, 256)  # Dynamo's and qbackend's modules: ~250 MB once per process
-    _reset_peak_rss()
-    before = _rss_bytes()
+    reset_peak_rss()
+    before = rss_bytes()
     compile_and_run(tiny, 256)  # what any compile costs for a moment, whatever the model
-    compiler = _peak_rss_bytes() - before
-    _reset_peak_rss()
-    before = _rss_bytes()
+    compiler = peak_rss_bytes() - before
+    reset_peak_rss()
+    before = rss_bytes()
     with torch.serialization.safe_globals([QuantizedLinearWeight]):
         state = torch.load(checkpoint, weights_only=True)
     model.load_state_dict(state, assign=True)
-    loaded = _rss_bytes() - before
+    loaded = rss_bytes() - before
     compile_and_run(model, HIDDEN)
-    print(json.dumps({"peak": _peak_rss_bytes() - before, "resident": _rss_bytes() - before, "loaded": loaded,
+    print(json.dumps({"peak": peak_rss_bytes() - before, "resident": rss_bytes() - before, "loaded": loaded,
                       "compiler": compiler}))
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * resource.getpagesize()
-
-
-def _reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # resets VmHWM to the current RSS
-
-
-def _peak_rss_bytes() -> int:
-    """This process image's peak RSS. (Not ru_maxrss: Linux carries it over an exec, so a child
-    started from the benchmark process would report the parent's peak.)"""
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
 
 
 def measure_peak_memory(models) -> dict:

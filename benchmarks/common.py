@@ -2,6 +2,7 @@
 
 import importlib.metadata
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -144,3 +145,37 @@ def fmt(value, spec):
 
 def log(message):
     print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+# --- memory: bandwidth and a process's RSS (Linux) --------------------------------------------
+
+
+def measure_bandwidth(megabytes=512, repeats=20) -> float:
+    """Bytes per second of a large copy (read + write), the best of ``repeats`` (the target is
+    written once first, so page faults are not timed)."""
+    source = torch.ones(megabytes << 20, dtype=torch.uint8)
+    target = torch.zeros_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() / best
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
+
+
+def reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # resets VmHWM to the current RSS
+
+
+def peak_rss_bytes() -> int:
+    """This process image's peak RSS. (Not ru_maxrss: Linux carries it over an exec, so a child
+    started from the benchmark process would report the parent's peak.)"""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
