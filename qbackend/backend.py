@@ -50,6 +50,9 @@ class Options:
     # layer, then cached on disk), "cached" (measured choices only) or "prior" (fixed tables);
     # None: $QBACKEND_KERNEL_CHOICE, else "measure" (lowering/choice.py)
     kernel_choice: Optional[str] = None
+    # an error while lowering raises (Dynamo reports it as a backend failure) instead of a
+    # warning and the graph run unlowered, the default; also: QBACKEND_STRICT=1
+    strict: bool = False
 
     @classmethod
     def parse(cls, options) -> "Options":
@@ -98,7 +101,9 @@ def qbackend(gm: GraphModule, example_inputs, options=None, **_mode):
     opts = Options.parse(options)
     try:
         compiled, report, _ = compile_graph(gm, example_inputs, opts)
-    except Exception as error:  # never crash the user's model: run it as captured
+    except Exception as error:  # never crash the user's model: run it as captured, unless asked to
+        if opts.strict or os.environ.get("QBACKEND_STRICT") == "1":
+            raise
         warnings.warn(f"qbackend could not lower this graph and runs it unlowered: {type(error).__name__}: {error}")
         log.exception("qbackend lowering failed")
         compiled, report = gm.forward, Report(opts.device or "?", notes=[f"lowering failed: {type(error).__name__}: {error}"])

@@ -158,3 +158,35 @@ def test_without_mkl_a_float_linear_of_a_transposed_input_reads_it_contiguous(mo
     captured = assert_matches_reference(quantize(BatchFirstAttention().eval(), inputs), inputs)
     readers = [n.args[0] for n in _float_linears(captured)]
     assert [r.target for r in readers] == [torch.ops.aten.contiguous.default, torch.ops.aten.reshape.default], captured.lowered.graph
+
+
+def _failing_lowering(monkeypatch):
+    import qbackend.backend
+
+    def lower(*args, **kwargs):
+        raise RuntimeError("a kernel refused its arguments")
+    monkeypatch.setattr(qbackend.backend, "lower", lower)
+
+
+def test_a_lowering_error_runs_the_graph_unlowered_with_a_warning_by_default(monkeypatch):
+    _failing_lowering(monkeypatch)
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval(), torch.randn(2, 8)
+    reports = []
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="runs it unlowered: RuntimeError: a kernel refused its arguments"), torch.no_grad():
+        out = torch.compile(model, backend="qbackend", options={"report_sink": reports.append})(x)
+    assert torch.equal(out, model(x))
+    assert reports[0].notes == ["lowering failed: RuntimeError: a kernel refused its arguments"]
+
+
+@pytest.mark.parametrize("how", ["option", "environment"])
+def test_strict_mode_raises_the_lowering_error(monkeypatch, how):
+    _failing_lowering(monkeypatch)
+    options = {"strict": True} if how == "option" else {}
+    if how == "environment":
+        monkeypatch.setenv("QBACKEND_STRICT", "1")
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(8, 4)).eval()
+    with pytest.raises(Exception, match="a kernel refused its arguments"), torch.no_grad():
+        torch.compile(model, backend="qbackend", options=options)(torch.randn(2, 8))
