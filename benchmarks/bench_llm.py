@@ -83,6 +83,7 @@ class Runner:
     forward: Callable  # model.forward or its compiled form
     dtype: torch.dtype  # of the KV cache
     compiled: bool = False
+    bits: Optional[int] = None  # of the quantized weights (None: a float path)
     results: dict = field(default_factory=dict)
 
 
@@ -104,19 +105,19 @@ def filled_cache(length: int, dtype: torch.dtype):
     return cache
 
 
-def decode_ms(paths: list, context: int, steps: int) -> dict:
+def decode_ms(paths: list, context: int, steps: int) -> list:
     """Median ms per decode step of each path, the paths taking turns step by step (this
     machine's speed drifts by 20-40% over minutes: each path sees the same drift)."""
-    state = {path.name: (torch.tensor([[7]]), filled_cache(context, path.dtype)) for path in paths}
-    for path in paths:  # the first step after a new cache length may compile
-        state[path.name] = step(path, *state[path.name])[:2]
-    times = {path.name: [] for path in paths}
+    state = [(torch.tensor([[7]]), filled_cache(context, path.dtype)) for path in paths]
+    for i, path in enumerate(paths):  # the first step after a new cache length may compile
+        state[i] = step(path, *state[i])[:2]
+    times = [[] for _ in paths]
     for _ in range(steps):
-        for path in paths:
+        for i, path in enumerate(paths):
             start = time.perf_counter()
-            state[path.name] = step(path, *state[path.name])[:2]
-            times[path.name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+            state[i] = step(path, *state[i])[:2]
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) * 1e3 for t in times]
 
 
 def prefill_ms(path: Runner, calls: int) -> float:
@@ -227,9 +228,9 @@ def paths(fp32, bf16, int4, int8) -> list[Runner]:
         Runner("fp32 eager", fp32.forward, torch.float32),
         Runner("bf16 eager", bf16.forward, torch.bfloat16),
         Runner("Inductor bf16", torch.compile(bf16.forward), torch.bfloat16, compiled=True),
-        Runner("qbackend int4 eager", int4.forward, torch.float32),
-        Runner("qbackend int4", torch.compile(int4.forward, backend="qbackend"), torch.float32, compiled=True),
-        Runner("qbackend int8", torch.compile(int8.forward, backend="qbackend"), torch.float32, compiled=True),
+        Runner("qbackend int4 eager", int4.forward, torch.float32, bits=4),
+        Runner("qbackend int4", torch.compile(int4.forward, backend="qbackend"), torch.float32, compiled=True, bits=4),
+        Runner("qbackend int8", torch.compile(int8.forward, backend="qbackend"), torch.float32, compiled=True, bits=8),
     ]
 
 
@@ -253,9 +254,8 @@ def run(contexts: list, steps: int, prefill_calls: int) -> tuple[list, dict]:
                 path.results.update(first_calls(path, prompt))
             logits, _ = greedy_logits(path, prompt, tokens)
             path.results["cos_fp32"] = min_cosine(logits, reference)
-            bits = 4 if "int4" in path.name else 8 if "int8" in path.name else None
-            if bits:
-                path.results["cos_dequantized"] = min_cosine(logits, dequantized[bits])
+            if path.bits:
+                path.results["cos_dequantized"] = min_cosine(logits, dequantized[path.bits])
             log(f"{path.name}: prefill of {PREFILL}")
             path.results["prefill"] = prefill_ms(path, prefill_calls)
         except Exception as error:  # one broken path must not hide the others
@@ -266,8 +266,8 @@ def run(contexts: list, steps: int, prefill_calls: int) -> tuple[list, dict]:
     for context in contexts:
         log(f"decode at context {context}, every path in turn")
         try:
-            for name, ms in decode_ms(working, context, steps).items():
-                next(p for p in working if p.name == name).results[f"decode_{context}"] = ms
+            for path, ms in zip(working, decode_ms(working, context, steps)):
+                path.results[f"decode_{context}"] = ms
         except Exception as error:
             log(f"decode at context {context} failed: {short_error(error)}")
         gc.collect()
@@ -278,7 +278,7 @@ def run(contexts: list, steps: int, prefill_calls: int) -> tuple[list, dict]:
 
 def report(rows: list, extra: dict, contexts: list, command: str) -> str:
     bandwidth = extra["bandwidth"]
-    floor = {"int4": extra["int4_bytes"] / bandwidth * 1e3, "int8": extra["int8_bytes"] / bandwidth * 1e3}
+    floor = {4: extra["int4_bytes"] / bandwidth * 1e3, 8: extra["int8_bytes"] / bandwidth * 1e3}
     fp32 = rows[0].results
     lines = [
         f"- Machine: {machine_description()}",
@@ -286,8 +286,8 @@ def report(rows: list, extra: dict, contexts: list, command: str) -> str:
         f"- Model: LlamaForCausalLM, {', '.join(f'{k} {v}' for k, v in CONFIG.items())}; random init; prompt {PROMPT}"
         f" tokens; greedy decode, batch 1, {NUM_THREADS} threads.",
         f"- Copy bandwidth (512 MB, read + write): {bandwidth / 1e9:.1f} GB/s. Floor of a decode step = the weight bytes"
-        f" it reads / that bandwidth: int4 g{GROUP} {extra['int4_bytes'] / 1e6:.0f} MB -> {floor['int4']:.2f} ms,"
-        f" int8 {extra['int8_bytes'] / 1e6:.0f} MB -> {floor['int8']:.2f} ms.",
+        f" it reads / that bandwidth: int4 g{GROUP} {extra['int4_bytes'] / 1e6:.0f} MB -> {floor[4]:.2f} ms,"
+        f" int8 {extra['int8_bytes'] / 1e6:.0f} MB -> {floor[8]:.2f} ms.",
         "- Decode: median ms per token over the steps after a KV cache of that many positions, the paths taking"
         " turns step by step; `x floor` for the quantized paths; speedups against fp32 / bf16 eager at context 32. Prefill: best of the calls, 512 tokens.",
         "- First calls: the prompt and two decode steps from cold (compile included); `graphs`: graphs Dynamo"
@@ -304,9 +304,8 @@ def report(rows: list, extra: dict, contexts: list, command: str) -> str:
         if "error" in r:
             lines.append(f"| {path.name} | {r['error'].replace('|', '/')} |" + " |" * (len(header) - 2))
             continue
-        bits = "int4" if "int4" in path.name else "int8" if "int8" in path.name else None
-        x_floor = " / ".join(fmt(r.get(f"decode_{c}") and r[f"decode_{c}"] / floor[bits], ".2f") for c in (32, 2048)
-                             if c in contexts) if bits else "–"
+        x_floor = " / ".join(fmt(r.get(f"decode_{c}") and r[f"decode_{c}"] / floor[path.bits], ".2f") for c in (32, 2048)
+                             if c in contexts) if path.bits else "–"
         speed = " / ".join(fmt(base.get("decode_32") and r.get("decode_32") and base["decode_32"] / r["decode_32"], ".1f")
                            for base in (fp32, rows[1].results))
         first = f"{r['first_s']:.1f} ({r['graphs']}, {r['recompiles']})" if "first_s" in r else "–"

@@ -90,10 +90,9 @@ def _group_key(node: Node, qlinear, own_kernels, weight_only) -> Optional[tuple]
     return None
 
 
-def _groups(ctx: EmitContext) -> list[list[Node]]:
+def _groups(ctx: EmitContext, weight_only: tuple) -> list[list[Node]]:
     qlinear = ctx.op("qlinear").op
     own_kernels = native.own_kernel_forms("qconv") if native.available() is None else ()
-    weight_only = _weight_only_kernels()
     binary_ops = {r.op for r in (ctx.op("qlinear_binary"), ctx.op("qconv_binary")) if r}
     groups = defaultdict(list)
     for node in ctx.gm.graph.nodes:
@@ -192,10 +191,11 @@ def _merge(ctx: EmitContext, members: list[Node]) -> bool:
 
 def merge_sibling_linears(ctx: EmitContext, report) -> None:
     by_name = {d.node: d for d in report.decisions}
-    for members in _groups(ctx):
+    qlinear, weight_only = ctx.op("qlinear").op, _weight_only_kernels()
+    for members in _groups(ctx, weight_only):
         anchors = [m.meta[SIBLING][0] for m in members]
         target = members[0].target
-        merge = _merge if target is ctx.op("qlinear").op else _merge_weight_only if target in _weight_only_kernels() else _merge_own
+        merge = _merge if target is qlinear else _merge_weight_only if target in weight_only else _merge_own
         if not merge(ctx, members):
             continue
         for name in anchors:
