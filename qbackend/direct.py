@@ -1,15 +1,21 @@
 """``qbackend.compile``: lower a converted PT2E module without Dynamo's re-trace.
 
-A converted PT2E module is already an ATen-level FX graph, specialised by export to its input
-shapes. ``torch.compile`` traces its Python code again, bytecode by bytecode, and guards every
-constant: measured, that is 60-90% of qbackend's compile time (ResNet-18-like: 0.5 of 0.6 s,
-MobileNetV2-like: 1.8 of 2.1 s) and 0.3-0.5 ms of guard checks per call. Here the graph goes
-to the same backend as it is, after a fake-tensor pass that gives the nodes convert_pt2e added
-their shapes (the prepacks tune for them). Each input shape the export allows is lowered once;
-anything that is not an ATen GraphModule goes through ``torch.compile``.
+A converted PT2E module is already an ATen-level FX graph, with the input shapes export fixed
+or left symbolic. ``torch.compile`` traces its Python code again, bytecode by bytecode, and
+guards every constant: measured, that is 60-90% of qbackend's compile time (ResNet-18-like: 0.5
+of 0.6 s, MobileNetV2-like: 1.8 of 2.1 s) and 0.3-0.5 ms of guard checks per call. Here the
+graph goes to the same backend as it is, with the values export recorded on its nodes (the
+prepacks tune for fixed shapes).
+
+An export with symbolic sizes (``quantize_x86(..., dynamic_batch=True)``) is lowered once for
+all of them: every input whose sizes lie in export's ranges runs that one lowering. Any other
+input signature (a size export fixed at 0 or 1, another device, non-contiguous inputs) is
+lowered for its own shapes, at most ``SPECIALISED_LIMIT`` of them kept, least recently used
+dropped. Anything that is not an ATen GraphModule goes through ``torch.compile``.
 """
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
 import operator
@@ -25,6 +31,7 @@ from .freeze import set_constant
 log = logging.getLogger("qbackend")
 
 EXPORT_GUARDS = "_guards_fn"  # the submodule torch.export calls to check its inputs' shapes
+SPECIALISED_LIMIT = 8  # lowerings kept for input signatures the symbolic one does not serve
 
 
 def _signature(value):
@@ -70,18 +77,19 @@ def _qdq_name(node) -> Optional[str]:
     return name if name in _QDQ_OUT_DTYPE else None
 
 
-def _reuse_export_values(work: GraphModule, inputs: list) -> bool:
+def _reuse_export_values(work: GraphModule, inputs: list, symbolic: bool = False) -> bool:
     """Give ``work``'s nodes the values export recorded, and convert_pt2e's quantize /
     dequantize nodes their input's in the output dtype: what a fake-tensor pass would give
     (measured 0.55 s on ResNet-50, 0.75 s on ViT-B/16, a third of qbackend.compile) at a
     fraction of its cost. Only where export fixed every shape and the inputs have its strides,
-    so each value is the one this call's inputs give; False (nothing changed) otherwise."""
+    so each value is the one this call's inputs give, or, ``symbolic``, for the lowering that
+    serves every input ``SymbolicInputs`` admits; False (nothing changed) otherwise."""
     placeholders = [n for n in work.graph.nodes if n.op == "placeholder"]
     recorded = [n.meta.get("val") for n in placeholders]
     if len(recorded) != len(inputs) or not all(
             isinstance(r, torch.Tensor) and isinstance(x, torch.Tensor) and r.dtype == x.dtype
-            and tuple(r.shape) == tuple(x.shape) and tuple(r.stride()) == tuple(x.stride())
-            and all(isinstance(d, int) for d in (*r.shape, *r.stride()))
+            and (symbolic or (tuple(r.shape) == tuple(x.shape) and tuple(r.stride()) == tuple(x.stride())
+                              and all(isinstance(d, int) for d in (*r.shape, *r.stride()))))
             for r, x in zip(recorded, inputs)):
         return False
     fake_mode = getattr(recorded[0], "fake_mode", None) if recorded else None
@@ -94,8 +102,8 @@ def _reuse_export_values(work: GraphModule, inputs: list) -> bool:
 
     values = {}
     for node in work.graph.nodes:
-        if node.op in ("placeholder", "call_function") and isinstance(node.meta.get("val"), torch.Tensor):
-            values[node] = node.meta["val"]
+        if node.op in ("placeholder", "call_function") and node.meta.get("val") is not None:
+            values[node] = node.meta["val"]  # (a tensor, a symbolic size, a tuple of tensors)
         elif node.op == "get_attr":
             constant = getattr(work, node.target)
             if isinstance(constant, torch.Tensor):
@@ -133,18 +141,82 @@ def _fits(recorded, value) -> bool:
             and all(not isinstance(r, int) or r == v for r, v in zip(recorded.shape, value.shape)))
 
 
+class SymbolicInputs:
+    """The inputs one lowering for export's symbolic sizes serves: every symbolic size a plain
+    symbol within export's range (one value per symbol across the inputs), contiguous where
+    export recorded contiguous inputs, on the recorded device. None when export fixed every
+    size or recorded a size as an expression (then each shape is lowered for itself)."""
+
+    def __init__(self, recorded: list):
+        self.sizes = []  # (input index, dim, symbol, low, high)
+        self.devices = []
+        for index, value in enumerate(recorded):
+            if not isinstance(value, torch.Tensor):
+                raise ValueError("an input without a recorded tensor value")
+            self.devices.append(value.device)
+            for dim, size in enumerate(value.shape):
+                if isinstance(size, int):
+                    continue
+                expr = size.node.expr
+                if not expr.is_Symbol or not _recorded_contiguous(value):
+                    raise ValueError(f"input {index} dim {dim}: {expr} (not a plain symbol), or strided")
+                bounds = size.node.shape_env.var_to_range[expr]
+                self.sizes.append((index, dim, expr, int(bounds.lower), _finite(bounds.upper)))
+        if not self.sizes:
+            raise ValueError("no symbolic size")
+
+    def admit(self, inputs: list) -> bool:
+        values = {}
+        for index, dim, symbol, low, high in self.sizes:
+            size = inputs[index].shape[dim]
+            if size < low or (high is not None and size > high) or values.setdefault(symbol, size) != size:
+                return False
+        return all(x.device == d and x.is_contiguous() for x, d in zip(inputs, self.devices))
+
+
+def _finite(bound) -> Optional[int]:
+    try:
+        return int(bound)
+    except (TypeError, AttributeError, OverflowError):  # (torch's int_oo converts to nothing)
+        return None
+
+
+def _recorded_contiguous(value: torch.Tensor) -> bool:
+    expected = 1
+    for size, stride in reversed(list(zip(value.shape, value.stride()))):
+        if size != 1 and stride != expected:
+            return False
+        expected = expected * size
+    return True
+
+
+def _symbolic_inputs(recorded: list) -> Optional[SymbolicInputs]:
+    try:
+        return SymbolicInputs(recorded)
+    except (ValueError, AttributeError, KeyError) as why:  # (fixed shapes, or no shape env on the value)
+        log.debug("qbackend.compile: one lowering per input shape (%s)", why)
+        return None
+
+
 class CompiledGraphModule:
-    """Calls a GraphModule through its lowered copies, one per input signature. Inputs the
-    graph was not exported for (another dtype, rank or fixed size, another structure, wrong
-    arguments) go to the module itself, which runs them or raises exactly as it would eagerly."""
+    """Calls a GraphModule through its lowered copies: one for every input its symbolic sizes
+    admit, one per other input signature (at most ``SPECIALISED_LIMIT``). Inputs the graph was
+    not exported for (another dtype, rank or fixed size, another structure, wrong arguments)
+    go to the module itself, which runs them or raises exactly as it would eagerly."""
+
+    SYMBOLIC = "symbolic sizes"  # the key of the lowering for export's symbolic sizes
 
     def __init__(self, gm: GraphModule, options: Optional[dict]):
         self.module, self.options = gm, dict(options or {})
-        self.lowered: dict = {}  # input signature -> callable taking the graph's placeholders
+        self.lowered = collections.OrderedDict()  # key -> callable taking the graph's placeholders
         self.recorded = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+        self.symbolic = _symbolic_inputs(self.recorded)
         self.parameters = inspect.signature(gm.forward)  # (binding runs on every call)
         info = getattr(gm.graph._codegen, "pytree_info", None)
         self.in_spec = info.in_spec if info is not None else None
+        if self.in_spec is not None:  # export's structure: (positional inputs, keyword inputs by name)
+            positional, keyword = self.in_spec.children() if hasattr(self.in_spec, "children") else self.in_spec.children_specs
+            self.positional, self.keyword = positional.num_children, tuple(keyword.context or ())
 
     def _placeholders(self, args, kwargs) -> Optional[list]:
         try:
@@ -152,7 +224,10 @@ class CompiledGraphModule:
         except TypeError:
             return None
         if self.in_spec is not None:
-            inputs, spec = pytree.tree_flatten((bound.args, {}))
+            bound.apply_defaults()
+            values = list(bound.arguments.values())
+            inputs, spec = pytree.tree_flatten((tuple(values[:self.positional]),
+                                                dict(zip(self.keyword, values[self.positional:]))))
             if spec != self.in_spec:
                 return None
         else:
@@ -161,20 +236,36 @@ class CompiledGraphModule:
             return None
         return inputs
 
-    def _lower(self, inputs: list) -> Callable:
+    def _lower(self, inputs: list, key) -> tuple[object, Callable]:
+        """(the key the lowering serves, the lowering)."""
         guards = getattr(self.module, EXPORT_GUARDS, None)
         if guards is not None:  # export's input checks read shapes only, fixed per signature
             guards(*inputs)
-        return qbackend(_with_shapes(self.module, inputs), inputs, self.options)
+        if key == self.SYMBOLIC:
+            work = _frozen_copy(self.module)
+            if _reuse_export_values(work, inputs, symbolic=True):
+                return key, qbackend(work, inputs, self.options)
+            log.info("qbackend.compile: export recorded no value on some node; one lowering per input shape")
+            self.symbolic, key = None, tuple(map(_signature, inputs))
+        return key, qbackend(_with_shapes(self.module, inputs), inputs, self.options)
 
     def __call__(self, *args, **kwargs):
         inputs = self._placeholders(args, kwargs)
         if inputs is None:
             return self.module(*args, **kwargs)
-        key = tuple(map(_signature, inputs))
-        if key not in self.lowered:
-            self.lowered[key] = self._lower(inputs)
-        return self.module.graph.process_outputs(self.lowered[key](*inputs))
+        if self.symbolic is not None and self.symbolic.admit(inputs):
+            key = self.SYMBOLIC
+        else:
+            key = tuple(map(_signature, inputs))
+        lowered = self.lowered.get(key)
+        if lowered is None:
+            key, lowered = self._lower(inputs, key)
+            self.lowered[key] = lowered
+            specialised = [k for k in self.lowered if k != self.SYMBOLIC]  # (oldest use first)
+            if len(specialised) > SPECIALISED_LIMIT:
+                del self.lowered[specialised[0]]
+        self.lowered.move_to_end(key)
+        return self.module.graph.process_outputs(lowered(*inputs))
 
 
 def _is_aten_graph(model) -> bool:

@@ -52,23 +52,37 @@ def _xpu_quantizer():
     return xpuiq.XPUInductorQuantizer().set_global(xpuiq.get_default_xpu_inductor_quantization_config())
 
 
-def quantize_xpu(model, example_inputs, calibration):
+def quantize_xpu(model, example_inputs, calibration, **flow):
     """Export, prepare, calibrate and convert ``model`` with torchao's XPUInductorQuantizer:
     signed int8 activations, per-channel symmetric int8 weights, max_pool2d left float; the
     quantizer has no QAT or dynamic options. The model may live on any device (the quantizer
     only annotates the graph): on CPU the result lowers through the CPU table, whose kernels
-    read the signed activations as unsigned ones (exact, see ``lowering/signed_int8.py``)."""
-    return _convert(model, example_inputs, calibration, _xpu_quantizer(), is_qat=False)
+    read the signed activations as unsigned ones (exact, see ``lowering/signed_int8.py``).
+    ``flow``: the export and calibration keywords of ``quantize_x86`` (``dynamic_batch``,
+    ``dynamic_shapes``, ``strict``, ``num_batches``, ``progress``)."""
+    return _convert(model, example_inputs, calibration, _xpu_quantizer(), is_qat=False, **flow)
 
 
 def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic=False, reduce_range=None, smooth=None,
-                 keep_float=()):
+                 keep_float=(), dynamic_batch=False, dynamic_shapes=None, strict=True, num_batches=None, progress=None):
     """Export, prepare, calibrate and convert ``model`` with X86InductorQuantizer.
 
     Args:
         model: an ``nn.Module``; it is left in eval mode.
-        example_inputs: tuple of inputs used for export.
-        calibration: iterable of input tuples run through the prepared model.
+        example_inputs: the inputs export traces with: a tuple of positional inputs, or a dict
+            of keyword inputs (a Hugging Face tokenizer's batch).
+        calibration: an iterable of batches run through the prepared model (a list, a
+            generator, a ``DataLoader``): each a tuple or list of positional inputs, a dict of
+            keyword inputs, or a single tensor.
+        dynamic_batch: dim 0 of every tensor input may take any size (one size shared by all
+            inputs): the result runs, and ``qbackend.compile`` lowers it once, for every batch.
+            An example batch of 1 is exported as 2 (export would fix a size of 1).
+        dynamic_shapes: ``torch.export.export``'s ``dynamic_shapes`` as is (e.g. a sequence
+            length too); not together with ``dynamic_batch``.
+        strict: ``torch.export.export``'s ``strict`` (default True, see below).
+        num_batches: run at most this many calibration batches.
+        progress: a progress bar (tqdm) over the calibration batches; None (default): only
+            when stderr is a terminal.
         is_qat / is_dynamic: forwarded to
             ``get_default_x86_inductor_quantization_config``. With ``is_qat``
             the model is exported in train mode (``prepare_qat_pt2e`` only
@@ -111,10 +125,71 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
     per call, each ReLU partition has a single output, and the flow works.
     """
     quantizer = _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float)
-    return _convert(model, example_inputs, calibration, quantizer, is_qat, smooth)
+    return _convert(model, example_inputs, calibration, quantizer, is_qat, smooth, dynamic_batch=dynamic_batch,
+                    dynamic_shapes=dynamic_shapes, strict=strict, num_batches=num_batches, progress=progress)
 
 
-def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None):
+def _positional_and_keyword(inputs) -> tuple[tuple, dict]:
+    """A batch as (args, kwargs): a dict is keyword inputs, a tuple or list positional ones,
+    anything else (a tensor) the one positional input."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def _batch_dynamic(args: tuple, kwargs: dict) -> tuple[tuple, dict, object]:
+    """(args, kwargs, dynamic_shapes) with dim 0 of every tensor input one symbolic size;
+    tensors of batch 1 repeated to 2, as export would fix a dimension it sees as 1."""
+    if args and kwargs:
+        raise ValueError("dynamic_batch=True takes positional or keyword example inputs, not both")
+    batch = torch.export.Dim("batch")
+
+    def batched(value) -> bool:
+        return isinstance(value, torch.Tensor) and value.dim() > 0
+
+    def example(value):
+        return torch.cat([value, value]) if batched(value) and value.shape[0] == 1 else value
+
+    if not any(map(batched, (*args, *kwargs.values()))):
+        raise ValueError("dynamic_batch=True needs at least one tensor input with a batch dimension")
+    if kwargs:
+        return (), {k: example(v) for k, v in kwargs.items()}, {k: {0: batch} if batched(v) else None
+                                                                 for k, v in kwargs.items()}
+    return tuple(map(example, args)), {}, tuple({0: batch} if batched(v) else None for v in args)
+
+
+def _export(model, example_inputs, dynamic_batch, dynamic_shapes, strict):
+    args, kwargs = _positional_and_keyword(example_inputs)
+    if dynamic_batch:
+        if dynamic_shapes is not None:
+            raise ValueError("pass dynamic_batch=True or dynamic_shapes, not both")
+        args, kwargs, dynamic_shapes = _batch_dynamic(args, kwargs)
+    return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict).module()
+
+
+def _calibration_batches(calibration, num_batches, progress):
+    """The calibration batches to run: at most ``num_batches``, behind a tqdm bar if asked (or
+    by default when stderr is a terminal)."""
+    import itertools
+    import sys
+
+    if num_batches is not None:
+        if num_batches < 1:
+            raise ValueError(f"num_batches must be at least 1, got {num_batches}")
+        calibration = itertools.islice(calibration, num_batches)
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return calibration
+    from tqdm.auto import tqdm
+
+    return tqdm(calibration, desc="calibrating", unit="batch", total=num_batches)
+
+
+def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None, *, dynamic_batch=False,
+             dynamic_shapes=None, strict=True, num_batches=None, progress=None):
     from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import (
         convert_pt2e,
@@ -123,13 +198,14 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None)
     )
 
     model.train(is_qat)
-    exported = torch.export.export(model, tuple(example_inputs), strict=True).module()
+    exported = _export(model, example_inputs, dynamic_batch, dynamic_shapes, strict)
     model.eval()
+    calibration = _calibration_batches(calibration, num_batches, progress)
     smooth_report = None
     if smooth is not None:
         from .smooth_quant import smooth_quant
 
-        calibration = list(calibration)
+        calibration = [_positional_and_keyword(batch)[0] for batch in calibration]  # (SmoothQuant runs positional batches)
         weight = quantizer.global_config.weight  # the search simulates the weights' real range
         smooth_report = smooth_quant(exported, calibration, **{"weight_range": (weight.quant_min, weight.quant_max), **smooth})
     prepare = prepare_qat_pt2e if is_qat else prepare_pt2e
@@ -138,7 +214,8 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None)
         move_exported_model_to_eval(prepared)
     with torch.no_grad():
         for batch in calibration:
-            prepared(*batch)
+            args, kwargs = _positional_and_keyword(batch)
+            prepared(*args, **kwargs)
     converted = convert_pt2e(prepared)
     if smooth_report is not None:
         converted.meta["smooth_quant"] = smooth_report

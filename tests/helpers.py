@@ -18,11 +18,12 @@ from .tolerances import assert_int8_close, assert_outputs_close
 needs_own_kernels = pytest.mark.skipif(native.available() is not None, reason=f"needs qbackend's own kernels: {native.available()}")
 
 
-def quantize(module, inputs, **flags):
+def quantize(module, inputs, calibration=None, **flags):
     """7-bit activations unless asked otherwise: exact on every x86 CPU (without VNNI the
-    kernels overflow 8-bit ones), so the lowered graphs are the same on every machine."""
+    kernels overflow 8-bit ones), so the lowered graphs are the same on every machine.
+    Calibrated on ``inputs`` unless given batches."""
     torch.manual_seed(0)
-    return quantize_x86(module, inputs, [inputs], **{"reduce_range": True, **flags})
+    return quantize_x86(module, inputs, [inputs] if calibration is None else calibration, **{"reduce_range": True, **flags})
 
 
 class Captured:

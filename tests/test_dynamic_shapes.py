@@ -1,0 +1,89 @@
+"""Variable batch and sequence length: ``quantize_x86(dynamic_batch=True)`` /
+``dynamic_shapes=`` export symbolic sizes, ``qbackend.compile`` lowers them once for every
+size export's ranges admit (a specialised lowering, at most ``SPECIALISED_LIMIT`` of them, for
+any other input), and ``torch.compile(dynamic=True)`` runs them in one graph; every size gives
+the reference's numerics."""
+import pytest
+import torch
+
+import qbackend
+from qbackend import direct
+from qbackend.direct import CompiledGraphModule
+from qbackend.models import bert_encoder_like, tiny_resnet
+
+from .helpers import quantize
+from .tolerances import assert_float_close
+
+SYMBOLIC = CompiledGraphModule.SYMBOLIC
+
+
+@pytest.fixture(scope="module")
+def resnet():
+    """Calibrated at batch 1 (exported at 2: export fixes a size it sees as 1)."""
+    return quantize(tiny_resnet(), (torch.randn(1, 3, 32, 32),), dynamic_batch=True)
+
+
+def _images(batch: int) -> torch.Tensor:
+    return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(batch))
+
+
+def test_every_batch_runs_one_lowering_with_the_references_numerics(resnet):
+    compiled = qbackend.compile(resnet)
+    with torch.no_grad():
+        for batch in (2, 3, 5, 8, 3):
+            assert_float_close(compiled(_images(batch)), resnet(_images(batch)), f"batch {batch}")
+    assert list(compiled.lowered) == [SYMBOLIC]
+
+
+def test_a_batch_export_fixed_has_its_own_lowering(resnet):
+    """Export's range starts at 2 (it specialises sizes 0 and 1), so batch 1 is lowered for
+    its shape, beside the symbolic lowering, as Dynamo recompiles for a size of 1."""
+    compiled = qbackend.compile(resnet)
+    with torch.no_grad():
+        for batch in (4, 1, 6, 1):
+            assert_float_close(compiled(_images(batch)), resnet(_images(batch)), f"batch {batch}")
+    assert [key if key == SYMBOLIC else key[0][1] for key in compiled.lowered] == [SYMBOLIC, (1, 3, 32, 32)]
+
+
+def test_specialised_lowerings_are_bounded_least_recently_used_first(resnet, monkeypatch):
+    monkeypatch.setattr(direct, "SPECIALISED_LIMIT", 2)
+    compiled = qbackend.compile(resnet)
+    compiled.symbolic = None  # (as when export's sizes admit no shared lowering)
+    with torch.no_grad():
+        for batch in (2, 3, 2, 4):
+            assert_float_close(compiled(_images(batch)), resnet(_images(batch)), f"batch {batch}")
+    assert [key[0][1][0] for key in compiled.lowered] == [2, 4]
+
+
+def test_torch_compile_dynamic_runs_every_batch_in_one_graph(resnet):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(resnet, backend="qbackend", dynamic=True)
+    with torch.no_grad():
+        for batch in (2, 3, 7):
+            assert_float_close(compiled(_images(batch)), resnet(_images(batch)), f"batch {batch}")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_batch_and_sequence_length_vary_together():
+    model = bert_encoder_like(num_layers=1, hidden=64, heads=4, ffn=128)
+    sizes = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq", max=256)}
+    example = torch.randn(2, 16, 64)
+    quantized = quantize(model, {"x": example}, dynamic_shapes={"x": sizes})
+    compiled = qbackend.compile(quantized)
+    with torch.no_grad():
+        for batch, seq in ((2, 16), (3, 7), (2, 40), (4, 128)):
+            x = torch.randn(batch, seq, 64, generator=torch.Generator().manual_seed(seq))
+            assert_float_close(compiled(x=x), quantized(x=x), f"batch {batch}, sequence {seq}")
+    assert list(compiled.lowered) == [SYMBOLIC]
+    report = qbackend.explain(quantized, example)
+    assert not report.kept, str(report)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"dynamic_batch": True, "dynamic_shapes": ({0: torch.export.Dim("b")},)}, "not both"),
+    ({"dynamic_batch": True, "num_batches": 0}, "num_batches must be at least 1"),
+])
+def test_conflicting_flow_options_are_refused(flags, message):
+    with pytest.raises(ValueError, match=message):
+        quantize(torch.nn.Linear(4, 4), (torch.randn(2, 4),), **flags)
