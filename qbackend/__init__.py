@@ -5,6 +5,7 @@
     qbackend.explain(converted_pt2e_module, *example_inputs)   # what was lowered, and why not
     qbackend.quantize_weights(float_model, bits=4, group_size=128)  # weight-only int4 / int8
     qbackend.smooth_quant(exported_module, calibration_batches)    # SmoothQuant pre-pass (PT2E)
+    qbackend.save(converted_pt2e_module, "model.pt2"); qbackend.load("model.pt2")  # deploy
 
 Importing qbackend changes no global torch or Inductor state and does not import torchao.
 """
@@ -14,6 +15,7 @@ import functools
 
 import torch
 
+from .deploy import load, save
 from .direct import compile
 from .legacy_int4 import from_old_cpu_int4
 from .quantized_tensor import QuantizedLinearWeight, quantize_weights
@@ -35,4 +37,4 @@ def explain(model, *example_inputs, device: str | None = None) -> Report:
     return functools.reduce(Report.merge, reports)
 
 
-__all__ = ["compile", "explain", "Report", "smooth_quant", "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]
+__all__ = ["compile", "explain", "save", "load", "Report", "smooth_quant", "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]

@@ -102,8 +102,8 @@ def _reuse_export_values(work: GraphModule, inputs: list, symbolic: bool = False
 
     values = {}
     for node in work.graph.nodes:
-        if node.op in ("placeholder", "call_function") and node.meta.get("val") is not None:
-            values[node] = node.meta["val"]  # (a tensor, a symbolic size, a tuple of tensors)
+        if node.op in ("placeholder", "call_function") and "val" in node.meta:
+            values[node] = node.meta["val"]  # (a tensor, a symbolic size, a tuple, None from an assert)
         elif node.op == "get_attr":
             constant = getattr(work, node.target)
             if isinstance(constant, torch.Tensor):

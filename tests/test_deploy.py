@@ -1,0 +1,56 @@
+"""``qbackend.save`` / ``qbackend.load``: a converted model saved once runs in a fresh process
+without torchao or calibration, with the reference's numerics and the symbolic sizes it was
+exported with."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import qbackend
+from qbackend.direct import CompiledGraphModule
+from qbackend.models import bert_encoder_like, tiny_resnet
+
+from .helpers import quantize
+from .tolerances import assert_float_close
+
+
+def test_a_fresh_process_runs_the_saved_model_without_torchao(tmp_path):
+    model = quantize(tiny_resnet(), (torch.randn(2, 3, 32, 32),), dynamic_batch=True)
+    inputs = [torch.randn(batch, 3, 32, 32) for batch in (3, 5)]
+    with torch.no_grad():
+        torch.save({"inputs": inputs, "expected": [model(x) for x in inputs]}, tmp_path / "io.pt")
+    qbackend.save(model, tmp_path / "model.pt2")
+    script = textwrap.dedent(f"""
+        import sys, torch, qbackend
+        from tests.tolerances import assert_float_close
+        loaded = qbackend.load({str(tmp_path / "model.pt2")!r})
+        io = torch.load({str(tmp_path / "io.pt")!r})
+        with torch.no_grad():
+            for x, expected in zip(io["inputs"], io["expected"]):
+                assert_float_close(loaded(x), expected, f"batch {{len(x)}}")
+        assert list(loaded.lowered) == [{CompiledGraphModule.SYMBOLIC!r}], list(loaded.lowered)
+        assert "torchao" not in sys.modules
+        print("ran", len(io["inputs"]))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ran 2", done.stderr[-3000:]
+
+
+def test_keyword_inputs_and_a_symbolic_sequence_length_survive_the_round_trip(tmp_path):
+    sizes = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq", max=256)}
+    model = quantize(bert_encoder_like(num_layers=1, hidden=64, heads=4, ffn=128), {"x": torch.randn(2, 16, 64)},
+                     dynamic_shapes={"x": sizes})
+    qbackend.save(model, tmp_path / "encoder.pt2")
+    loaded = qbackend.load(tmp_path / "encoder.pt2")
+    with torch.no_grad():
+        for batch, seq in ((2, 16), (3, 40)):
+            x = torch.randn(batch, seq, 64)
+            assert_float_close(loaded(x=x), model(x=x), f"batch {batch}, sequence {seq}")
+    assert list(loaded.lowered) == [CompiledGraphModule.SYMBOLIC]
+
+
+def test_only_a_converted_graph_can_be_saved(tmp_path):
+    with pytest.raises(TypeError, match="takes a converted PT2E module"):
+        qbackend.save(torch.nn.Linear(2, 2), tmp_path / "linear.pt2")
