@@ -9,6 +9,12 @@
   loaded it with SIGBUS; an empty one disabled the kernels until deleted by hand).
 - The key: the sources, the flags and the compiler as its ``--version`` names it (``$CC`` is
   split into words, as make does: ``ccache gcc``), so an upgraded compiler builds again.
+- A wheel carries the libraries prebuilt (``setup.py`` runs ``build_prebuilt``, the flags name
+  no CPU beyond the ISA the kernels check for at run time): they load first, where their key
+  (sources and flags) and digest match and neither they nor their directory can be written by
+  another user than this one or root; the build here is the fallback.
+
+This module imports no torch: the package build loads it by path.
 """
 from __future__ import annotations
 
@@ -24,7 +30,17 @@ from pathlib import Path
 from typing import Iterable
 
 CSRC = Path(__file__).parent / "csrc"
+PREBUILT = Path(__file__).parent / "prebuilt"
 COMPILE_SECONDS = 120
+
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# Two libraries: every kernel for AVX2, and the int8 conv kernels again for AVX512-VNNI
+# (optional: a compiler without these flags or a CPU without VNNI leaves the AVX2 ones).
+VNNI_SOURCES = (CSRC / "conv_gemm_int8_vnni.c", CSRC / "conv_gemm_int8_vnni512.c", CSRC / "depthwise_conv_int8_vnni.c",
+                CSRC / "stem_conv_int8_vnni.c")
+SOURCES = tuple(sorted(set(CSRC.glob("*.c")) - set(VNNI_SOURCES)))
+VNNI_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni")
+LIBRARIES = {"qbackend_kernels": (SOURCES, FLAGS), "qbackend_vnni": (VNNI_SOURCES, VNNI_FLAGS)}
 
 
 def cache_dir() -> Path:
@@ -105,27 +121,73 @@ def _write_durably(directory: Path, prefix: str, suffix: str, write) -> Path:
     return Path(name)
 
 
+def _compile(words: tuple, sources: tuple, flags: tuple, path: Path) -> None:
+    try:
+        done = subprocess.run([*words, *flags, *map(str, sources), "-o", str(path)], capture_output=True, text=True,
+                              timeout=COMPILE_SECONDS)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise RuntimeError(f"running {' '.join(words)} failed: {error}") from None
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(words)} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+
+
+def _prebuilt_key(sources: tuple, flags: tuple) -> str:
+    return hashlib.sha256("\n".join((sources_digest(), *(s.name for s in sources), " ".join(flags))).encode()).hexdigest()
+
+
+def build_prebuilt(directory: Path) -> list[Path]:
+    """Compile every library of ``LIBRARIES`` into ``directory`` with the key and digest
+    ``prebuilt`` checks (the package build calls this). RuntimeError when one cannot be built."""
+    words, _ = compiler()
+    directory.mkdir(parents=True, exist_ok=True)
+    built = []
+    for name, (sources, flags) in LIBRARIES.items():
+        library = directory / f"{name}.so"
+        _compile(words, sources, flags, library)
+        digest = hashlib.sha256(library.read_bytes()).hexdigest()
+        _digest_file(library).write_text(f"{_prebuilt_key(sources, flags)} {digest}\n")
+        built.append(library)
+    return built
+
+
+def _root_or_mine(path: Path) -> bool:
+    """Owned by this user or root, writable by no one else."""
+    try:
+        info = path.stat()
+    except OSError:
+        return False
+    return info.st_uid in (0, os.getuid()) and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def prebuilt(name: str, sources: tuple, flags: tuple) -> Path | None:
+    """The library the wheel carries for these sources and flags, or None (none shipped, other
+    sources or flags, bytes not the ones built, or writable by another user)."""
+    library = PREBUILT / f"{name}.so"
+    digest_file = _digest_file(library)
+    if not all(map(_root_or_mine, (PREBUILT.parent, PREBUILT, library, digest_file))):
+        return None
+    try:
+        key, digest = digest_file.read_text().split()
+        return library if key == _prebuilt_key(sources, flags) and hashlib.sha256(library.read_bytes()).hexdigest() == digest else None
+    except (OSError, ValueError):
+        return None
+
+
 def build(name: str, sources: Iterable[Path], flags: tuple) -> Path:
-    """The shared library for these sources, flags and compiler, compiled if no intact one is
-    cached. RuntimeError with the reason when it cannot be built."""
-    words, version = compiler()
+    """The shared library for these sources and flags: the wheel's prebuilt one, else one built
+    here by this compiler (compiled if no intact one is cached). RuntimeError with the reason
+    when it cannot be built."""
     sources = tuple(sources)
+    shipped = prebuilt(name, sources, flags)
+    if shipped is not None:
+        return shipped
+    words, version = compiler()
     key = hashlib.sha256("\n".join((sources_digest(), " ".join(words), version, " ".join(flags))).encode()).hexdigest()
     directory = kernel_dir(cache_dir())
     target = directory / f"{name}-{key[:16]}.so"
     if _intact(target):
         return target
-
-    def compile_into(path: Path) -> None:
-        try:
-            done = subprocess.run([*words, *flags, *map(str, sources), "-o", str(path)], capture_output=True, text=True,
-                                  timeout=COMPILE_SECONDS)
-        except (OSError, subprocess.TimeoutExpired) as error:
-            raise RuntimeError(f"running {' '.join(words)} failed: {error}") from None
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(words)} failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
-
-    library = _write_durably(directory, f".{target.stem}-", ".partial.so", compile_into)
+    library = _write_durably(directory, f".{target.stem}-", ".partial.so", lambda path: _compile(words, sources, flags, path))
     digest = hashlib.sha256(library.read_bytes()).hexdigest()
     digest_file = _write_durably(directory, f".{target.stem}-", ".partial.sha256", lambda path: path.write_text(digest))
     os.replace(library, target)  # (the library first: a digest never vouches for bytes not yet in place)

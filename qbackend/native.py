@@ -40,15 +40,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import kernel_build
-from .kernel_build import CSRC
 
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
-# Two libraries: every kernel for AVX2, and the int8 conv kernels again for AVX512-VNNI
-# (optional: a compiler without these flags or a CPU without VNNI leaves the AVX2 ones).
-VNNI_SOURCES = (CSRC / "conv_gemm_int8_vnni.c", CSRC / "conv_gemm_int8_vnni512.c", CSRC / "depthwise_conv_int8_vnni.c",
-                CSRC / "stem_conv_int8_vnni.c")
-SOURCES = tuple(sorted(set(CSRC.glob("*.c")) - set(VNNI_SOURCES)))
-VNNI_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni")
 MAX_TAPS = 9  # kernel positions qconv takes (conv_gemm_int8.c MAX_TAPS): up to 3x3
 BLOCK = 64  # columns per weight block (the kernel's unit: K must be a multiple)
 GROUPS = (32,) + tuple(range(BLOCK, 4097, BLOCK))  # int4 group sizes the kernel takes
@@ -90,11 +82,12 @@ def _switch() -> str:
 ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2}
 
 
-def _build(name: str = "qbackend_kernels", sources: tuple = SOURCES, flags: tuple = FLAGS) -> Path:
-    """``kernel_build.build`` on a CPU that can run the kernels (RuntimeError with the reason)."""
+def _build(name: str = "qbackend_kernels") -> Path:
+    """``kernel_build.build`` of library ``name`` on a CPU that can run the kernels (RuntimeError
+    with the reason)."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise RuntimeError(f"the CPU (capability {torch.backends.cpu.get_cpu_capability()}) has no AVX2")
-    return kernel_build.build(name, sources, flags)
+    return kernel_build.build(name, *kernel_build.LIBRARIES[name])
 
 
 def _once(function):
@@ -181,7 +174,7 @@ def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     if not lib.qb_has_avx512_vnni():
         return None, "the CPU has no AVX512-VNNI"
     try:
-        vnni = ctypes.CDLL(str(_build("qbackend_vnni", VNNI_SOURCES, VNNI_FLAGS)))
+        vnni = ctypes.CDLL(str(_build("qbackend_vnni")))
     except (RuntimeError, OSError) as error:
         return None, f"the AVX512-VNNI kernels could not be built: {error}"
     _declare_gemm(vnni.qb_conv_call_vnni)

@@ -136,3 +136,27 @@ def test_a_forced_build_is_the_one_that_runs(switch):
         for build in ("avx512_vnni", "avx512_vnni_zmm"):  # either register width, whatever the probe said
             switch(build)
             assert native.gemm_build() == build
+
+
+def test_a_prebuilt_library_loads_only_intact_unwritable_and_for_these_sources(cache, tmp_path, monkeypatch):
+    directory, source = cache
+    shipped = tmp_path / "package" / "prebuilt"
+    monkeypatch.setattr(kernel_build, "PREBUILT", shipped)
+    monkeypatch.setattr(kernel_build, "LIBRARIES", {"answer": ((source,), FLAGS)})
+    (library,) = kernel_build.build_prebuilt(shipped)
+    (tmp_path / "package").chmod(0o755)
+    assert kernel_build.build("answer", [source], FLAGS) == library and _answer(library) == 42
+    assert not directory.exists()  # (nothing compiled into the cache)
+    assert kernel_build.prebuilt("answer", (source,), FLAGS + ("-O2",)) is None  # other flags: another key
+    library.chmod(0o664)
+    assert kernel_build.prebuilt("answer", (source,), FLAGS) is None  # another user could replace it
+    library.chmod(0o644)
+    shipped.chmod(0o777)
+    assert kernel_build.prebuilt("answer", (source,), FLAGS) is None
+    shipped.chmod(0o755)
+    staged = library.with_suffix(".staged")  # (a new file: this process maps the loaded one)
+    staged.write_bytes(library.read_bytes()[:100])
+    os.replace(staged, library)
+    assert kernel_build.prebuilt("answer", (source,), FLAGS) is None  # not the bytes built
+    rebuilt = kernel_build.build("answer", [source], FLAGS)
+    assert rebuilt.parent == directory and _answer(rebuilt) == 42  # the fallback: built here
