@@ -104,6 +104,8 @@ def _reuse_export_values(work: GraphModule, inputs: list, symbolic: bool = False
     for node in work.graph.nodes:
         if node.op in ("placeholder", "call_function") and "val" in node.meta:
             values[node] = node.meta["val"]  # (a tensor, a symbolic size, a tuple, None from an assert)
+        elif isinstance(node.target, torch._ops.OpOverload) and not node.target._schema.returns:
+            values[node] = None  # (an assert; a loaded archive records no value for it)
         elif node.op == "get_attr":
             constant = getattr(work, node.target)
             if isinstance(constant, torch.Tensor):

@@ -51,6 +51,31 @@ def test_keyword_inputs_and_a_symbolic_sequence_length_survive_the_round_trip(tm
     assert list(loaded.lowered) == [CompiledGraphModule.SYMBOLIC]
 
 
+class MaskedByIntegers(torch.nn.Module):
+    """A tokenizer-style integer mask cast to float: export records an assert of its dtype,
+    which a loaded archive carries without a value."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        return self.fc(x) * mask.to(torch.float32)
+
+
+def test_a_loaded_graph_with_dtype_asserts_is_lowered_once_for_every_batch(tmp_path):
+    torch.manual_seed(0)
+    model = quantize(MaskedByIntegers(), (torch.randn(2, 8), torch.ones(2, 8, dtype=torch.int64)), dynamic_batch=True)
+    qbackend.save(model, tmp_path / "masked.pt2")
+    loaded = qbackend.load(tmp_path / "masked.pt2")
+    assert any(n.target is torch.ops.aten._assert_tensor_metadata.default for n in loaded.module.graph.nodes)
+    with torch.no_grad():
+        for batch in (2, 5):
+            x, mask = torch.randn(batch, 8), torch.randint(0, 2, (batch, 8))
+            assert_float_close(loaded(x, mask), model(x, mask), f"batch {batch}")
+    assert list(loaded.lowered) == [CompiledGraphModule.SYMBOLIC]
+
+
 def test_only_a_converted_graph_can_be_saved(tmp_path):
     with pytest.raises(TypeError, match="takes a converted PT2E module"):
         qbackend.save(torch.nn.Linear(2, 2), tmp_path / "linear.pt2")
