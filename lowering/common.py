@@ -220,7 +220,9 @@ def emit_qavgpool(ctx: EmitContext, match: Match) -> Node:
 
 def emit_sdpa(ctx: EmitContext, match: Match) -> Node:
     q, k, v, mask, scale = match.op_args
-    return ctx.gm.graph.call_function(ctx.op("sdpa").op, (q, k, v), {"attn_mask": mask, "scale": scale})
+    grouped = fake_value(q).shape[1] != fake_value(k).shape[1]  # (grouped-query: fewer key / value heads)
+    return ctx.gm.graph.call_function(ctx.op("sdpa").op, (q, k, v), {"attn_mask": mask, "scale": scale,
+                                                                      **({"enable_gqa": True} if grouped else {})})
 
 
 def record_fake_value(node: Node) -> Node:
@@ -274,6 +276,7 @@ COMMON: dict[str, Lowering] = {
     "qcat": Lowering(emit_int8_cat, ("cat",)),
     "qview": Lowering(emit_int8_views, ()),
     "sdpa": Lowering(emit_sdpa, ("sdpa",)),
+    "sdpa_fused": Lowering(emit_sdpa, ("sdpa",)),
     "qsmooth": Lowering(emit_smooth_quantize, ()),
     "qscale": Lowering(emit_smooth_quantize, ()),
 }

@@ -96,8 +96,9 @@ TABLE["qlinear"] = dataclasses.replace(TABLE["qlinear"], emit=_own_kernel_or(emi
 TABLE["qlinear_add"] = dataclasses.replace(TABLE["qlinear_add"], emit=_own_kernel_or(emit_qlinear_add, gemm.LINEAR_KERNEL))
 TABLE["qmaxpool2d"] = dataclasses.replace(TABLE["qmaxpool2d"], emit=_own_kernel_or(emit_qmaxpool2d, pools.MAX_POOL,
                                                                                   fallback="quantized::max_pool2d"))
-TABLE["sdpa"] = dataclasses.replace(TABLE["sdpa"], emit=_own_kernel_or(emit_sdpa, attention.KERNEL,
-                                                                      fallback="torch's fused attention"))
+_ATTENTION = _own_kernel_or(emit_sdpa, attention.KERNEL, fallback="torch's fused attention")
+TABLE["sdpa"] = dataclasses.replace(TABLE["sdpa"], emit=_ATTENTION)
+TABLE["sdpa_fused"] = dataclasses.replace(TABLE["sdpa_fused"], emit=_ATTENTION)
 TABLE["qavgpool"] = dataclasses.replace(
     COMMON["qavgpool"], limits=lambda match: _uint8_activations(match) or quantized_tensor_pool_refusal("cpu"),
     emit=_own_kernel_or(emit_qavgpool, pools.GLOBAL_AVERAGE_POOL, fallback="torch's quantized-tensor pool"))

@@ -115,6 +115,7 @@ TABLE = {
     "qcat": COMMON["qcat"],
     "qview": COMMON["qview"],
     "sdpa": COMMON["sdpa"],  # composite: torch picks XPU's own attention kernel
+    "sdpa_fused": COMMON["sdpa_fused"],
     "qsmooth": COMMON["qsmooth"],
     "qscale": COMMON["qscale"],
 }

@@ -1,7 +1,7 @@
 """WHAT qbackend matches: one row per rule, in a list you can print (``python -m qbackend.patterns``)."""
 from __future__ import annotations
 
-from .attention import ATTENTION_ANCHORS, SDPA
+from .attention import ATTENTION_ANCHORS, FUSED_SDPA, SDPA
 from .base import GraphView, Match, Reject, Rule
 from .qconv import CONV_ANCHORS, QCONV
 from .qconv_binary import QCONV_ADD
@@ -16,7 +16,7 @@ from .qsmooth import QSMOOTH, SMOOTH_ANCHORS
 from .weight_only import INT4_WEIGHT_LINEAR, INT8_WEIGHT_LINEAR, is_weight_matmul
 
 RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR_ADD_DYNAMIC, QLINEAR_ADD, QLINEAR, QLINEAR_DYNAMIC, QMAXPOOL2D, QAVGPOOL,
-                           QCAT, QVIEW, QSMOOTH, QSCALE, INT4_WEIGHT_LINEAR, INT8_WEIGHT_LINEAR, SDPA)
+                           QCAT, QVIEW, QSMOOTH, QSCALE, INT4_WEIGHT_LINEAR, INT8_WEIGHT_LINEAR, SDPA, FUSED_SDPA)
 
 # The node kinds the report accounts for, one line each.
 ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS, "pool": POOL_ANCHORS, "avgpool": AVG_POOL_ANCHORS,

@@ -1,8 +1,12 @@
-"""Float attention: matmul(q, k^T) -> [/ c | * c] -> [+ mask] -> softmax -> matmul(., v).
+"""Float attention: matmul(q, k^T) -> [/ c | * c] -> [+ mask] -> softmax -> matmul(., v), and
+the fused ``scaled_dot_product_attention`` call.
 
 X86InductorQuantizer leaves attention in float. Written out, it runs as two batched matmuls on
 transposed views plus a softmax over a materialised [B, H, L, S] score tensor; fused
-scaled-dot-product attention reads q, k, v once (Inductor fuses the same pattern).
+scaled-dot-product attention reads q, k, v once (Inductor fuses the same pattern). A fused
+call is matched too: torch's CPU kernel reads each key / value head once per query head
+(grouped-query attention: 8 times in a Llama decode step) and runs dense heads slower than
+qbackend's (lowering/attention.py).
 """
 from __future__ import annotations
 
@@ -17,7 +21,11 @@ from .qdq import single_user
 
 aten = torch.ops.aten
 SOFTMAX_OPS = {aten.softmax.int, aten._softmax.default}
-ATTENTION_ANCHORS = SOFTMAX_OPS | {torch.softmax, torch.nn.functional.softmax}
+FUSED_SDPA_OPS = frozenset({aten.scaled_dot_product_attention.default, torch.nn.functional.scaled_dot_product_attention})
+ANY_SOFTMAX = frozenset(SOFTMAX_OPS | {torch.softmax, torch.nn.functional.softmax})
+ATTENTION_ANCHORS = ANY_SOFTMAX | FUSED_SDPA_OPS
+SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 MATMUL_OPS = {aten.matmul.default}
 
 
@@ -87,4 +95,36 @@ SDPA = Rule(
     priority=0,
     example=examples.attention_block,
     near_misses=(NearMiss(examples.attention_probs_returned, "also read elsewhere"),),
+    anchor_ops=ANY_SOFTMAX,
+)
+
+
+def select_fused_sdpa(graph: GraphView, call: Node) -> Match:
+    given = {**SDPA_DEFAULTS, **dict(zip(SDPA_PARAMETERS, call.args)), **call.kwargs}
+    require(set(given) <= set(SDPA_PARAMETERS), f"unknown arguments {sorted(set(given) - set(SDPA_PARAMETERS))}")
+    q, k, v, mask = (given[name] for name in ("query", "key", "value", "attn_mask"))
+    require(given["dropout_p"] == 0, "dropout in attention")
+    require(not given["is_causal"], "causal attention (is_causal=True): no explicit mask to read")
+    shapes = [fake_value(t) if isinstance(t, Node) else None for t in (q, k, v)]
+    require(all(s is not None and s.dim() == 4 for s in shapes), "queries, keys or values are not [batch, heads, length, dim]")
+    heads, kv_heads = shapes[0].shape[1], shapes[1].shape[1]
+    require(kv_heads == heads or (given["enable_gqa"] and heads % kv_heads == 0),
+            f"{heads} query heads and {kv_heads} key / value heads without enable_gqa")
+    require(mask is None or (isinstance(mask, Node) and fake_value(mask) is not None), "the mask is not a tensor")
+    scale = given["scale"]
+    require(scale is None or isinstance(scale, numbers.Number), "the scale is not a constant")
+    scale = float(scale) if scale is not None else shapes[0].shape[-1] ** -0.5  # (torch's default)
+    return Match(None, call, (call,), op_args=(q, k, v, mask, scale), float_dtype=shapes[0].dtype)
+
+
+FUSED_SDPA = Rule(
+    name="sdpa_fused",
+    anchors="attention",
+    pattern="scaled_dot_product_attention(q, k, v, [mask], [scale], [enable_gqa])",
+    doc="fused attention call => qbackend's attention kernel (grouped queries read each key / value head once)",
+    select_fn=select_fused_sdpa,
+    priority=0,
+    example=examples.grouped_query_attention,
+    near_misses=(NearMiss(examples.causal_fused_attention, "causal attention"),),
+    anchor_ops=FUSED_SDPA_OPS,
 )

@@ -152,6 +152,11 @@ class Rule:
     example_flags: tuple = ()  # quantizer config for the example, e.g. (("is_dynamic", True),)
     example_is_quantized: bool = False  # the example is already in quantized form (no PT2E run)
     near_misses: tuple[NearMiss, ...] = ()
+    # the anchor ops this rule starts from, where its kind has others (None: all of them)
+    anchor_ops: Optional[frozenset] = None
+
+    def starts_at(self, anchor: Node) -> bool:
+        return self.anchor_ops is None or anchor.target in self.anchor_ops
 
     @property
     def where(self) -> str:

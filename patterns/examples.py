@@ -492,6 +492,32 @@ def attention_probs_returned():
     return _convert(AttentionReturningProbs(), inputs), inputs
 
 
+class GroupedQueryAttention(nn.Module):
+    """Llama-style attention: 4 query heads share 2 key / value heads (``enable_gqa``), head
+    dim 16, through the fused call; ``causal`` asks for is_causal=True instead."""
+
+    def __init__(self, causal=False):
+        super().__init__()
+        self.q, self.kv, self.out = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+        self.causal = causal
+
+    def forward(self, x):
+        b, length, _ = x.shape
+        q = self.q(x).view(b, length, 4, 16).transpose(1, 2)
+        k, v = (t.view(b, length, 2, 16).transpose(1, 2) for t in self.kv(x).chunk(2, dim=-1))
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=True)
+        return self.out(attended.transpose(1, 2).reshape(b, length, 64))
+
+
+def grouped_query_attention():
+    return GroupedQueryAttention(), (torch.randn(2, 8, 64),)
+
+
+def causal_fused_attention():
+    inputs = (torch.randn(2, 8, 64),)
+    return _convert(GroupedQueryAttention(causal=True), inputs), inputs
+
+
 class SmoothedLinear(nn.Module):
     """LayerNorm -> x * (1/s) -> linear, as ``qbackend.smooth_quant`` leaves an explicit
     smoothing multiply; ``factors`` of shape [16] (per channel) or [1] (a near miss);

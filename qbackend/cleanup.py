@@ -231,6 +231,12 @@ _STRIDED_VIEWS = {aten.select.int, aten.reshape.default, aten.transpose.int, ate
 _ANY_STRIDES = {aten.scaled_dot_product_attention.default}
 
 
+def _reads_any_strides(target) -> bool:
+    """torch's attention, or ours in either form (it passes strides to the kernel, copying only
+    a last dim that is not contiguous)."""
+    return target in _ANY_STRIDES or target is native.attention_f32 or str(target) == f"{native.NAMESPACE}.attention_f32.default"
+
+
 def _reaches_only_strided_readers(node: Node) -> bool:
     pending = list(node.users)
     while pending:
@@ -239,7 +245,7 @@ def _reaches_only_strided_readers(node: Node) -> bool:
             return False
         if user.target in _STRIDED_VIEWS:
             pending.extend(user.users)
-        elif user.target not in _ANY_STRIDES:
+        elif not _reads_any_strides(user.target):
             return False
     return True
 

@@ -67,7 +67,7 @@ def _emit(ctx: EmitContext, lowering: Lowering, match) -> Node:
 
 def decide(view: GraphView, ctx: EmitContext, table: dict, anchor: Node, kind: str) -> Decision:
     decision = Decision(anchor.name, kind, source_of(anchor), lowered=False)
-    for rule in rules_for(kind):
+    for rule in filter(lambda rule: rule.starts_at(anchor), rules_for(kind)):
         match = rule.select(view, anchor)
         if isinstance(match, Reject):
             decision.tried.append(Attempt(rule.name, match.reason, rule.where, matched=False))

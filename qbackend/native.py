@@ -690,11 +690,13 @@ class _AttentionCall(ctypes.Structure):
 
 
 def attention_refusal(q, k, v, mask) -> Optional[str]:
-    """Why attention_f32 cannot take these (tensors or fake values), None if it can."""
+    """Why attention_f32 cannot take these (tensors or fake values), None if it can. Keys and
+    values may have fewer heads than the queries (grouped-query attention), each shared by
+    ``heads / kv_heads`` consecutive query heads."""
     if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 4 for t in (q, k, v)):
         return "the kernel takes float32 CPU [batch, heads, length, head dim] queries, keys and values"
-    (b, h, length, d), (s, dv) = q.shape, v.shape[2:]
-    if tuple(k.shape) != (b, h, s, d) or tuple(v.shape[:2]) != (b, h) or dv != d:
+    (b, h, length, d), (kv_heads, s, dv) = q.shape, v.shape[1:]
+    if tuple(k.shape) != (b, kv_heads, s, d) or v.shape[0] != b or dv != d or h % kv_heads:
         return f"queries {tuple(q.shape)}, keys {tuple(k.shape)} and values {tuple(v.shape)} differ in batch, heads or head dim"
     if d % ATTENTION_HEAD_DIM_STEP or length == 0 or s == 0:
         return f"head dim {d}: the kernel takes a multiple of {ATTENTION_HEAD_DIM_STEP}"
@@ -704,15 +706,29 @@ def attention_refusal(q, k, v, mask) -> Optional[str]:
         padded = (1,) * (4 - mask.dim()) + tuple(mask.shape)
         if any(m not in (1, n) for m, n in zip(padded, (b, h, length, s))):
             return f"the mask {tuple(mask.shape)} does not broadcast to the scores {(b, h, length, s)}"
+        if kv_heads != h and length > 1 and (padded[1] != 1 or padded[2] != 1):
+            return "grouped-query attention with a mask per head or per query row (only one broadcast over both)"
     return None
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, L, D] queries as [B, kv_heads, H / kv_heads * L, D]: the query rows of each key /
+    value head's group as one head's rows (a view where the heads are evenly strided)."""
+    b, h, length, d = q.shape
+    return q.reshape(b, kv_heads, h // kv_heads * length, d)
 
 
 def _attention(lib, q, k, v, mask, scale):
     reason = attention_refusal(q, k, v, mask)
     if reason is not None:
         raise ValueError(f"qbackend::attention_f32: {reason}")
+    (b, h, length, d), kv_heads = q.shape, k.shape[1]
+    if kv_heads != h:  # grouped: each key / value head read once for all its query heads
+        if mask is not None:  # (a view: refusal leaves one query row, or a mask the same for all heads and rows)
+            mask = mask.expand(b, h, length, k.shape[2]).reshape(b, kv_heads, h // kv_heads * length, k.shape[2])
+        return _attention(lib, _grouped(q, kv_heads), k, v, mask, scale).reshape(b, h, length, d)
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    (b, h, length, d), s = q.shape, k.shape[2]
+    s = k.shape[2]
     mask_stride = (0, 0, 0, 0)
     if mask is not None:
         mask = mask.expand(b, h, length, s)
@@ -727,6 +743,8 @@ def _attention(lib, q, k, v, mask, scale):
 
 def _attention_fake(q, k, v, mask, scale):
     b, h, length, d = q.shape
+    if k.shape[1] != h:  # (grouped: the result's rows come back in query-head order, contiguous)
+        return q.new_empty(b, h, length, d)
     return q.new_empty(b, length, h, d).transpose(1, 2)
 
 

@@ -202,3 +202,55 @@ def test_multihead_attentions_projection_is_not_copied_before_attention(returned
     assert "1 copy(s) before fused attention left out (it reads the strided views)" in captured.report.notes
     if returned_copy:
         assert copies[0].users and next(iter(copies[0].users)).op == "output"
+
+
+class DecodeStepAttention(nn.Module):
+    """One Llama decode step's attention as Dynamo captures it from transformers: a new token's
+    8 query heads against a cache of 2 key / value heads (``enable_gqa``), head dim 16, and an
+    optional additive mask over the cached positions."""
+
+    def forward(self, q, k, v, mask=None):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+
+
+def _decode_step(length: int, cached: int, mask_shape=None):
+    generator = torch.Generator().manual_seed(cached)
+    q = torch.randn(1, 8, length, 16, generator=generator)
+    k, v = (torch.randn(1, 2, cached, 16, generator=generator) for _ in range(2))
+    mask = None if mask_shape is None else torch.randn(*mask_shape, generator=generator)
+    return q, k, v, mask
+
+
+def _attention_decisions(report):
+    return [(d.rule, d.op, d.reason) for d in report.decisions if d.kind == "attention"]
+
+
+@needs_own_kernels
+@pytest.mark.parametrize("cached, mask_shape", [(37, None), (64, (1, 1, 1, 64)), (64, (1, 8, 1, 64))],
+                         ids=["no mask", "a mask for all heads", "a mask per head"])
+def test_grouped_query_decode_runs_on_the_kernel_with_torchs_numerics(cached, mask_shape):
+    """Each key / value head is read once for its 4 query heads (torch reads it 4 times)."""
+    inputs = _decode_step(1, cached, mask_shape)
+    actual, expected, captured = compile_and_run(DecodeStepAttention(), inputs)
+    torch.testing.assert_close(actual, expected, **TOLERANCE["attention_f32"])
+    assert _attention_decisions(captured.report) == [("sdpa_fused", "qbackend::attention_f32.default",
+                                                      "qbackend's float32 attention kernel")], str(captured.report)
+
+
+@needs_own_kernels
+def test_grouped_queries_with_a_mask_per_row_keep_torchs_attention_and_say_why():
+    inputs = _decode_step(5, 40, (1, 1, 5, 40))
+    actual, expected, captured = compile_and_run(DecodeStepAttention(), inputs)
+    torch.testing.assert_close(actual, expected, **TOLERANCE["attention_f32"])
+    [(rule, op, reason)] = _attention_decisions(captured.report)
+    assert (rule, op) == ("sdpa_fused", "aten::scaled_dot_product_attention"), str(captured.report)
+    assert "grouped-query attention with a mask per head or per query row" in reason, reason
+
+
+@needs_own_kernels
+def test_a_converted_models_fused_attention_call_runs_on_the_kernel():
+    from qbackend.patterns.examples import grouped_query_attention
+
+    module, example = grouped_query_attention()
+    captured = assert_matches_reference(quantize(module, example), example)
+    assert [d[:2] for d in _attention_decisions(captured.report)] == [("sdpa_fused", "qbackend::attention_f32.default")]

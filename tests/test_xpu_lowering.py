@@ -9,8 +9,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from qbackend.backend import graph_device
-from qbackend.patterns.examples import (HandQuantized, attention_block, conv_flatten_linear, conv_relu, linear_relu,
-                                        linear_residual, residual_block, squeeze_excitation, two_branch_cat)
+from qbackend.patterns.examples import (HandQuantized, attention_block, conv_flatten_linear, conv_relu,
+                                        grouped_query_attention, linear_relu, linear_residual, residual_block,
+                                        squeeze_excitation, two_branch_cat)
 from qbackend.pt2e_flow import quantize_xpu
 
 from .helpers import (SATURATION_REASON, assert_matches_reference, cpu_saturates, lower_without_running, short_graph,
@@ -18,7 +19,8 @@ from .helpers import (SATURATION_REASON, assert_matches_reference, cpu_saturates
 from .xpu_builds import SimulatedXpuBuild, requires_xpu
 
 EXAMPLES = {"qconv": conv_relu, "qconv_add": residual_block, "qlinear": linear_relu, "qlinear_add": linear_residual,
-            "qcat": two_branch_cat, "qview": conv_flatten_linear, "sdpa": attention_block, "qscale": squeeze_excitation}
+            "qcat": two_branch_cat, "qview": conv_flatten_linear, "sdpa": attention_block, "qscale": squeeze_excitation,
+            "sdpa_fused": grouped_query_attention}
 
 
 def xpu_converted(build):
@@ -120,6 +122,13 @@ return (layer_norm)""")
         self.assertExpectedInline("\n".join(line for line in graph.splitlines() if "scaled_dot" in line), """\
 scaled_dot_product_attention_default = aten.scaled_dot_product_attention(transpose, transpose_1, transpose_2, attn_mask=None, scale=0.354)
 quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(scaled_dot_product_attention_default, 0.00472, -4, -128, 127, int8)""")
+
+    def test_sdpa_fused(self):
+        graph, report = lowered_for_xpu(EXAMPLES["sdpa_fused"], fake_run=False)
+        assert [d.rule for d in report.decisions if d.kind == "attention"] == ["sdpa_fused"], str(report)
+        self.assertExpectedInline("\n".join(line for line in graph.splitlines() if "scaled_dot" in line), """\
+scaled_dot_product_attention_default = aten.scaled_dot_product_attention(transpose, transpose_1, transpose_2, attn_mask=None, scale=0.25, enable_gqa=True)
+quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(scaled_dot_product_attention_default, 0.00527, 4, -128, 127, int8)""")
 
     def test_qcat(self):
         graph, report = lowered_for_xpu(EXAMPLES["qcat"])
