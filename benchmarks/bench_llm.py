@@ -190,7 +190,7 @@ def memory_child(checkpoint: str, bits: int) -> None:
     with torch.device("meta"):  # the structure only: no fp32 weights are made for the int4 model
         model = LlamaForCausalLM(config()).eval()
     if bits:
-        qbackend.quantize_weights(model, bits=bits, group_size=GROUP)
+        qbackend.quantize_weights(model, bits=bits, group_size=GROUP if bits == 4 else None)
     rotary = model.model.rotary_emb  # (its inverse frequencies are not in a state_dict)
     model.model.rotary_emb = type(rotary)(config=config())
     reset_peak_rss()

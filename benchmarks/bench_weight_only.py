@@ -68,7 +68,7 @@ class Row:
 
 def weight_only(model, bits, dtype):
     quantized = copy.deepcopy(model).to(dtype)
-    return qbackend.quantize_weights(quantized, bits=bits, group_size=GROUP)
+    return qbackend.quantize_weights(quantized, bits=bits, group_size=GROUP if bits == 4 else None)
 
 
 def torchao_int4(model, dtype):

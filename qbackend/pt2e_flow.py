@@ -9,7 +9,8 @@ importing this module.
 
 import torch
 
-__all__ = ["quantize_x86", "quantize_xpu", "inductor_int8", "cpu_needs_reduce_range"]
+# (inductor_int8, the peer's recipe, is for benchmarks and tests: importable, not exported)
+__all__ = ["quantize_x86", "quantize_xpu", "cpu_needs_reduce_range"]
 
 
 def cpu_needs_reduce_range() -> bool:

@@ -13,6 +13,7 @@ state_dict holds exactly these), packed for a device's kernel on first use and c
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -213,19 +214,31 @@ _HANDLERS = {
 }
 
 
-def quantize_weights(model: torch.nn.Module, bits: int = 4, group_size: Optional[int] = 128, *,
-                     compute: str = "auto", include: Callable[[str, torch.nn.Linear], bool] = lambda name, m: True):
-    """Replace the weight of every ``nn.Linear`` (for which ``include(name, module)``) by a
-    weight-only quantized one, in place; returns ``model``. int4: asymmetric per group of
-    ``group_size`` input columns; int8: symmetric per output channel (``group_size`` ignored).
-    ``compute``: "auto" (the device's fast path: on CPU qbackend's int16 kernels, else bf16),
-    "int16", "bf16" or "activation" (the input's own dtype; lowering/weight_only.py). Linears
-    whose in_features is not a multiple of ``group_size`` are skipped."""
+def quantize_weights(model: torch.nn.Module, bits: int = 4, group_size: Optional[int] = None, *,
+                     compute: str = "auto", filter_fn: Optional[Callable[[torch.nn.Module, str], bool]] = None,
+                     include: Optional[Callable[[str, torch.nn.Linear], bool]] = None):
+    """Replace the weight of every ``nn.Linear`` (for which ``filter_fn(module, name)``, torchao's
+    order) by a weight-only quantized one, in place; returns ``model``. int4: asymmetric per
+    group of ``group_size`` input columns (default 128); int8: symmetric per output channel
+    (a ``group_size`` is refused: there are no groups). ``compute``: "auto" (the device's fast
+    path: on CPU qbackend's int16 kernels, else bf16), "int16", "bf16" or "activation" (the
+    input's own dtype; lowering/weight_only.py). Linears whose in_features is not a multiple of
+    ``group_size`` are skipped. ``include(name, module)``: the former spelling of ``filter_fn``."""
+    if bits not in (4, 8):
+        raise ValueError(f"quantize_weights: bits must be 4 or 8, got {bits!r}")
+    if bits == 8 and group_size is not None:
+        raise ValueError(f"quantize_weights: int8 weights are per output channel; group_size={group_size} has no meaning")
+    if include is not None:
+        if filter_fn is not None:
+            raise ValueError("quantize_weights: pass filter_fn (module, name) or include (name, module), not both")
+        warnings.warn("quantize_weights(include=(name, module)) is deprecated: use filter_fn=(module, name), torchao's "
+                      "order", DeprecationWarning, stacklevel=2)
+        filter_fn = lambda module, name: include(name, module)  # noqa: E731
+    group = None if bits == 8 else (group_size or 128)
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or isinstance(module.weight, QuantizedLinearWeight):
             continue
-        group = None if bits == 8 else group_size
-        if not include(name, module) or (group and module.in_features % group):
+        if (filter_fn is not None and not filter_fn(module, name)) or (group and module.in_features % group):
             log.info("quantize_weights: %s kept float (in_features %d, group_size %s)", name, module.in_features, group)
             continue
         weight = QuantizedLinearWeight.from_float(module.weight.detach(), bits, group, compute)

@@ -170,7 +170,7 @@ def test_state_dict_is_device_neutral_and_round_trips():
 def test_kernel_limits_leave_the_linear_unlowered_with_the_reason():
     torch.manual_seed(0)
     odd = nn.Sequential(nn.Linear(128, 40), nn.ReLU(), nn.Linear(40, 16))  # 40 outputs: int4 needs N % 16
-    qbackend.quantize_weights(odd, bits=4, group_size=32, include=lambda name, m: m.in_features == 128)
+    qbackend.quantize_weights(odd, bits=4, group_size=32, filter_fn=lambda m, name: m.in_features == 128)
     x = torch.randn(3, 128)
     actual, expected, captured = compile_and_run(odd, (x,), weight_only_compute="bf16")
     assert_weight_only_close(actual, expected, "unlowered")
@@ -219,7 +219,7 @@ def test_in_features_not_a_multiple_of_the_group_stay_float():
 def test_torchs_kernels_take_a_transposed_input(compute, bits, op):
     """torch's packed kernels raise on strided rows ("expect A to be contiguous"): the lowering
     hands them contiguous ones (found by the fuzzer with the own kernels switched off)."""
-    model, reference = quantized_and_reference(bits, 32)
+    model, reference = quantized_and_reference(bits, 32 if bits == 4 else None)
     x = torch.randn(256, 3).t()
     actual, _, captured = compile_and_run(model, (x,), weight_only_compute=compute)
     assert {d.op for d in captured.report.decisions} == {op}
@@ -341,3 +341,18 @@ def test_a_quantized_weight_must_hold_its_declared_shape():
                             (dict(dtype=torch.int32), "a float model dtype")]:
         with pytest.raises(ValueError, match=message):
             QuantizedLinearWeight(**{**parts, **change})
+
+
+def test_quantize_weights_takes_torchaos_filter_order_and_refuses_meaningless_options():
+    model = nn.Sequential(nn.Linear(128, 32), nn.Linear(32, 16))
+    seen = []
+    qbackend.quantize_weights(model, filter_fn=lambda module, name: seen.append((type(module).__name__, name)) or name == "0")
+    assert seen == [("Linear", "0"), ("Linear", "1")]
+    assert isinstance(model[0].weight, qbackend.QuantizedLinearWeight) and model[0].weight.group_size == 128
+    assert not isinstance(model[1].weight, qbackend.QuantizedLinearWeight)
+    with pytest.warns(DeprecationWarning, match="use filter_fn"):
+        qbackend.quantize_weights(nn.Linear(64, 16), group_size=32, include=lambda name, module: True)
+    with pytest.raises(ValueError, match="per output channel; group_size=128 has no meaning"):
+        qbackend.quantize_weights(nn.Linear(64, 16), bits=8, group_size=128)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        qbackend.quantize_weights(nn.Linear(64, 16), bits=3)

@@ -70,7 +70,7 @@ def _quantized(case: Case, rng: random.Random, calibration: list):
     if case.family == "weight_only":
         bits, compute = rng.choice([4, 8]), rng.choice(["auto", "int16", "bf16", "activation"])
         group = rng.choice([32, 64])
-        model = qbackend.quantize_weights(case.model, bits=bits, group_size=group, compute=compute)
+        model = qbackend.quantize_weights(case.model, bits=bits, group_size=group if bits == 4 else None, compute=compute)
         reference = _dequantized_copy(model)
         return model, reference, f"weight-only int{bits} group {group} compute {compute}"
     flow = rng.choice(["x86", "x86", "x86 7-bit activations", "x86 7-bit weights", "x86 qat", "xpu"])
