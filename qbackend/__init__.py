@@ -6,6 +6,7 @@
     qbackend.quantize_weights(float_model, bits=4, group_size=128)  # weight-only int4 / int8
     qbackend.smooth_quant(exported_module, calibration_batches)    # SmoothQuant pre-pass (PT2E)
     qbackend.save(converted_pt2e_module, "model.pt2"); qbackend.load("model.pt2")  # deploy
+    qbackend.accuracy_report(float_model, converted_pt2e_module, batches)  # per-layer error vs fp32
 
 Importing qbackend changes no global torch or Inductor state and does not import torchao.
 """
@@ -15,6 +16,7 @@ import functools
 
 import torch
 
+from .accuracy import AccuracyReport, accuracy_report
 from .deploy import load, save
 from .direct import compile
 from .legacy_int4 import from_old_cpu_int4
@@ -37,4 +39,4 @@ def explain(model, *example_inputs, device: str | None = None) -> Report:
     return functools.reduce(Report.merge, reports)
 
 
-__all__ = ["compile", "explain", "save", "load", "Report", "smooth_quant", "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]
+__all__ = ["compile", "explain", "save", "load", "accuracy_report", "AccuracyReport", "Report", "smooth_quant", "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]

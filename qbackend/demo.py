@@ -67,6 +67,9 @@ def main(argv=None):
     cos = lambda a, b: torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()  # noqa: E731
     print(f"\n3. accuracy: cosine vs fp32 {cos(out, fp32):.6f}, vs PT2E reference {cos(out, reference):.6f}, "
           f"top-1 agreement with fp32 {(out.argmax(-1) == fp32.argmax(-1)).float().mean().item():.2f}")
+    layers = qbackend.accuracy_report(model, converted, models.calibration_batches("resnet18_like", args.batch, 2))
+    print("   the 5 layers furthest from fp32 (qbackend.accuracy_report; errors accumulate along the net):")
+    print("\n".join(f"     {e.path:<28} SQNR {e.sqnr_db:5.1f} dB  cosine {e.cosine:.5f}" for e in layers.layers[:5]))
 
     rows = [("fp32 eager", median_ms(model, inputs), 0.0), ("qbackend int8", median_ms(compiled, inputs), compile_s)]
     # the same lowering without Dynamo's re-trace

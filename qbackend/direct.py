@@ -143,6 +143,31 @@ def _fits(recorded, value) -> bool:
             and all(not isinstance(r, int) or r == v for r, v in zip(recorded.shape, value.shape)))
 
 
+class InputBinding:
+    """A call's arguments as an exported graph's placeholders, in export's structure
+    (positional inputs, then keyword inputs by name); None if they do not bind."""
+
+    def __init__(self, gm: GraphModule):
+        self.parameters = inspect.signature(gm.forward)  # (binding runs on every call)
+        info = getattr(gm.graph._codegen, "pytree_info", None)
+        self.in_spec = info.in_spec if info is not None else None
+        if self.in_spec is not None:
+            positional, keyword = self.in_spec.children() if hasattr(self.in_spec, "children") else self.in_spec.children_specs
+            self.positional, self.keyword = positional.num_children, tuple(keyword.context or ())
+
+    def placeholders(self, args, kwargs) -> Optional[list]:
+        try:
+            bound = self.parameters.bind(*args, **kwargs)
+        except TypeError:
+            return None
+        if self.in_spec is None:
+            return list(bound.args)
+        bound.apply_defaults()
+        values = list(bound.arguments.values())
+        inputs, spec = pytree.tree_flatten((tuple(values[:self.positional]), dict(zip(self.keyword, values[self.positional:]))))
+        return inputs if spec == self.in_spec else None
+
+
 class SymbolicInputs:
     """The inputs one lowering for export's symbolic sizes serves: every symbolic size a plain
     symbol within export's range (one value per symbol across the inputs), contiguous where
@@ -213,28 +238,11 @@ class CompiledGraphModule:
         self.lowered = collections.OrderedDict()  # key -> callable taking the graph's placeholders
         self.recorded = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
         self.symbolic = _symbolic_inputs(self.recorded)
-        self.parameters = inspect.signature(gm.forward)  # (binding runs on every call)
-        info = getattr(gm.graph._codegen, "pytree_info", None)
-        self.in_spec = info.in_spec if info is not None else None
-        if self.in_spec is not None:  # export's structure: (positional inputs, keyword inputs by name)
-            positional, keyword = self.in_spec.children() if hasattr(self.in_spec, "children") else self.in_spec.children_specs
-            self.positional, self.keyword = positional.num_children, tuple(keyword.context or ())
+        self.binding = InputBinding(gm)
 
     def _placeholders(self, args, kwargs) -> Optional[list]:
-        try:
-            bound = self.parameters.bind(*args, **kwargs)
-        except TypeError:
-            return None
-        if self.in_spec is not None:
-            bound.apply_defaults()
-            values = list(bound.arguments.values())
-            inputs, spec = pytree.tree_flatten((tuple(values[:self.positional]),
-                                                dict(zip(self.keyword, values[self.positional:]))))
-            if spec != self.in_spec:
-                return None
-        else:
-            inputs = list(bound.args)
-        if len(inputs) != len(self.recorded) or not all(map(_fits, self.recorded, inputs)):
+        inputs = self.binding.placeholders(args, kwargs)
+        if inputs is None or len(inputs) != len(self.recorded) or not all(map(_fits, self.recorded, inputs)):
             return None
         return inputs
 

@@ -130,7 +130,7 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
                     dynamic_shapes=dynamic_shapes, strict=strict, num_batches=num_batches, progress=progress)
 
 
-def _positional_and_keyword(inputs) -> tuple[tuple, dict]:
+def positional_and_keyword(inputs) -> tuple[tuple, dict]:
     """A batch as (args, kwargs): a dict is keyword inputs, a tuple or list positional ones,
     anything else (a tensor) the one positional input."""
     if isinstance(inputs, dict):
@@ -162,7 +162,7 @@ def _batch_dynamic(args: tuple, kwargs: dict) -> tuple[tuple, dict, object]:
 
 
 def _export(model, example_inputs, dynamic_batch, dynamic_shapes, strict):
-    args, kwargs = _positional_and_keyword(example_inputs)
+    args, kwargs = positional_and_keyword(example_inputs)
     if dynamic_batch:
         if dynamic_shapes is not None:
             raise ValueError("pass dynamic_batch=True or dynamic_shapes, not both")
@@ -206,7 +206,7 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
     if smooth is not None:
         from .smooth_quant import smooth_quant
 
-        calibration = [_positional_and_keyword(batch)[0] for batch in calibration]  # (SmoothQuant runs positional batches)
+        calibration = [positional_and_keyword(batch)[0] for batch in calibration]  # (SmoothQuant runs positional batches)
         weight = quantizer.global_config.weight  # the search simulates the weights' real range
         smooth_report = smooth_quant(exported, calibration, **{"weight_range": (weight.quant_min, weight.quant_max), **smooth})
     prepare = prepare_qat_pt2e if is_qat else prepare_pt2e
@@ -215,7 +215,7 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
         move_exported_model_to_eval(prepared)
     with torch.no_grad():
         for batch in calibration:
-            args, kwargs = _positional_and_keyword(batch)
+            args, kwargs = positional_and_keyword(batch)
             prepared(*args, **kwargs)
     converted = convert_pt2e(prepared)
     if smooth_report is not None:

@@ -1,0 +1,153 @@
+"""Where a quantized model loses accuracy: every conv / linear output of the converted PT2E
+module against the same layer's output in the float model, over the user's batches.
+
+The converted graph's conv / linear nodes name the module they came from (export's
+``nn_module_stack``); the float model's module of that path gives the reference through a
+forward hook. Errors are cumulative (each layer sees the quantized model's own inputs), as a
+user sees them: the first layer whose error jumps is where to look, or what to keep float
+(``quantize_x86(..., keep_float=[path])``).
+"""
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+from torch.fx import GraphModule, Interpreter
+
+from .report import source_of
+
+aten = torch.ops.aten
+LAYER_OPS = {aten.conv1d.default: "conv", aten.conv2d.default: "conv", aten.conv3d.default: "conv",
+             aten.conv_transpose1d.default: "conv", aten.conv_transpose2d.input: "conv", aten.linear.default: "linear"}
+
+
+class _Agreement:
+    """Running sums that give the cosine and SQNR of a quantized tensor against its reference
+    over many batches (as if all were one tensor)."""
+
+    def __init__(self):
+        self.dot = self.reference = self.actual = self.error = 0.0
+
+    def add(self, actual: torch.Tensor, reference: torch.Tensor) -> None:
+        a, r = actual.detach().double().flatten(), reference.detach().double().flatten()
+        self.dot += float(a @ r)
+        self.reference += float(r @ r)
+        self.actual += float(a @ a)
+        self.error += float((a - r) @ (a - r))
+
+    @property
+    def cosine(self) -> float:
+        return self.dot / math.sqrt(self.reference * self.actual) if self.reference and self.actual else float("nan")
+
+    @property
+    def sqnr_db(self) -> float:
+        if not self.error:
+            return math.inf
+        return 10 * math.log10(self.reference / self.error) if self.reference else -math.inf
+
+
+@dataclass(frozen=True)
+class LayerError:
+    path: str  # the module path, as keep_float takes it
+    kind: str  # conv / linear
+    sqnr_db: float  # 10 log10(|reference|^2 / |quantized - reference|^2): higher is better
+    cosine: float
+
+
+@dataclass
+class AccuracyReport:
+    layers: list[LayerError]  # worst (lowest SQNR) first
+    output: LayerError  # the model's output
+    batches: int
+    unmatched: list[str] = field(default_factory=list)  # quantized layers with no float module of their path
+
+    def __str__(self) -> str:
+        lines = [f"accuracy vs fp32 over {self.batches} batch(es): output SQNR {self.output.sqnr_db:.1f} dB, "
+                 f"cosine {self.output.cosine:.5f}; layers worst first:",
+                 "| layer | kind | SQNR dB | cosine |", "|---|---|---|---|"]
+        lines += [f"| {e.path} | {e.kind} | {e.sqnr_db:.1f} | {e.cosine:.5f} |" for e in self.layers]
+        if self.unmatched:
+            lines.append(f"not compared (no float module of that path): {', '.join(self.unmatched)}")
+        return "\n".join(lines)
+
+
+class _LayerOutputs(Interpreter):
+    """Runs the converted graph, keeping every conv / linear output under its module path."""
+
+    def __init__(self, gm: GraphModule):
+        super().__init__(gm)
+        self.outputs: dict = collections.defaultdict(list)
+
+    def run_node(self, node):
+        value = super().run_node(node)
+        if node.op == "call_function" and node.target in LAYER_OPS:
+            self.outputs[(source_of(node), LAYER_OPS[node.target])].append(value)
+        return value
+
+
+def _flat_tensors(value) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _record_layer_outputs(modules: dict) -> tuple[dict, list]:
+    """Forward hooks on the float model's leaf modules: path -> its outputs in call order. A
+    batch norm reading a module's output replaces that output (prepare_pt2e folds it into the
+    conv before it, whose converted node then gives the norm's result)."""
+    outputs: dict = collections.defaultdict(list)
+    produced: dict = {}  # id of an output tensor -> (path, call index); the tensors stay alive in ``outputs``
+
+    def record(module, inputs, out, path):
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and inputs and id(inputs[0]) in produced:
+            source, index = produced[id(inputs[0])]
+            outputs[source][index] = out
+        if isinstance(out, torch.Tensor):
+            produced[id(out)] = (path, len(outputs[path]))
+        outputs[path].append(out)
+
+    hooks = [module.register_forward_hook(lambda m, i, o, path=path: record(m, i, o, path))
+             for path, module in modules.items() if not any(True for _ in module.children())]
+    return outputs, hooks
+
+
+def accuracy_report(model_fp32: torch.nn.Module, quantized: GraphModule, batches: Iterable) -> AccuracyReport:
+    """Per-layer error of ``quantized`` (a converted PT2E module) against ``model_fp32`` over
+    ``batches`` (tuples, dicts of keyword inputs or tensors, as calibration takes them)."""
+    from .direct import InputBinding
+    from .pt2e_flow import positional_and_keyword  # (no torchao: pt2e_flow imports it inside its functions)
+
+    binding = InputBinding(quantized)
+    modules = dict(model_fp32.named_modules())
+    agreements: dict = collections.defaultdict(_Agreement)
+    output, count, unmatched = _Agreement(), 0, set()
+    model_fp32.eval()
+    with torch.no_grad():
+        for batch in batches:
+            args, kwargs = positional_and_keyword(batch)
+            placeholders = binding.placeholders(args, kwargs)
+            if placeholders is None:
+                raise ValueError(f"a batch does not bind to the quantized model's inputs ({binding.parameters})")
+            recorder = _LayerOutputs(quantized)
+            actual = recorder.run(*placeholders)
+            reference_outputs, hooks = _record_layer_outputs(modules)
+            try:
+                expected = model_fp32(*args, **kwargs)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            for (path, kind), values in recorder.outputs.items():
+                if path not in modules or len(reference_outputs[path]) != len(values):
+                    unmatched.add(path or "?")
+                    continue
+                for value, reference in zip(values, reference_outputs[path]):
+                    agreements[(path, kind)].add(value, reference)
+            for a, r in zip(_flat_tensors(quantized.graph.process_outputs(actual)), _flat_tensors(expected)):
+                output.add(a, r)
+            count += 1
+    if not count:
+        raise ValueError("accuracy_report needs at least one batch")
+    layers = sorted((LayerError(path, kind, a.sqnr_db, a.cosine) for (path, kind), a in agreements.items()),
+                    key=lambda e: e.sqnr_db)
+    return AccuracyReport(layers, LayerError("output", "model", output.sqnr_db, output.cosine), count, sorted(unmatched))

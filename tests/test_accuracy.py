@@ -1,0 +1,64 @@
+"""``qbackend.accuracy_report``: every conv / linear of a converted model against the float
+model's same layer, worst first, over tuples or keyword batches; its output line is the
+cosine of the two models' outputs."""
+import math
+
+import pytest
+import torch
+
+import qbackend
+from qbackend.models import tiny_resnet
+
+from .helpers import quantize
+from .test_calibration import Masked, _batches
+from .tolerances import cosine
+
+
+def _images(n: int) -> list:
+    return [(torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(i)),) for i in range(n)]
+
+
+def test_every_layer_is_compared_worst_first_and_the_output_as_the_models_give_it():
+    model = tiny_resnet()
+    quantized = quantize(model, _images(1)[0], calibration=_images(4))
+    report = qbackend.accuracy_report(model, quantized, _images(3))
+    convs_and_linears = [name for name, m in model.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    assert sorted(e.path for e in report.layers) == sorted(convs_and_linears) and not report.unmatched
+    assert [e.sqnr_db for e in report.layers] == sorted(e.sqnr_db for e in report.layers)
+    assert all(0.9 < e.cosine <= 1 + 1e-9 and math.isfinite(e.sqnr_db) for e in report.layers), str(report)
+    with torch.no_grad():
+        together = [torch.cat(parts) for parts in zip(*[(quantized(x), model(x)) for (x,) in _images(3)])]
+    assert report.output.cosine == pytest.approx(cosine(*together), abs=1e-9)
+    assert report.batches == 3 and str(report).splitlines()[0].startswith("accuracy vs fp32 over 3 batch(es)")
+
+
+class TwoBranches(torch.nn.Module):
+    """Two linears side by side; the second reads its input with one channel 100x the others
+    (a channel its weights ignore), so per-tensor int8 activations keep ~1 bit for the channels
+    its output comes from: it must be named first."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.plain, self.outlier = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        with torch.no_grad():
+            self.outlier.weight[:, 0] = 0.0
+        self.register_buffer("spread", torch.tensor([100.0] + [1.0] * 15))
+
+    def forward(self, x):
+        return torch.cat([self.plain(x), self.outlier(x * self.spread)], dim=-1)
+
+
+def test_the_layer_whose_input_int8_cannot_hold_is_named_first():
+    batches = [(torch.randn(8, 16, generator=torch.Generator().manual_seed(i)),) for i in range(3)]
+    model = TwoBranches().eval()
+    report = qbackend.accuracy_report(model, quantize(model, batches[0], calibration=batches), batches)
+    assert [e.path for e in report.layers] == ["outlier", "plain"], str(report)
+    assert report.layers[0].sqnr_db < report.layers[1].sqnr_db - 10, str(report)
+
+
+def test_keyword_batches():
+    model = Masked().eval()
+    batches = [{"x": x, "mask": mask} for x, mask in _batches(2)]
+    report = qbackend.accuracy_report(model, quantize(model, batches[0], calibration=batches), batches)
+    assert [e.path for e in report.layers] == ["fc"] and report.output.cosine > 0.999, str(report)
