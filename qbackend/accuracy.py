@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch.fx import GraphModule, Interpreter
@@ -53,8 +53,9 @@ class _Agreement:
 class LayerError:
     path: str  # the module path, as keep_float takes it
     kind: str  # conv / linear
-    sqnr_db: float  # 10 log10(|reference|^2 / |quantized - reference|^2): higher is better
+    sqnr_db: float  # of the output: 10 log10(|reference|^2 / |quantized - reference|^2), higher is better
     cosine: float
+    input_sqnr_db: float = math.inf  # of the float input it reads, before its quantize: what earlier layers lost
 
 
 @dataclass
@@ -67,24 +68,49 @@ class AccuracyReport:
     def __str__(self) -> str:
         lines = [f"accuracy vs fp32 over {self.batches} batch(es): output SQNR {self.output.sqnr_db:.1f} dB, "
                  f"cosine {self.output.cosine:.5f}; layers worst first:",
-                 "| layer | kind | SQNR dB | cosine |", "|---|---|---|---|"]
-        lines += [f"| {e.path} | {e.kind} | {e.sqnr_db:.1f} | {e.cosine:.5f} |" for e in self.layers]
+                 "| layer | kind | SQNR dB | cosine | its float input's SQNR dB |", "|---|---|---|---|---|"]
+        lines += [f"| {e.path} | {e.kind} | {e.sqnr_db:.1f} | {e.cosine:.5f} | {e.input_sqnr_db:.1f} |" for e in self.layers]
         if self.unmatched:
             lines.append(f"not compared (no float module of that path): {', '.join(self.unmatched)}")
         return "\n".join(lines)
 
 
-class _LayerOutputs(Interpreter):
-    """Runs the converted graph, keeping every conv / linear output under its module path."""
+def _float_input(layer) -> object:
+    """The float tensor a conv / linear reads, before the quantize / dequantize pair in front
+    of it (the tensor itself where there is none: a layer kept float)."""
+    from .direct import _qdq_name
 
-    def __init__(self, gm: GraphModule):
+    x = layer.args[0]
+    if _qdq_name(x) == "dequantize_per_tensor" and _qdq_name(x.args[0]) == "quantize_per_tensor":
+        return x.args[0].args[0]
+    return x
+
+
+class _LayerOutputs(Interpreter):
+    """Runs the converted graph, keeping every conv / linear (float input, output) under its
+    module path (each input recorded when it is made: the interpreter frees it after its
+    quantize)."""
+
+    def __init__(self, gm: GraphModule, unquantized_input: Optional[str] = None):
         super().__init__(gm)
+        self.unquantized_input = unquantized_input  # a layer path whose layers read their float input
         self.outputs: dict = collections.defaultdict(list)
+        self.layers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in LAYER_OPS]
+        self.watched = collections.defaultdict(list)  # float input node -> the layers reading it
+        for layer in self.layers:
+            self.watched[_float_input(layer)].append(layer)
+        self.inputs: dict = {}
 
     def run_node(self, node):
-        value = super().run_node(node)
-        if node.op == "call_function" and node.target in LAYER_OPS:
-            self.outputs[(source_of(node), LAYER_OPS[node.target])].append(value)
+        if self.unquantized_input is not None and node in self.inputs and source_of(node) == self.unquantized_input:
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            value = node.target(self.inputs[node], *args[1:], **kwargs)
+        else:
+            value = super().run_node(node)
+        for layer in self.watched.get(node, ()):
+            self.inputs[layer] = value
+        if node.target in LAYER_OPS and node.op == "call_function":
+            self.outputs[(source_of(node), LAYER_OPS[node.target])].append((self.inputs.pop(node, None), value))
         return value
 
 
@@ -93,7 +119,7 @@ def _flat_tensors(value) -> list[torch.Tensor]:
 
 
 def _record_layer_outputs(modules: dict) -> tuple[dict, list]:
-    """Forward hooks on the float model's leaf modules: path -> its outputs in call order. A
+    """Forward hooks on the float model's leaf modules: path -> its (input, output) per call. A
     batch norm reading a module's output replaces that output (prepare_pt2e folds it into the
     conv before it, whose converted node then gives the norm's result)."""
     outputs: dict = collections.defaultdict(list)
@@ -102,10 +128,10 @@ def _record_layer_outputs(modules: dict) -> tuple[dict, list]:
     def record(module, inputs, out, path):
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and inputs and id(inputs[0]) in produced:
             source, index = produced[id(inputs[0])]
-            outputs[source][index] = out
+            outputs[source][index] = (outputs[source][index][0], out)
         if isinstance(out, torch.Tensor):
             produced[id(out)] = (path, len(outputs[path]))
-        outputs[path].append(out)
+        outputs[path].append((inputs[0] if inputs else None, out))
 
     hooks = [module.register_forward_hook(lambda m, i, o, path=path: record(m, i, o, path))
              for path, module in modules.items() if not any(True for _ in module.children())]
@@ -121,6 +147,7 @@ def accuracy_report(model_fp32: torch.nn.Module, quantized: GraphModule, batches
     binding = InputBinding(quantized)
     modules = dict(model_fp32.named_modules())
     agreements: dict = collections.defaultdict(_Agreement)
+    input_agreements: dict = collections.defaultdict(_Agreement)
     output, count, unmatched = _Agreement(), 0, set()
     model_fp32.eval()
     with torch.no_grad():
@@ -141,13 +168,42 @@ def accuracy_report(model_fp32: torch.nn.Module, quantized: GraphModule, batches
                 if path not in modules or len(reference_outputs[path]) != len(values):
                     unmatched.add(path or "?")
                     continue
-                for value, reference in zip(values, reference_outputs[path]):
+                for (x, value), (x_reference, reference) in zip(values, reference_outputs[path]):
                     agreements[(path, kind)].add(value, reference)
+                    if isinstance(x, torch.Tensor) and isinstance(x_reference, torch.Tensor) and x.shape == x_reference.shape:
+                        input_agreements[(path, kind)].add(x, x_reference)
             for a, r in zip(_flat_tensors(quantized.graph.process_outputs(actual)), _flat_tensors(expected)):
                 output.add(a, r)
             count += 1
     if not count:
         raise ValueError("accuracy_report needs at least one batch")
-    layers = sorted((LayerError(path, kind, a.sqnr_db, a.cosine) for (path, kind), a in agreements.items()),
-                    key=lambda e: e.sqnr_db)
+    layers = sorted((LayerError(path, kind, a.sqnr_db, a.cosine, input_agreements[(path, kind)].sqnr_db
+                                if (path, kind) in input_agreements else math.nan)
+                     for (path, kind), a in agreements.items()), key=lambda e: e.sqnr_db)
     return AccuracyReport(layers, LayerError("output", "model", output.sqnr_db, output.cosine), count, sorted(unmatched))
+
+
+def input_sensitivity(model_fp32: torch.nn.Module, quantized: GraphModule, batches: Iterable) -> dict[str, float]:
+    """Layer path -> the model's output cosine vs fp32 when that layer reads its float input
+    (its quantize skipped, its weights still int8), over ``batches``: how much the layer's input
+    quantization costs the output. What a layer loses is not additive along the network (an
+    early layer's error is diluted, a late one's is not), so this runs the model once per
+    layer rather than reading per-layer SQNRs."""
+    from .direct import InputBinding
+    from .pt2e_flow import positional_and_keyword
+
+    binding, batches = InputBinding(quantized), [positional_and_keyword(b) for b in batches]
+    placeholders = [binding.placeholders(args, kwargs) for args, kwargs in batches]
+    with torch.no_grad():
+        expected = [_flat_tensors(model_fp32(*args, **kwargs)) for args, kwargs in batches]
+    paths = sorted({source_of(n) for n in quantized.graph.nodes if n.op == "call_function" and n.target in LAYER_OPS})
+    cosines = {}
+    with torch.no_grad():
+        for path in paths:
+            output = _Agreement()
+            for inputs, reference in zip(placeholders, expected):
+                actual = quantized.graph.process_outputs(_LayerOutputs(quantized, path).run(*inputs))
+                for a, r in zip(_flat_tensors(actual), reference):
+                    output.add(a, r)
+            cosines[path] = output.cosine
+    return cosines

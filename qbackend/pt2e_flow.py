@@ -65,7 +65,8 @@ def quantize_xpu(model, example_inputs, calibration, **flow):
 
 
 def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic=False, reduce_range=None, smooth=None,
-                 keep_float=(), dynamic_batch=False, dynamic_shapes=None, strict=True, num_batches=None, progress=None):
+                 keep_float=(), dynamic_batch=False, dynamic_shapes=None, strict=True, num_batches=None, progress=None,
+                 target_cosine=None):
     """Export, prepare, calibrate and convert ``model`` with X86InductorQuantizer.
 
     Args:
@@ -84,6 +85,11 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
         num_batches: run at most this many calibration batches.
         progress: a progress bar (tqdm) over the calibration batches; None (default): only
             when stderr is a terminal.
+        target_cosine: the output cosine vs the float model to reach on the first
+            ``ACCURACY_BATCHES`` calibration batches: while below it, the conv / linear whose
+            float input helps the output most (``qbackend.accuracy.input_sensitivity``) is
+            kept float and the flow runs again, up to ``MAX_KEPT_FLOAT`` layers. The result's
+            ``meta["accuracy"]`` holds the last report, ``meta["kept_float"]`` the layers kept.
         is_qat / is_dynamic: forwarded to
             ``get_default_x86_inductor_quantization_config``. With ``is_qat``
             the model is exported in train mode (``prepare_qat_pt2e`` only
@@ -125,9 +131,44 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
     _annotate_conv2d_binary_unary``). Strict export records one source
     per call, each ReLU partition has a single output, and the flow works.
     """
-    quantizer = _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float)
-    return _convert(model, example_inputs, calibration, quantizer, is_qat, smooth, dynamic_batch=dynamic_batch,
-                    dynamic_shapes=dynamic_shapes, strict=strict, num_batches=num_batches, progress=progress)
+    flow = dict(dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes, strict=strict, progress=progress)
+    if target_cosine is None:
+        quantizer = _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float)
+        return _convert(model, example_inputs, calibration, quantizer, is_qat, smooth, num_batches=num_batches, **flow)
+    return _to_target_cosine(target_cosine, model, list(_calibration_batches(calibration, num_batches, False)), keep_float,
+                             lambda kept, batches: _convert(model, example_inputs, batches,
+                                                            _x86_quantizer(is_qat, is_dynamic, reduce_range, kept),
+                                                            is_qat, smooth, **flow))
+
+
+ACCURACY_BATCHES = 4  # calibration batches target_cosine checks the output on
+MAX_KEPT_FLOAT = 8  # layers target_cosine may keep float
+
+
+def _to_target_cosine(target, model, calibration: list, keep_float, convert):
+    """``convert(kept, batches)`` again with one more layer kept float, the one whose float input
+    helps the output most, until the output cosine reaches ``target`` (or ``MAX_KEPT_FLOAT``
+    are kept)."""
+    import logging
+
+    from .accuracy import accuracy_report, input_sensitivity
+
+    kept, checked = list(keep_float), calibration[:ACCURACY_BATCHES]
+    while True:
+        converted = convert(tuple(kept), calibration)
+        report = accuracy_report(model, converted, checked)
+        if report.output.cosine >= target or len(kept) - len(keep_float) >= MAX_KEPT_FLOAT:
+            break
+        candidates = {path: cosine for path, cosine in input_sensitivity(model, converted, checked).items()
+                      if path not in kept and path in {e.path for e in report.layers}}
+        if not candidates:
+            break
+        kept.append(max(candidates, key=candidates.get))
+    if report.output.cosine < target:
+        logging.getLogger("qbackend").warning("quantize_x86: output cosine %.5f < target %.5f with %d layer(s) kept float",
+                                              report.output.cosine, target, len(kept))
+    converted.meta["accuracy"], converted.meta["kept_float"] = report, kept[len(keep_float):]
+    return converted
 
 
 def positional_and_keyword(inputs) -> tuple[tuple, dict]:

@@ -62,3 +62,16 @@ def test_keyword_batches():
     batches = [{"x": x, "mask": mask} for x, mask in _batches(2)]
     report = qbackend.accuracy_report(model, quantize(model, batches[0], calibration=batches), batches)
     assert [e.path for e in report.layers] == ["fc"] and report.output.cosine > 0.999, str(report)
+
+
+def test_target_cosine_keeps_the_layer_that_loses_the_most_float():
+    batches = [(torch.randn(8, 16, generator=torch.Generator().manual_seed(i)),) for i in range(3)]
+    model = TwoBranches().eval()
+    plain = qbackend.accuracy_report(model, quantize(model, batches[0], calibration=batches), batches)
+    target = (plain.output.cosine + 1) / 2  # (not met with both linears quantized)
+    converted = quantize(model, batches[0], calibration=batches, target_cosine=target)
+    assert converted.meta["kept_float"] == ["outlier"], str(converted.meta["accuracy"])
+    assert converted.meta["accuracy"].output.cosine >= target
+    report = qbackend.accuracy_report(model, converted, batches)
+    [outlier] = [e for e in report.layers if e.path == "outlier"]
+    assert outlier.sqnr_db > 60 and report.output.cosine >= target, str(report)  # (float input, float weights)
