@@ -24,6 +24,10 @@ LAYER_OPS = {aten.conv1d.default: "conv", aten.conv2d.default: "conv", aten.conv
              aten.conv_transpose1d.default: "conv", aten.conv_transpose2d.input: "conv", aten.linear.default: "linear"}
 
 
+def _is_layer(node) -> bool:
+    return node.op == "call_function" and node.target in LAYER_OPS
+
+
 class _Agreement:
     """Running sums that give the cosine and SQNR of a quantized tensor against its reference
     over many batches (as if all were one tensor)."""
@@ -95,9 +99,8 @@ class _LayerOutputs(Interpreter):
         super().__init__(gm)
         self.unquantized_input = unquantized_input  # a layer path whose layers read their float input
         self.outputs: dict = collections.defaultdict(list)
-        self.layers = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in LAYER_OPS]
         self.watched = collections.defaultdict(list)  # float input node -> the layers reading it
-        for layer in self.layers:
+        for layer in filter(_is_layer, gm.graph.nodes):
             self.watched[_float_input(layer)].append(layer)
         self.inputs: dict = {}
 
@@ -109,7 +112,7 @@ class _LayerOutputs(Interpreter):
             value = super().run_node(node)
         for layer in self.watched.get(node, ()):
             self.inputs[layer] = value
-        if node.target in LAYER_OPS and node.op == "call_function":
+        if _is_layer(node):
             self.outputs[(source_of(node), LAYER_OPS[node.target])].append((self.inputs.pop(node, None), value))
         return value
 
@@ -138,24 +141,35 @@ def _record_layer_outputs(modules: dict) -> tuple[dict, list]:
     return outputs, hooks
 
 
-def accuracy_report(model_fp32: torch.nn.Module, quantized: GraphModule, batches: Iterable) -> AccuracyReport:
-    """Per-layer error of ``quantized`` (a converted PT2E module) against ``model_fp32`` over
-    ``batches`` (tuples, dicts of keyword inputs or tensors, as calibration takes them)."""
+def _bound(quantized: GraphModule, batches: Iterable) -> list[tuple[tuple, dict, list]]:
+    """Each batch as (args, kwargs) for the float model and the placeholders of ``quantized``
+    (batches as calibration takes them: tuples, dicts of keyword inputs, tensors)."""
     from .direct import InputBinding
     from .pt2e_flow import positional_and_keyword  # (no torchao: pt2e_flow imports it inside its functions)
 
-    binding = InputBinding(quantized)
+    binding, bound = InputBinding(quantized), []
+    for batch in batches:
+        args, kwargs = positional_and_keyword(batch)
+        placeholders = binding.placeholders(args, kwargs)
+        if placeholders is None:
+            raise ValueError(f"a batch does not bind to the quantized model's inputs ({binding.parameters})")
+        bound.append((args, kwargs, placeholders))
+    if not bound:
+        raise ValueError("comparing with the float model needs at least one batch")
+    return bound
+
+
+def accuracy_report(model_fp32: torch.nn.Module, quantized: GraphModule, batches: Iterable) -> AccuracyReport:
+    """Per-layer error of ``quantized`` (a converted PT2E module) against ``model_fp32`` over
+    ``batches`` (tuples, dicts of keyword inputs or tensors, as calibration takes them)."""
     modules = dict(model_fp32.named_modules())
     agreements: dict = collections.defaultdict(_Agreement)
     input_agreements: dict = collections.defaultdict(_Agreement)
-    output, count, unmatched = _Agreement(), 0, set()
+    output, unmatched = _Agreement(), set()
+    bound = _bound(quantized, batches)
     model_fp32.eval()
     with torch.no_grad():
-        for batch in batches:
-            args, kwargs = positional_and_keyword(batch)
-            placeholders = binding.placeholders(args, kwargs)
-            if placeholders is None:
-                raise ValueError(f"a batch does not bind to the quantized model's inputs ({binding.parameters})")
+        for args, kwargs, placeholders in bound:
             recorder = _LayerOutputs(quantized)
             actual = recorder.run(*placeholders)
             reference_outputs, hooks = _record_layer_outputs(modules)
@@ -174,13 +188,10 @@ def accuracy_report(model_fp32: torch.nn.Module, quantized: GraphModule, batches
                         input_agreements[(path, kind)].add(x, x_reference)
             for a, r in zip(_flat_tensors(quantized.graph.process_outputs(actual)), _flat_tensors(expected)):
                 output.add(a, r)
-            count += 1
-    if not count:
-        raise ValueError("accuracy_report needs at least one batch")
     layers = sorted((LayerError(path, kind, a.sqnr_db, a.cosine, input_agreements[(path, kind)].sqnr_db
                                 if (path, kind) in input_agreements else math.nan)
                      for (path, kind), a in agreements.items()), key=lambda e: e.sqnr_db)
-    return AccuracyReport(layers, LayerError("output", "model", output.sqnr_db, output.cosine), count, sorted(unmatched))
+    return AccuracyReport(layers, LayerError("output", "model", output.sqnr_db, output.cosine), len(bound), sorted(unmatched))
 
 
 def input_sensitivity(model_fp32: torch.nn.Module, quantized: GraphModule, batches: Iterable) -> dict[str, float]:
@@ -189,19 +200,14 @@ def input_sensitivity(model_fp32: torch.nn.Module, quantized: GraphModule, batch
     quantization costs the output. What a layer loses is not additive along the network (an
     early layer's error is diluted, a late one's is not), so this runs the model once per
     layer rather than reading per-layer SQNRs."""
-    from .direct import InputBinding
-    from .pt2e_flow import positional_and_keyword
-
-    binding, batches = InputBinding(quantized), [positional_and_keyword(b) for b in batches]
-    placeholders = [binding.placeholders(args, kwargs) for args, kwargs in batches]
+    bound = _bound(quantized, batches)
     with torch.no_grad():
-        expected = [_flat_tensors(model_fp32(*args, **kwargs)) for args, kwargs in batches]
-    paths = sorted({source_of(n) for n in quantized.graph.nodes if n.op == "call_function" and n.target in LAYER_OPS})
+        expected = [_flat_tensors(model_fp32(*args, **kwargs)) for args, kwargs, _ in bound]
     cosines = {}
     with torch.no_grad():
-        for path in paths:
+        for path in sorted({source_of(n) for n in filter(_is_layer, quantized.graph.nodes)}):
             output = _Agreement()
-            for inputs, reference in zip(placeholders, expected):
+            for (_, _, inputs), reference in zip(bound, expected):
                 actual = quantized.graph.process_outputs(_LayerOutputs(quantized, path).run(*inputs))
                 for a, r in zip(_flat_tensors(actual), reference):
                     output.add(a, r)

@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule
 
-from .direct import CompiledGraphModule, _finite, compile
+from .direct import CompiledGraphModule, compile, symbol_range
 
 __all__ = ["save", "load"]
 
@@ -29,13 +29,13 @@ def _example(value: torch.Tensor, dims: dict) -> tuple[torch.Tensor, Optional[di
         if isinstance(size, int):
             shape.append(size)
             continue
-        expr, env = size.node.expr, size.node.shape_env
-        if not expr.is_Symbol:
-            raise ValueError(f"qbackend.save: input size {expr} is an expression of export's symbols; only plain "
+        symbol = symbol_range(size)
+        if symbol is None:
+            raise ValueError(f"qbackend.save: input size {size} is an expression of export's symbols; only plain "
                              "symbolic sizes can be saved")
-        bounds = env.var_to_range[expr]
+        expr, low, high = symbol
         if expr not in dims:
-            dims[expr] = torch.export.Dim(str(expr), min=int(bounds.lower), max=_finite(bounds.upper))
+            dims[expr] = torch.export.Dim(str(expr), min=low, max=high)
         spec[index] = dims[expr]
         shape.append(size.node.hint)
     return torch.zeros(shape, dtype=value.dtype, device=value.device), spec or None

@@ -184,11 +184,10 @@ class SymbolicInputs:
             for dim, size in enumerate(value.shape):
                 if isinstance(size, int):
                     continue
-                expr = size.node.expr
-                if not expr.is_Symbol or not _recorded_contiguous(value):
-                    raise ValueError(f"input {index} dim {dim}: {expr} (not a plain symbol), or strided")
-                bounds = size.node.shape_env.var_to_range[expr]
-                self.sizes.append((index, dim, expr, int(bounds.lower), _finite(bounds.upper)))
+                symbol = symbol_range(size)
+                if symbol is None or not _recorded_contiguous(value):
+                    raise ValueError(f"input {index} dim {dim}: {size} (not a plain symbol), or strided")
+                self.sizes.append((index, dim, *symbol))
         if not self.sizes:
             raise ValueError("no symbolic size")
 
@@ -201,11 +200,18 @@ class SymbolicInputs:
         return all(x.device == d and x.is_contiguous() for x, d in zip(inputs, self.devices))
 
 
-def _finite(bound) -> Optional[int]:
-    try:
-        return int(bound)
-    except (TypeError, AttributeError, OverflowError):  # (torch's int_oo converts to nothing)
+def symbol_range(size: torch.SymInt) -> Optional[tuple]:
+    """(symbol, lowest size, highest or None) of a size export recorded as one plain symbol;
+    None for an expression of its symbols."""
+    expr = size.node.expr
+    if not expr.is_Symbol:
         return None
+    bounds = size.node.shape_env.var_to_range[expr]
+    try:
+        high = int(bounds.upper)
+    except (TypeError, AttributeError, OverflowError):  # (torch's int_oo converts to nothing)
+        high = None
+    return expr, int(bounds.lower), high
 
 
 def _recorded_contiguous(value: torch.Tensor) -> bool:

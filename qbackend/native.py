@@ -723,12 +723,19 @@ def _attention(lib, q, k, v, mask, scale):
     if reason is not None:
         raise ValueError(f"qbackend::attention_f32: {reason}")
     (b, h, length, d), kv_heads = q.shape, k.shape[1]
-    if kv_heads != h:  # grouped: each key / value head read once for all its query heads
-        if mask is not None:  # (a view: refusal leaves one query row, or a mask the same for all heads and rows)
-            mask = mask.expand(b, h, length, k.shape[2]).reshape(b, kv_heads, h // kv_heads * length, k.shape[2])
-        return _attention(lib, _grouped(q, kv_heads), k, v, mask, scale).reshape(b, h, length, d)
+    if kv_heads == h:
+        return _checked_attention(lib, q, k, v, mask, scale)
+    # grouped: each key / value head read once for all its query heads
+    if mask is not None:  # (a view: refusal leaves one query row, or a mask the same for all heads and rows)
+        mask = mask.expand(b, h, length, k.shape[2]).reshape(b, kv_heads, h // kv_heads * length, k.shape[2])
+    return _checked_attention(lib, _grouped(q, kv_heads), k, v, mask, scale).reshape(b, h, length, d)
+
+
+def _checked_attention(lib, q, k, v, mask, scale):
+    """The kernel on operands ``attention_refusal`` took, heads equal (a decode step's hot path:
+    checked once)."""
+    (b, h, length, d), s = q.shape, k.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    s = k.shape[2]
     mask_stride = (0, 0, 0, 0)
     if mask is not None:
         mask = mask.expand(b, h, length, s)

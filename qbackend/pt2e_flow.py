@@ -159,8 +159,9 @@ def _to_target_cosine(target, model, calibration: list, keep_float, convert):
         report = accuracy_report(model, converted, checked)
         if report.output.cosine >= target or len(kept) - len(keep_float) >= MAX_KEPT_FLOAT:
             break
+        compared = {e.path for e in report.layers}
         candidates = {path: cosine for path, cosine in input_sensitivity(model, converted, checked).items()
-                      if path not in kept and path in {e.path for e in report.layers}}
+                      if path not in kept and path in compared}
         if not candidates:
             break
         kept.append(max(candidates, key=candidates.get))
