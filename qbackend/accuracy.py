@@ -60,6 +60,7 @@ class LayerError:
     sqnr_db: float  # of the output: 10 log10(|reference|^2 / |quantized - reference|^2), higher is better
     cosine: float
     input_sqnr_db: float = math.inf  # of the float input it reads, before its quantize: what earlier layers lost
+    position: int = 0  # its place in the order the layers ran
 
 
 @dataclass
@@ -77,6 +78,31 @@ class AccuracyReport:
         if self.unmatched:
             lines.append(f"not compared (no float module of that path): {', '.join(self.unmatched)}")
         return "\n".join(lines)
+
+    def plot(self, path, title: str = "") -> None:
+        """Write a chart of every layer's SQNR (and its float input's) in network order to
+        ``path`` (any format matplotlib saves by its suffix). Needs matplotlib: ``pip install
+        qbackend[plot]``."""
+        try:
+            import matplotlib
+            matplotlib.use("Agg", force=False)  # (no display needed; a backend already chosen stays)
+            import matplotlib.pyplot as plt
+        except ImportError as error:
+            raise ImportError("AccuracyReport.plot needs matplotlib: pip install 'qbackend[plot]'") from error
+        layers = sorted(self.layers, key=lambda e: e.position)
+        steps = range(len(layers))
+        figure, axes = plt.subplots(figsize=(max(6.0, 0.22 * len(layers)), 4.0), layout="constrained")
+        try:
+            axes.plot(steps, [e.sqnr_db for e in layers], "o-", label="layer output")
+            axes.plot(steps, [e.input_sqnr_db for e in layers], ".--", label="its float input")
+            axes.axhline(self.output.sqnr_db, color="gray", linewidth=0.8, label=f"model output ({self.output.sqnr_db:.1f} dB)")
+            axes.set_xticks(list(steps), [e.path for e in layers], rotation=90, fontsize=6)
+            axes.set_ylabel("SQNR vs fp32, dB (higher is better)")
+            axes.set_title(title or f"per-layer error over {self.batches} batch(es)")
+            axes.legend(fontsize=7)
+            figure.savefig(path, dpi=120)
+        finally:
+            plt.close(figure)
 
 
 def _float_input(layer) -> object:
@@ -189,8 +215,8 @@ def accuracy_report(model_fp32: torch.nn.Module, quantized: GraphModule, batches
             for a, r in zip(_flat_tensors(quantized.graph.process_outputs(actual)), _flat_tensors(expected)):
                 output.add(a, r)
     layers = sorted((LayerError(path, kind, a.sqnr_db, a.cosine, input_agreements[(path, kind)].sqnr_db
-                                if (path, kind) in input_agreements else math.nan)
-                     for (path, kind), a in agreements.items()), key=lambda e: e.sqnr_db)
+                                if (path, kind) in input_agreements else math.nan, position)
+                     for position, ((path, kind), a) in enumerate(agreements.items())), key=lambda e: e.sqnr_db)
     return AccuracyReport(layers, LayerError("output", "model", output.sqnr_db, output.cosine), len(bound), sorted(unmatched))
 
 

@@ -51,8 +51,9 @@ class Options:
     # None: $QBACKEND_KERNEL_CHOICE, else "measure" (lowering/choice.py)
     kernel_choice: Optional[str] = None
     # an error while lowering raises (Dynamo reports it as a backend failure) instead of a
-    # warning and the graph run unlowered, the default; also: QBACKEND_STRICT=1
-    strict: bool = False
+    # warning and the graph run unlowered; None: QBACKEND_STRICT=1, else the opposite of
+    # torch._dynamo.config.suppress_errors where the user set it, else False (see strict_mode)
+    strict: Optional[bool] = None
 
     @classmethod
     def parse(cls, options) -> "Options":
@@ -66,6 +67,20 @@ class Options:
             raise ValueError(f"qbackend: remainder={parsed.remainder!r}; valid: {', '.join(map(repr, MODES))}")
         choice_mode(parsed.kernel_choice)  # (raises on an unknown mode)
         return parsed
+
+
+def strict_mode(strict: Optional[bool]) -> bool:
+    """Whether a lowering error raises: the option, else $QBACKEND_STRICT, else what the user set
+    Dynamo's ``suppress_errors`` to (Dynamo's default, unset, still falls back: a model runs)."""
+    if strict is not None:
+        return strict
+    if "QBACKEND_STRICT" in os.environ:
+        return os.environ["QBACKEND_STRICT"] == "1"
+    dynamo_config = sys.modules.get("torch._dynamo.config")
+    is_default = getattr(dynamo_config, "_is_default", None)
+    if is_default is None or is_default("suppress_errors"):
+        return False
+    return not dynamo_config.suppress_errors
 
 
 def graph_device(example_inputs, gm: GraphModule) -> str:
@@ -102,7 +117,7 @@ def qbackend(gm: GraphModule, example_inputs, options=None, **_mode):
     try:
         compiled, report, _ = compile_graph(gm, example_inputs, opts)
     except Exception as error:  # never crash the user's model: run it as captured, unless asked to
-        if opts.strict or os.environ.get("QBACKEND_STRICT") == "1":
+        if strict_mode(opts.strict):
             raise
         warnings.warn(f"qbackend could not lower this graph and runs it unlowered: {type(error).__name__}: {error}")
         log.exception("qbackend lowering failed")

@@ -2,6 +2,7 @@
 model's same layer, worst first, over tuples or keyword batches; its output line is the
 cosine of the two models' outputs."""
 import math
+import sys
 
 import pytest
 import torch
@@ -30,6 +31,19 @@ def test_every_layer_is_compared_worst_first_and_the_output_as_the_models_give_i
         together = [torch.cat(parts) for parts in zip(*[(quantized(x), model(x)) for (x,) in _images(3)])]
     assert report.output.cosine == pytest.approx(cosine(*together), abs=1e-9)
     assert report.batches == 3 and str(report).splitlines()[0].startswith("accuracy vs fp32 over 3 batch(es)")
+    in_order = sorted(report.layers, key=lambda e: e.position)
+    assert [e.position for e in in_order] == list(range(len(convs_and_linears))) and in_order[0].path == "conv1"
+    assert in_order[-1].path == "fc", [e.path for e in in_order]
+
+
+def test_the_plot_is_written_in_network_order_and_needs_matplotlib_only_then(tmp_path, monkeypatch):
+    model = tiny_resnet()
+    report = qbackend.accuracy_report(model, quantize(model, _images(1)[0], calibration=_images(2)), _images(1))
+    report.plot(tmp_path / "layers.png", title="tiny")
+    assert (tmp_path / "layers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r"pip install 'qbackend\[plot\]'"):
+        report.plot(tmp_path / "again.png")
 
 
 class TwoBranches(torch.nn.Module):

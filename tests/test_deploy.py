@@ -38,6 +38,19 @@ def test_a_fresh_process_runs_the_saved_model_without_torchao(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == "ran 2", done.stderr[-3000:]
 
 
+def test_the_archive_holds_only_what_the_graph_reads(tmp_path):
+    """A converted module keeps the float weights its int8 copies replaced; they are not saved."""
+    model = quantize(tiny_resnet(), (torch.randn(2, 3, 32, 32),))
+    unread = {name for name, _ in model.named_parameters()} - {n.target for n in model.graph.nodes if n.op == "get_attr"}
+    assert "conv1.weight" in unread  # (the premise: convert_pt2e left it behind)
+    qbackend.save(model, tmp_path / "model.pt2")
+    saved = torch.export.load(tmp_path / "model.pt2")
+    placeholders = {n.name: n for n in saved.graph.nodes if n.op == "placeholder"}
+    inputs_read = {spec.target for spec in saved.graph_signature.input_specs
+                   if spec.target is not None and placeholders[spec.arg.name].users}
+    assert set(saved.state_dict) <= inputs_read and not unread & set(saved.state_dict), sorted(saved.state_dict)
+
+
 def test_keyword_inputs_and_a_symbolic_sequence_length_survive_the_round_trip(tmp_path):
     sizes = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq", max=256)}
     model = quantize(bert_encoder_like(num_layers=1, hidden=64, heads=4, ffn=128), {"x": torch.randn(2, 16, 64)},

@@ -1,4 +1,6 @@
 """What is not lowered runs as the reference does; bad options give clear errors."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -180,13 +182,28 @@ def test_a_lowering_error_runs_the_graph_unlowered_with_a_warning_by_default(mon
     assert reports[0].notes == ["lowering failed: RuntimeError: a kernel refused its arguments"]
 
 
-@pytest.mark.parametrize("how", ["option", "environment"])
+@pytest.mark.parametrize("how", ["option", "environment", "suppress_errors set False"])
 def test_strict_mode_raises_the_lowering_error(monkeypatch, how):
     _failing_lowering(monkeypatch)
+    monkeypatch.delenv("QBACKEND_STRICT", raising=False)
     options = {"strict": True} if how == "option" else {}
     if how == "environment":
         monkeypatch.setenv("QBACKEND_STRICT", "1")
     torch._dynamo.reset()
     model = nn.Sequential(nn.Linear(8, 4)).eval()
-    with pytest.raises(Exception, match="a kernel refused its arguments"), torch.no_grad():
-        torch.compile(model, backend="qbackend", options=options)(torch.randn(2, 8))
+    with torch._dynamo.config.patch(suppress_errors=False) if how.startswith("suppress") else contextlib.nullcontext():
+        with pytest.raises(Exception, match="a kernel refused its arguments"), torch.no_grad():
+            torch.compile(model, backend="qbackend", options=options)(torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("options, suppress_errors", [({"strict": False}, False), ({}, True)])
+def test_an_explicit_choice_to_fall_back_runs_the_graph_unlowered(monkeypatch, options, suppress_errors):
+    """``strict=False`` wins over ``suppress_errors=False``; ``suppress_errors=True`` falls back."""
+    _failing_lowering(monkeypatch)
+    monkeypatch.delenv("QBACKEND_STRICT", raising=False)
+    torch._dynamo.reset()
+    model, x = nn.Sequential(nn.Linear(8, 4)).eval(), torch.randn(2, 8)
+    with torch._dynamo.config.patch(suppress_errors=suppress_errors), torch.no_grad():
+        with pytest.warns(UserWarning, match="runs it unlowered"):
+            out = torch.compile(model, backend="qbackend", options=options)(x)
+    assert torch.equal(out, model(x))
