@@ -17,12 +17,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule
 
-from .direct import CompiledGraphModule, compile, symbol_range
+from .direct import EXPORT_RANGES, CompiledGraphModule, compile, symbol_range
 
 __all__ = ["save", "load"]
 
 
-def _example(value: torch.Tensor, dims: dict) -> tuple[torch.Tensor, Optional[dict]]:
+def _example(value: torch.Tensor, dims: dict, ranges: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
     """(an input of ``value``'s recorded shape and dtype, its dynamic-shape spec): each symbolic
     size at the size export traced it with, one ``Dim`` per symbol."""
     shape, spec = [], {}
@@ -30,7 +30,7 @@ def _example(value: torch.Tensor, dims: dict) -> tuple[torch.Tensor, Optional[di
         if isinstance(size, int):
             shape.append(size)
             continue
-        symbol = symbol_range(size)
+        symbol = symbol_range(size, ranges)
         if symbol is None:
             raise ValueError(f"qbackend.save: input size {size} is an expression of export's symbols; only plain "
                              "symbolic sizes can be saved")
@@ -63,7 +63,8 @@ def save(model: GraphModule, path: str | os.PathLike) -> None:
     if not all(isinstance(v, torch.Tensor) for v in recorded):
         raise ValueError("qbackend.save: the module's inputs carry no recorded tensor values (is it an exported graph?)")
     dims: dict = {}
-    examples, specs = zip(*(_example(v, dims) for v in recorded)) if recorded else ((), ())
+    ranges = getattr(model, EXPORT_RANGES, None)
+    examples, specs = zip(*(_example(v, dims, ranges) for v in recorded)) if recorded else ((), ())
     in_spec = getattr(getattr(model.graph._codegen, "pytree_info", None), "in_spec", None)
     names = list(inspect.signature(model.forward).parameters)
     if in_spec is None:

@@ -31,6 +31,7 @@ from .freeze import set_constant
 log = logging.getLogger("qbackend")
 
 EXPORT_GUARDS = "_guards_fn"  # the submodule torch.export calls to check its inputs' shapes
+EXPORT_RANGES = "range_constraints"  # the sizes export vouches for, on the module it returns (and quantize_x86's)
 SPECIALISED_LIMIT = 8  # lowerings kept for input signatures the symbolic one does not serve
 
 
@@ -174,7 +175,7 @@ class SymbolicInputs:
     export recorded contiguous inputs, on the recorded device. None when export fixed every
     size or recorded a size as an expression (then each shape is lowered for itself)."""
 
-    def __init__(self, recorded: list):
+    def __init__(self, recorded: list, ranges: Optional[dict] = None):
         self.sizes = []  # (input index, dim, symbol, low, high)
         self.devices = []
         for index, value in enumerate(recorded):
@@ -184,7 +185,7 @@ class SymbolicInputs:
             for dim, size in enumerate(value.shape):
                 if isinstance(size, int):
                     continue
-                symbol = symbol_range(size)
+                symbol = symbol_range(size, ranges)
                 if symbol is None or not _recorded_contiguous(value):
                     raise ValueError(f"input {index} dim {dim}: {size} (not a plain symbol), or strided")
                 self.sizes.append((index, dim, *symbol))
@@ -200,18 +201,20 @@ class SymbolicInputs:
         return all(x.device == d and x.is_contiguous() for x, d in zip(inputs, self.devices))
 
 
-def symbol_range(size: torch.SymInt) -> Optional[tuple]:
+def symbol_range(size: torch.SymInt, ranges: Optional[dict] = None) -> Optional[tuple]:
     """(symbol, lowest size, highest or None) of a size export recorded as one plain symbol;
-    None for an expression of its symbols."""
+    None for an expression of its symbols. ``ranges``: export's ``range_constraints``, the
+    sizes it vouches for (from 0 or the Dim's min; its shape environment reasons from 2 up),
+    taken from 1 up; without them, the shape environment's."""
     expr = size.node.expr
     if not expr.is_Symbol:
         return None
-    bounds = size.node.shape_env.var_to_range[expr]
+    bounds = ranges[expr] if ranges and expr in ranges else size.node.shape_env.var_to_range[expr]
     try:
         high = int(bounds.upper)
     except (TypeError, AttributeError, OverflowError):  # (torch's int_oo converts to nothing)
         high = None
-    return expr, int(bounds.lower), high
+    return expr, max(1, int(bounds.lower)), high
 
 
 def _recorded_contiguous(value: torch.Tensor) -> bool:
@@ -223,9 +226,9 @@ def _recorded_contiguous(value: torch.Tensor) -> bool:
     return True
 
 
-def _symbolic_inputs(recorded: list) -> Optional[SymbolicInputs]:
+def _symbolic_inputs(recorded: list, ranges: Optional[dict]) -> Optional[SymbolicInputs]:
     try:
-        return SymbolicInputs(recorded)
+        return SymbolicInputs(recorded, ranges)
     except (ValueError, AttributeError, KeyError) as why:  # (fixed shapes, or no shape env on the value)
         log.debug("qbackend.compile: one lowering per input shape (%s)", why)
         return None
@@ -243,7 +246,7 @@ class CompiledGraphModule:
         self.module, self.options = gm, dict(options or {})
         self.lowered = collections.OrderedDict()  # key -> callable taking the graph's placeholders
         self.recorded = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        self.symbolic = _symbolic_inputs(self.recorded)
+        self.symbolic = _symbolic_inputs(self.recorded, getattr(gm, EXPORT_RANGES, None))
         self.binding = InputBinding(gm)
 
     def _placeholders(self, args, kwargs) -> Optional[list]:

@@ -9,6 +9,8 @@ importing this module.
 
 import torch
 
+from .direct import EXPORT_RANGES
+
 # (inductor_int8, the peer's recipe, is for benchmarks and tests: importable, not exported)
 __all__ = ["quantize_x86", "quantize_xpu", "cpu_needs_reduce_range"]
 
@@ -183,11 +185,12 @@ def positional_and_keyword(inputs) -> tuple[tuple, dict]:
 
 
 def _batch_dynamic(args: tuple, kwargs: dict) -> tuple[tuple, dict, object]:
-    """(args, kwargs, dynamic_shapes) with dim 0 of every tensor input one symbolic size;
-    tensors of batch 1 repeated to 2, as export would fix a dimension it sees as 1."""
+    """(args, kwargs, dynamic_shapes) with dim 0 of every tensor input one symbolic size from 1
+    up; tensors of batch 1 repeated to 2, as export would fix a dimension it sees as 1 (its range
+    starts at 2 unless the Dim says 1: then batch 1, the common serving case, shares the graph)."""
     if args and kwargs:
         raise ValueError("dynamic_batch=True takes positional or keyword example inputs, not both")
-    batch = torch.export.Dim("batch")
+    batch = torch.export.Dim("batch", min=1)
 
     def batched(value) -> bool:
         return isinstance(value, torch.Tensor) and value.dim() > 0
@@ -260,6 +263,7 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
             args, kwargs = positional_and_keyword(batch)
             prepared(*args, **kwargs)
     converted = convert_pt2e(prepared)
+    setattr(converted, EXPORT_RANGES, getattr(exported, EXPORT_RANGES, None))  # (convert drops them; batch 1's lowering needs them)
     if smooth_report is not None:
         converted.meta["smooth_quant"] = smooth_report
     return converted

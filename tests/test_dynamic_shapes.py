@@ -35,13 +35,25 @@ def test_every_batch_runs_one_lowering_with_the_references_numerics(resnet):
     assert list(compiled.lowered) == [SYMBOLIC]
 
 
-def test_a_batch_export_fixed_has_its_own_lowering(resnet):
-    """Export's range starts at 2 (it specialises sizes 0 and 1), so batch 1 is lowered for
-    its shape, beside the symbolic lowering, as Dynamo recompiles for a size of 1."""
+def test_batch_one_shares_the_symbolic_lowering(resnet):
+    """dynamic_batch's range starts at 1 (export's default Dim starts at 2: it specialises 0 and 1)."""
     compiled = qbackend.compile(resnet)
     with torch.no_grad():
-        for batch in (4, 1, 6, 1):
+        for batch in (1, 4, 1):
             assert_float_close(compiled(_images(batch)), resnet(_images(batch)), f"batch {batch}")
+    assert list(compiled.lowered) == [SYMBOLIC]
+
+
+def test_without_exports_ranges_batch_one_has_its_own_lowering():
+    """A module converted by hand (torchao's convert drops export's ``range_constraints``) has
+    only the shape environment's range, from 2: batch 1 is lowered for its shape, beside the
+    symbolic lowering, as Dynamo recompiles for a size of 1."""
+    model = quantize(tiny_resnet(), (torch.randn(2, 3, 32, 32),), dynamic_shapes=({0: torch.export.Dim("batch")},))
+    del model.range_constraints
+    compiled = qbackend.compile(model)
+    with torch.no_grad():
+        for batch in (4, 1, 6, 1):
+            assert_float_close(compiled(_images(batch)), model(_images(batch)), f"batch {batch}")
     assert [key if key == SYMBOLIC else key[0][1] for key in compiled.lowered] == [SYMBOLIC, (1, 3, 32, 32)]
 
 
