@@ -97,7 +97,7 @@ class AccuracyReport:
             axes.plot(steps, [e.input_sqnr_db for e in layers], ".--", label="its float input")
             axes.axhline(self.output.sqnr_db, color="gray", linewidth=0.8, label=f"model output ({self.output.sqnr_db:.1f} dB)")
             axes.set_xticks(list(steps), [e.path for e in layers], rotation=90, fontsize=6)
-            axes.set_ylabel("SQNR vs fp32, dB (higher is better)")
+            axes.set_ylabel("SQNR vs fp32, dB (higher: better)", fontsize=8)
             axes.set_title(title or f"per-layer error over {self.batches} batch(es)")
             axes.legend(fontsize=7)
             figure.savefig(path, dpi=120)

@@ -89,3 +89,33 @@ def test_target_cosine_keeps_the_layer_that_loses_the_most_float():
     report = qbackend.accuracy_report(model, converted, batches)
     [outlier] = [e for e in report.layers if e.path == "outlier"]
     assert outlier.sqnr_db > 60 and report.output.cosine >= target, str(report)  # (float input, float weights)
+
+
+class CoarseWeights(torch.nn.Module):
+    """Two linears side by side; the second's weights have one column 200x the rest, on an input
+    channel that is always 0: its per-channel weight scale leaves the weights that count ~1
+    level, while its input quantizes well. Skipping its input quantize gains nothing; keeping it
+    float is what helps."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.plain, self.coarse = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        with torch.no_grad():
+            self.coarse.weight[:, 0] = 50.0
+        self.register_buffer("first_off", torch.tensor([0.0] + [1.0] * 15))
+
+    def forward(self, x):
+        return torch.cat([self.plain(x), self.coarse(x * self.first_off)], dim=-1)
+
+
+def test_target_cosine_keeps_the_layer_whose_own_weights_lose_the_most():
+    batches = [(torch.randn(8, 16, generator=torch.Generator().manual_seed(i)),) for i in range(3)]
+    model = CoarseWeights().eval()
+    plain = qbackend.accuracy_report(model, quantize(model, batches[0], calibration=batches), batches)
+    [coarse] = [e for e in plain.layers if e.path == "coarse"]
+    assert coarse.input_sqnr_db > coarse.sqnr_db + 15, str(plain)  # (the premise: the loss is its own)
+    target = (plain.output.cosine + 1) / 2
+    converted = quantize(model, batches[0], calibration=batches, target_cosine=target)
+    assert converted.meta["kept_float"] == ["coarse"], str(converted.meta["accuracy"])
+    assert converted.meta["accuracy"].output.cosine >= target
