@@ -7,6 +7,7 @@ quantization passes globally, which must not happen as a side effect of
 importing this module.
 """
 
+import fnmatch
 import math
 
 import torch
@@ -49,6 +50,20 @@ def _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float=()):
     for name in keep_float:
         quantizer.set_module_name_qconfig(name, None)
     return quantizer
+
+
+def module_paths(model: torch.nn.Module, names) -> tuple:
+    """``names`` with each fnmatch pattern replaced by the module paths it matches, in the
+    model's order; ValueError for an entry matching none (a typo must not quantize silently)."""
+    paths = [path for path, _ in model.named_modules() if path]
+    chosen = []
+    for name in names:
+        matched = [p for p in paths if fnmatch.fnmatchcase(p, name)]
+        if not matched:
+            raise ValueError(f"keep_float: {name!r} matches no module of {type(model).__name__} "
+                             f"(paths look like {paths[:3]})")
+        chosen += [p for p in matched if p not in chosen]
+    return tuple(chosen)
 
 
 def _xpu_quantizer():
@@ -115,8 +130,10 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             ``{"alpha": "search"}``): SmoothQuant runs on the exported graph with
             the same calibration batches before ``prepare_pt2e``; its report is
             ``result.meta["smooth_quant"]``.
-        keep_float: module paths (e.g. ``"bert.encoder.layer.5.output.dense"``) left
-            unquantized: they run in float, and qbackend's report lists them as kept.
+        keep_float: module paths (e.g. ``"bert.encoder.layer.5.output.dense"``) or fnmatch
+            patterns over them (``"*.output.dense"``, as ``smooth``'s alpha takes) left
+            unquantized: they run in float, and qbackend's report lists them as kept. An entry
+            that names no module raises.
 
     Returns:
         The converted ``torch.fx.GraphModule`` with quantize/dequantize ops
@@ -137,6 +154,7 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
     per call, each ReLU partition has a single output, and the flow works.
     """
     flow = dict(dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes, strict=strict, progress=progress)
+    keep_float = module_paths(model, keep_float)
     if target_cosine is None:
         quantizer = _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float)
         return _convert(model, example_inputs, calibration, quantizer, is_qat, smooth, num_batches=num_batches, **flow)

@@ -214,6 +214,12 @@ _HANDLERS = {
 }
 
 
+
+# torch.load(weights_only=True) rebuilds only classes it was told are safe: a state_dict holding
+# these weights loads as is once qbackend is imported (torchao registers its tensor classes the
+# same way). Only this class is added; torch's own list is otherwise untouched.
+torch.serialization.add_safe_globals([QuantizedLinearWeight])
+
 def quantize_weights(model: torch.nn.Module, bits: int = 4, group_size: Optional[int] = None, *,
                      compute: str = "auto", filter_fn: Optional[Callable[[torch.nn.Module, str], bool]] = None,
                      include: Optional[Callable[[str, torch.nn.Linear], bool]] = None):

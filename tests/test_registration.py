@@ -53,6 +53,10 @@ def test_importing_and_using_qbackend_changes_no_global_state():
                 "mkldnn": torch.backends.mkldnn.enabled,
                 "default_dtype": torch.get_default_dtype(),
                 "deterministic": torch.are_deterministic_algorithms_enabled(),
+                # qbackend adds its own weight class (torch.load(weights_only=True) of its state
+                # dicts): nothing else
+                "safe_globals": sorted(map(str, (g for g in torch.serialization.get_safe_globals()
+                                                 if getattr(g, "__module__", None) != "qbackend.quantized_tensor"))),
             }
 
         before = snapshot()
@@ -75,9 +79,11 @@ def test_importing_and_using_qbackend_changes_no_global_state():
                     diff = before[key] if not isinstance(before[key], dict) else {k: (v, snap[key].get(k)) for k, v in before[key].items() if snap[key].get(k) != v}
                     print("CHANGED", stage, key, str(diff)[:500])
         print("lowered", len(report.lowered), "of", len(report.decisions))
+        print("safe", [g.__name__ for g in torch.serialization.get_safe_globals() if getattr(g, "__module__", None) == "qbackend.quantized_tensor"])
         print("done")
     """))
     assert "CHANGED" not in out, out
+    assert "safe ['QuantizedLinearWeight']" in out, out
     from qbackend import native  # importing it registers nothing
 
     registered = sorted(f"{native.NAMESPACE}::{name}" for name in native.OPS) if native.available() is None else []

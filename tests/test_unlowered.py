@@ -123,6 +123,15 @@ def test_a_linear_kept_float_by_the_quantizer_runs_float_with_its_reason():
     assert lines["fc2"].startswith("KEPT") and "weight is not quantized" in lines["fc2"], lines
 
 
+def test_keep_float_takes_patterns_and_refuses_a_name_matching_no_module():
+    inputs = (torch.randn(4, 16),)
+    captured = assert_matches_reference(quantize(TwoLinears(), inputs, keep_float=["*2"]), inputs)
+    lines = {d.source: d.line() for d in captured.report.decisions}
+    assert lines["fc1"].startswith("LOWERED") and lines["fc2"].startswith("KEPT"), lines
+    with pytest.raises(ValueError, match="'fc3' matches no module of TwoLinears"):
+        quantize(TwoLinears(), inputs, keep_float=["fc3"])
+
+
 class BatchFirstAttention(nn.Module):
     """nn.MultiheadAttention(batch_first=True), as ViT's encoder: the quantizer leaves its
     in-projection float, and it reads a transpose of the input."""
