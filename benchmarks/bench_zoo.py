@@ -161,10 +161,10 @@ def warm_up_compilers() -> None:
     torch._dynamo.reset()
 
 
-def run_config(name: str, batch: int, settings: Settings, profile: bool):
+def run_config(name: str, batch: int, settings: Settings, profile: bool, every_linear: bool = False):
     log(f"{name} batch {batch}: build and quantize")
     zoo = zoo_models.build(name, batch, settings.calibration_batches)
-    converted = pt2e_flow.quantize_x86(zoo.model, zoo.inputs, zoo.calibration)
+    converted = pt2e_flow.quantize_x86(zoo.model, zoo.inputs, zoo.calibration, every_linear=every_linear)
     case = Case(zoo, converted)
     with torch.no_grad():
         reference, fp32 = converted(*clone_inputs(zoo.inputs)), zoo.model(*clone_inputs(zoo.inputs))
@@ -296,6 +296,8 @@ def parse_args():
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--quick", action="store_true", help="fewer calibration batches and timed rounds")
     parser.add_argument("--profile", action="store_true", help="also write docs/profile_zoo.md")
+    parser.add_argument("--every-linear", action="store_true",
+                        help="quantize_x86(every_linear=True) for Inductor and qbackend alike (a section of its own)")
     parser.add_argument("--docs", type=Path, default=PROJECT_ROOT / "docs")
     return parser.parse_args()
 
@@ -304,7 +306,7 @@ def main():
     args = parse_args()
     torch.set_num_threads(NUM_THREADS)
     settings = QUICK if args.quick else FULL
-    machine, heading = machine_description(), cpu_key()
+    machine, heading = machine_description(), cpu_key() + (", quantize_x86(every_linear=True)" if args.every_linear else "")
     rows, profiles = [], []
     with tempfile.TemporaryDirectory(prefix="bench_zoo_inductor_") as cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # Inductor's compile times cold
@@ -312,7 +314,7 @@ def main():
         for name in args.models:
             for batch in args.batches:
                 try:
-                    results, profiled = run_config(name, batch, settings, args.profile)
+                    results, profiled = run_config(name, batch, settings, args.profile, args.every_linear)
                 except Exception as error:
                     log(f"{name} batch {batch} failed: {short_error(error)}")
                     continue

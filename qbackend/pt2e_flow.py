@@ -31,7 +31,7 @@ REDUCE_RANGE_CHOICES = (False, True, "activations", "weights")
 SEVEN_BIT_WEIGHTS = (-64, 63)
 
 
-def _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float=()):
+def _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float=(), every_linear=False):
     import dataclasses
 
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
@@ -49,7 +49,34 @@ def _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float=()):
     quantizer = xiq.X86InductorQuantizer().set_global(config)
     for name in keep_float:
         quantizer.set_module_name_qconfig(name, None)
-    return quantizer
+    return _with_every_linear(quantizer, config, keep_float) if every_linear else quantizer
+
+
+def _with_every_linear(x86, config, keep_float):
+    """``x86`` followed by a quantizer annotating, as ``x86`` annotates a linear, every float
+    ``aten.linear`` it left with a constant weight: X86InductorQuantizer finds linears by their
+    source function, and inside nn.MultiheadAttention that is the attention's (its in / out
+    projections stay float; OpenVINO's recipe quantizes every MatMul with a constant weight)."""
+    from torchao.quantization.pt2e.quantizer import ComposableQuantizer, Quantizer
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import QUANT_ANNOTATION_KEY
+
+    def kept(node) -> bool:
+        paths = [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
+        return any(path == name or path.startswith(name + ".") for path in paths for name in keep_float)
+
+    class RemainingLinears(Quantizer):
+        def annotate(self, model):
+            for node in model.graph.nodes:
+                weight = node.args[1] if node.target is torch.ops.aten.linear.default else None
+                if (weight is not None and QUANT_ANNOTATION_KEY not in node.meta and weight.op == "get_attr"
+                        and not kept(node)):
+                    x86._annotate_linear_node_helper(node, True, config)
+            return model
+
+        def validate(self, model):
+            pass
+
+    return ComposableQuantizer([x86, RemainingLinears()])
 
 
 def module_paths(model: torch.nn.Module, names) -> tuple:
@@ -84,8 +111,8 @@ def quantize_xpu(model, example_inputs, calibration, **flow):
 
 
 def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic=False, reduce_range=None, smooth=None,
-                 keep_float=(), dynamic_batch=False, dynamic_shapes=None, strict=True, num_batches=None, progress=None,
-                 target_cosine=None):
+                 keep_float=(), every_linear=False, dynamic_batch=False, dynamic_shapes=None, strict=True, num_batches=None,
+                 progress=None, target_cosine=None):
     """Export, prepare, calibrate and convert ``model`` with X86InductorQuantizer.
 
     Args:
@@ -134,6 +161,9 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             patterns over them (``"*.output.dense"``, as ``smooth``'s alpha takes) left
             unquantized: they run in float, and qbackend's report lists them as kept. An entry
             that names no module raises.
+        every_linear: also quantize the linears X86InductorQuantizer leaves float although
+            their weight is a constant (nn.MultiheadAttention's in / out projections: ViT's 24
+            of 50), as OpenVINO's recipe does; accuracy and speed: docs/benchmarks_zoo.md.
 
     Returns:
         The converted ``torch.fx.GraphModule`` with quantize/dequantize ops
@@ -156,11 +186,12 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
     flow = dict(dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes, strict=strict, progress=progress)
     keep_float = module_paths(model, keep_float)
     if target_cosine is None:
-        quantizer = _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float)
+        quantizer = _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float, every_linear)
         return _convert(model, example_inputs, calibration, quantizer, is_qat, smooth, num_batches=num_batches, **flow)
     return _to_target_cosine(target_cosine, model, list(_calibration_batches(calibration, num_batches, False)), keep_float,
                              lambda kept, batches: _convert(model, example_inputs, batches,
-                                                            _x86_quantizer(is_qat, is_dynamic, reduce_range, kept),
+                                                            _x86_quantizer(is_qat, is_dynamic, reduce_range, kept,
+                                                                           every_linear),
                                                             is_qat, smooth, **flow))
 
 

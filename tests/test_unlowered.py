@@ -123,6 +123,28 @@ def test_a_linear_kept_float_by_the_quantizer_runs_float_with_its_reason():
     assert lines["fc2"].startswith("KEPT") and "weight is not quantized" in lines["fc2"], lines
 
 
+class AttentionBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha, self.fc = nn.MultiheadAttention(32, 4, batch_first=True), nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.fc(self.mha(x, x, x, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("keep_float, lowered", [((), ["mha", "mha", "fc"]), (("mha",), ["fc"])])
+def test_every_linear_quantizes_the_attention_projections_the_quantizer_leaves_float(keep_float, lowered):
+    """X86InductorQuantizer leaves nn.MultiheadAttention's in / out projections float (their
+    source function is the attention's); every_linear quantizes them, keep_float still wins."""
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 6, 32),)
+    default = assert_matches_reference(quantize(AttentionBlock().eval(), inputs), inputs)
+    assert [d.source for d in default.report.lowered if d.kind == "linear"] == ["fc"]
+    captured = assert_matches_reference(quantize(AttentionBlock().eval(), inputs, every_linear=True, keep_float=keep_float),
+                                        inputs)
+    assert [d.source for d in captured.report.lowered if d.kind == "linear"] == lowered, str(captured.report)
+
+
 def test_keep_float_takes_patterns_and_refuses_a_name_matching_no_module():
     inputs = (torch.randn(4, 16),)
     captured = assert_matches_reference(quantize(TwoLinears(), inputs, keep_float=["*2"]), inputs)
