@@ -9,7 +9,8 @@ through ``torch.compile(backend="qbackend")`` with default options and through
 ``qbackend.compile``, and the peers outside PyTorch that are installed (ONNX Runtime int8 QDQ
 for the CNNs, OpenVINO int8 via NNCF), timed in interleaved rounds in this one process. Writes
 docs/benchmarks_zoo.md, one section per CPU (a section of another CPU is kept), and with
-``--profile`` docs/profile_zoo.md: where each model's time goes, qbackend beside Inductor.
+``--profile`` docs/profile_zoo.md: where each model's time goes, qbackend beside Inductor and
+OpenVINO (its own PERF_COUNT counters per node type).
 """
 from __future__ import annotations
 
@@ -140,6 +141,9 @@ def _profile(runners: dict, inputs: tuple) -> dict:
 
     found = {}
     for path, runner in runners.items():
+        if hasattr(runner, "openvino_profile"):  # (its own counters: nothing of it runs in torch's profiler)
+            found[path] = runner.openvino_profile(inputs, PROFILED_CALLS)
+            continue
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             start = time.perf_counter()
             for _ in range(PROFILED_CALLS):
@@ -195,7 +199,7 @@ def run_config(name: str, batch: int, settings: Settings, profile: bool, every_l
         results[path].latency_ms = statistics.median(times) * 1e3
         if path in QBACKEND and INDUCTOR in samples:
             results[path].paired = paired_ratios(times, samples[INDUCTOR])
-    profiled = _profile({p: runners[p] for p in (INDUCTOR, DIRECT) if p in runners}, zoo.inputs) if profile else None
+    profiled = _profile({p: runners[p] for p in (INDUCTOR, DIRECT, OPENVINO) if p in runners}, zoo.inputs) if profile else None
     del runners
     torch._dynamo.reset()
     return results, profiled
@@ -236,11 +240,23 @@ def latency_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def _fastest(result: dict) -> Optional[Result]:
+    """The fastest of the peers (Inductor, ONNX Runtime, OpenVINO) that ran the model."""
+    timed = [result[p] for p in PEERS if result[p].latency_ms is not None]
+    return min(timed, key=lambda r: r.latency_ms) if timed else None
+
+
+def _geomean(values: list) -> float:
+    return math.exp(sum(math.log(x) for x in values) / len(values))
+
+
 def summary(rows: list) -> str:
     """Per batch and qbackend path: geometric mean and worst latency ratio to Inductor, worst
-    compile-time ratio (the issue's acceptance)."""
+    compile-time ratio (issue #19's acceptance); then latency over the fastest peer engine and
+    the models where OpenVINO's accuracy is better (issue #24's)."""
     lines = ["| batch | path | geomean latency / Inductor | worst (model) | worst compile time / Inductor's "
-             f"| that model's {DYNAMO_ALONE} / Inductor's |", "|---|---|---|---|---|---|"]
+             f"| that model's {DYNAMO_ALONE} / Inductor's | geomean latency / fastest engine | worst (model) "
+             "| models with a lower cos vs fp32 than OpenVINO's |", "|---|---|---|---|---|---|---|---|---|"]
     for batch in sorted({b for _, b, _ in rows}):
         for path in QBACKEND:
             ratios = [(_ratio(r[path], r[INDUCTOR]), n) for n, b, r in rows if b == batch]
@@ -250,11 +266,16 @@ def summary(rows: list) -> str:
                         for n, b, r in rows if b == batch and r[path].compile_s and r[INDUCTOR].compile_s]
             if not ratios:
                 continue
-            geomean = math.exp(sum(math.log(x) for x, _ in ratios) / len(ratios))
             worst, worst_compile = max(ratios), max(compiles) if compiles else (None, "", None)
             dynamo = _fmt(worst_compile[2], ".2f") if path == TORCH_COMPILE else "– (no Dynamo)"
-            lines.append(f"| {batch} | {path} | **{geomean:.3f}** ({len(ratios)} models) | {worst[0]:.2f} ({worst[1]}) "
-                         f"| {_fmt(worst_compile[0], '.2f')} ({worst_compile[1]}) | {dynamo} |")
+            to_fastest = [(r[path].latency_ms / _fastest(r).latency_ms, n) for n, b, r in rows
+                          if b == batch and r[path].latency_ms is not None and _fastest(r) is not None]
+            worse = [n for n, b, r in rows if b == batch and r[path].cos_vs_fp32 is not None
+                     and r[OPENVINO].cos_vs_fp32 is not None and r[path].cos_vs_fp32 < r[OPENVINO].cos_vs_fp32]
+            lines.append(f"| {batch} | {path} | **{_geomean([x for x, _ in ratios]):.3f}** ({len(ratios)} models) "
+                         f"| {worst[0]:.2f} ({worst[1]}) | {_fmt(worst_compile[0], '.2f')} ({worst_compile[1]}) | {dynamo} "
+                         f"| **{_geomean([x for x, _ in to_fastest]):.3f}** | {max(to_fastest)[0]:.2f} ({max(to_fastest)[1]}) "
+                         f"| {', '.join(worse) or 'none'} |")
     return "\n".join(lines)
 
 
@@ -272,7 +293,7 @@ def profile_section(profiles: list) -> str:
                 cells += [f"{ops[rank][0]} ({ops[rank][2]:g})", f"{ops[rank][1]:.3f}"] if rank < len(ops) else ["", ""]
             lines.append(f"| {rank + 1} | " + " | ".join(cells) + " |")
         wall = [f"{p}: {found[p][0]:.2f} ms a call, {found[p][0] - sum(op[1] for op in found[p][1]):.2f} outside the"
-                " profiled ops" for p in columns]
+                f" {'counted nodes' if p == OPENVINO else 'profiled ops'}" for p in columns]
         lines += ["", "Wall time under the profiler: " + "; ".join(wall) + ".", ""]
     return "\n".join(lines)
 
@@ -328,7 +349,7 @@ def main():
                       NOTES, "", summary(rows), "", latency_table(rows), ""])
     write_section(args.docs / "benchmarks_zoo.md", "qbackend on real architectures vs the int8 CPU engines", heading, body)
     if profiles:
-        write_section(args.docs / "profile_zoo.md", "Where the time goes: torch.profiler per model, qbackend beside Inductor",
+        write_section(args.docs / "profile_zoo.md", "Where the time goes: per model, qbackend beside Inductor and OpenVINO",
                       heading, f"- Machine: {machine}\n\n" + profile_section(profiles))
     print(summary(rows))
 
