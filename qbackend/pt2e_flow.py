@@ -196,6 +196,7 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
 
 
 ACCURACY_BATCHES = 4  # calibration batches target_cosine checks the output on
+MAX_KEPT_FLOAT = 8  # layers target_cosine may keep float
 
 
 def _added_noise(layer) -> float:
@@ -203,7 +204,6 @@ def _added_noise(layer) -> float:
     what its input brought (SQNR in dB is not additive; noise powers roughly are)."""
     inherited = 10 ** (-layer.input_sqnr_db / 10) if math.isfinite(layer.input_sqnr_db) else 0.0
     return 10 ** (-layer.sqnr_db / 10) - inherited
-MAX_KEPT_FLOAT = 8  # layers target_cosine may keep float
 
 
 def _to_target_cosine(target, model, calibration: list, keep_float, convert):
@@ -251,8 +251,8 @@ def positional_and_keyword(inputs) -> tuple[tuple, dict]:
 
 def _batch_dynamic(args: tuple, kwargs: dict) -> tuple[tuple, dict, object]:
     """(args, kwargs, dynamic_shapes) with dim 0 of every tensor input one symbolic size from 1
-    up; tensors of batch 1 repeated to 2, as export would fix a dimension it sees as 1 (its range
-    starts at 2 unless the Dim says 1: then batch 1, the common serving case, shares the graph)."""
+    up (batch 1, the common serving case, shares the graph); tensors of batch 1 repeated to 2,
+    as export would fix a dimension it sees as 1."""
     if args and kwargs:
         raise ValueError("dynamic_batch=True takes positional or keyword example inputs, not both")
     batch = torch.export.Dim("batch", min=1)
