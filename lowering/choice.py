@@ -12,6 +12,7 @@ across machines).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -20,7 +21,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from qbackend.patterns.base import fake_value
+from qbackend.patterns.base import QuantizedWeight, fake_value
 from qbackend.runnable import module_of_direct_calls
 from qbackend.stack_room import in_fresh_chunk
 
@@ -58,6 +59,36 @@ def signature(kernel_name: str, match) -> Optional[str]:
     if residual is not None:
         parts.append(f"residual={residual.dtype}{list(residual.shape)}")
     return " ".join(parts)
+
+
+READERS = "qbackend_linear_readers"  # node meta: how many float linears read the int8 value
+
+
+def siblings(match) -> int:
+    """How many linears read this linear's int8 input (itself included): the sibling merge
+    (sibling_linears.py) runs them as one call of their summed width, so that width is timed
+    (all-MiniLM-L6-v2 b8, AVX2 EPYC: the own GEMM won Q, K and V alone, 1568 vs 1689 us, and
+    lost merged, 2.94 vs 2.79 ms; the model ran 5.6% slower for it)."""
+    if match.rule.name != "qlinear" or match.conv is not None:
+        return 1
+    meta = match.x.node.meta  # (counted when the first of them is lowered: later, it reads the input itself)
+    if READERS not in meta:
+        meta[READERS] = max(1, sum(_plain_linear(user) for dq in match.x.node.users for user in dq.users))
+    return meta[READERS]
+
+
+def _plain_linear(node: Node) -> bool:
+    """A linear whose result no add reads (an add fuses into it: that one runs apart)."""
+    adds = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+    return node.target is torch.ops.aten.linear.default and not any(user.target in adds for user in node.users)
+
+
+def _widened(match, times: int):
+    """``match`` with its weight rows repeated ``times`` (no bias): a layer's time does not
+    depend on its values, only on its shapes."""
+    w = match.weight
+    weight = QuantizedWeight(w.int8.repeat(times, *[1] * (w.int8.dim() - 1)), w.scales.repeat(times), w.zero_points.repeat(times))
+    return dataclasses.replace(match, weight=weight, bias=None)
 
 
 def _pattern_like(value: torch.Tensor, seed: int) -> torch.Tensor:
@@ -157,9 +188,13 @@ def _emitted(ctx: EmitContext, emit: Callable, match, notes: list) -> Candidate:
     return Candidate(result, [n for n in ctx.gm.graph.nodes if n not in before], ctx.notes, ctx.kernel)
 
 
-def _keep(ctx: EmitContext, kept: Candidate, dropped: Candidate, note: str) -> Node:
-    for node in reversed(dropped.nodes):
+def _erase(ctx: EmitContext, candidate: Candidate) -> None:
+    for node in reversed(candidate.nodes):
         ctx.gm.graph.erase_node(node)
+
+
+def _keep(ctx: EmitContext, kept: Candidate, dropped: Candidate, note: str) -> Node:
+    _erase(ctx, dropped)
     ctx.notes, ctx.kernel = kept.notes + [note], kept.kernel
     return kept.result
 
@@ -172,7 +207,9 @@ def choose(ctx: EmitContext, match, kernel, fallback_emit: Callable, fallback: s
     """Emit ``match`` with qbackend's ``kernel`` (own_conv.OwnKernel, which can run it) or
     ``fallback_emit``, whichever is faster here (see the module docstring)."""
     not_own = f"{fallback}, not qbackend's {kernel.name} kernel"
+    width = siblings(match)
     key = signature(kernel.name, match) if ctx.kernel_choice != "prior" and ctx.choices is not None else None
+    key, merged = (f"{key} siblings={width}", f" ({width} siblings as one call)") if key is not None and width > 1 else (key, "")
     record = ctx.choices.get(key) if key is not None else None
     if record is not None and record.get("winner") in ("own", "fallback"):
         if record["winner"] == "own":
@@ -180,7 +217,7 @@ def choose(ctx: EmitContext, match, kernel, fallback_emit: Callable, fallback: s
         else:
             ctx.notes.append(not_own)
             result = fallback_emit(ctx, match)
-        ctx.notes.append(_note(record, fallback))
+        ctx.notes.append(_note(record, fallback) + merged)
         return result
     if key is None or ctx.kernel_choice != "measure":
         reason = kernel.prior(match)
@@ -189,10 +226,14 @@ def choose(ctx: EmitContext, match, kernel, fallback_emit: Callable, fallback: s
         ctx.notes.append(f"{not_own}: {reason}")
         return fallback_emit(ctx, match)
     notes = list(ctx.notes)
-    own = _emitted(ctx, kernel.emit, match, notes)
+    timed = match if width == 1 else _widened(match, width)
+    own = _emitted(ctx, kernel.emit, timed, notes)
     try:
-        other = _emitted(ctx, fallback_emit, match, notes + [not_own])
+        other = _emitted(ctx, fallback_emit, timed, notes + [not_own])
     except Exception as error:  # oneDNN refused the layer at prepack time: the own kernel runs it
+        if width > 1:
+            _erase(ctx, own)
+            own = _emitted(ctx, kernel.emit, match, notes)
         ctx.notes, ctx.kernel = own.notes + [f"{fallback} could not run it: {type(error).__name__}: {error}"], own.kernel
         return own.result
     values: dict = {}
@@ -204,8 +245,17 @@ def choose(ctx: EmitContext, match, kernel, fallback_emit: Callable, fallback: s
         why_not = f"{type(error).__name__}: {error}"
     if why_not is not None:
         keep_own = kernel.prior(match) is None
-        return _keep(ctx, own if keep_own else other, other if keep_own else own, f"not measured ({why_not})")
-    record = {"winner": "own" if seconds["own"] < seconds["fallback"] else "fallback", **seconds}
-    ctx.choices.put(key, record)
-    kept, dropped = (own, other) if record["winner"] == "own" else (other, own)
-    return _keep(ctx, kept, dropped, _note(record, fallback))
+        note = f"not measured ({why_not})"
+    else:
+        record = {"winner": "own" if seconds["own"] < seconds["fallback"] else "fallback", **seconds}
+        ctx.choices.put(key, record)
+        keep_own, note = record["winner"] == "own", _note(record, fallback) + merged
+    if width > 1:  # (the timed candidates were the merged width: emit the layer itself)
+        _erase(ctx, own)
+        _erase(ctx, other)
+        own, other = (_emitted(ctx, kernel.emit, match, notes), other) if keep_own else \
+            (own, _emitted(ctx, fallback_emit, match, notes + [not_own]))
+        kept = own if keep_own else other
+        ctx.notes, ctx.kernel = kept.notes + [note], kept.kernel
+        return kept.result
+    return _keep(ctx, own if keep_own else other, other if keep_own else own, note)

@@ -96,6 +96,40 @@ def test_where_the_own_kernel_is_faster_it_runs_every_layer(cache_dir, monkeypat
     assert "measured on this machine: 100 us vs oneDNN's 300 us" in captured.report.decisions[0].reason
 
 
+class ThreeSiblings(nn.Module):
+    """Q / K / V style: three linears read one input; the sibling merge runs them as one call."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.k, self.v = nn.Linear(32, 16), nn.Linear(32, 16), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return torch.stack([self.q(x), self.k(x), self.v(x)]).sum(0)
+
+
+class WidthRecorder(SimulatedMachine):
+    def __call__(self, runs: dict) -> dict:
+        fn, args = runs["own"]
+        self.widths = getattr(self, "widths", []) + [fn(*args).shape[-1]]
+        return super().__call__(runs)
+
+
+@pytest.mark.parametrize("own_us, onednn_us, op", [(100, 300, "qbackend::qconv.default"), (300, 100, "onednn::qlinear_pointwise")])
+def test_siblings_are_timed_at_the_width_they_run_as_one_call(cache_dir, monkeypatch, own_us, onednn_us, op):
+    """Timed alone, a GEMM's choice can invert once merged (MiniLM's Q / K / V at batch 8)."""
+    machine = WidthRecorder(own_us, onednn_us)
+    monkeypatch.setattr(choice, "measure", machine)
+    x = (torch.randn(4, 32),)
+    captured = assert_matches_reference(quantize(ThreeSiblings().eval(), x), x, kernel_choice="measure")
+    assert machine.widths == [48]  # (3 x 16, once: the other two read the choice it cached)
+    linears = [d for d in captured.report.decisions if d.kind == "linear"]
+    assert [d.op for d in linears] == [op] * 3, str(captured.report)
+    assert all(f"measured on this machine: {own_us} us vs oneDNN's {onednn_us} us (3 siblings as one call)" in d.reason
+               for d in linears), [d.reason for d in linears]
+    assert "one call with" in linears[0].reason  # (and the merge ran them as one)
+
+
 def test_the_next_compile_reads_the_choice_without_measuring(cache_dir, monkeypatch):
     compiled(monkeypatch, SimulatedMachine(own_us=300, onednn_us=100))
     monkeypatch.setattr(choice_cache, "_shared", None)  # as a new process
