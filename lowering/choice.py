@@ -87,7 +87,7 @@ def _widened(match, times: int):
     """``match`` with its weight rows repeated ``times`` (no bias): a layer's time does not
     depend on its values, only on its shapes."""
     w = match.weight
-    weight = QuantizedWeight(w.int8.repeat(times, *[1] * (w.int8.dim() - 1)), w.scales.repeat(times), w.zero_points.repeat(times))
+    weight = QuantizedWeight(w.int8.repeat(times, 1), w.scales.repeat(times), w.zero_points.repeat(times))
     return dataclasses.replace(match, weight=weight, bias=None)
 
 
@@ -193,10 +193,14 @@ def _erase(ctx: EmitContext, candidate: Candidate) -> None:
         ctx.gm.graph.erase_node(node)
 
 
-def _keep(ctx: EmitContext, kept: Candidate, dropped: Candidate, note: str) -> Node:
-    _erase(ctx, dropped)
+def _settle(ctx: EmitContext, kept: Candidate, note: str) -> Node:
     ctx.notes, ctx.kernel = kept.notes + [note], kept.kernel
     return kept.result
+
+
+def _keep(ctx: EmitContext, kept: Candidate, dropped: Candidate, note: str) -> Node:
+    _erase(ctx, dropped)
+    return _settle(ctx, kept, note)
 
 
 def _note(seconds: dict, fallback: str) -> str:
@@ -234,8 +238,7 @@ def choose(ctx: EmitContext, match, kernel, fallback_emit: Callable, fallback: s
         if width > 1:
             _erase(ctx, own)
             own = _emitted(ctx, kernel.emit, match, notes)
-        ctx.notes, ctx.kernel = own.notes + [f"{fallback} could not run it: {type(error).__name__}: {error}"], own.kernel
-        return own.result
+        return _settle(ctx, own, f"{fallback} could not run it: {type(error).__name__}: {error}")
     values: dict = {}
     runs = {name: runnable(ctx.gm, c.nodes, c.result, values) for name, c in (("own", own), ("fallback", other))}
     why_not = "an input is not static" if None in runs.values() else None
@@ -253,9 +256,6 @@ def choose(ctx: EmitContext, match, kernel, fallback_emit: Callable, fallback: s
     if width > 1:  # (the timed candidates were the merged width: emit the layer itself)
         _erase(ctx, own)
         _erase(ctx, other)
-        own, other = (_emitted(ctx, kernel.emit, match, notes), other) if keep_own else \
-            (own, _emitted(ctx, fallback_emit, match, notes + [not_own]))
-        kept = own if keep_own else other
-        ctx.notes, ctx.kernel = kept.notes + [note], kept.kernel
-        return kept.result
+        return _settle(ctx, _emitted(ctx, kernel.emit, match, notes) if keep_own
+                       else _emitted(ctx, fallback_emit, match, notes + [not_own]), note)
     return _keep(ctx, own if keep_own else other, other if keep_own else own, note)

@@ -29,11 +29,16 @@ def _entry_point(op: torch._ops.OpOverload) -> Callable:
     return call
 
 
-def direct_calls(gm: GraphModule) -> GraphModule:
+def copied_graph(gm: GraphModule) -> torch.fx.Graph:
+    """A copy of ``gm``'s graph: its nodes, placeholders and codegen (input / output structure)."""
     graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))  # (placeholders and codegen as they were)
+    graph.output(graph.graph_copy(gm.graph, {}))
     graph._codegen = gm.graph._codegen
-    return module_of_direct_calls(gm, graph)
+    return graph
+
+
+def direct_calls(gm: GraphModule) -> GraphModule:
+    return module_of_direct_calls(gm, copied_graph(gm))
 
 
 def module_of_direct_calls(root: torch.nn.Module, graph: torch.fx.Graph) -> GraphModule:
