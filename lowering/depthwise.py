@@ -2,8 +2,9 @@
 
 torch 2.13's onednn::qconv_pointwise costs ~50 us per call before any compute and runs
 depthwise 3x3 convs at 3-11 GMAC/s on this AVX2 machine: 100 us for a 384-channel 14x14 layer,
-320 us for 32 channels at 112x112. The kernel here takes the common MobileNet-style case
-(int8 in, int8 out, clamp post-ops); every other conv keeps oneDNN.
+320 us for 32 channels at 112x112. The kernel here takes the MobileNet-style cases: int8 in,
+int8 out after a clamp post-op; on AVX2 also SiLU / hardswish and a float32 output (what
+EfficientNet's and MobileNetV3's squeeze-excitation blocks read). Every other conv keeps oneDNN.
 """
 from __future__ import annotations
 
@@ -37,7 +38,23 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
         return f"stride {p.stride}, padding {p.padding}, dilation {p.dilation}: the kernel takes stride 1-2, padding 0-1"
     if channels > MAX_CHANNELS:
         return f"{channels} channels: the kernel takes up to {MAX_CHANNELS}"
-    return own_conv.refusal(ctx, match, (match.x.qparams, match.output_quant))
+    avx2 = native.int8_build() == "avx2"
+    if match.output_quant is None:
+        if not avx2:
+            return "a float output: the AVX512-VNNI depthwise kernel writes uint8"
+        if match.float_dtype != torch.float32:
+            return f"the kernel writes uint8 or float32, not {match.float_dtype}"
+    activations = _ACTIVATIONS if avx2 else ()
+    return own_conv.refusal(ctx, match, (match.x.qparams,) + ((match.output_quant,) if match.output_quant else ()),
+                            activations)
+
+
+# post-ops the AVX2 kernel runs before its clamp (native.DEPTHWISE_ACTIVATIONS; the VNNI one has none)
+_ACTIVATIONS = ("swish", "hardswish")
+
+
+def _activation(post) -> str:
+    return post.name if post is not None and post.name in _ACTIVATIONS else "none"
 
 
 def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,13 +95,16 @@ def pack_vnni(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tu
 
 def emit(ctx: EmitContext, match):
     p, out = match.conv, match.output_quant
-    low, high = own_conv.clamp_bounds(match.post_op)
+    activation = _activation(match.post_op)
+    low, high = own_conv.clamp_bounds(None if activation != "none" else match.post_op)
     weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match))
     ctx.kernel = f"{native.NAMESPACE}::qconv_dw3x3.default"
     ctx.notes.append("qbackend's depthwise kernel (oneDNN: ~50 us per call, 3-11 GMAC/s here)")
+    requantize = (out.scale, out.zero_point, out.qmin, out.qmax) if out is not None else (1.0, 0, 0, 255)
     return own_conv.call_kernel(ctx, "qconv_dw3x3", (
         match.x.node, match.x.qparams.zero_point, ctx.constant(weight, "dw_w"), ctx.constant(mult, "dw_mult"),
-        ctx.constant(add, "dw_add"), tuple(p.stride), tuple(p.padding), low, high, out.scale, out.zero_point, out.qmin, out.qmax))
+        ctx.constant(add, "dw_add"), tuple(p.stride), tuple(p.padding), low, high, *requantize,
+        *((out is None, activation) if out is None or activation != "none" else ())))
 
 
 KERNEL = own_conv.OwnKernel("depthwise", is_depthwise_3x3, refusal, emit, prior=lambda match: None)

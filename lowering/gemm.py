@@ -1,6 +1,6 @@
 """int8 convs (groups 1, kernels up to 3x3) and int8 linears on CPU: qbackend's own int8 GEMM
-kernel (qbackend/csrc/conv_gemm_int8.c), with the requantization, a clamp or GELU post-op and
-a uint8 or float32 residual fused.
+kernel (qbackend/csrc/conv_gemm_int8.c), with the requantization, a clamp, GELU, SiLU or
+hardswish post-op and a uint8 or float32 residual fused.
 
 torch 2.13's onednn::qconv_pointwise / qlinear_pointwise cost ~50 us per call before any
 compute (a MobileNetV2 image makes 35 1x1 convs; its 1280 -> 1000 classifier took 290 us for
@@ -65,9 +65,16 @@ LIMITS = {"avx2": Limits(max_rows=256, max_conv_pixels=8192), "avx512_vnni": Lim
 def limits() -> Limits:
     return LIMITS[native.gemm_build()]
 
-# GELU runs in the kernel's epilogue (an AVX2 erf / tanh, error < 2e-7): post-op algorithm ->
-# the kernel's activation (native.ACTIVATIONS)
-GELU = {"none": "gelu", "tanh": "gelu_tanh"}
+# Post-ops the kernel's epilogue runs besides its clamp (GELU by an AVX2 erf / tanh, SiLU by an
+# AVX2 exp, error < 2e-7; hardswish in torch's order of operations): post-op -> the kernel's
+# activation (native.ACTIVATIONS). EfficientNet's expand convs end in SiLU, MobileNetV3's in
+# hardswish: without them those convs stayed on oneDNN.
+ACTIVATIONS = {"swish": lambda post: "swish", "hardswish": lambda post: "hardswish",
+               "gelu": lambda post: {"none": "gelu", "tanh": "gelu_tanh"}[post.algorithm]}
+
+
+def _activation(post) -> str:
+    return ACTIVATIONS[post.name](post) if post is not None and post.name in ACTIVATIONS else "none"
 
 
 def _conv_output_shape(match) -> Optional[list[int]]:
@@ -138,7 +145,7 @@ def _gemm_refusal(ctx: EmitContext, match) -> Optional[str]:
         if bound > INT16_MAX:
             return f"its int16 pair sums could reach {bound} > {INT16_MAX} (8-bit weights; no AVX512-VNNI here)"
     int8_values = (match.x.qparams,) + tuple(q for q in (match.output_quant, match.accum and match.accum.qparams) if q)
-    return own_conv.refusal(ctx, match, int8_values, activations=("gelu",))
+    return own_conv.refusal(ctx, match, int8_values, activations=tuple(ACTIVATIONS))
 
 
 def refusal(ctx: EmitContext, match) -> Optional[str]:
@@ -181,15 +188,15 @@ def _call(ctx: EmitContext, match, x: Node, residual: Optional[Node] = None, res
     """The kernel call; ``shift`` is what a residual's zero point adds to every output;
     ``geometry``: a conv's kernel size, stride, padding, dilation and input zero point."""
     out, post = match.output_quant, match.post_op
-    gelu = post is not None and post.name == "gelu"
-    low, high = own_conv.clamp_bounds(None if gelu else post)
+    activation = _activation(post)
+    low, high = own_conv.clamp_bounds(None if activation != "none" else post)
     mult, add = own_conv.requantize_constants(ctx, match, shift)
     ctx.kernel = f"{native.NAMESPACE}::qconv.default"
     requantize = (out.scale, out.zero_point, out.qmin, out.qmax) if out is not None else (1.0, 0, 0, 255)
     return own_conv.call_kernel(ctx, "qconv", (
         x, ctx.constant(pack(match.weight.int8), "gemm_w"), ctx.constant(mult.float(), "gemm_mult"),
         ctx.constant(add.float(), "gemm_add"), residual, residual_scale, low, high, *requantize, out is None,
-        GELU[post.algorithm] if gelu else "none", *geometry))
+        activation, *geometry))
 
 
 def _residual(ctx: EmitContext, match, as_input=lambda node, channels: node) -> dict:

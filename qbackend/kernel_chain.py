@@ -155,7 +155,7 @@ class KernelChain:
         steps = []
         for i, (step, call) in enumerate(zip(self.steps, prepared)):
             out = operand(Ref("step", i))
-            float_out = call.dtype == torch.float32
+            float_out = step.kernel == "qconv" and call.dtype == torch.float32  # (an X_TO_Y call knows its output's dtype)
             residual = step.args[4] if step.kernel == "qconv" else None
             steps.append(_Step(KINDS[step.kernel], ctypes.cast(call.function, ctypes.c_void_p).value, call.address,
                                operand(step.args[0]), operand(residual), NONE if float_out else out, out if float_out else NONE))

@@ -49,7 +49,8 @@ OPS = {
     "int4_mm_int16": "int4_mm_int16(Tensor x, Tensor weight, Tensor scale, Tensor offset, int group_size) -> Tensor",
     "int8_mm_int16": "int8_mm_int16(Tensor x, Tensor weight, Tensor scale) -> Tensor",
     "qconv_dw3x3": "qconv_dw3x3(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int[] stride, "
-                   "int[] padding, float low, float high, float out_scale, int out_zero_point, int qmin, int qmax) -> Tensor",
+                   "int[] padding, float low, float high, float out_scale, int out_zero_point, int qmin, int qmax, "
+                   "bool float_out=False, str activation='none') -> Tensor",
     "qconv": "qconv(Tensor x, Tensor weight, Tensor mult, Tensor add, Tensor? residual, float residual_scale, "
              "float low, float high, float out_scale, int out_zero_point, int qmin, int qmax, bool float_out=False, "
              "str activation='none', int[2] kernel_size=[1, 1], int[2] stride=[1, 1], int[2] padding=[0, 0], "
@@ -79,7 +80,7 @@ def _switch() -> str:
 
 
 # qconv's unary post-ops besides its clamp (conv_gemm_int8.c ``enum activation``)
-ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2}
+ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2, "swish": 3, "hardswish": 4}
 
 
 def _build(name: str = "qbackend_kernels") -> Path:
@@ -386,26 +387,35 @@ def _prepared(weight: torch.Tensor, trusted: bool, x: torch.Tensor, args: tuple,
 
 
 class _DepthwiseCall(ctypes.Structure):
-    """depthwise_conv_int8.c ``dwconv_call_t`` (and depthwise_conv_int8_vnni.c's, the same
-    fields): what one call site fixes, made once per input shape."""
+    """depthwise_conv_int8.c ``dwconv_call_t`` (depthwise_conv_int8_vnni.c's has the fields up to
+    qmax): what one call site fixes, made once per input shape."""
 
     _fields_ = ([(name, ctypes.c_int) for name in ("N", "H", "W", "C", "stride_h", "stride_w", "pad_h", "pad_w", "OH", "OW",
                                                     "x_zp")]
                 + [("weight", ctypes.c_void_p), ("mult", ctypes.c_void_p), ("add", ctypes.c_void_p), ("lo", ctypes.c_float),
                    ("hi", ctypes.c_float), ("out_inv_scale", ctypes.c_float), ("out_zp", ctypes.c_int),
-                   ("qmin", ctypes.c_int), ("qmax", ctypes.c_int)])
+                   ("qmin", ctypes.c_int), ("qmax", ctypes.c_int), ("activation", ctypes.c_int), ("float_out", ctypes.c_int)])
+
+
+# the depthwise kernels' unary post-ops besides their clamp (depthwise_conv_int8.c ``enum activation``;
+# the VNNI kernel has none)
+DEPTHWISE_ACTIVATIONS = ("none", "swish", "hardswish")
 
 
 def _prepare_dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point,
-                       qmin, qmax) -> Prepared:
+                       qmin, qmax, float_out=False, activation="none") -> Prepared:
     """The AVX2 kernel for int16 packed weights, the VNNI one for int8 (``lowering/depthwise.py``)."""
     _check_nchw_uint8(x, None, "qconv_dw3x3")
     n, c, h, w = x.shape
     packed = -(-c // 16) * 16  # (the packing pads the channels with zeros)
+    if activation not in DEPTHWISE_ACTIVATIONS:
+        raise ValueError(f"qbackend::qconv_dw3x3: activation {activation!r} is not one of {list(DEPTHWISE_ACTIVATIONS)}")
     if weight.dtype == torch.int8:
         vnni = _vnni_library()[0]
         if vnni is None:
             raise ValueError(f"qbackend::qconv_dw3x3: int8 weights are packed for AVX512-VNNI: {_vnni_library()[1]}")
+        if float_out or activation != "none":
+            raise ValueError("qbackend::qconv_dw3x3: the AVX512-VNNI kernel writes uint8 after a clamp only")
         function, dtype, taps = vnni.qb_dwconv3x3_vnni_call, torch.int8, 12  # 3 kernel rows of 4 bytes
     else:
         function, dtype, taps = lib.qb_dwconv3x3_call, torch.int16, 10  # 5 pairs of int16
@@ -416,13 +426,14 @@ def _prepare_dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding,
     oh, ow = _window("qconv_dw3x3", h, w, (3, 3), stride, padding)
     _check_levels("qconv_dw3x3", x_zero_point, out_zero_point, qmin, qmax)
     call = _DepthwiseCall(n, h, w, c, *stride, *padding, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
-                          add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
-    return _prepare(call, (n, c, oh, ow), torch.uint8, function, (mult, add))
+                          add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax, ACTIVATIONS[activation],
+                          bool(float_out))
+    return _prepare(call, (n, c, oh, ow), torch.float32 if float_out else torch.uint8, function, (mult, add))
 
 
 def _dwconv3x3_prepared(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point,
-                        qmin, qmax, *, trusted=False) -> Prepared:
-    args = (x_zero_point, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax)
+                        qmin, qmax, float_out=False, activation="none", *, trusted=False) -> Prepared:
+    args = (x_zero_point, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax, float_out, activation)
     return _prepared(weight, trusted, x, args, lambda: _prepare_dwconv3x3(lib, x, x_zero_point, weight, *args[1:]))
 
 
@@ -445,10 +456,11 @@ def _channels_last_like(x: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     return x.new_empty_strided(shape, (h * w * c, 1, w * c, c), dtype=dtype)
 
 
-def _dwconv3x3_fake(x, x_zero_point, weight, mult, add, stride, padding, *args):
+def _dwconv3x3_fake(x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax,
+                    float_out=False, activation="none"):
     n, c, h, w = x.shape
     shape = (n, c, *_output_hw(h, w, (3, 3), stride, padding))
-    return _channels_last_like(x, shape, torch.uint8)
+    return _channels_last_like(x, shape, torch.float32 if float_out else torch.uint8)
 
 
 def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point,

@@ -60,6 +60,45 @@ def test_kernel_gives_the_reference_integers(post, stride, padding, qmax, channe
     assert int(actual.max()) <= qmax
 
 
+ACTIVATIONS = {"none": lambda t: t, "swish": nn.functional.silu, "hardswish": nn.functional.hardswish}
+
+
+@needs_own_kernels
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("float_out", [False, True], ids=["uint8 out", "float32 out"])
+@pytest.mark.parametrize("channels", [48, 58], ids=["48 channels", "58: padded to 64"])
+def test_avx2_kernel_runs_silu_and_hardswish_and_writes_float32(activation, float_out, channels, monkeypatch):
+    """EfficientNet's depthwise convs end in SiLU, MobileNetV3's in hardswish, and both feed a
+    squeeze-excitation block that reads them as float32: float out within 2e-6 of the float64
+    reference (dequantize, conv, activation, ReLU6 clamp), uint8 out its integers."""
+    monkeypatch.setattr(native, "int8_build", lambda: "avx2")  # (the packing; every x86 CPU runs this kernel)
+    torch.manual_seed(0)
+    x_scale, x_zp, out_scale, out_zp = 0.03, 7, 0.05, 60
+    x = torch.randint(0, 256, (2, channels, 9, 11), dtype=torch.uint8)
+    w = torch.randint(-128, 128, (channels, 1, 3, 3), dtype=torch.int8)
+    w_scale, bias = torch.rand(channels) * 0.01 + 0.001, torch.randn(channels)
+    exact = nn.functional.conv2d((x.double() - x_zp) * x_scale, w.double() * w_scale.double()[:, None, None, None],
+                                 bias.double(), 1, 1, groups=channels)
+    assert (exact < -3).any() and (exact > 3).any()  # both tails and the middle of each activation
+    expected = ACTIVATIONS[activation](exact).clamp(-1.0, 6.0)
+    packed = depthwise.pack(w, *scale_and_offset(w, w_scale, x_scale, x_zp, bias))
+    actual = native.op("qconv_dw3x3")(x, x_zp, *packed, [1, 1], [1, 1], -1.0, 6.0, out_scale, out_zp, 0, 255, float_out,
+                                      activation)
+    assert actual.is_contiguous(memory_format=torch.channels_last)
+    if float_out:
+        assert actual.dtype == torch.float32
+        torch.testing.assert_close(actual.double(), expected, atol=2e-6, rtol=1e-6)
+    else:
+        assert_int8_close(actual, (torch.round(expected / out_scale) + out_zp).clamp(0, 255).to(torch.uint8), activation)
+
+
+def test_an_unknown_depthwise_activation_is_refused():
+    x = torch.zeros(1, 16, 4, 4, dtype=torch.uint8)
+    packed = (torch.zeros(160, dtype=torch.int16), torch.zeros(16), torch.zeros(16))
+    with pytest.raises(ValueError, match=r"activation 'gelu' is not one of \['none', 'swish', 'hardswish'\]"):
+        native.op("qconv_dw3x3")(x, 0, *packed, [1, 1], [1, 1], 0.0, 6.0, 1.0, 0, 0, 255, False, "gelu")
+
+
 @pytest.mark.parametrize("post", sorted(CLAMPS))
 def test_depthwise_builds_give_the_same_bytes(post, monkeypatch):
     """The VNNI kernel clamps after the requantizing map instead of before it: the same bytes,
@@ -90,6 +129,24 @@ class InvertedResidual(nn.Module):
 DEPTHWISE_OP, GEMM_OP = "qbackend::qconv_dw3x3.default", "qbackend::qconv.default"
 
 
+class SqueezeExcitationBlock(nn.Module):
+    """EfficientNet's MBConv (``act`` SiLU) / MobileNetV3's block (hardswish): 1x1 expand ->
+    act -> depthwise 3x3 -> act -> squeeze-excitation (pool, 1x1, act, 1x1, sigmoid, scale) ->
+    1x1 project. The depthwise output is read in float by the scale and quantized for the pool."""
+
+    def __init__(self, act, channels=8, expanded=32):
+        super().__init__()
+        self.expand = nn.Sequential(nn.Conv2d(channels, expanded, 1), act())
+        self.depthwise = nn.Sequential(nn.Conv2d(expanded, expanded, 3, 1, 1, groups=expanded), act())
+        self.squeeze = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(expanded, 8, 1), act(), nn.Conv2d(8, expanded, 1),
+                                     nn.Sigmoid())
+        self.project = nn.Conv2d(expanded, channels, 1)
+
+    def forward(self, x):
+        y = self.depthwise(self.expand(x))
+        return self.project(y * self.squeeze(y))
+
+
 class TestDepthwiseLowering(expecttest.TestCase):
     @needs_own_kernels
     def test_block_runs_on_qbackends_kernels(self):
@@ -106,6 +163,21 @@ class TestDepthwiseLowering(expecttest.TestCase):
         targets = {node.target for node in traced.lowered.graph.nodes}
         assert {native.op("qconv_dw3x3"), native.op("qconv")} <= targets
         assert not {native.qconv_dw3x3, native.qconv} & targets
+
+    @needs_own_kernels
+    @pytest.mark.skipif(native.int8_build() != "avx2", reason="the AVX512-VNNI depthwise kernel folds clamps only")
+    def test_squeeze_excitation_blocks_run_their_activations_on_qbackends_kernels(self):
+        for act in (nn.SiLU, nn.Hardswish):
+            torch.manual_seed(0)
+            x = torch.randn(2, 8, 14, 14)
+            model = quantize(SqueezeExcitationBlock(act).eval(), (x,))
+            actual, expected, captured = compile_and_run(model, (x,))
+            assert_outputs_close(actual, expected, act.__name__)
+            by_layer = {d.source: d for d in captured.report.decisions}
+            assert [by_layer[f"{name}.0"].op for name in ("expand", "depthwise")] == [GEMM_OP, DEPTHWISE_OP], str(captured.report)
+            graph = short_graph(captured.lowered)
+            call = [line for line in graph.splitlines() if "qconv_dw3x3" in line][0]
+            assert call.endswith(f", -inf, inf, 1, 0, 0, 255, True, '{'swish' if act is nn.SiLU else 'hardswish'}')"), call
 
     def test_channels_that_are_not_whole_lanes_run_on_padded_copies(self):
         x = torch.randn(1, 8, 10, 10)

@@ -1,5 +1,5 @@
-"""qbackend's own int8 GEMM on linears (lowering/gemm.py): GELU (erf and tanh) and a
-float32 residual fused in its epilogue, the same values as the reference, chosen for linears of
+"""qbackend's own int8 GEMM on linears (lowering/gemm.py): GELU (erf and tanh), SiLU, hardswish
+and a float32 residual fused in its epilogue, the same values as the reference, chosen for linears of
 up to its build's max_rows rows and oneDNN's qlinear above, or with the reason where it does not apply."""
 import pytest
 import torch
@@ -16,7 +16,9 @@ from .helpers import compile_and_run, cpu_saturates, needs_own_kernels, onednn_l
 from .tolerances import assert_int8_close, assert_outputs_close
 
 OWN, ONEDNN, ONEDNN_ADD = "qbackend::qconv.default", "onednn::qlinear_pointwise", "onednn::qlinear_pointwise.binary"
-GELU = {"gelu": "none", "gelu_tanh": "tanh"}  # the kernel's activation -> torch's approximate=
+# the kernel's activation -> torch's function
+ACTIVATIONS = {"gelu": lambda t: nn.functional.gelu(t), "gelu_tanh": lambda t: nn.functional.gelu(t, approximate="tanh"),
+               "swish": nn.functional.silu, "hardswish": nn.functional.hardswish}
 
 
 def _gemm_case(rows=37, cin=64, cout=40, x_zp=9, x_scale=0.03):
@@ -32,14 +34,14 @@ def _gemm_case(rows=37, cin=64, cout=40, x_zp=9, x_scale=0.03):
 
 
 @needs_own_kernels
-@pytest.mark.parametrize("activation", sorted(GELU))
-def test_gelu_in_the_epilogue_gives_the_reference_values(activation, int8_build):
-    """Float out: within 2e-6 of float64 GELU over the exact sum (37 rows: a tail tile; 40
-    outputs: a 16-wide tail). uint8 out: the reference integers, rarely one step off where a
-    value sits on a rounding boundary."""
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_activation_in_the_epilogue_gives_the_reference_values(activation, int8_build):
+    """Float out: within 2e-6 of the float64 activation over the exact sum (37 rows: a tail
+    tile; 40 outputs: a 16-wide tail). uint8 out: the reference integers, rarely one step off
+    where a value sits on a rounding boundary."""
     x, constants, exact = _gemm_case()
-    expected = nn.functional.gelu(exact, approximate=GELU[activation])
-    assert (exact < -2).any() and (exact > 2).any()  # both tails and the middle of GELU
+    expected = ACTIVATIONS[activation](exact)
+    assert (exact < -3).any() and (exact > 3).any()  # both tails and the middle of each activation
     kernel = native.op("qconv")
     floats = kernel(x, *constants, None, 0.0, float("-inf"), float("inf"), 1.0, 0, 0, 255, True, activation)
     torch.testing.assert_close(floats.reshape(exact.shape).double(), expected, atol=2e-6, rtol=1e-6)

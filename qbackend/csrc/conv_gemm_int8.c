@@ -1,6 +1,6 @@
 /* int8 convolution (kernels up to 3x3, groups 1) and int8 linear, as one GEMM over output
  * pixels / rows: uint8 NHWC activations, per-channel int8 weights, bias, an optional residual
- * (uint8 quantized or float32) added before the post-op (a clamp, or GELU), and requantization
+ * (uint8 quantized or float32) added before the post-op (a clamp, GELU, SiLU or hardswish), and requantization
  * to uint8 or a float32 output.
  *
  * Why: onednn::qconv_pointwise / qlinear_pointwise spend ~50 us per call before computing, and
@@ -85,7 +85,7 @@ static inline const int8_t* block_weights(const int8_t* w, int o, int total) {
   return w + ((size_t)(o / PACKED) * total * PACKED + o % PACKED) * 4;
 }
 
-enum activation { CLAMP_ONLY = 0, GELU_ERF = 1, GELU_TANH = 2 }; /* qbackend/native.py ACTIVATIONS */
+enum activation { CLAMP_ONLY = 0, GELU_ERF = 1, GELU_TANH = 2, SWISH = 3, HARDSWISH = 4 }; /* qbackend/native.py ACTIVATIONS */
 
 /* x * Phi(x) = x * (1 + erf(x / sqrt 2)) / 2, with erfc(z) = 1 / P(z)^16 for z >= 0
  * (Abramowitz & Stegun 7.1.28, absolute error < 3e-7): 1 + erf(z) is erfc(-z) for x < 0,
@@ -156,6 +156,8 @@ static inline void store8(const epilogue_t e, __m256i acc, int o, int Cout, size
   }
   if (e.activation == GELU_ERF) f = gelu_erf(f);
   else if (e.activation == GELU_TANH) f = gelu_tanh(f);
+  else if (e.activation == SWISH) f = swish(f);
+  else if (e.activation == HARDSWISH) f = hardswish(f);
   /* (max_ps / min_ps return their second operand for a NaN: this order keeps a NaN, as the
    * reference's clamp does; a float residual may hold one, or an infinity) */
   f = _mm256_min_ps(e.high, _mm256_max_ps(e.low, f));

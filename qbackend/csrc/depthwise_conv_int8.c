@@ -1,5 +1,7 @@
 /* Depthwise 3x3 int8 convolution (uint8 NHWC activations, per-channel int8 weights), with
- * bias, a clamp post-op (none / relu / relu6 / hardtanh) and requantization to uint8, for AVX2.
+ * bias, a post-op (SiLU or hardswish, then a clamp: none / relu / relu6 / hardtanh) and
+ * requantization to uint8, or a float32 output (EfficientNet's and MobileNetV3's
+ * squeeze-excitation blocks multiply it in float), for AVX2.
  *
  * Why: torch 2.13's onednn::qconv_pointwise spends ~50 us per call before computing and runs
  * depthwise convs at 3-11 GMAC/s here (MobileNetV2: 2 ms of its 8 ms). This kernel works on
@@ -19,16 +21,24 @@
 #include <string.h>
 
 #include "padded_channels.h"
+#include "vec_math.h"
 
 #define TAPS 9
 #define PAIRS 5 /* the 10th tap has zero weights */
 #define LANES 16
 
+enum activation { CLAMP_ONLY = 0, SWISH = 3, HARDSWISH = 4 }; /* qbackend/native.py ACTIVATIONS */
+
+static inline __m256 activated(__m256 f, int activation) {
+  return activation == SWISH ? swish(f) : activation == HARDSWISH ? hardswish(f) : f;
+}
+
 /* weight: [PAIRS][C/16][2 (lo, hi)][16] int16; mult, add: [C/16][2][8] float.
- * y = clamp(acc * mult + add, lo, hi) / out_scale + out_zp, rounded and clamped to [qmin, qmax]. */
+ * f = clamp(activation(acc * mult + add), lo, hi); y = f / out_scale + out_zp, rounded and
+ * clamped to [qmin, qmax], or yf = f when yf is not NULL. */
 static int dwconv3x3(int threads, int N, int H, int W, int C, int stride_h, int stride_w, int pad_h, int pad_w, int OH, int OW,
-                  const uint8_t* x, int x_zp, const int16_t* weight, const float* mult, const float* add, float lo, float hi,
-                  float out_inv_scale, int out_zp, int qmin, int qmax, uint8_t* y) {
+                  const uint8_t* x, int x_zp, const int16_t* weight, const float* mult, const float* add, int activation,
+                  float lo, float hi, float out_inv_scale, int out_zp, int qmin, int qmax, uint8_t* y, float* yf) {
   const int groups = C / LANES;
   uint8_t* zero_row = malloc((size_t)C); /* (not on the stack: C is the caller's, up to 2^31) */
   if (!zero_row) return -1;
@@ -36,6 +46,7 @@ static int dwconv3x3(int threads, int N, int H, int W, int C, int stride_h, int 
   const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi), vinv = _mm256_set1_ps(out_inv_scale);
   const __m256 vzp = _mm256_set1_ps((float)out_zp);
   const __m128i vqmin = _mm_set1_epi8((char)qmin), vqmax = _mm_set1_epi8((char)qmax);
+  const __m256 vqlow = _mm256_set1_ps((float)qmin), vqhigh = _mm256_set1_ps((float)qmax);
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
   for (int n = 0; n < N; n++)
     for (int oh = 0; oh < OH; oh++) {
@@ -46,7 +57,7 @@ static int dwconv3x3(int threads, int N, int H, int W, int C, int stride_h, int 
           taps[t] = (ih < 0 || ih >= H || iw < 0 || iw >= W) ? zero_row : x + (((size_t)n * H + ih) * W + iw) * C;
         }
         taps[TAPS] = taps[TAPS - 1];
-        uint8_t* out = y + (((size_t)n * OH + oh) * OW + ow) * C;
+        const size_t pixel = ((size_t)n * OH + oh) * OW + ow;
         for (int g = 0; g < groups; g++) {
           __m256i acc_lo = _mm256_setzero_si256(), acc_hi = _mm256_setzero_si256();
           for (int p = 0; p < PAIRS; p++) {
@@ -60,12 +71,23 @@ static int dwconv3x3(int threads, int N, int H, int W, int C, int stride_h, int 
           const float* c = add + (size_t)g * LANES;
           __m256 f_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_lo), _mm256_loadu_ps(m), _mm256_loadu_ps(c));
           __m256 f_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_hi), _mm256_loadu_ps(m + 8), _mm256_loadu_ps(c + 8));
-          f_lo = _mm256_fmadd_ps(_mm256_min_ps(_mm256_max_ps(f_lo, vlo), vhi), vinv, vzp);
-          f_hi = _mm256_fmadd_ps(_mm256_min_ps(_mm256_max_ps(f_hi, vlo), vhi), vinv, vzp);
-          /* round half to even, as torch's quantize does */
+          if (activation != CLAMP_ONLY) f_lo = activated(f_lo, activation), f_hi = activated(f_hi, activation);
+          /* (max_ps / min_ps return their second operand for a NaN: this order keeps one, as the reference's clamp) */
+          f_lo = _mm256_min_ps(vhi, _mm256_max_ps(vlo, f_lo));
+          f_hi = _mm256_min_ps(vhi, _mm256_max_ps(vlo, f_hi));
+          if (yf) { /* lo holds channels 0-3 and 8-11, hi 4-7 and 12-15 */
+            float* out = yf + pixel * C + g * LANES;
+            _mm256_storeu_ps(out, _mm256_permute2f128_ps(f_lo, f_hi, 0x20));
+            _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(f_lo, f_hi, 0x31));
+            continue;
+          }
+          /* clamped as floats first (a NaN lands on qmin, an infinity on the range's end, as the
+           * reference's quantize stores them); round half to even, as torch's quantize does */
+          f_lo = _mm256_min_ps(_mm256_max_ps(_mm256_fmadd_ps(f_lo, vinv, vzp), vqlow), vqhigh);
+          f_hi = _mm256_min_ps(_mm256_max_ps(_mm256_fmadd_ps(f_hi, vinv, vzp), vqlow), vqhigh);
           const __m256i q16 = _mm256_packs_epi32(_mm256_cvtps_epi32(f_lo), _mm256_cvtps_epi32(f_hi));
           const __m128i q8 = _mm_packus_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1));
-          _mm_storeu_si128((__m128i*)(out + g * LANES), _mm_min_epu8(_mm_max_epu8(q8, vqmin), vqmax));
+          _mm_storeu_si128((__m128i*)(y + pixel * C + g * LANES), _mm_min_epu8(_mm_max_epu8(q8, vqmin), vqmax));
         }
       }
     }
@@ -81,19 +103,22 @@ typedef struct {
   const float *mult, *add;
   float lo, hi, out_inv_scale;
   int out_zp, qmin, qmax;
+  int activation, float_out; /* (after the fields the VNNI kernel's struct shares) */
 } dwconv_call_t;
 
-static int run(int threads, const void* call, const uint8_t* x, uint8_t* y) {
+static int run(int threads, const void* call, const uint8_t* x, void* y) {
   const dwconv_call_t* c = call;
   return dwconv3x3(threads, c->N, c->H, c->W, c->C, c->stride_h, c->stride_w, c->pad_h, c->pad_w, c->OH, c->OW, x, c->x_zp,
-                   c->weight, c->mult, c->add, c->lo, c->hi, c->out_inv_scale, c->out_zp, c->qmin, c->qmax, y);
+                   c->weight, c->mult, c->add, c->activation, c->lo, c->hi, c->out_inv_scale, c->out_zp, c->qmin, c->qmax,
+                   c->float_out ? NULL : y, c->float_out ? y : NULL);
 }
 
 /* Returns 0, or -1 when a scratch buffer could not be allocated (as the VNNI kernel). Channels
  * that are not whole groups of 16 run on padded copies (padded_channels.h). */
-int qb_dwconv3x3_call(int threads, const dwconv_call_t* c, const uint8_t* x, uint8_t* y) {
+int qb_dwconv3x3_call(int threads, const dwconv_call_t* c, const uint8_t* x, void* y) {
   if (c->C % LANES == 0) return run(threads, c, x, y);
   dwconv_call_t padded = *c;
   padded.C = padded_channels(c->C, LANES);
-  return run_padded(run, threads, &padded, (size_t)c->N * c->H * c->W, (size_t)c->N * c->OH * c->OW, c->C, padded.C, x, y);
+  return run_padded(run, threads, &padded, (size_t)c->N * c->H * c->W, (size_t)c->N * c->OH * c->OW, c->C, padded.C, x, y,
+                    c->float_out ? sizeof(float) : 1);
 }

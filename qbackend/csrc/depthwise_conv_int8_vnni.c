@@ -129,7 +129,7 @@ static void output_row(const dwconv_vnni_call_t* c, const uint8_t* const rows[3]
 }
 
 /* 0, or -1 when a thread could not allocate its triples (y is then incomplete). */
-static int run(int threads, const void* call, const uint8_t* x, uint8_t* y) {
+static int run(int threads, const void* call, const uint8_t* x, void* y) {
   const dwconv_vnni_call_t* c = call;
   const size_t row_bytes = (size_t)((c->C + GROUP - 1) / GROUP) * c->OW * GROUP_BYTES;
   const int rows = c->N * c->OH;
@@ -167,5 +167,5 @@ int qb_dwconv3x3_vnni_call(int threads, const dwconv_vnni_call_t* c, const uint8
   if (c->C % 16 == 0) return run(threads, c, x, y);
   dwconv_vnni_call_t padded = *c;
   padded.C = padded_channels(c->C, 16);
-  return run_padded(run, threads, &padded, (size_t)c->N * c->H * c->W, (size_t)c->N * c->OH * c->OW, c->C, padded.C, x, y);
+  return run_padded(run, threads, &padded, (size_t)c->N * c->H * c->W, (size_t)c->N * c->OH * c->OW, c->C, padded.C, x, y, 1);
 }

@@ -20,11 +20,11 @@ typedef struct {
   int kind;
   const void* function; /* qb_conv_call(_vnni); X_TO_Y: qb_dwconv3x3(_vnni)_call, qb_stem_conv_vnni_call, the pools */
   const void* call;     /* its prepared arguments */
-  operand_t x, residual, y, yf; /* yf: a float32 output (GEMM_CONV only) */
+  operand_t x, residual, y, yf; /* yf: a float32 output (GEMM_CONV only; an X_TO_Y call says its y's dtype) */
 } chain_step_t;
 
 typedef int (*gemm_conv_fn)(int, const void*, const uint8_t*, const void*, uint8_t*, float*);
-typedef int (*x_to_y_fn)(int, const void*, const uint8_t*, uint8_t*);
+typedef int (*x_to_y_fn)(int, const void*, const uint8_t*, void*);
 
 static void* address(void* const* bases, operand_t o) { return o.base < 0 ? NULL : (char*)bases[o.base] + o.offset; }
 

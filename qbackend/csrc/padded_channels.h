@@ -22,17 +22,18 @@ static inline void copy_rows(void* dst, const void* src, size_t rows, size_t fro
 static inline int padded_channels(int channels, int group) { return (channels + group - 1) / group * group; }
 
 /* ``run(threads, padded_call, x, y)`` (0 or -1) on copies of x (``in_pixels`` x ``channels``
- * uint8) and y (``out_pixels`` x ``channels``) padded to ``padded`` channels (``padded_call``
- * says so); -1 also when a copy could not be allocated. */
-static inline int run_padded(int (*run)(int, const void*, const uint8_t*, uint8_t*), int threads, const void* padded_call,
-                             size_t in_pixels, size_t out_pixels, int channels, int padded, const uint8_t* x, uint8_t* y) {
+ * uint8) and y (``out_pixels`` x ``channels`` items of ``out_item`` bytes) padded to ``padded``
+ * channels (``padded_call`` says so); -1 also when a copy could not be allocated. */
+static inline int run_padded(int (*run)(int, const void*, const uint8_t*, void*), int threads, const void* padded_call,
+                             size_t in_pixels, size_t out_pixels, int channels, int padded, const uint8_t* x, void* y,
+                             size_t out_item) {
   uint8_t* x_padded = calloc(in_pixels * padded, 1);
-  uint8_t* y_padded = malloc(out_pixels * padded);
+  void* y_padded = malloc(out_pixels * padded * out_item);
   int status = -1;
   if (x_padded && y_padded) {
     copy_rows(x_padded, x, in_pixels, channels, padded, 1);
     status = run(threads, padded_call, x_padded, y_padded);
-    if (!status) copy_rows(y, y_padded, out_pixels, padded, channels, 1);
+    if (!status) copy_rows(y, y_padded, out_pixels, padded, channels, out_item);
   }
   free(x_padded);
   free(y_padded);
