@@ -328,6 +328,8 @@ def main():
     torch.set_num_threads(NUM_THREADS)
     settings = QUICK if args.quick else FULL
     machine, heading = machine_description(), cpu_key() + (", quantize_x86(every_linear=True)" if args.every_linear else "")
+    if list(args.models) != list(MODELS) or list(args.batches) != [1, 8]:  # (a section of its own: the full run's stays)
+        heading += f", partial run: {' '.join(args.models)} at batch {' '.join(map(str, args.batches))}"
     rows, profiles = [], []
     with tempfile.TemporaryDirectory(prefix="bench_zoo_inductor_") as cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # Inductor's compile times cold
