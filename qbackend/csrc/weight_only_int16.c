@@ -23,6 +23,12 @@
 
 #define BLOCK 64
 #define ROW_TILE 4 /* activation rows sharing one unpacked weight block */
+/* Weights are read this far ahead (prefetcht0): a decode step streams every weight once, and the
+ * hardware prefetcher alone left a core at ~5 GB/s of the ~10 a plain sum reads (a 4-layer
+ * Llama step's int4 weights, AVX2 EPYC Zen 3: 25.0 -> 19.1 ms on 1 thread, 14.4-14.5 ->
+ * 10.8-11.6 on 2; its int8 weights 20.1 -> 19.0; 256-1024 bytes ahead gained less, 4096-8192
+ * no more). A prefetch past the end does not fault. */
+#define PREFETCH_BYTES 2048
 
 static inline float sum8(__m256 v) {
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -87,6 +93,7 @@ static inline void int4_row(int mt, int N, int K, int group, int n, const uint8_
     for (int i = 0; i < mt; i++) isum[i] = _mm256_setzero_si256();
     for (int b = g * blocks; b < (g + 1) * blocks; b++) {
       __m256i u[4];
+      _mm_prefetch((const char*)(wn + (size_t)b * 32 + PREFETCH_BYTES), _MM_HINT_T0);
       nibbles(wn + (size_t)b * 32, u);
       for (int i = 0; i < mt; i++)
         isum[i] = _mm256_add_epi32(isum[i], dot4(u[0], u[1], u[2], u[3], xq + (size_t)i * K + (size_t)b * BLOCK));
@@ -111,6 +118,7 @@ static inline void int4_row_g32(int mt, int N, int K, int n, const uint8_t* w, c
   for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps(), tail[i] = 0.f;
   for (int b = 0; b < B; b++) {
     __m256i u[4];
+    _mm_prefetch((const char*)(wn + (size_t)b * 32 + PREFETCH_BYTES), _MM_HINT_T0);
     nibbles(wn + (size_t)b * 32, u);
     const float* s = scale + (size_t)n * G + 2 * b;
     const float* o = offset + (size_t)n * G + 2 * b;
@@ -132,6 +140,7 @@ static inline void int8_row(int mt, int N, int K, int n, const int8_t* w, const 
   __m256 acc[ROW_TILE];
   for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
   for (int b = 0; b < B; b++) {
+    _mm_prefetch((const char*)(wn + (size_t)b * BLOCK + PREFETCH_BYTES), _MM_HINT_T0);
     const __m128i* src = (const __m128i*)(wn + (size_t)b * BLOCK);
     const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(src)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(src + 1));
     const __m256i w2 = _mm256_cvtepi8_epi16(_mm_loadu_si128(src + 2)), w3 = _mm256_cvtepi8_epi16(_mm_loadu_si128(src + 3));
