@@ -701,10 +701,11 @@ class _AttentionCall(ctypes.Structure):
                 + [("mask_stride", ctypes.c_long * 4), ("scale", ctypes.c_float)])
 
 
-def attention_refusal(q, k, v, mask) -> Optional[str]:
+def attention_refusal(q, k, v, mask, mask_dtypes=(torch.float32,)) -> Optional[str]:
     """Why attention_f32 cannot take these (tensors or fake values), None if it can. Keys and
     values may have fewer heads than the queries (grouped-query attention), each shared by
-    ``heads / kv_heads`` consecutive query heads."""
+    ``heads / kv_heads`` consecutive query heads. ``mask_dtypes``: the lowering also takes a
+    bool mask, which it turns into an additive one first."""
     if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 4 for t in (q, k, v)):
         return "the kernel takes float32 CPU [batch, heads, length, head dim] queries, keys and values"
     (b, h, length, d), (kv_heads, s, dv) = q.shape, v.shape[1:]
@@ -713,7 +714,7 @@ def attention_refusal(q, k, v, mask) -> Optional[str]:
     if d % ATTENTION_HEAD_DIM_STEP or length == 0 or s == 0:
         return f"head dim {d}: the kernel takes a multiple of {ATTENTION_HEAD_DIM_STEP}"
     if mask is not None:
-        if mask.dtype != torch.float32 or mask.device.type != "cpu" or mask.dim() > 4:
+        if mask.dtype not in mask_dtypes or mask.device.type != "cpu" or mask.dim() > 4:
             return f"the mask is {mask.dtype} of rank {mask.dim()}, not an additive float32 one"
         padded = (1,) * (4 - mask.dim()) + tuple(mask.shape)
         if any(m not in (1, n) for m, n in zip(padded, (b, h, length, s))):

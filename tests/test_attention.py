@@ -2,6 +2,8 @@
 attention: with a scale by division or multiplication, an additive mask, or neither. On CPU
 qbackend's own kernel (csrc/attention_f32.c) takes head dims that are multiples of 16; torch's
 fused attention the rest, with the reason in the report."""
+import math
+
 import expecttest
 import pytest
 import torch
@@ -154,6 +156,51 @@ def test_a_boolean_mask_read_by_several_attentions_is_converted_once():
     assert len(fills) == 1 and len(attentions) == 2, captured.lowered.graph
     assert all(fills[0] in a.all_input_nodes for a in attentions), captured.lowered.graph
     assert "2 attention calls share 1 float mask(s) built once" in captured.report.notes
+
+
+class TwoWideAttentionsOneMask(nn.Module):
+    """TwoAttentionsOneMask with head dim 16, which qbackend's kernel takes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x, mask):
+        q = self.fc(x).view(2, 8, 2, 16).transpose(1, 2)
+        a = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        return torch.nn.functional.scaled_dot_product_attention(a, a, a, attn_mask=mask)
+
+
+@needs_own_kernels
+def test_a_boolean_mask_runs_on_the_kernel_made_additive_once():
+    """A padded batch of a BERT-style model: its bool mask becomes one additive float mask
+    that both kernel calls read (it had kept torch's fused attention, 4 ms a layer on
+    all-MiniLM-L6-v2 at batch 8)."""
+    torch.manual_seed(0)
+    mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+    mask[0, ..., 5:] = False  # padding of the first sequence
+    inputs = (torch.randn(2, 8, 32), mask)
+    captured = assert_matches_reference(quantize(TwoWideAttentionsOneMask().eval(), inputs), inputs)
+    assert [d[:2] for d in _attention_decisions(captured.report)] == [("sdpa_fused", "qbackend::attention_f32.default")] * 2
+    nodes = list(captured.lowered.graph.nodes)
+    [additive] = [n for n in nodes if n.target is torch.ops.aten.where.Scalar]
+    assert additive.args[1:] == (0.0, -math.inf)
+    kernels = [n for n in nodes if n.target in native.own_kernel_forms("attention_f32")]
+    assert len(kernels) == 2 and all(k.args[3] is additive for k in kernels), captured.lowered.graph
+
+
+@needs_own_kernels
+def test_a_row_masked_whole_comes_out_zero_as_torchs():
+    """torch's CPU attention gives 0 for a query row whose keys are all masked (its math path
+    would give NaN); the kernel had given NaN (0 * inf)."""
+    q, k, v = _heads(2, 3, 5, 32, 0), _heads(2, 3, 5, 32, 1), _heads(2, 3, 5, 32, 2)
+    mask = torch.rand(2, 1, 5, 5, generator=torch.Generator().manual_seed(3)) > 0.3
+    mask[0, 0, 1] = False
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(expected[0, :, 1], torch.zeros(3, 32))
+    for kernel in native.own_kernel_forms("attention_f32"):
+        actual = kernel(q, k, v, torch.where(mask, 0.0, -math.inf), 32 ** -0.5)
+        torch.testing.assert_close(actual, expected, **TOLERANCE["attention_f32"])
 
 
 @needs_own_kernels

@@ -84,7 +84,8 @@ static inline __attribute__((always_inline)) void output_tile(int rows, int S, c
   }
 
 /* One row of scores (with its mask) -> e^(s - max) in place; returns 1 / their sum. A NaN
- * score (max would skip it) or a +inf one (inf - inf) makes the row NaN, as softmax does. */
+ * score (max would skip it) or a +inf one (inf - inf) makes the row NaN, as softmax does; a
+ * row masked whole (-inf everywhere) gives 0, as torch's CPU attention does (not 0 * inf). */
 static float softmax_row(float* s, int S, int S16, const float* mask, long mask_col) {
   if (mask)
     for (int j = 0; j < S; j++) s[j] += mask[j * mask_col];
@@ -109,7 +110,7 @@ static float softmax_row(float* s, int S, int S16, const float* mask, long mask_
   float lanes[8], total = 0.0f;
   _mm256_storeu_ps(lanes, sum);
   for (int i = 0; i < 8; i++) total += lanes[i];
-  return 1.0f / total;
+  return total > 0.0f ? 1.0f / total : 0.0f;
 }
 
 void qb_attention_f32(int threads, const attention_call_t* a, const float* q, const float* k, const float* v,
