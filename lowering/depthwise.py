@@ -49,8 +49,8 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
                             activations)
 
 
-# post-ops the AVX2 kernel runs before its clamp (native.DEPTHWISE_ACTIVATIONS; the VNNI one has none)
-_ACTIVATIONS = ("swish", "hardswish")
+# post-ops the AVX2 kernel runs before its clamp (the VNNI one has none)
+_ACTIVATIONS = tuple(a for a in native.DEPTHWISE_ACTIVATIONS if a != "none")
 
 
 def _activation(post) -> str:

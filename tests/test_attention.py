@@ -132,14 +132,15 @@ quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(attention_f32, 0.01
 
 
 class TwoAttentionsOneMask(nn.Module):
-    """Two fused attentions reading one boolean padding mask, as every layer of a BERT does."""
+    """Two fused attentions reading one boolean padding mask, as every layer of a BERT does:
+    2 heads of ``head_dim`` (8: torch's fused attention; 16: qbackend's kernel)."""
 
-    def __init__(self):
+    def __init__(self, head_dim=8):
         super().__init__()
-        self.fc = nn.Linear(16, 16)
+        self.head_dim, self.fc = head_dim, nn.Linear(2 * head_dim, 2 * head_dim)
 
     def forward(self, x, mask):
-        q = self.fc(x).view(2, 8, 2, 8).transpose(1, 2)
+        q = self.fc(x).view(2, 8, 2, self.head_dim).transpose(1, 2)
         a = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
         return torch.nn.functional.scaled_dot_product_attention(a, a, a, attn_mask=mask)
 
@@ -158,19 +159,6 @@ def test_a_boolean_mask_read_by_several_attentions_is_converted_once():
     assert "2 attention calls share 1 float mask(s) built once" in captured.report.notes
 
 
-class TwoWideAttentionsOneMask(nn.Module):
-    """TwoAttentionsOneMask with head dim 16, which qbackend's kernel takes."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(32, 32)
-
-    def forward(self, x, mask):
-        q = self.fc(x).view(2, 8, 2, 16).transpose(1, 2)
-        a = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
-        return torch.nn.functional.scaled_dot_product_attention(a, a, a, attn_mask=mask)
-
-
 @needs_own_kernels
 def test_a_boolean_mask_runs_on_the_kernel_made_additive_once():
     """A padded batch of a BERT-style model: its bool mask becomes one additive float mask
@@ -180,7 +168,7 @@ def test_a_boolean_mask_runs_on_the_kernel_made_additive_once():
     mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
     mask[0, ..., 5:] = False  # padding of the first sequence
     inputs = (torch.randn(2, 8, 32), mask)
-    captured = assert_matches_reference(quantize(TwoWideAttentionsOneMask().eval(), inputs), inputs)
+    captured = assert_matches_reference(quantize(TwoAttentionsOneMask(head_dim=16).eval(), inputs), inputs)
     assert [d[:2] for d in _attention_decisions(captured.report)] == [("sdpa_fused", "qbackend::attention_f32.default")] * 2
     nodes = list(captured.lowered.graph.nodes)
     [additive] = [n for n in nodes if n.target is torch.ops.aten.where.Scalar]
