@@ -8,7 +8,6 @@ CPU's float32 FMA rate; the kernel here took 0.7-0.8x its time at batch 1 and 8
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -18,7 +17,7 @@ from qbackend.patterns.base import fake_value
 
 from . import own_conv
 from .base import EmitContext
-from .common import record_fake_value
+from .common import additive_mask
 
 
 def refusal(ctx: EmitContext, match) -> Optional[str]:
@@ -33,15 +32,17 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
     return native.attention_refusal(*values, mask_dtypes=(torch.float32, torch.bool))
 
 
+ADDITIVE = "qbackend_additive_mask"  # node meta of a bool mask: its additive form, once made
+
+
 def _additive(ctx: EmitContext, mask):
     """The bool mask as an additive float32 one (True takes part, as in SDPA), made once for
     every attention reading it (BERT-style models pass a bool mask once a batch has padding:
     torch's fused attention then ran 4 ms a layer on all-MiniLM-L6-v2 at batch 8)."""
-    args = (mask, 0.0, -math.inf)
-    for user in mask.users:
-        if user.target is torch.ops.aten.where.Scalar and user.args == args:
-            return user
-    return record_fake_value(ctx.gm.graph.call_function(torch.ops.aten.where.Scalar, args))
+    made = mask.meta.get(ADDITIVE)
+    if made is None or made.graph is not ctx.gm.graph or made._erased:  # (a copied node's meta names the old graph's)
+        made = mask.meta[ADDITIVE] = additive_mask(ctx.gm.graph, mask)
+    return made
 
 
 def emit(ctx: EmitContext, match):

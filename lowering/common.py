@@ -236,6 +236,14 @@ def record_fake_value(node: Node) -> Node:
     return node
 
 
+def additive_mask(graph, mask: Node) -> Node:
+    """The float32 mask SDPA makes of a bool one (0 where True, -inf where False: ATen's own
+    conversion), emitted at the graph's insertion point."""
+    zeros = record_fake_value(graph.call_function(aten.zeros_like.default, (mask,), {"dtype": torch.float32}))
+    hidden = record_fake_value(graph.call_function(aten.logical_not.default, (mask,)))
+    return record_fake_value(graph.call_function(aten.masked_fill.Scalar, (zeros, hidden, float("-inf"))))
+
+
 def emit_int8_cat(ctx: EmitContext, match: Match) -> Node:
     return ctx.call("cat", ([x.node for x in match.inputs], *match.op_args))
 

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from qbackend.lowering.common import static_shape
+from qbackend.lowering.common import additive_mask, static_shape
 from qbackend.lowering.signed_int8 import nan_as
 from qbackend.patterns.base import constant_value, fake_value
 from qbackend.patterns.inplace import schema_writes
@@ -212,9 +212,7 @@ def attention_masks_once(gm: GraphModule) -> Optional[str]:
     shared = {mask: attentions for mask, attentions in readers.items() if len(attentions) > 1}
     for mask, attentions in shared.items():
         with gm.graph.inserting_before(attentions[0]):
-            zeros = gm.graph.call_function(aten.zeros_like.default, (mask,), {"dtype": torch.float32})
-            hidden = gm.graph.call_function(aten.logical_not.default, (mask,))
-            additive = gm.graph.call_function(aten.masked_fill.Scalar, (zeros, hidden, float("-inf")))
+            additive = additive_mask(gm.graph, mask)
         for attention in attentions:
             if len(attention.args) > 3:
                 attention.update_arg(3, additive)

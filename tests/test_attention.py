@@ -171,8 +171,9 @@ def test_a_boolean_mask_runs_on_the_kernel_made_additive_once():
     captured = assert_matches_reference(quantize(TwoAttentionsOneMask(head_dim=16).eval(), inputs), inputs)
     assert [d[:2] for d in _attention_decisions(captured.report)] == [("sdpa_fused", "qbackend::attention_f32.default")] * 2
     nodes = list(captured.lowered.graph.nodes)
-    [additive] = [n for n in nodes if n.target is torch.ops.aten.where.Scalar]
-    assert additive.args[1:] == (0.0, -math.inf)
+    [additive] = [n for n in nodes if n.target is torch.ops.aten.masked_fill.Scalar]
+    assert additive.args[0].target is torch.ops.aten.zeros_like.default and additive.args[2] == -math.inf
+    assert additive.args[1].target is torch.ops.aten.logical_not.default and additive.args[1].args[0] in nodes
     kernels = [n for n in nodes if n.target in native.own_kernel_forms("attention_f32")]
     assert len(kernels) == 2 and all(k.args[3] is additive for k in kernels), captured.lowered.graph
 
