@@ -85,8 +85,6 @@ static inline const int8_t* block_weights(const int8_t* w, int o, int total) {
   return w + ((size_t)(o / PACKED) * total * PACKED + o % PACKED) * 4;
 }
 
-enum activation { CLAMP_ONLY = 0, GELU_ERF = 1, GELU_TANH = 2, SWISH = 3, HARDSWISH = 4 }; /* qbackend/native.py ACTIVATIONS */
-
 /* x * Phi(x) = x * (1 + erf(x / sqrt 2)) / 2, with erfc(z) = 1 / P(z)^16 for z >= 0
  * (Abramowitz & Stegun 7.1.28, absolute error < 3e-7): 1 + erf(z) is erfc(-z) for x < 0,
  * which keeps the negative tail accurate, and 2 - erfc(z) otherwise. |z| is capped at 10,

@@ -27,8 +27,6 @@
 #define PAIRS 5 /* the 10th tap has zero weights */
 #define LANES 16
 
-enum activation { CLAMP_ONLY = 0, SWISH = 3, HARDSWISH = 4 }; /* qbackend/native.py ACTIVATIONS */
-
 static inline __m256 activated(__m256 f, int activation) {
   return activation == SWISH ? swish(f) : activation == HARDSWISH ? hardswish(f) : f;
 }

@@ -29,6 +29,10 @@ static inline __m256 reciprocal(__m256 d) {
   return _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.0f)));
 }
 
+/* The unary post-ops the int8 kernels' epilogues apply before their clamp (qbackend/native.py
+ * ACTIVATIONS; the depthwise kernel takes CLAMP_ONLY, SWISH and HARDSWISH). */
+enum activation { CLAMP_ONLY = 0, GELU_ERF = 1, GELU_TANH = 2, SWISH = 3, HARDSWISH = 4 };
+
 /* x / (1 + e^-x), torch's SiLU, by a reciprocal (a division cost a fifth more on a 16 -> 96 1x1
  * conv); -inf gives NaN as there (-inf / inf), which exp256's clamped range would make -inf. */
 static inline __m256 swish(__m256 x) {
