@@ -1,82 +1,94 @@
 """A quantized model saved once and loaded ready to run: no torchao, no calibration, no trace.
 
-``save`` writes a converted PT2E module (``quantize_x86``'s or ``convert_pt2e``'s result) as a
-``torch.export`` archive: the graph with its quantize / dequantize nodes, the int8 weights and
-the symbolic sizes it was exported with. ``load`` reads it back and hands it to
-``qbackend.compile``, which lowers it on the first call for the machine it runs on (its own
-kernels and measured choices are per CPU, so nothing lowered is saved).
+``save`` writes a converted PT2E module (``quantize_x86``'s or ``convert_pt2e``'s result) as
+weights-only records (``graph_archive.py``): the graph with its quantize / dequantize nodes, the
+int8 weights it reads and its inputs' sizes, symbolic ones with export's ranges. ``load`` reads
+them back into a ``qbackend.compile`` module, which lowers on the first call for the machine it
+runs on (its own kernels and measured choices are per CPU, so nothing lowered is saved). A
+second input shape within the symbolic sizes exports the graph again to get export's symbolic
+values, once, for the one lowering that serves every shape. Archives of the earlier format
+(``torch.export.save``) still load.
 """
 from __future__ import annotations
 
-import inspect
 import os
+import zipfile
 from typing import Optional
 
 import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule
 
-from .direct import EXPORT_RANGES, CompiledGraphModule, compile, symbol_range
+from .direct import EXPORT_GUARDS, EXPORT_RANGES, CompiledGraphModule, compile, export_values, recorded_inputs
+from .graph_archive import RecordedInput, Symbol, graph_module, records
 from .runnable import copied_graph
 
 __all__ = ["save", "load"]
 
 
-def _example(value: torch.Tensor, dims: dict, ranges: Optional[dict]) -> tuple[torch.Tensor, Optional[dict]]:
-    """(an input of ``value``'s recorded shape and dtype, its dynamic-shape spec): each symbolic
-    size at the size export traced it with, one ``Dim`` per symbol."""
-    shape, spec = [], {}
-    for index, size in enumerate(value.shape):
-        if isinstance(size, int):
-            shape.append(size)
-            continue
-        symbol = symbol_range(size, ranges)
-        if symbol is None:
-            raise ValueError(f"qbackend.save: input size {size} is an expression of export's symbols; only plain "
-                             "symbolic sizes can be saved")
-        expr, low, high = symbol
-        if expr not in dims:
-            dims[expr] = torch.export.Dim(str(expr), min=low, max=high)
-        spec[index] = dims[expr]
-        shape.append(size.node.hint)
-    return torch.zeros(shape, dtype=value.dtype, device=value.device), spec or None
+def _examples_and_dims(recorded: list[RecordedInput], symbols: dict[str, Symbol]) -> tuple[list, list]:
+    """(an input per recorded one, each symbolic size at the size export traced; its
+    dynamic-shape spec, one ``Dim`` per symbol)."""
+    dims = {name: torch.export.Dim(name, min=s.low, max=s.high) for name, s in symbols.items()}
+    examples, specs = [], []
+    for value in recorded:
+        shape = [size if isinstance(size, int) else symbols[size].hint for size in value.sizes]
+        examples.append(torch.zeros(shape, dtype=value.dtype, device=value.device))
+        specs.append({i: dims[size] for i, size in enumerate(value.sizes) if not isinstance(size, int)} or None)
+    return examples, specs
 
 
-def _graph_attributes_only(model: GraphModule) -> GraphModule:
-    """``model`` holding only what its graph reads: a converted module keeps the float weights
-    its int8 copies replaced (ResNet-50: 130 MB archive instead of 28 MB)."""
-    lean = GraphModule(model, copied_graph(model))  # (copies the get_attr / call_module targets only)
-    lean.meta.update(model.meta)
-    return lean
+def _reexported(gm: GraphModule, recorded: list[RecordedInput], symbols: dict[str, Symbol]) -> GraphModule:
+    """``gm`` exported again with its symbolic sizes: nodes carrying export's symbolic values."""
+    examples, specs = _examples_and_dims(recorded, symbols)
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    names = list(info.orig_args) if info is not None else [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    if info is None:
+        args, kwargs, by_name = tuple(examples), {}, dict(zip(names, specs))
+    else:  # (export's structure: positional inputs, keyword inputs by name)
+        (args, kwargs), (arg_specs, kwarg_specs) = (pytree.tree_unflatten(list(leaves), info.in_spec)
+                                                    for leaves in (examples, specs))
+        by_name = {**dict(zip(names, arg_specs)), **kwarg_specs}  # (export takes specs by argument name)
+    dynamic = by_name if any(s is not None for s in specs) else None
+    exported = torch.export.export(gm, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False)
+    module = exported.module()
+    setattr(module, EXPORT_RANGES, exported.range_constraints)
+    return module
 
 
 def save(model: GraphModule, path: str | os.PathLike) -> None:
-    """Save a converted PT2E module to ``path`` (a ``.pt2`` archive ``load`` reads): its graph,
-    weights and the input sizes export left symbolic (``dynamic_batch`` / ``dynamic_shapes``)."""
+    """Save a converted PT2E module to ``path`` (an archive ``load`` reads): its graph, the
+    weights it reads and the input sizes export left symbolic (``dynamic_batch`` /
+    ``dynamic_shapes``)."""
     if not isinstance(model, GraphModule):
         raise TypeError(f"qbackend.save takes a converted PT2E module (a GraphModule), got {type(model).__name__}")
-    placeholders = [n for n in model.graph.nodes if n.op == "placeholder"]
-    recorded = [n.meta.get("val") for n in placeholders]
-    if not all(isinstance(v, torch.Tensor) for v in recorded):
+    recorded, symbols = recorded_inputs(model)
+    if not recorded or any(value is None for value in recorded):
         raise ValueError("qbackend.save: the module's inputs carry no recorded tensor values (is it an exported graph?)")
-    dims: dict = {}
-    ranges = getattr(model, EXPORT_RANGES, None)
-    examples, specs = zip(*(_example(v, dims, ranges) for v in recorded)) if recorded else ((), ())
-    in_spec = getattr(getattr(model.graph._codegen, "pytree_info", None), "in_spec", None)
-    names = list(inspect.signature(model.forward).parameters)
-    if in_spec is None:
-        args, kwargs, by_name = tuple(examples), {}, dict(zip(names, specs))
-    else:  # (export's structure: positional inputs, keyword inputs by name)
-        (args, kwargs), (arg_specs, kwarg_specs) = (pytree.tree_unflatten(list(leaves), in_spec) for leaves in (examples, specs))
-        by_name = {**dict(zip(names, arg_specs)), **kwarg_specs}  # (export takes specs by argument name)
-    dynamic = by_name if any(s is not None for s in specs) else None
-    exported = torch.export.export(_graph_attributes_only(model), tuple(args), dict(kwargs), dynamic_shapes=dynamic,
-                                   strict=False)
-    torch.export.save(exported, path)
+    for value in recorded:
+        if None in value.sizes:
+            raise ValueError("qbackend.save: an input size is an expression of export's symbols, or strided; only "
+                             "plain symbolic sizes of contiguous inputs can be saved")
+    graph = copied_graph(model)
+    for node in [n for n in graph.nodes if n.op == "call_module" and n.target == EXPORT_GUARDS and not n.users]:
+        graph.erase_node(node)  # (export's input checks: the loaded module checks the recorded sizes)
+    work = GraphModule(model, graph)
+    values = export_values(model) or {}  # (by node name: the copy's nodes keep the names)
+    by_name = {node.name: value for node, value in values.items()}
+    torch.save(records(work, recorded, symbols, {n: by_name.get(n.name) for n in work.graph.nodes}), path)
 
 
 def load(path: str | os.PathLike, options: Optional[dict] = None) -> CompiledGraphModule:
     """The model ``save`` wrote, as ``qbackend.compile`` gives it: lowered on its first call."""
+    with zipfile.ZipFile(path) as archive:
+        exported = any(name.endswith("/archive_format") for name in archive.namelist())
+    if exported:  # (the earlier format: torch.export's archive)
+        return compile(_exported_archive(path), options)
+    gm, recorded, symbols = graph_module(torch.load(path, weights_only=True))
+    return CompiledGraphModule(gm, options, recorded, symbols, lambda: _reexported(gm, recorded, symbols))
+
+
+def _exported_archive(path) -> GraphModule:
     import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers the quantize / dequantize ops the graph calls)
 
-    return compile(torch.export.load(path).module(), options)
+    return torch.export.load(path).module()

@@ -27,6 +27,7 @@ from torch.fx import GraphModule
 
 from .backend import qbackend
 from .freeze import set_constant
+from .graph_archive import RECORDED_VALUE, RecordedInput, Symbol, ValueReader
 
 log = logging.getLogger("qbackend")
 
@@ -89,45 +90,128 @@ def _reuse_export_values(work: GraphModule, inputs: list, symbolic: bool = False
     recorded = [n.meta.get("val") for n in placeholders]
     if len(recorded) != len(inputs) or not all(
             isinstance(r, torch.Tensor) and isinstance(x, torch.Tensor) and r.dtype == x.dtype
-            and (symbolic or (tuple(r.shape) == tuple(x.shape) and tuple(r.stride()) == tuple(x.stride())
-                              and all(isinstance(d, int) for d in (*r.shape, *r.stride()))))
+            # (ints checked first: comparing a symbolic size to an int fixes it in export's shape env)
+            and (symbolic or (all(isinstance(d, int) for d in (*r.shape, *r.stride()))
+                              and tuple(r.shape) == tuple(x.shape) and tuple(r.stride()) == tuple(x.stride())))
             for r, x in zip(recorded, inputs)):
         return False
+    values = export_values(work)
+    if values is None:
+        return False
+    for node, value in values.items():
+        node.meta["val"] = value
+    return True
+
+
+def export_values(gm: GraphModule) -> Optional[dict]:
+    """node -> the value export recorded on it (convert_pt2e's quantize / dequantize nodes: their
+    input's in the output dtype; constants: one like them, an assert: None); None where a node
+    has none or export recorded no fake tensors."""
+    recorded = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     fake_mode = getattr(recorded[0], "fake_mode", None) if recorded else None
     if fake_mode is None:
-        return False
+        return None
 
     def like(source: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         with fake_mode:
             return torch.empty_strided(source.shape, source.stride(), dtype=dtype, device=source.device)
 
     values = {}
-    for node in work.graph.nodes:
+    for node in gm.graph.nodes:
         if node.op in ("placeholder", "call_function") and "val" in node.meta:
             values[node] = node.meta["val"]  # (a tensor, a symbolic size, a tuple, None from an assert)
         elif isinstance(node.target, torch._ops.OpOverload) and not node.target._schema.returns:
             values[node] = None  # (an assert; a loaded archive records no value for it)
         elif node.op == "get_attr":
-            constant = getattr(work, node.target)
+            constant = operator.attrgetter(node.target)(gm)
             if isinstance(constant, torch.Tensor):
                 values[node] = like(constant, constant.dtype)
         elif _qdq_name(node) is not None and node.args[0] in values:
             values[node] = like(values[node.args[0]], _QDQ_OUT_DTYPE[_qdq_name(node)](node))
-        elif node.op != "output":
-            return False
+        elif node.op != "output" and node.target != EXPORT_GUARDS:
+            return None
+    return values
+
+
+def _meta_values(work: GraphModule, inputs: list) -> bool:
+    """Give ``work``'s nodes meta-tensor values for these inputs, from ATen's meta kernels: the
+    shapes, strides and dtypes a fake-tensor pass gives, without its mode (creating one imports
+    Dynamo: 1.6 s of a loaded model's first call) at a third of its cost (ResNet-50: 0.16 s).
+    False (nothing changed) where an op has no meta kernel or a value depends on data."""
+
+    values, placeholders = {}, iter(inputs)
+    try:
+        for node in work.graph.nodes:
+            if node.op == "placeholder":
+                values[node] = _meta(next(placeholders))
+            elif node.op == "get_attr":
+                values[node] = _meta(getattr(work, node.target))
+            elif node.op == "call_function":
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
+                values[node] = node.target(*args, **kwargs)
+            elif node.op != "output":
+                return False
+    except Exception as error:  # (NotImplementedError, or a data-dependent op's error)
+        log.debug("qbackend.compile: no meta values (%s: %s)", type(error).__name__, error)
+        return False
     for node, value in values.items():
         node.meta["val"] = value
     return True
 
 
+def _archive_values(work: GraphModule, inputs: list) -> bool:
+    """Give ``work``'s nodes the values a loaded archive recorded (``graph_archive``), for the
+    sizes these inputs bind to its symbols: export's own values, with no propagation and no
+    fake-tensor mode. False (nothing changed) where a node has no record or an input's sizes
+    or strides are not the recorded ones."""
+    nodes = [n for n in work.graph.nodes if n.op != "output"]
+    if not nodes or any(RECORDED_VALUE not in n.meta for n in nodes):
+        return False
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    symbols = {}
+    for node, x in zip(placeholders, inputs):
+        record = node.meta[RECORDED_VALUE]
+        if not isinstance(x, torch.Tensor) or not isinstance(record, dict) or len(record.get("sizes", ())) != x.dim():
+            return False
+        for size, actual in zip(record["sizes"], x.shape):
+            if isinstance(size, str) and size.isidentifier():
+                symbols[size] = actual
+    reader, values = ValueReader(symbols), {}
+    try:
+        for node in nodes:
+            record = node.meta[RECORDED_VALUE]
+            if node.op == "get_attr":
+                values[node] = _meta(operator.attrgetter(node.target)(work))
+            elif record is None and not (isinstance(node.target, torch._ops.OpOverload) and not node.target._schema.returns):
+                return False  # (only an assert records no value)
+            else:
+                values[node] = reader.value(record)
+    except (ValueError, KeyError, ZeroDivisionError, SyntaxError) as error:
+        log.debug("qbackend.compile: the archive's values do not evaluate (%s)", error)
+        return False
+    if not all(tuple(values[n].shape) == tuple(x.shape) and values[n].stride() == x.stride() and values[n].dtype == x.dtype
+               for n, x in zip(placeholders, inputs)):
+        return False
+    for node, value in values.items():
+        node.meta["val"] = value
+    return True
+
+
+def _meta(value):
+    """A meta tensor with ``value``'s shape, strides and dtype (anything else as it is)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+
+
 def _with_shapes(gm: GraphModule, inputs: list) -> GraphModule:
-    """``_frozen_copy`` whose nodes carry fake example values."""
+    """``_frozen_copy`` whose nodes carry example values for these inputs."""
+    work = _frozen_copy(gm)
+    if _reuse_export_values(work, inputs) or _archive_values(work, inputs) or _meta_values(work, inputs):
+        return work
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    work = _frozen_copy(gm)
-    if _reuse_export_values(work, inputs):
-        return work
     try:
         FakeTensorProp(work, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*inputs)
     except Exception as error:  # lowering still runs, its prepacks just tune for no shape
@@ -135,13 +219,34 @@ def _with_shapes(gm: GraphModule, inputs: list) -> GraphModule:
     return work
 
 
-def _fits(recorded, value) -> bool:
+def _fits(recorded: Optional[RecordedInput], value) -> bool:
     """``value`` may stand where export recorded ``recorded``: same dtype and rank, and every
     dim export fixed has that size (a symbolic dim takes any)."""
-    if not isinstance(recorded, torch.Tensor):
+    if recorded is None:
         return True
-    return (isinstance(value, torch.Tensor) and value.dtype == recorded.dtype and value.dim() == recorded.dim()
-            and all(not isinstance(r, int) or r == v for r, v in zip(recorded.shape, value.shape)))
+    return (isinstance(value, torch.Tensor) and value.dtype == recorded.dtype and value.dim() == len(recorded.sizes)
+            and all(not isinstance(r, int) or r == v for r, v in zip(recorded.sizes, value.shape)))
+
+
+def recorded_inputs(gm: GraphModule) -> tuple[list[Optional[RecordedInput]], dict[str, Symbol]]:
+    """(each placeholder's recorded dtype, device and sizes, None where export recorded no
+    tensor; the symbols among those sizes, by name). A size that is an expression of export's
+    symbols, or a symbolic size of an input export recorded strided, stays out of the symbols
+    (no lowering for symbolic sizes then: ``SymbolicInputs``)."""
+    ranges, inputs, symbols = getattr(gm, EXPORT_RANGES, None), [], {}
+    for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            inputs.append(None)
+            continue
+        sizes = []
+        for size in value.shape:
+            symbol = None if isinstance(size, int) or not _recorded_contiguous(value) else _symbol(size, ranges)
+            if symbol is not None:
+                symbols[str(symbol[0])] = Symbol(symbol[1], symbol[2], size.node.hint)
+            sizes.append(size if isinstance(size, int) else str(size.node.expr) if symbol is not None else None)
+        inputs.append(RecordedInput(value.dtype, value.device, tuple(sizes)))
+    return inputs, symbols
 
 
 class InputBinding:
@@ -171,24 +276,23 @@ class InputBinding:
 
 class SymbolicInputs:
     """The inputs one lowering for export's symbolic sizes serves: every symbolic size a plain
-    symbol within export's range (one value per symbol across the inputs), contiguous where
-    export recorded contiguous inputs, on the recorded device. None when export fixed every
-    size or recorded a size as an expression (then each shape is lowered for itself)."""
+    symbol within export's range (one value per symbol across the inputs), contiguous, on the
+    recorded device. None when export fixed every size or recorded a size as an expression or
+    an input without a value (then each shape is lowered for itself)."""
 
-    def __init__(self, recorded: list, ranges: Optional[dict] = None):
+    def __init__(self, recorded: list[Optional[RecordedInput]], symbols: dict[str, Symbol]):
         self.sizes = []  # (input index, dim, symbol, low, high)
         self.devices = []
         for index, value in enumerate(recorded):
-            if not isinstance(value, torch.Tensor):
+            if value is None:
                 raise ValueError("an input without a recorded tensor value")
             self.devices.append(value.device)
-            for dim, size in enumerate(value.shape):
+            for dim, size in enumerate(value.sizes):
                 if isinstance(size, int):
                     continue
-                symbol = symbol_range(size, ranges)
-                if symbol is None or not _recorded_contiguous(value):
-                    raise ValueError(f"input {index} dim {dim}: {size} (not a plain symbol), or strided")
-                self.sizes.append((index, dim, *symbol))
+                if size not in symbols:
+                    raise ValueError(f"input {index} dim {dim}: not a plain symbol, or strided")
+                self.sizes.append((index, dim, size, symbols[size].low, symbols[size].high))
         if not self.sizes:
             raise ValueError("no symbolic size")
 
@@ -217,6 +321,13 @@ def symbol_range(size: torch.SymInt, ranges: Optional[dict] = None) -> Optional[
     return expr, max(1, int(bounds.lower)), high
 
 
+def _symbol(size, ranges) -> Optional[tuple]:
+    try:
+        return symbol_range(size, ranges)
+    except (AttributeError, KeyError):  # (no shape env on the value)
+        return None
+
+
 def _recorded_contiguous(value: torch.Tensor) -> bool:
     expected = 1
     for size, stride in reversed(list(zip(value.shape, value.stride()))):
@@ -226,27 +337,37 @@ def _recorded_contiguous(value: torch.Tensor) -> bool:
     return True
 
 
-def _symbolic_inputs(recorded: list, ranges: Optional[dict]) -> Optional[SymbolicInputs]:
+def _symbolic_inputs(recorded: list, symbols: dict) -> Optional[SymbolicInputs]:
     try:
-        return SymbolicInputs(recorded, ranges)
-    except (ValueError, AttributeError, KeyError) as why:  # (fixed shapes, or no shape env on the value)
+        return SymbolicInputs(recorded, symbols)
+    except ValueError as why:
         log.debug("qbackend.compile: one lowering per input shape (%s)", why)
         return None
 
 
 class CompiledGraphModule:
-    """Calls a GraphModule through its lowered copies: one for every input its symbolic sizes
-    admit, one per other input signature (at most ``SPECIALISED_LIMIT``). Inputs the graph was
-    not exported for (another dtype, rank or fixed size, another structure, wrong arguments)
-    go to the module itself, which runs them or raises exactly as it would eagerly."""
+    """Calls a GraphModule through its lowered copies, as Dynamo recompiles: the first input
+    signature gets a lowering for its own shapes; a second that export's symbolic sizes admit
+    makes the one lowering for those sizes, which serves every admitted signature after it;
+    any other signature gets a lowering of its own (at most ``SPECIALISED_LIMIT`` kept). Inputs
+    the graph was not exported for (another dtype, rank or fixed size, another structure,
+    wrong arguments) go to the module itself, which runs them or raises as it would eagerly.
+
+    ``recorded`` / ``symbols`` / ``symbolic_module``: a loaded archive's inputs and symbols,
+    and what gives the module with export's symbolic values (``deploy.load``); by default
+    ``gm``'s own."""
 
     SYMBOLIC = "symbolic sizes"  # the key of the lowering for export's symbolic sizes
 
-    def __init__(self, gm: GraphModule, options: Optional[dict]):
+    def __init__(self, gm: GraphModule, options: Optional[dict], recorded: Optional[list] = None,
+                 symbols: Optional[dict] = None, symbolic_module: Optional[Callable[[], GraphModule]] = None):
         self.module, self.options = gm, dict(options or {})
         self.lowered = collections.OrderedDict()  # key -> callable taking the graph's placeholders
-        self.recorded = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-        self.symbolic = _symbolic_inputs(self.recorded, getattr(gm, EXPORT_RANGES, None))
+        if recorded is None:
+            recorded, symbols = recorded_inputs(gm)
+        self.recorded, self.symbolic = recorded, _symbolic_inputs(recorded, symbols)
+        self.symbolic_module = symbolic_module or (lambda: gm)
+        self.first_admitted = None  # the first signature the symbolic sizes admitted
         self.binding = InputBinding(gm)
 
     def _placeholders(self, args, kwargs) -> Optional[list]:
@@ -255,13 +376,22 @@ class CompiledGraphModule:
             return None
         return inputs
 
+    def _key(self, inputs: list):
+        signature = tuple(map(_signature, inputs))
+        if signature in self.lowered or self.symbolic is None or not self.symbolic.admit(inputs):
+            return signature
+        if self.first_admitted is None and self.SYMBOLIC not in self.lowered:
+            self.first_admitted = signature  # (lowered for its shapes: no symbolic values to build, kernels timed)
+            return signature
+        return self.SYMBOLIC
+
     def _lower(self, inputs: list, key) -> tuple[object, Callable]:
         """(the key the lowering serves, the lowering)."""
         guards = getattr(self.module, EXPORT_GUARDS, None)
         if guards is not None:  # export's input checks read shapes only, fixed per signature
             guards(*inputs)
         if key == self.SYMBOLIC:
-            work = _frozen_copy(self.module)
+            work = _frozen_copy(self.symbolic_module())
             if _reuse_export_values(work, inputs, symbolic=True):
                 return key, qbackend(work, inputs, self.options)
             log.info("qbackend.compile: export recorded no value on some node; one lowering per input shape")
@@ -272,10 +402,7 @@ class CompiledGraphModule:
         inputs = self._placeholders(args, kwargs)
         if inputs is None:
             return self.module(*args, **kwargs)
-        if self.symbolic is not None and self.symbolic.admit(inputs):
-            key = self.SYMBOLIC
-        else:
-            key = tuple(map(_signature, inputs))
+        key = self._key(inputs)
         lowered = self.lowered.get(key)
         if lowered is None:
             key, lowered = self._lower(inputs, key)

@@ -1,6 +1,7 @@
 """``qbackend.compile``: a converted PT2E module lowered without Dynamo gives what the
 torch.compile path gives (outputs bit for bit, the same report, prepacks tuned for the input
 shapes), lowers each new input signature once, and leaves the user's module as it was."""
+import pytest
 import torch
 import torch.nn as nn
 
@@ -9,7 +10,7 @@ from qbackend import fast_qdq
 from qbackend.backend import Options, compile_graph
 from qbackend.direct import CompiledGraphModule, _with_shapes
 from qbackend.lowering.common import static_shape
-from qbackend.models import tiny_resnet
+from qbackend.models import bert_encoder_like, tiny_resnet
 
 from .helpers import quantize
 
@@ -72,16 +73,43 @@ def test_values_reused_from_export_are_what_a_fake_tensor_pass_gives():
     assert x.meta["val"].stride() == channels_last[0].stride()
 
 
-def test_an_export_with_a_symbolic_batch_is_lowered_once_for_every_batch():
+@pytest.mark.parametrize("name", ["resnet, symbolic batch", "encoder, symbolic batch and sequence"])
+def test_meta_and_archive_values_are_what_a_fake_tensor_pass_gives(name, tmp_path):
+    """The values a first call lowers from without a fake-tensor mode (whose import brings
+    Dynamo's): ATen's meta kernels, and a loaded archive's records for the call's sizes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from qbackend.direct import _archive_values, _frozen_copy, _meta_values
+
+    if name.startswith("resnet"):
+        model, inputs = quantize(tiny_resnet(), (torch.randn(2, 3, 32, 32),), dynamic_batch=True), [torch.randn(3, 3, 32, 32)]
+    else:
+        sizes = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq", max=64)}
+        model = quantize(bert_encoder_like(num_layers=1, hidden=32, heads=2, ffn=64), {"x": torch.randn(2, 8, 32)},
+                         dynamic_shapes={"x": sizes})
+        inputs = [torch.randn(3, 13, 32)]
+    qbackend.save(model, tmp_path / "model.pt2")
+    propagated, meta, archived = _frozen_copy(model), _frozen_copy(model), _frozen_copy(qbackend.load(tmp_path / "model.pt2").module)
+    FakeTensorProp(propagated, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*inputs)
+    assert _meta_values(meta, inputs) and _archive_values(archived, inputs)
+    assert _metadata(meta) == _metadata(propagated) == _metadata(archived)
+    assert sum(v[1] is not None for v in _metadata(archived)) > 20
+    # another layout than the recorded one: the records do not say its strides
+    assert not _archive_values(_frozen_copy(archived), [inputs[0].transpose(0, 1).contiguous().transpose(0, 1)])
+
+
+def test_an_export_with_a_symbolic_batch_is_lowered_for_its_first_batch_then_once_for_every_batch():
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
     model = quantize(module, (torch.randn(4, 16),), dynamic_batch=True)
     compiled = qbackend.compile(model)
     with torch.no_grad():
-        for rows in (4, 9, 4):
+        for rows in (4, 9, 4, 7):
             x = torch.randn(rows, 16)
             torch.testing.assert_close(compiled(x), model(x), atol=0.05, rtol=0.05)
-    assert list(compiled.lowered) == [CompiledGraphModule.SYMBOLIC]
+    assert [key if key == CompiledGraphModule.SYMBOLIC else key[0][1] for key in compiled.lowered] == [
+        (4, 16), CompiledGraphModule.SYMBOLIC]  # (the first rows lowered for themselves, as Dynamo's first graph)
 
 
 def _outcome(fn, args):
