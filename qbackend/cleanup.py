@@ -15,6 +15,7 @@ from qbackend.patterns.base import constant_value, fake_value
 from qbackend.patterns.inplace import schema_writes
 
 from . import fast_qdq, native
+from .channel_shuffle import shuffles_in_one_pass
 from .freeze import drop_unused_constants, set_constant
 from .kernel_chain import chain_own_kernels
 from .ops import graph_op, resolve
@@ -273,7 +274,7 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True) ->
         fast_boundary_qdq(gm, device)
     views_accept_any_layout(gm)
     notes = [float_linears(gm, device) if fast_boundary else None, attention_masks_once(gm), attention_inputs_uncopied(gm),
-             chain_own_kernels(gm)]
+             shuffles_in_one_pass(gm) if fast_boundary else None, chain_own_kernels(gm)]
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()

@@ -1,0 +1,188 @@
+"""ShuffleNet's channel shuffle in one pass (csrc/channel_shuffle.c).
+
+ShuffleNetV2's blocks end in ``cat([x1, branch(x2)], 1)``, then ``channel_shuffle``: a view as
+[N, 2, C / 2, H, W], ``transpose(1, 2)``, ``contiguous()`` and a view back, in float (the
+quantizer leaves it there). On the channels-last tensors the int8 convs write, ATen runs that
+as a cat and two full copies. ``shuffles_in_one_pass`` rewrites the lowered graph's shuffles
+of two groups into one kernel call that reads the two halves (the cat's inputs, or channel
+slices of the tensor) and writes the shuffled channels-last tensor; what read the contiguous
+5-D tensor reads a view of it instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import operator
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from qbackend.patterns.base import fake_value
+
+from . import native
+
+aten = torch.ops.aten
+_VIEWS = (aten.reshape.default, aten.view.default)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    """The C function, or None where the own kernels are not built."""
+    lib = native._load()[0]
+    if lib is None:
+        return None
+    function = lib.qb_shuffle_pair_f32
+    function.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                         ctypes.c_long, ctypes.c_void_p]
+    function.restype = None
+    return function
+
+
+def _pixel_stride(x: torch.Tensor) -> Optional[int]:
+    """The distance between x's pixel rows when each holds its channels contiguously and the
+    rows lie on an [N, H, W] grid (channels-last, or a channel slice of it); else None."""
+    n, c, h, w = x.shape
+    step = x.stride(3) if w > 1 else x.stride(2) if h > 1 else x.stride(0) if n > 1 else c
+    expected = {1: 1, 3: step, 2: step * w, 0: step * w * h}
+    if (c > 1 and x.stride(1) != 1) or step < c:
+        return None
+    return step if all(x.shape[d] == 1 or x.stride(d) == s for d, s in expected.items()) else None
+
+
+def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    n, half, h, w = a.shape
+    shuffled = torch.cat([a, b], 1).reshape(n, 2, half, h, w).transpose(1, 2)
+    return shuffled.reshape(n, 2 * half, h, w).contiguous(memory_format=torch.channels_last)
+
+
+def _shuffled(a: torch.Tensor, b: torch.Tensor, first: int, count: int) -> Optional[torch.Tensor]:
+    """Channels ``first`` to ``first + count`` of ``a`` and ``b`` shuffled by the kernel (read in
+    place: no slice tensors, ~4 us each), or None where it does not apply: the kernels not
+    built, a fake tensor under tracing, not float32 CPU tensors of one 4-D shape, channels not
+    contiguous in each pixel."""
+    kernel = _kernel()
+    if (kernel is None or type(a) is not torch.Tensor or type(b) is not torch.Tensor or a.dim() != 4
+            or a.shape != b.shape or a.dtype != torch.float32 or b.dtype != torch.float32
+            or a.device.type != "cpu" or b.device.type != "cpu"):
+        return None
+    a_stride, b_stride = _pixel_stride(a), _pixel_stride(b)
+    if a_stride is None or b_stride is None:
+        return None
+    n, _, h, w = a.shape
+    out = torch.empty((n, 2 * count, h, w), dtype=torch.float32, memory_format=torch.channels_last)
+    if out.numel():
+        offset = first * a.element_size()
+        kernel(torch.get_num_threads(), n * h * w, count, a.data_ptr() + offset, a_stride, b.data_ptr() + offset,
+               b_stride, out.data_ptr())
+    return out
+
+
+def shuffle_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The channels-last [N, 2 * half, H, W] tensor whose channel 2k + g is ``(a, b)[g]``'s
+    channel k: ShuffleNet's shuffle of ``cat([a, b], 1)`` in two groups; ATen's ops where the
+    kernel does not apply (the same values)."""
+    out = _shuffled(a, b, 0, a.shape[1])
+    return _reference(a, b) if out is None else out
+
+
+def shuffle_halves(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``shuffle_pair(a, b).chunk(2, 1)`` as two dense channels-last tensors (the chunk's
+    halves would be strided slices, copied again by what reads them): the first half shuffles
+    the first half of each input's channels, the second half the rest."""
+    quarter = a.shape[1] // 2
+    first = _shuffled(a, b, 0, quarter)
+    if first is None:
+        return tuple(t.contiguous(memory_format=torch.channels_last) for t in _reference(a, b).chunk(2, 1))
+    return first, _shuffled(a, b, quarter, a.shape[1] - quarter)
+
+
+shuffle_pair.fresh_output = shuffle_halves.fresh_output = True  # (patterns/inplace.py: a later kernel may write into them)
+
+
+def _two_group_shuffle(node: Node) -> Optional[tuple[Node, list]]:
+    """(the shuffled 4-D tensor, the 5-D shape after the transpose) when ``node`` is
+    ``contiguous(transpose(view(x, [N, 2, C / 2, H, W]), 1, 2))`` of a float32 x."""
+    if node.op != "call_function" or node.target is not aten.contiguous.default or len(node.args) != 1 or node.kwargs:
+        return None
+    transpose = node.args[0]
+    if not (isinstance(transpose, Node) and transpose.target is aten.transpose.int
+            and sorted(transpose.args[1:]) == [1, 2] and len(transpose.users) == 1):
+        return None
+    view = transpose.args[0]
+    if not (isinstance(view, Node) and view.target in _VIEWS and len(view.users) == 1):
+        return None
+    x, shape = view.args[0], view.args[1]
+    value = fake_value(x)
+    if (not isinstance(value, torch.Tensor) or value.dim() != 4 or value.dtype != torch.float32 or len(shape) != 5
+            or shape[1] != 2 or not isinstance(value.shape[1], int) or value.shape[1] % 2 or shape[2] != value.shape[1] // 2):
+        return None
+    return x, [shape[0], shape[2], shape[1], shape[3], shape[4]]
+
+
+def _chunked_in_two(shuffle: Node, half: int) -> Optional[Node]:
+    """The ``chunk(view(shuffle, [N, C, H, W]), 2, 1)`` that alone reads ``shuffle``, with only
+    getitems reading it (ShuffleNetV2's next block splitting its input), or None."""
+    if len(shuffle.users) != 1 or half % 2:
+        return None
+    flat = next(iter(shuffle.users))
+    if flat.target not in _VIEWS or len(flat.users) != 1 or len(flat.args[1]) != 4:
+        return None
+    chunk = next(iter(flat.users))
+    if chunk.target is not aten.chunk.default or tuple(chunk.args[1:]) not in ((2, 1), (2, -3)) or chunk.kwargs:
+        return None
+    return chunk if all(u.target is operator.getitem for u in chunk.users) else None
+
+
+def _returned(node: Node) -> bool:
+    """The graph returns ``node`` or a view of it: the caller gets the reference's layout."""
+    pending = [node]
+    while pending:
+        users = pending.pop().users
+        if any(user.op == "output" for user in users):
+            return True
+        pending.extend(user for user in users if user.target in _VIEWS)
+    return False
+
+
+def _cat_of_halves(x: Node, half: int) -> bool:
+    """``x`` is ``cat([a, b], 1)`` of two ``half``-channel tensors, read only by the shuffle."""
+    if x.target is not aten.cat.default or len(x.users) != 1 or len(x.args) < 2 or x.args[1] not in (1, -3):
+        return False
+    parts = x.args[0]
+    return len(parts) == 2 and all(isinstance(fake_value(p), torch.Tensor) and fake_value(p).shape[1] == half for p in parts)
+
+
+def shuffles_in_one_pass(gm: GraphModule) -> Optional[str]:
+    """Rewrite each two-group channel shuffle whose result (or a view of it) the graph does not
+    return."""
+    graph, rewritten = gm.graph, 0
+    if _kernel() is None:
+        return None
+    for node in list(graph.nodes):
+        found = _two_group_shuffle(node)
+        if found is None or _returned(node):
+            continue
+        x, shape = found
+        half = fake_value(x).shape[1] // 2
+        transpose, view = node.args[0], node.args[0].args[0]
+        with graph.inserting_before(node):
+            if _cat_of_halves(x, half):
+                halves = x.args[0]
+            else:
+                halves = [graph.call_function(aten.slice.Tensor, (x, 1, 0, half)),
+                          graph.call_function(aten.slice.Tensor, (x, 1, half, 2 * half))]
+            chunk = _chunked_in_two(node, half)
+            if chunk is not None:  # (its getitems read the pair of halves instead)
+                chunk.replace_all_uses_with(graph.call_function(shuffle_halves, tuple(halves)))
+                dead = [chunk, chunk.args[0], node, transpose, view]
+            else:
+                shuffled = graph.call_function(shuffle_pair, tuple(halves))
+                node.replace_all_uses_with(graph.call_function(aten.view.default, (shuffled, shape)))
+                dead = [node, transpose, view]
+        for erased in dead:
+            graph.erase_node(erased)
+        if x.target is aten.cat.default and not x.users:
+            graph.erase_node(x)
+        rewritten += 1
+    return f"{rewritten} channel shuffle(s) in one pass (qbackend's kernel)" if rewritten else None
