@@ -83,8 +83,8 @@ def main(argv=None):
              f"| `qbackend.load(path)` (reads the archive's records) | {median['load']:.2f} |",
              f"| first call (qbackend lowers for this CPU and batch, then runs) | {median['first_call']:.2f} |",
              f"| **load to first output** | **{median['load'] + median['first_call']:.2f}** |",
-             f"| later: the call at batch 3 (exports the graph again for its symbolic values, lowers once for every"
-             f" batch, runs) | {median['second']:.2f} |", "",
+             f"| later: the call at batch 3 (the archive's values over symbolic sizes, one lowering for every batch,"
+             f" runs) | {median['second']:.2f} |", "",
              f"Outputs identical to the saving process's at both batches in every run: {all(r['identical'] for r in runs)};"
              f" torchao imported: {any(r['torchao'] for r in runs)}; Dynamo imported by the first output:"
              f" {any(r['dynamo_at_first_output'] for r in runs)}; lowerings after two batches (batch 1's, then one for"

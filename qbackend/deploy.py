@@ -4,10 +4,9 @@
 weights-only records (``graph_archive.py``): the graph with its quantize / dequantize nodes, the
 int8 weights it reads and its inputs' sizes, symbolic ones with export's ranges. ``load`` reads
 them back into a ``qbackend.compile`` module, which lowers on the first call for the machine it
-runs on (its own kernels and measured choices are per CPU, so nothing lowered is saved). A
-second input shape within the symbolic sizes exports the graph again to get export's symbolic
-values, once, for the one lowering that serves every shape. Archives of the earlier format
-(``torch.export.save``) still load.
+runs on (its own kernels and measured choices are per CPU, so nothing lowered is saved), from
+the recorded values: for the first call's sizes, then, from a second shape on, for the
+symbolic sizes. Archives of the earlier format (``torch.export.save``) still load.
 """
 from __future__ import annotations
 
@@ -16,44 +15,13 @@ import zipfile
 from typing import Optional
 
 import torch
-import torch.utils._pytree as pytree
 from torch.fx import GraphModule
 
-from .direct import EXPORT_GUARDS, EXPORT_RANGES, CompiledGraphModule, compile, export_values, recorded_inputs
-from .graph_archive import RecordedInput, Symbol, graph_module, records
+from .direct import EXPORT_GUARDS, CompiledGraphModule, compile, export_values, recorded_inputs
+from .graph_archive import graph_module, records
 from .runnable import copied_graph
 
 __all__ = ["save", "load"]
-
-
-def _examples_and_dims(recorded: list[RecordedInput], symbols: dict[str, Symbol]) -> tuple[list, list]:
-    """(an input per recorded one, each symbolic size at the size export traced; its
-    dynamic-shape spec, one ``Dim`` per symbol)."""
-    dims = {name: torch.export.Dim(name, min=s.low, max=s.high) for name, s in symbols.items()}
-    examples, specs = [], []
-    for value in recorded:
-        shape = [size if isinstance(size, int) else symbols[size].hint for size in value.sizes]
-        examples.append(torch.zeros(shape, dtype=value.dtype, device=value.device))
-        specs.append({i: dims[size] for i, size in enumerate(value.sizes) if not isinstance(size, int)} or None)
-    return examples, specs
-
-
-def _reexported(gm: GraphModule, recorded: list[RecordedInput], symbols: dict[str, Symbol]) -> GraphModule:
-    """``gm`` exported again with its symbolic sizes: nodes carrying export's symbolic values."""
-    examples, specs = _examples_and_dims(recorded, symbols)
-    info = getattr(gm.graph._codegen, "pytree_info", None)
-    names = list(info.orig_args) if info is not None else [n.target for n in gm.graph.nodes if n.op == "placeholder"]
-    if info is None:
-        args, kwargs, by_name = tuple(examples), {}, dict(zip(names, specs))
-    else:  # (export's structure: positional inputs, keyword inputs by name)
-        (args, kwargs), (arg_specs, kwarg_specs) = (pytree.tree_unflatten(list(leaves), info.in_spec)
-                                                    for leaves in (examples, specs))
-        by_name = {**dict(zip(names, arg_specs)), **kwarg_specs}  # (export takes specs by argument name)
-    dynamic = by_name if any(s is not None for s in specs) else None
-    exported = torch.export.export(gm, tuple(args), dict(kwargs), dynamic_shapes=dynamic, strict=False)
-    module = exported.module()
-    setattr(module, EXPORT_RANGES, exported.range_constraints)
-    return module
 
 
 def save(model: GraphModule, path: str | os.PathLike) -> None:
@@ -85,7 +53,7 @@ def load(path: str | os.PathLike, options: Optional[dict] = None) -> CompiledGra
     if exported:  # (the earlier format: torch.export's archive)
         return compile(_exported_archive(path), options)
     gm, recorded, symbols = graph_module(torch.load(path, weights_only=True))
-    return CompiledGraphModule(gm, options, recorded, symbols, lambda: _reexported(gm, recorded, symbols))
+    return CompiledGraphModule(gm, options, recorded, symbols)
 
 
 def _exported_archive(path) -> GraphModule:

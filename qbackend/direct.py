@@ -159,29 +159,33 @@ def _meta_values(work: GraphModule, inputs: list) -> bool:
     return True
 
 
-def _archive_values(work: GraphModule, inputs: list) -> bool:
-    """Give ``work``'s nodes the values a loaded archive recorded (``graph_archive``), for the
-    sizes these inputs bind to its symbols: export's own values, with no propagation and no
-    fake-tensor mode. False (nothing changed) where a node has no record or an input's sizes
-    or strides are not the recorded ones."""
+def _archive_values(work: GraphModule, inputs: list, symbols: Optional[dict] = None) -> bool:
+    """Give ``work``'s nodes the values a loaded archive recorded (``graph_archive``): export's
+    own, with no propagation. For the sizes these inputs bind to its symbols, as meta tensors
+    (no fake-tensor mode, whose import brings Dynamo's); or, given the archive's ``symbols``
+    (name -> Symbol), as fake tensors of symbolic sizes in a shape env of their own, for the
+    lowering that serves every size they admit. False (nothing changed) where a node has no
+    record, a size does not evaluate, or an input's sizes or strides are not the recorded ones."""
     nodes = [n for n in work.graph.nodes if n.op != "output"]
     if not nodes or any(RECORDED_VALUE not in n.meta for n in nodes):
         return False
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    symbols = {}
-    for node, x in zip(placeholders, inputs):
-        record = node.meta[RECORDED_VALUE]
-        if not isinstance(x, torch.Tensor) or not isinstance(record, dict) or len(record.get("sizes", ())) != x.dim():
-            return False
-        for size, actual in zip(record["sizes"], x.shape):
-            if isinstance(size, str) and size.isidentifier():
-                symbols[size] = actual
-    reader, values = ValueReader(symbols), {}
+    records = [n.meta[RECORDED_VALUE] for n in placeholders]
+    if not all(isinstance(x, torch.Tensor) and isinstance(r, dict) and len(r.get("sizes", ())) == x.dim()
+               for r, x in zip(records, inputs)):
+        return False
+    if symbols is None:
+        bound = {size: actual for r, x in zip(records, inputs) for size, actual in zip(r["sizes"], x.shape)
+                 if isinstance(size, str) and size.isidentifier()}
+        reader, constant = ValueReader(bound), _meta
+    else:
+        reader, constant = _symbolic_reader(symbols, inputs[0].device)
+    values = {}
     try:
         for node in nodes:
             record = node.meta[RECORDED_VALUE]
             if node.op == "get_attr":
-                values[node] = _meta(operator.attrgetter(node.target)(work))
+                values[node] = constant(operator.attrgetter(node.target)(work))
             elif record is None and not (isinstance(node.target, torch._ops.OpOverload) and not node.target._schema.returns):
                 return False  # (only an assert records no value)
             else:
@@ -189,12 +193,34 @@ def _archive_values(work: GraphModule, inputs: list) -> bool:
     except (ValueError, KeyError, ZeroDivisionError, SyntaxError) as error:
         log.debug("qbackend.compile: the archive's values do not evaluate (%s)", error)
         return False
-    if not all(tuple(values[n].shape) == tuple(x.shape) and values[n].stride() == x.stride() and values[n].dtype == x.dtype
-               for n, x in zip(placeholders, inputs)):
+    if symbols is None and not all(tuple(values[n].shape) == tuple(x.shape) and values[n].stride() == x.stride()
+                                   and values[n].dtype == x.dtype for n, x in zip(placeholders, inputs)):
         return False
     for node, value in values.items():
         node.meta["val"] = value
     return True
+
+
+def _symbolic_reader(symbols: dict, device: torch.device) -> tuple[ValueReader, Callable]:
+    """(a reader giving fake tensors whose sizes are one symbol per archive symbol, at export's
+    example size; constants as fake tensors of the same mode)."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env, allow_non_fake_inputs=True)
+    bound = {}
+    for name, symbol in symbols.items():
+        source = ConstantSource(f"qbackend_{name}")
+        expr = shape_env.create_symbol(symbol.hint, source, dynamic_dim=DimDynamic.DYNAMIC)
+        bound[name] = shape_env.create_symintnode(expr, hint=symbol.hint, source=source)
+
+    def fake(sizes, strides, dtype):
+        with mode:
+            return torch.empty_strided(sizes, strides, dtype=dtype, device=device)
+
+    return ValueReader(bound, fake), mode.from_tensor
 
 
 def _meta(value):
@@ -353,20 +379,18 @@ class CompiledGraphModule:
     the graph was not exported for (another dtype, rank or fixed size, another structure,
     wrong arguments) go to the module itself, which runs them or raises as it would eagerly.
 
-    ``recorded`` / ``symbols`` / ``symbolic_module``: a loaded archive's inputs and symbols,
-    and what gives the module with export's symbolic values (``deploy.load``); by default
-    ``gm``'s own."""
+    ``recorded`` / ``symbols``: a loaded archive's inputs and symbols (``deploy.load``); by
+    default read from export's values on ``gm``."""
 
     SYMBOLIC = "symbolic sizes"  # the key of the lowering for export's symbolic sizes
 
     def __init__(self, gm: GraphModule, options: Optional[dict], recorded: Optional[list] = None,
-                 symbols: Optional[dict] = None, symbolic_module: Optional[Callable[[], GraphModule]] = None):
+                 symbols: Optional[dict] = None):
         self.module, self.options = gm, dict(options or {})
         self.lowered = collections.OrderedDict()  # key -> callable taking the graph's placeholders
         if recorded is None:
             recorded, symbols = recorded_inputs(gm)
-        self.recorded, self.symbolic = recorded, _symbolic_inputs(recorded, symbols)
-        self.symbolic_module = symbolic_module or (lambda: gm)
+        self.recorded, self.symbols, self.symbolic = recorded, symbols, _symbolic_inputs(recorded, symbols)
         self.first_admitted = None  # the first signature the symbolic sizes admitted
         self.binding = InputBinding(gm)
 
@@ -391,8 +415,8 @@ class CompiledGraphModule:
         if guards is not None:  # export's input checks read shapes only, fixed per signature
             guards(*inputs)
         if key == self.SYMBOLIC:
-            work = _frozen_copy(self.symbolic_module())
-            if _reuse_export_values(work, inputs, symbolic=True):
+            work = _frozen_copy(self.module)
+            if _reuse_export_values(work, inputs, symbolic=True) or _archive_values(work, inputs, self.symbols):
                 return key, qbackend(work, inputs, self.options)
             log.info("qbackend.compile: export recorded no value on some node; one lowering per input shape")
             self.symbolic, key = None, tuple(map(_signature, inputs))

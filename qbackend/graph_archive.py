@@ -193,12 +193,13 @@ def _value_record(value):
 # what sympy prints for the size expressions export records (torch's FloorDiv and Mod among them)
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
               ast.Mod: operator.mod, ast.Pow: operator.pow}
-_FUNCTIONS = {"FloorDiv": operator.floordiv, "Mod": operator.mod, "PythonMod": operator.mod, "Max": max, "Min": min}
+_FUNCTIONS = {"FloorDiv": operator.floordiv, "Mod": operator.mod, "PythonMod": operator.mod, "Max": torch.sym_max,
+              "Min": torch.sym_min}
 
 
-def _evaluate(tree: ast.AST, symbols: dict[str, int]) -> int:
-    """An integer expression over ``symbols``, read from its syntax tree (no ``eval``: the
-    archive is data, and only these forms are sizes)."""
+def _evaluate(tree: ast.AST, symbols: dict):
+    """An integer expression over ``symbols`` (ints or SymInts), read from its syntax tree (no
+    ``eval``: the archive is data, and only these forms are sizes)."""
     if isinstance(tree, ast.Constant) and type(tree.value) is int:
         return tree.value
     if isinstance(tree, ast.Name) and tree.id in symbols:
@@ -213,13 +214,15 @@ def _evaluate(tree: ast.AST, symbols: dict[str, int]) -> int:
 
 
 class ValueReader:
-    """Value records made concrete for sizes bound to the symbols: meta tensors (shape, strides
-    and dtype are all a lowering reads) and ints."""
+    """Value records made concrete for sizes bound to the symbols (ints, or a shape env's
+    symbolic sizes): sizes, and tensors ``tensor(sizes, strides, dtype)`` makes (meta tensors
+    by default: shape, strides and dtype are all a lowering reads)."""
 
-    def __init__(self, symbols: dict[str, int]):
+    def __init__(self, symbols: dict, tensor=None):
         self.symbols, self.parsed = symbols, {}
+        self.tensor = tensor or (lambda sizes, strides, dtype: torch.empty_strided(sizes, strides, dtype=dtype, device="meta"))
 
-    def size(self, record) -> int:
+    def size(self, record):
         if isinstance(record, int):
             return record
         if record not in self.parsed:
@@ -231,5 +234,5 @@ class ValueReader:
             return [self.value(item) for item in record]
         if record is None or "size" in record:
             return None if record is None else self.size(record["size"])
-        return torch.empty_strided([self.size(d) for d in record["sizes"]], [self.size(d) for d in record["strides"]],
-                                   dtype=_decode({"dtype": record["dtype"]}, {}), device="meta")
+        return self.tensor([self.size(d) for d in record["sizes"]], [self.size(d) for d in record["strides"]],
+                           _decode({"dtype": record["dtype"]}, {}))
