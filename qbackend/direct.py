@@ -135,10 +135,9 @@ def export_values(gm: GraphModule) -> Optional[dict]:
 
 def _meta_values(work: GraphModule, inputs: list) -> bool:
     """Give ``work``'s nodes meta-tensor values for these inputs, from ATen's meta kernels: the
-    shapes, strides and dtypes a fake-tensor pass gives, without its mode (creating one imports
-    Dynamo: 1.6 s of a loaded model's first call) at a third of its cost (ResNet-50: 0.16 s).
-    False (nothing changed) where an op has no meta kernel or a value depends on data."""
-
+    shapes, strides and dtypes a fake-tensor pass gives, at a third of its cost (ResNet-50:
+    0.16 s). (Not Dynamo-free: some meta kernels are Python references that import it.) False
+    (nothing changed) where an op has no meta kernel or a value depends on data."""
     values, placeholders = {}, iter(inputs)
     try:
         for node in work.graph.nodes:
@@ -391,7 +390,7 @@ class CompiledGraphModule:
         if recorded is None:
             recorded, symbols = recorded_inputs(gm)
         self.recorded, self.symbols, self.symbolic = recorded, symbols, _symbolic_inputs(recorded, symbols)
-        self.first_admitted = None  # the first signature the symbolic sizes admitted
+        self.first_shape_lowered = False  # (the first signature the symbolic sizes admit has)
         self.binding = InputBinding(gm)
 
     def _placeholders(self, args, kwargs) -> Optional[list]:
@@ -404,8 +403,8 @@ class CompiledGraphModule:
         signature = tuple(map(_signature, inputs))
         if signature in self.lowered or self.symbolic is None or not self.symbolic.admit(inputs):
             return signature
-        if self.first_admitted is None and self.SYMBOLIC not in self.lowered:
-            self.first_admitted = signature  # (lowered for its shapes: no symbolic values to build, kernels timed)
+        if not self.first_shape_lowered and self.SYMBOLIC not in self.lowered:
+            self.first_shape_lowered = True  # (lowered for its shapes: no symbolic values to build, kernels timed)
             return signature
         return self.SYMBOLIC
 
