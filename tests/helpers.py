@@ -8,10 +8,17 @@ import pytest
 
 from qbackend import native
 from qbackend.backend import Options, compile_graph
+from qbackend.direct import CompiledGraphModule
 from qbackend.kernel_chain import KernelChain, Ref
 from qbackend.pt2e_flow import quantize_x86
 
 from .tolerances import assert_int8_close, assert_outputs_close
+
+
+def lowering_keys(compiled: CompiledGraphModule) -> list:
+    """The lowerings a ``qbackend.compile`` module made, least recently used first:
+    ``CompiledGraphModule.SYMBOLIC``, or the shape of the first input the lowering is for."""
+    return [key if key == CompiledGraphModule.SYMBOLIC else key[0][1] for key in compiled.lowered]
 
 
 # tests whose subject is qbackend's own kernels (the rest run either way: $QBACKEND_KERNELS=off)

@@ -13,7 +13,7 @@ import qbackend
 from qbackend.direct import CompiledGraphModule
 from qbackend.models import bert_encoder_like, tiny_resnet
 
-from .helpers import quantize
+from .helpers import lowering_keys, quantize
 from .tolerances import assert_float_close
 
 
@@ -25,6 +25,7 @@ def test_a_fresh_process_runs_the_saved_model_without_torchao(tmp_path):
     qbackend.save(model, tmp_path / "model.pt2")
     script = textwrap.dedent(f"""
         import sys, torch, qbackend
+        from tests.helpers import lowering_keys
         from tests.tolerances import assert_float_close
         loaded = qbackend.load({str(tmp_path / "model.pt2")!r})
         io = torch.load({str(tmp_path / "io.pt")!r})
@@ -33,8 +34,7 @@ def test_a_fresh_process_runs_the_saved_model_without_torchao(tmp_path):
                 assert_float_close(loaded(x), expected, f"batch {{len(x)}}")
                 if len(x) == 1:  # (the first call lowers from the archive's values: no fake tensors, no Dynamo)
                     assert "torch._dynamo" not in sys.modules
-        assert [k if k == {CompiledGraphModule.SYMBOLIC!r} else k[0][1][0] for k in loaded.lowered] == [
-            1, {CompiledGraphModule.SYMBOLIC!r}], list(loaded.lowered)
+        assert lowering_keys(loaded) == [(1, 3, 32, 32), {CompiledGraphModule.SYMBOLIC!r}], list(loaded.lowered)
         assert "torchao" not in sys.modules
         print("ran", len(io["inputs"]))
     """)
@@ -52,10 +52,6 @@ def test_the_archive_holds_only_what_the_graph_reads(tmp_path):
     assert set(torch.load(tmp_path / "model.pt2", weights_only=True)["constants"]) == read
 
 
-def _lowerings(compiled) -> list:
-    return [key if key == CompiledGraphModule.SYMBOLIC else key[0][1] for key in compiled.lowered]
-
-
 def test_keyword_inputs_and_a_symbolic_sequence_length_survive_the_round_trip(tmp_path):
     sizes = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq", max=256)}
     model = quantize(bert_encoder_like(num_layers=1, hidden=64, heads=4, ffn=128), {"x": torch.randn(2, 16, 64)},
@@ -66,7 +62,7 @@ def test_keyword_inputs_and_a_symbolic_sequence_length_survive_the_round_trip(tm
         for batch, seq in ((2, 16), (3, 40)):
             x = torch.randn(batch, seq, 64)
             assert_float_close(loaded(x=x), model(x=x), f"batch {batch}, sequence {seq}")
-    assert _lowerings(loaded) == [(2, 16, 64), CompiledGraphModule.SYMBOLIC]
+    assert lowering_keys(loaded) == [(2, 16, 64), CompiledGraphModule.SYMBOLIC]
 
 
 class MaskedByIntegers(torch.nn.Module):
@@ -91,7 +87,7 @@ def test_a_loaded_graph_with_dtype_asserts_is_lowered_once_for_every_batch(tmp_p
         for batch in (2, 5):
             x, mask = torch.randn(batch, 8), torch.randint(0, 2, (batch, 8))
             assert_float_close(loaded(x, mask), model(x, mask), f"batch {batch}")
-    assert _lowerings(loaded) == [(2, 8), CompiledGraphModule.SYMBOLIC]
+    assert lowering_keys(loaded) == [(2, 8), CompiledGraphModule.SYMBOLIC]
 
 
 def test_only_a_converted_graph_can_be_saved(tmp_path):
