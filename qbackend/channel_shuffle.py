@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import operator
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.fx import GraphModule, Node
@@ -100,9 +100,17 @@ def shuffle_halves(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torc
 shuffle_pair.fresh_output = shuffle_halves.fresh_output = True  # (patterns/inplace.py: a later kernel may write into them)
 
 
-def _two_group_shuffle(node: Node) -> Optional[tuple[Node, list]]:
-    """(the shuffled 4-D tensor, the 5-D shape after the transpose) when ``node`` is
-    ``contiguous(transpose(view(x, [N, 2, C / 2, H, W]), 1, 2))`` of a float32 x."""
+class _Shuffle(NamedTuple):
+    """A matched ``contiguous(transpose(view(x, [N, 2, half, H, W]), 1, 2))``."""
+    x: Node
+    half: int
+    shape: list  # [N, half, 2, H, W]: the transposed view's
+    transpose: Node
+    view: Node
+
+
+def _two_group_shuffle(node: Node) -> Optional[_Shuffle]:
+    """``node`` as a two-group channel shuffle of a 4-D float32 x, or None."""
     if node.op != "call_function" or node.target is not aten.contiguous.default or len(node.args) != 1 or node.kwargs:
         return None
     transpose = node.args[0]
@@ -117,7 +125,7 @@ def _two_group_shuffle(node: Node) -> Optional[tuple[Node, list]]:
     if (not isinstance(value, torch.Tensor) or value.dim() != 4 or value.dtype != torch.float32 or len(shape) != 5
             or shape[1] != 2 or not isinstance(value.shape[1], int) or value.shape[1] % 2 or shape[2] != value.shape[1] // 2):
         return None
-    return x, [shape[0], shape[2], shape[1], shape[3], shape[4]]
+    return _Shuffle(x, value.shape[1] // 2, [shape[0], shape[2], shape[1], shape[3], shape[4]], transpose, view)
 
 
 def _chunked_in_two(shuffle: Node, half: int) -> Optional[Node]:
@@ -150,7 +158,7 @@ def _cat_of_halves(x: Node, half: int) -> bool:
     if x.target is not aten.cat.default or len(x.users) != 1 or len(x.args) < 2 or x.args[1] not in (1, -3):
         return False
     parts = x.args[0]
-    return len(parts) == 2 and all(isinstance(fake_value(p), torch.Tensor) and fake_value(p).shape[1] == half for p in parts)
+    return len(parts) == 2 and all(isinstance(v := fake_value(p), torch.Tensor) and v.shape[1] == half for p in parts)
 
 
 def shuffles_in_one_pass(gm: GraphModule) -> Optional[str]:
@@ -163,9 +171,7 @@ def shuffles_in_one_pass(gm: GraphModule) -> Optional[str]:
         found = _two_group_shuffle(node)
         if found is None or _returned(node):
             continue
-        x, shape = found
-        half = fake_value(x).shape[1] // 2
-        transpose, view = node.args[0], node.args[0].args[0]
+        x, half = found.x, found.half
         with graph.inserting_before(node):
             if _cat_of_halves(x, half):
                 halves = x.args[0]
@@ -175,11 +181,11 @@ def shuffles_in_one_pass(gm: GraphModule) -> Optional[str]:
             chunk = _chunked_in_two(node, half)
             if chunk is not None:  # (its getitems read the pair of halves instead)
                 chunk.replace_all_uses_with(graph.call_function(shuffle_halves, tuple(halves)))
-                dead = [chunk, chunk.args[0], node, transpose, view]
+                dead = [chunk, chunk.args[0], node, found.transpose, found.view]
             else:
                 shuffled = graph.call_function(shuffle_pair, tuple(halves))
-                node.replace_all_uses_with(graph.call_function(aten.view.default, (shuffled, shape)))
-                dead = [node, transpose, view]
+                node.replace_all_uses_with(graph.call_function(aten.view.default, (shuffled, found.shape)))
+                dead = [node, found.transpose, found.view]
         for erased in dead:
             graph.erase_node(erased)
         if x.target is aten.cat.default and not x.users:

@@ -40,10 +40,8 @@ def save(model: GraphModule, path: str | os.PathLike) -> None:
     graph = copied_graph(model)
     for node in [n for n in graph.nodes if n.op == "call_module" and n.target == EXPORT_GUARDS and not n.users]:
         graph.erase_node(node)  # (export's input checks: the loaded module checks the recorded sizes)
-    work = GraphModule(model, graph)
-    values = export_values(model) or {}  # (by node name: the copy's nodes keep the names)
-    by_name = {node.name: value for node, value in values.items()}
-    torch.save(records(work, recorded, symbols, {n: by_name.get(n.name) for n in work.graph.nodes}), path)
+    values = {node.name: value for node, value in (export_values(model) or {}).items()}  # (the copy keeps the names)
+    torch.save(records(GraphModule(model, graph), recorded, symbols, values), path)
 
 
 def load(path: str | os.PathLike, options: Optional[dict] = None) -> CompiledGraphModule:

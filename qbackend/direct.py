@@ -96,8 +96,11 @@ def _reuse_export_values(work: GraphModule, inputs: list, symbolic: bool = False
             for r, x in zip(recorded, inputs)):
         return False
     values = export_values(work)
-    if values is None:
-        return False
+    return values is not None and _set_values(values)
+
+
+def _set_values(values: dict) -> bool:
+    """Set each node's value (``node.meta["val"]``, what the lowering reads); True."""
     for node, value in values.items():
         node.meta["val"] = value
     return True
@@ -153,9 +156,7 @@ def _meta_values(work: GraphModule, inputs: list) -> bool:
     except Exception as error:  # (NotImplementedError, or a data-dependent op's error)
         log.debug("qbackend.compile: no meta values (%s: %s)", type(error).__name__, error)
         return False
-    for node, value in values.items():
-        node.meta["val"] = value
-    return True
+    return _set_values(values)
 
 
 def _archive_values(work: GraphModule, inputs: list, symbols: Optional[dict] = None) -> bool:
@@ -195,9 +196,7 @@ def _archive_values(work: GraphModule, inputs: list, symbols: Optional[dict] = N
     if symbols is None and not all(tuple(values[n].shape) == tuple(x.shape) and values[n].stride() == x.stride()
                                    and values[n].dtype == x.dtype for n, x in zip(placeholders, inputs)):
         return False
-    for node, value in values.items():
-        node.meta["val"] = value
-    return True
+    return _set_values(values)
 
 
 def _symbolic_reader(symbols: dict, device: torch.device) -> tuple[ValueReader, Callable]:

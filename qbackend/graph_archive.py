@@ -46,6 +46,15 @@ class Symbol:
     hint: int
 
 
+def _torch_name(value) -> str:
+    """A dtype's or layout's name in ``torch`` ("float32", "strided")."""
+    return str(value).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    return _decode({"dtype": name}, {})
+
+
 def _target_name(target) -> str:
     for name, known in TARGETS.items():
         if target is known:
@@ -74,11 +83,11 @@ def _encode(value):
     if isinstance(value, Node):
         return {"node": value.name}
     if isinstance(value, torch.dtype):
-        return {"dtype": str(value).removeprefix("torch.")}
+        return {"dtype": _torch_name(value)}
     if isinstance(value, torch.device):
         return {"device": str(value)}
     if isinstance(value, torch.layout):
-        return {"layout": str(value).removeprefix("torch.")}
+        return {"layout": _torch_name(value)}
     if isinstance(value, torch.memory_format):
         return {"memory_format": str(value)}
     if isinstance(value, tuple):
@@ -116,7 +125,7 @@ def _decode(value, nodes: dict):
 
 def records(gm: GraphModule, inputs: list[RecordedInput], symbols: dict[str, Symbol], values: dict) -> dict:
     """``gm``'s graph, the constants it reads, its inputs and the values export recorded on its
-    nodes (``values``: node -> value) as weights-only records."""
+    nodes (``values``: node name -> value) as weights-only records."""
     nodes, constants = [], {}
     for node in gm.graph.nodes:
         if node.op == "call_module":
@@ -127,10 +136,10 @@ def records(gm: GraphModule, inputs: list[RecordedInput], symbols: dict[str, Sym
         elif node.op == "get_attr":
             constants[target] = operator.attrgetter(target)(gm).detach()
         nodes.append((node.name, node.op, target, _encode(node.args), _encode(dict(node.kwargs)),
-                      _value_record(values.get(node))))
+                      _value_record(values.get(node.name))))
     info = getattr(gm.graph._codegen, "pytree_info", None)
     return {"format": FORMAT, "version": VERSION, "nodes": nodes, "constants": constants,
-            "inputs": [(str(i.dtype).removeprefix("torch."), str(i.device), list(i.sizes)) for i in inputs],
+            "inputs": [(_torch_name(i.dtype), str(i.device), list(i.sizes)) for i in inputs],
             "symbols": {name: (s.low, s.high, s.hint) for name, s in symbols.items()},
             "pytree": None if info is None else (list(info.orig_args), pytree.treespec_dumps(info.in_spec),
                                                  pytree.treespec_dumps(info.out_spec))}
@@ -158,7 +167,7 @@ def graph_module(saved: dict) -> tuple[GraphModule, list[RecordedInput], dict[st
         orig_args, in_spec, out_spec = saved["pytree"]
         graph._codegen = torch.fx.graph._PyTreeCodeGen(torch.fx.graph._PyTreeInfo(
             orig_args, pytree.treespec_loads(in_spec), pytree.treespec_loads(out_spec)))
-    inputs = [RecordedInput(_decode({"dtype": dtype}, {}), torch.device(device), tuple(sizes))
+    inputs = [RecordedInput(_dtype(dtype), torch.device(device), tuple(sizes))
               for dtype, device, sizes in saved["inputs"]]
     symbols = {name: Symbol(*bounds) for name, bounds in saved["symbols"].items()}
     return GraphModule(root, graph), inputs, symbols
@@ -181,7 +190,7 @@ def _value_record(value):
     """A node's value as data: a tensor's dtype, sizes and strides, a size (ints, or expressions
     of the symbols as sympy prints them), a list of those; None for anything else."""
     if isinstance(value, torch.Tensor):
-        return {"dtype": str(value.dtype).removeprefix("torch."), "sizes": [_size_record(d) for d in value.shape],
+        return {"dtype": _torch_name(value.dtype), "sizes": [_size_record(d) for d in value.shape],
                 "strides": [_size_record(d) for d in value.stride()]}
     if isinstance(value, (torch.SymInt, int)) and not isinstance(value, bool):
         return {"size": _size_record(value)}
@@ -235,4 +244,4 @@ class ValueReader:
         if record is None or "size" in record:
             return None if record is None else self.size(record["size"])
         return self.tensor([self.size(d) for d in record["sizes"]], [self.size(d) for d in record["strides"]],
-                           _decode({"dtype": record["dtype"]}, {}))
+                           _dtype(record["dtype"]))
