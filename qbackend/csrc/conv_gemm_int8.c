@@ -89,30 +89,38 @@ static inline const int8_t* block_weights(const int8_t* w, int o, int total) {
  * (Abramowitz & Stegun 7.1.28, absolute error < 3e-7): 1 + erf(z) is erfc(-z) for x < 0,
  * which keeps the negative tail accurate, and 2 - erfc(z) otherwise. |z| is capped at 10,
  * where erf is 1 in float and P^16 (~1e31) is still finite. */
-static inline __m256 gelu_erf(__m256 x) {
-  __m256 z = _mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), _mm256_set1_ps(0.70710678f));
-  z = _mm256_min_ps(z, _mm256_set1_ps(10.0f));
-  __m256 p = _mm256_set1_ps(0.0000430638f);
-  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(0.0002765672f));
-  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(0.0001520143f));
-  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(0.0092705272f));
-  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(0.0422820123f));
-  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(0.0705230784f));
-  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.0f));
-  p = _mm256_mul_ps(p, p);
-  p = _mm256_mul_ps(p, p);
-  p = _mm256_mul_ps(p, p);
-  const __m256 erfc = reciprocal(_mm256_mul_ps(p, p));
-  const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
-  const __m256 one_plus_erf = _mm256_blendv_ps(_mm256_sub_ps(_mm256_set1_ps(2.0f), erfc), erfc, negative);
-  return _mm256_mul_ps(_mm256_mul_ps(x, _mm256_set1_ps(0.5f)), one_plus_erf);
+static inline __attribute__((always_inline)) void gelu_erf_lanes(__m256* x, int n) {
+  static const float P[] = {0.0002765672f, 0.0001520143f, 0.0092705272f, 0.0422820123f, 0.0705230784f, 1.0f};
+  __m256 z[ACTIVATION_LANES], p[ACTIVATION_LANES];
+  EACH_LANE(j) {
+    z[j] = _mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x[j]), _mm256_set1_ps(0.70710678f));
+    z[j] = _mm256_min_ps(z[j], _mm256_set1_ps(10.0f));
+    p[j] = _mm256_set1_ps(0.0000430638f);
+  }
+  for (int c = 0; c < 6; c++) EACH_LANE(j) p[j] = _mm256_fmadd_ps(p[j], z[j], _mm256_set1_ps(P[c]));
+  for (int square = 0; square < 4; square++) EACH_LANE(j) p[j] = _mm256_mul_ps(p[j], p[j]);
+  EACH_LANE(j) {
+    const __m256 erfc = reciprocal(p[j]);
+    const __m256 negative = _mm256_cmp_ps(x[j], _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 one_plus_erf = _mm256_blendv_ps(_mm256_sub_ps(_mm256_set1_ps(2.0f), erfc), erfc, negative);
+    x[j] = _mm256_mul_ps(_mm256_mul_ps(x[j], _mm256_set1_ps(0.5f)), one_plus_erf);
+  }
 }
 
 /* x (1 + tanh u) / 2 = x / (1 + e^(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3). */
-static inline __m256 gelu_tanh(__m256 x) {
-  const __m256 u = _mm256_mul_ps(_mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(x, x), x), _mm256_set1_ps(0.044715f), x),
-                                 _mm256_set1_ps(-1.59576912f)); /* -2 sqrt(2 / pi) */
-  return _mm256_mul_ps(x, reciprocal(_mm256_add_ps(_mm256_set1_ps(1.0f), exp256(u))));
+static inline __attribute__((always_inline)) void gelu_tanh_lanes(__m256* x, int n) {
+  __m256 u[ACTIVATION_LANES];
+  EACH_LANE(j) u[j] = _mm256_mul_ps(_mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(x[j], x[j]), x[j]), _mm256_set1_ps(0.044715f), x[j]),
+                                    _mm256_set1_ps(-1.59576912f)); /* -2 sqrt(2 / pi) */
+  exp_lanes(u, n);
+  EACH_LANE(j) x[j] = _mm256_mul_ps(x[j], reciprocal(_mm256_add_ps(_mm256_set1_ps(1.0f), u[j])));
+}
+
+static inline __attribute__((always_inline)) void activate_lanes(int activation, __m256* f, int n) {
+  if (activation == GELU_ERF) gelu_erf_lanes(f, n);
+  else if (activation == GELU_TANH) gelu_tanh_lanes(f, n);
+  else if (activation == SWISH) swish_lanes(f, n);
+  else if (activation == HARDSWISH) EACH_LANE(j) f[j] = hardswish(f[j]);
 }
 
 typedef struct {
@@ -130,8 +138,38 @@ typedef struct {
   __m256 grid_residual_scale, grid_low, grid_high;
 } epilogue_t;
 
-/* ``e`` is a local copy: read through a pointer, its constants would be reloaded after every
- * uint8 store (which may alias them). */
+/* The float result of 8 outputs before the post-op: acc * mult + add (+ residual). */
+static inline __m256 pre_activation8(const epilogue_t* e, __m256i acc, int o, int Cout, size_t pixel) {
+  __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(e->mult + o), _mm256_loadu_ps(e->add + o));
+  if (e->residual) {
+    const __m256i r = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(e->residual + pixel * Cout + o)));
+    f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r), e->residual_scale, f);
+  } else if (e->residual_f) {
+    f = _mm256_fmadd_ps(_mm256_loadu_ps(e->residual_f + pixel * Cout + o), e->residual_scale, f);
+  }
+  return f;
+}
+
+/* 8 outputs after the post-op: clamped, then stored as floats or requantized to uint8. */
+static inline void finish8(const epilogue_t* e, __m256 f, int o, int Cout, size_t pixel, uint8_t* restrict y) {
+  /* (max_ps / min_ps return their second operand for a NaN: this order keeps a NaN, as the
+   * reference's clamp does; a float residual may hold one, or an infinity) */
+  f = _mm256_min_ps(e->high, _mm256_max_ps(e->low, f));
+  if (e->float_out) {
+    _mm256_storeu_ps(e->float_out + pixel * Cout + o, f);
+    return;
+  }
+  /* clamped as floats first: an infinity converts to INT_MIN; a NaN lands on qmin, the 0 the
+   * reference's integer conversion stores (qmin is 0 in every uint8 flow) */
+  f = _mm256_min_ps(_mm256_max_ps(_mm256_fmadd_ps(f, e->out_inv_scale, e->out_zp), e->qlow), e->qhigh);
+  const __m256i q32 = _mm256_cvtps_epi32(f); /* round half to even, as torch's quantize does */
+  const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
+  const __m128i q8 = _mm_min_epu8(_mm_max_epu8(_mm_packus_epi16(q16, q16), e->qmin), e->qmax);
+  _mm_storel_epi64((__m128i*)(y + pixel * Cout + o), q8);
+}
+
+/* 8 outputs of a clamp-only epilogue. ``e`` is a local copy: read through a pointer, its
+ * constants would be reloaded after every uint8 store (which may alias them). */
 static inline void store8(const epilogue_t e, __m256i acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
   if (e.grid_mult) {
     __m256 q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(e.grid_mult + o), _mm256_loadu_ps(e.grid_add + o));
@@ -145,31 +183,7 @@ static inline void store8(const epilogue_t e, __m256i acc, int o, int Cout, size
     _mm_storel_epi64((__m128i*)(y + pixel * Cout + o), _mm_packus_epi16(q16, q16));
     return;
   }
-  __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(e.mult + o), _mm256_loadu_ps(e.add + o));
-  if (e.residual) {
-    const __m256i r = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(e.residual + pixel * Cout + o)));
-    f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r), e.residual_scale, f);
-  } else if (e.residual_f) {
-    f = _mm256_fmadd_ps(_mm256_loadu_ps(e.residual_f + pixel * Cout + o), e.residual_scale, f);
-  }
-  if (e.activation == GELU_ERF) f = gelu_erf(f);
-  else if (e.activation == GELU_TANH) f = gelu_tanh(f);
-  else if (e.activation == SWISH) f = swish(f);
-  else if (e.activation == HARDSWISH) f = hardswish(f);
-  /* (max_ps / min_ps return their second operand for a NaN: this order keeps a NaN, as the
-   * reference's clamp does; a float residual may hold one, or an infinity) */
-  f = _mm256_min_ps(e.high, _mm256_max_ps(e.low, f));
-  if (e.float_out) {
-    _mm256_storeu_ps(e.float_out + pixel * Cout + o, f);
-    return;
-  }
-  /* clamped as floats first: an infinity converts to INT_MIN; a NaN lands on qmin, the 0 the
-   * reference's integer conversion stores (qmin is 0 in every uint8 flow) */
-  f = _mm256_min_ps(_mm256_max_ps(_mm256_fmadd_ps(f, e.out_inv_scale, e.out_zp), e.qlow), e.qhigh);
-  const __m256i q32 = _mm256_cvtps_epi32(f); /* round half to even, as torch's quantize does */
-  const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
-  const __m128i q8 = _mm_min_epu8(_mm_max_epu8(_mm_packus_epi16(q16, q16), e.qmin), e.qmax);
-  _mm_storel_epi64((__m128i*)(y + pixel * Cout + o), q8);
+  finish8(&e, pre_activation8(&e, acc, o, Cout, pixel), o, Cout, pixel, y);
 }
 
 #ifdef QB_ZMM
@@ -234,12 +248,11 @@ static inline void store64(const epilogue_t* e, const wide_epilogue_t* w, const 
 }
 #endif
 
-/* One block's sums for one pixel. A zmm block: store16 when its 16 channels are real and no
- * GELU runs (that code is 8-wide), else two 8-channel halves, skipping the half past Cout (the
- * packing's zero weights). */
+/* One block's sums for one pixel, clamp-only epilogue. A zmm block: store16 when its 16
+ * channels are real, else two 8-channel halves, skipping the half past Cout (the packing's zero weights). */
 static inline void store_block(const epilogue_t e, block_t acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
 #ifdef QB_ZMM
-  if (o + 16 <= Cout && e.activation == CLAMP_ONLY) {
+  if (o + 16 <= Cout) {
     store16(e, acc, o, Cout, pixel, y);
     return;
   }
@@ -248,6 +261,37 @@ static inline void store_block(const epilogue_t e, block_t acc, int o, int Cout,
 #else
   store8(e, acc, o, Cout, pixel, y);
 #endif
+}
+
+/* 8 of a block's sums: half 0 or 1 of a zmm block, a whole ymm block. */
+static inline __m256i block_half(block_t acc, int half) {
+#ifdef QB_ZMM
+  return half ? _mm512_extracti64x4_epi64(acc, 1) : _mm512_castsi512_si256(acc);
+#else
+  (void)half;
+  return acc;
+#endif
+}
+
+/* The epilogue of a tile whose post-op is an activation (GELU, SiLU, hardswish): 8 outputs of
+ * ACTIVATION_LANES pixels at a time, in lockstep (vec_math.h). One copy of this code, called once per
+ * tile; a short last group of pixels repeats its first pixel's sums and stores only its own. */
+static __attribute__((noinline)) void store_activated(const epilogue_t* shared, block_t acc[PIXEL_TILE][4], int pixels,
+                                                      int blocks, int o, int Cout, size_t p, uint8_t* restrict y) {
+  const epilogue_t e = *shared; /* (local: see store8) */
+  for (int b = 0; b < blocks; b++)
+    for (int half = 0; half < BLOCK / 8 && o + BLOCK * b + 8 * half < Cout; half++) {
+      const int o8 = o + BLOCK * b + 8 * half;
+      for (int first = 0; first < pixels; first += ACTIVATION_LANES) {
+        __m256 f[ACTIVATION_LANES];
+        for (int j = 0; j < ACTIVATION_LANES; j++) {
+          const int i = first + j < pixels ? first + j : first;
+          f[j] = pre_activation8(&e, block_half(acc[i][b], half), o8, Cout, p + i);
+        }
+        activate_lanes(e.activation, f, ACTIVATION_LANES);
+        for (int j = 0; j < ACTIVATION_LANES && first + j < pixels; j++) finish8(&e, f[j], o8, Cout, p + first + j, y);
+      }
+    }
 }
 
 #ifndef WIDE_PIXELS
@@ -289,6 +333,10 @@ static inline __attribute__((always_inline)) void tile(int pixels, int blocks, i
     return;
   }
 #endif
+  if (e.activation != CLAMP_ONLY) { /* (``shared``: a pointer to ``e`` would make its copy a memcpy per tile) */
+    store_activated(shared, acc, pixels, blocks, o, Cout, p, y);
+    return;
+  }
   for (int i = 0; i < pixels; i++)
     for (int b = 0; b < blocks; b++) store_block(e, acc[i][b], o + BLOCK * b, Cout, p + i, y);
 }

@@ -27,8 +27,10 @@
 #define PAIRS 5 /* the 10th tap has zero weights */
 #define LANES 16
 
-static inline __m256 activated(__m256 f, int activation) {
-  return activation == SWISH ? swish(f) : activation == HARDSWISH ? hardswish(f) : f;
+/* The post-op on a group's two vectors, in lockstep (vec_math.h). */
+static inline void activate_pair(__m256 f[2], int activation) {
+  if (activation == SWISH) swish_lanes(f, 2);
+  else if (activation == HARDSWISH) f[0] = hardswish(f[0]), f[1] = hardswish(f[1]);
 }
 
 /* weight: [PAIRS][C/16][2 (lo, hi)][16] int16; mult, add: [C/16][2][8] float.
@@ -67,9 +69,10 @@ static int dwconv3x3(int threads, int N, int H, int W, int C, int stride_h, int 
           }
           const float* m = mult + (size_t)g * LANES;
           const float* c = add + (size_t)g * LANES;
-          __m256 f_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_lo), _mm256_loadu_ps(m), _mm256_loadu_ps(c));
-          __m256 f_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_hi), _mm256_loadu_ps(m + 8), _mm256_loadu_ps(c + 8));
-          if (activation != CLAMP_ONLY) f_lo = activated(f_lo, activation), f_hi = activated(f_hi, activation);
+          __m256 f[2] = {_mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_lo), _mm256_loadu_ps(m), _mm256_loadu_ps(c)),
+                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_hi), _mm256_loadu_ps(m + 8), _mm256_loadu_ps(c + 8))};
+          if (activation != CLAMP_ONLY) activate_pair(f, activation);
+          __m256 f_lo = f[0], f_hi = f[1];
           /* (max_ps / min_ps return their second operand for a NaN: this order keeps one, as the reference's clamp) */
           f_lo = _mm256_min_ps(vhi, _mm256_max_ps(vlo, f_lo));
           f_hi = _mm256_min_ps(vhi, _mm256_max_ps(vlo, f_hi));

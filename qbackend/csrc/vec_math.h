@@ -5,22 +5,39 @@
 #include <math.h>
 #include <stdint.h>
 
-/* e^x for x in about [-87, 88]: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor
- * polynomial (relative error < 2e-7 there), times 2^n built in the exponent bits. */
+/* The activations below work on ``n`` (at most ACTIVATION_LANES) vectors in lockstep, each step over all
+ * of them before the next: a single vector's exp is a chain of ~20 dependent operations, and
+ * one chain after another left the FMA units idle (SiLU on a 16 -> 96 1x1 conv's outputs took
+ * 2.2x its standalone time; measured on an AVX2 Zen 3). Inlined with a constant ``n``, the
+ * loops unroll into interleaved chains. */
+#define ACTIVATION_LANES 4
+#define EACH_LANE(j) for (int j = 0; j < n; j++)
+
+/* e^x for x in about [-87, 88]: x = k ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor
+ * polynomial (relative error < 2e-7 there), times 2^k built in the exponent bits. */
+static inline __attribute__((always_inline)) void exp_lanes(__m256* x, int n) {
+  __m256 k[ACTIVATION_LANES], r[ACTIVATION_LANES], p[ACTIVATION_LANES];
+  EACH_LANE(j) {
+    x[j] = _mm256_min_ps(_mm256_max_ps(x[j], _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    k[j] = _mm256_round_ps(_mm256_mul_ps(x[j], _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  EACH_LANE(j) r[j] = _mm256_fnmadd_ps(k[j], _mm256_set1_ps(0.693359375f), x[j]); /* ln2 in two parts: the first exact */
+  EACH_LANE(j) r[j] = _mm256_fnmadd_ps(k[j], _mm256_set1_ps(-2.12194440e-4f), r[j]);
+  EACH_LANE(j) p[j] = _mm256_fmadd_ps(_mm256_set1_ps(1.0f / 720), r[j], _mm256_set1_ps(1.0f / 120));
+  EACH_LANE(j) p[j] = _mm256_fmadd_ps(p[j], r[j], _mm256_set1_ps(1.0f / 24));
+  EACH_LANE(j) p[j] = _mm256_fmadd_ps(p[j], r[j], _mm256_set1_ps(1.0f / 6));
+  EACH_LANE(j) p[j] = _mm256_fmadd_ps(p[j], r[j], _mm256_set1_ps(0.5f));
+  EACH_LANE(j) p[j] = _mm256_fmadd_ps(p[j], r[j], _mm256_set1_ps(1.0f));
+  EACH_LANE(j) p[j] = _mm256_fmadd_ps(p[j], r[j], _mm256_set1_ps(1.0f));
+  EACH_LANE(j) {
+    const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k[j]), _mm256_set1_epi32(127)), 23);
+    x[j] = _mm256_mul_ps(p[j], _mm256_castsi256_ps(two_k));
+  }
+}
+
 static inline __m256 exp256(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2 in two parts: the first exact */
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+  exp_lanes(&x, 1);
+  return x;
 }
 
 /* 1 / d: the approximate reciprocal and one Newton step (relative error ~1e-7), cheaper than a division. */
@@ -35,9 +52,19 @@ enum activation { CLAMP_ONLY = 0, GELU_ERF = 1, GELU_TANH = 2, SWISH = 3, HARDSW
 
 /* x / (1 + e^-x), torch's SiLU, by a reciprocal (a division cost a fifth more on a 16 -> 96 1x1
  * conv); -inf gives NaN as there (-inf / inf), which exp256's clamped range would make -inf. */
+static inline __attribute__((always_inline)) void swish_lanes(__m256* x, int n) {
+  __m256 e[ACTIVATION_LANES];
+  EACH_LANE(j) e[j] = _mm256_sub_ps(_mm256_setzero_ps(), x[j]);
+  exp_lanes(e, n);
+  EACH_LANE(j) {
+    const __m256 y = _mm256_mul_ps(x[j], reciprocal(_mm256_add_ps(_mm256_set1_ps(1.0f), e[j])));
+    x[j] = _mm256_blendv_ps(y, _mm256_set1_ps(NAN), _mm256_cmp_ps(x[j], _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+  }
+}
+
 static inline __m256 swish(__m256 x) {
-  const __m256 y = _mm256_mul_ps(x, reciprocal(_mm256_add_ps(_mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), x)))));
-  return _mm256_blendv_ps(y, _mm256_set1_ps(NAN), _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+  swish_lanes(&x, 1);
+  return x;
 }
 
 /* x * min(max(x + 3, 0), 6) / 6, the division as a multiply (an ulp from torch's); a NaN stays
