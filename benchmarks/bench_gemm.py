@@ -128,10 +128,10 @@ def depthwise_runners(channels, size, stride):
                      None, "hardtanh", [0.0, 6.0], "")
 
     mult_add = scale_and_offset(weight, w_scale, 0.02, 0)
-    constants = packing(weight, lambda w: depthwise.pack(w, *mult_add))
+    constants = packing(weight, lambda w: depthwise.pack(w, *mult_add, depthwise.vnni_built()))
 
     def own():
-        return native.qconv_dw3x3(x, 0, *constants(), (stride, stride), (1, 1), 0.0, 6.0, 0.05, 0, 0, 255)
+        return native.qconv_depthwise(x, 0, *constants(), (stride, stride), (1, 1), 0.0, 6.0, 0.05, 0, 0, 255)
     return onednn, own
 
 

@@ -1,10 +1,11 @@
-"""Depthwise 3x3 int8 convs on CPU: qbackend's own kernel (qbackend/csrc/depthwise_conv_int8.c).
+"""Depthwise 3x3 and 5x5 int8 convs on CPU: qbackend's own kernel (qbackend/csrc/depthwise_conv_int8.c).
 
 torch 2.13's onednn::qconv_pointwise costs ~50 us per call before any compute and runs
 depthwise 3x3 convs at 3-11 GMAC/s on this AVX2 machine: 100 us for a 384-channel 14x14 layer,
 320 us for 32 channels at 112x112. The kernel here takes the MobileNet-style cases: int8 in,
 int8 out after a clamp post-op; on AVX2 also SiLU / hardswish and a float32 output (what
-EfficientNet's and MobileNetV3's squeeze-excitation blocks read). Every other conv keeps oneDNN.
+EfficientNet's and MobileNetV3's squeeze-excitation blocks read), and 5x5 windows (their later
+stages). Every other conv keeps oneDNN.
 """
 from __future__ import annotations
 
@@ -21,58 +22,69 @@ LANES = 16  # channels per vector step of the kernel
 MAX_CHANNELS = 1 << 14  # the kernel keeps a row of zero-point bytes per channel on its stack
 
 
-def is_depthwise_3x3(match) -> bool:
-    """A 2-D conv with one input channel per group, multiplier 1, 3x3 kernel, no residual."""
+def is_depthwise(match) -> bool:
+    """A 2-D conv with one input channel per group, multiplier 1, a square 3x3 or 5x5 kernel, no residual."""
     p, w = match.conv, match.weight
     return (p is not None and w is not None and p.spatial_rank == 2 and match.accum is None and match.accum_float is None
-            and p.groups == w.int8.shape[0] and tuple(w.int8.shape[1:]) == (1, 3, 3))
+            and p.groups == w.int8.shape[0] and tuple(w.int8.shape[1:]) in {(1, k, k) for k in native.DEPTHWISE_WINDOWS})
+
+
+def _window(match) -> int:
+    return match.weight.int8.shape[-1]
 
 
 def refusal(ctx: EmitContext, match) -> Optional[str]:
     """Why this conv is not for the depthwise kernel (None if it is)."""
-    if not is_depthwise_3x3(match):
-        return "not a depthwise 3x3 conv"
-    p, w = match.conv, match.weight
+    if not is_depthwise(match):
+        return f"not a depthwise conv with a {' or '.join(f'{k}x{k}' for k in native.DEPTHWISE_WINDOWS)} window"
+    p, w, k = match.conv, match.weight, _window(match)
     channels = w.int8.shape[0]
-    if list(p.dilation) != [1, 1] or any(s not in (1, 2) for s in p.stride) or any(q not in (0, 1) for q in p.padding):
-        return f"stride {p.stride}, padding {p.padding}, dilation {p.dilation}: the kernel takes stride 1-2, padding 0-1"
+    if list(p.dilation) != [1, 1] or any(s not in (1, 2) for s in p.stride) or any(not 0 <= q <= k // 2 for q in p.padding):
+        return (f"stride {p.stride}, padding {p.padding}, dilation {p.dilation}: the kernel takes stride 1-2, padding"
+                f" 0-{k // 2}")
     if channels > MAX_CHANNELS:
         return f"{channels} channels: the kernel takes up to {MAX_CHANNELS}"
-    avx2 = native.int8_build() == "avx2"
-    if match.output_quant is None:
-        if not avx2:
-            return "a float output: the AVX512-VNNI depthwise kernel writes uint8"
-        if match.float_dtype != torch.float32:
-            return f"the kernel writes uint8 or float32, not {match.float_dtype}"
-    activations = _ACTIVATIONS if avx2 else ()
+    if match.output_quant is None and match.float_dtype != torch.float32:
+        return f"the kernel writes uint8 or float32, not {match.float_dtype}"
     return own_conv.refusal(ctx, match, (match.x.qparams,) + ((match.output_quant,) if match.output_quant else ()),
-                            activations)
+                            _ACTIVATIONS)
 
 
 # post-ops the AVX2 kernel runs before its clamp (the VNNI one has none)
 _ACTIVATIONS = tuple(a for a in native.DEPTHWISE_ACTIVATIONS if a != "none")
 
 
+def vnni_built() -> bool:
+    return native.int8_build() == "avx512_vnni"
+
+
+def _vnni_runs(match) -> bool:
+    """The AVX512-VNNI kernel where it is built and takes the conv: 3x3, uint8 out after a clamp
+    only. The AVX2 one runs the rest on such CPUs too."""
+    return (vnni_built() and _window(match) == 3 and match.output_quant is not None
+            and _activation(match.post_op) == "none")
+
+
 def _activation(post) -> str:
     return post.name if post is not None and post.name in _ACTIVATIONS else "none"
 
 
-def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed weights, multiplier, addend) in the order of the kernel build that runs here
-    (native.int8_build): int16 tap pairs for AVX2, int8 row triples for AVX512-VNNI; channels
+def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, vnni: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed weights, multiplier, addend) in the order of the kernel that runs the conv:
+    int16 tap pairs for AVX2, int8 row triples for AVX512-VNNI; channels
     padded to a multiple of LANES with zeros (the kernels run such layers on padded copies)."""
     pad = -weight.shape[0] % LANES
     weight, mult, add = (torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (weight, mult, add))
-    return (pack_vnni if native.int8_build() == "avx512_vnni" else pack_avx2)(weight, mult, add)
+    return (pack_vnni if vnni else pack_avx2)(weight, mult, add)
 
 
 def pack_avx2(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Two taps' int16 weights per pair (vpmaddwd), in the AVX2 kernel's lane order."""
-    channels = weight.shape[0]
+    channels, window = weight.shape[0], weight.shape[-1] ** 2
     groups = channels // LANES
-    taps = torch.nn.functional.pad(weight.reshape(channels, 9).to(torch.int16), (0, 1))  # a 10th, zero tap
+    taps = torch.nn.functional.pad(weight.reshape(channels, window).to(torch.int16), (0, window % 2))  # (a last, zero tap)
     # channel = 16 g + 8 half + 4 part + i with part 0 -> "lo" sums, 1 -> "hi" (vpunpck order)
-    pairs = taps.reshape(groups, 2, 2, 4, 5, 2).permute(4, 0, 2, 1, 3, 5).contiguous()
+    pairs = taps.reshape(groups, 2, 2, 4, -1, 2).permute(4, 0, 2, 1, 3, 5).contiguous()
     order = lambda v: v.float().reshape(groups, 2, 2, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)  # noqa: E731
     return pairs.reshape(-1), order(mult), order(add)
 
@@ -97,14 +109,15 @@ def emit(ctx: EmitContext, match):
     p, out = match.conv, match.output_quant
     activation = _activation(match.post_op)
     low, high = own_conv.clamp_bounds(None if activation != "none" else match.post_op)
-    weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match))
-    ctx.kernel = f"{native.NAMESPACE}::qconv_dw3x3.default"
+    weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match), _vnni_runs(match))
+    ctx.kernel = f"{native.NAMESPACE}::qconv_depthwise.default"
     ctx.notes.append("qbackend's depthwise kernel (oneDNN: ~50 us per call, 3-11 GMAC/s here)")
     requantize = (out.scale, out.zero_point, out.qmin, out.qmax) if out is not None else (1.0, 0, 0, 255)
-    return own_conv.call_kernel(ctx, "qconv_dw3x3", (
+    return own_conv.call_kernel(ctx, "qconv_depthwise", (
         match.x.node, match.x.qparams.zero_point, ctx.constant(weight, "dw_w"), ctx.constant(mult, "dw_mult"),
         ctx.constant(add, "dw_add"), tuple(p.stride), tuple(p.padding), low, high, *requantize,
-        *((out is None, activation) if out is None or activation != "none" else ())))
+        *((out is None, activation) if out is None or activation != "none" or _window(match) != 3 else ()),
+        *((_window(match),) if _window(match) != 3 else ())))
 
 
-KERNEL = own_conv.OwnKernel("depthwise", is_depthwise_3x3, refusal, emit, prior=lambda match: None)
+KERNEL = own_conv.OwnKernel("depthwise", is_depthwise, refusal, emit, prior=lambda match: None)

@@ -101,7 +101,7 @@ def _channels_last_readers() -> set:
     convs and qbackend's conv kernels."""
     readers = {r.op for r in (resolve(name, "cpu") for name in ("qconv", "qconv_tensor", "qconv_binary", "qconv_binary_tensor")) if r}
     if native.available() is None:
-        readers.update(form for name in ("qconv", "qconv_dw3x3", "qconv_stem") for form in native.own_kernel_forms(name))
+        readers.update(form for name in ("qconv", "qconv_depthwise", "qconv_stem") for form in native.own_kernel_forms(name))
     return readers
 
 

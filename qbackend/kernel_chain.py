@@ -22,7 +22,7 @@ from torch.fx import GraphModule, Node
 from . import native
 
 ALIGN = 64  # bytes: intermediates start on cache lines
-KINDS = {"qconv": 0, "qconv_dw3x3": 1, "qconv_stem": 1, "max_pool_u8": 1, "global_avg_pool_u8": 1}  # kernel_chain.c ``enum kind``
+KINDS = {"qconv": 0, "qconv_depthwise": 1, "qconv_stem": 1, "max_pool_u8": 1, "global_avg_pool_u8": 1}  # kernel_chain.c ``enum kind``
 MIN_STEPS = 2  # a single call gains nothing from a chain
 
 

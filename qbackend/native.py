@@ -48,9 +48,9 @@ NAMESPACE = "qbackend"
 OPS = {
     "int4_mm_int16": "int4_mm_int16(Tensor x, Tensor weight, Tensor scale, Tensor offset, int group_size) -> Tensor",
     "int8_mm_int16": "int8_mm_int16(Tensor x, Tensor weight, Tensor scale) -> Tensor",
-    "qconv_dw3x3": "qconv_dw3x3(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int[] stride, "
+    "qconv_depthwise": "qconv_depthwise(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int[] stride, "
                    "int[] padding, float low, float high, float out_scale, int out_zero_point, int qmin, int qmax, "
-                   "bool float_out=False, str activation='none') -> Tensor",
+                   "bool float_out=False, str activation='none', int window=3) -> Tensor",
     "qconv": "qconv(Tensor x, Tensor weight, Tensor mult, Tensor add, Tensor? residual, float residual_scale, "
              "float low, float high, float out_scale, int out_zero_point, int qmin, int qmax, bool float_out=False, "
              "str activation='none', int[2] kernel_size=[1, 1], int[2] stride=[1, 1], int[2] padding=[0, 0], "
@@ -122,7 +122,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.qb_int4_mm.argtypes = [i32] * 5 + [pointer] * 8
     lib.qb_int8_mm.argtypes = [i32] * 4 + [pointer] * 7
-    lib.qb_dwconv3x3_call.argtypes = [i32] + [pointer] * 3
+    lib.qb_dwconv_call.argtypes = [i32] + [pointer] * 3
     lib.qb_attention_f32.argtypes = [i32] + [pointer] * 6
     lib.qb_quantize_nchw_to_nhwc.argtypes = [i32] * 4 + [pointer, f32] + [i32] * 3 + [pointer]
     lib.qb_quantize_dense.argtypes = [i32, ctypes.c_long, pointer, f32] + [i32] * 6 + [pointer]
@@ -132,7 +132,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_max_pool_u8_call.argtypes = lib.qb_global_avg_pool_u8_call.argtypes = [i32] + [pointer] * 3
     lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = None
     # (0; -1 when the depthwise conv could not allocate its padding row: the pools always 0)
-    lib.qb_dwconv3x3_call.restype = lib.qb_run_chain.restype = i32
+    lib.qb_dwconv_call.restype = lib.qb_run_chain.restype = i32
     lib.qb_max_pool_u8_call.restype = lib.qb_global_avg_pool_u8_call.restype = i32
     lib.qb_quantize_nchw_to_nhwc.restype = lib.qb_quantize_dense.restype = lib.qb_attention_f32.restype = lib.qb_scale_quantize.restype = None
     lib.qb_has_avx512_vnni.restype = i32
@@ -165,7 +165,7 @@ class _ConvCall(ctypes.Structure):
 @_once
 def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     """The AVX512-VNNI kernels' library (the GEMM's qb_conv_call_vnni, the depthwise
-    qb_dwconv3x3_vnni_call, the stem conv's qb_stem_conv_vnni_call) where this CPU and
+    qb_dwconv_vnni_call, the stem conv's qb_stem_conv_vnni_call) where this CPU and
     compiler can run it, else (None, why not)."""
     lib, reason = _load()
     if lib is None:
@@ -181,9 +181,9 @@ def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     _declare_gemm(vnni.qb_conv_call_vnni)
     _declare_gemm(vnni.qb_conv_call_vnni512)
     vnni.qb_vnni_zmm_speedup.argtypes, vnni.qb_vnni_zmm_speedup.restype = [ctypes.c_int], ctypes.c_double
-    vnni.qb_dwconv3x3_vnni_call.argtypes = vnni.qb_stem_conv_vnni_call.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3
+    vnni.qb_dwconv_vnni_call.argtypes = vnni.qb_stem_conv_vnni_call.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3
     # -1: a thread's scratch could not be allocated (the depthwise conv; the stem conv with a fused pool)
-    vnni.qb_dwconv3x3_vnni_call.restype = vnni.qb_stem_conv_vnni_call.restype = ctypes.c_int
+    vnni.qb_dwconv_vnni_call.restype = vnni.qb_stem_conv_vnni_call.restype = ctypes.c_int
     return vnni, None
 
 
@@ -196,7 +196,7 @@ ZMM_MIN_SPEEDUP = 1.3
 
 
 def int8_build() -> str:
-    """The build of the int8 kernels (qbackend::qconv's GEMM, qbackend::qconv_dw3x3) that runs
+    """The build of the int8 kernels (qbackend::qconv's GEMM, qbackend::qconv_depthwise) that runs
     here: "avx512_vnni" (vpdpbusd: exact for any int8 weights) or "avx2" (vpmaddubsw /
     vpmaddwd: the GEMM's int16 pair sums saturate, so the lowering checks each weight against
     the activation range). The lowering packs weights for it."""
@@ -394,47 +394,53 @@ class _DepthwiseCall(ctypes.Structure):
                                                     "x_zp")]
                 + [("weight", ctypes.c_void_p), ("mult", ctypes.c_void_p), ("add", ctypes.c_void_p), ("lo", ctypes.c_float),
                    ("hi", ctypes.c_float), ("out_inv_scale", ctypes.c_float), ("out_zp", ctypes.c_int),
-                   ("qmin", ctypes.c_int), ("qmax", ctypes.c_int), ("activation", ctypes.c_int), ("float_out", ctypes.c_int)])
+                   ("qmin", ctypes.c_int), ("qmax", ctypes.c_int), ("activation", ctypes.c_int), ("float_out", ctypes.c_int),
+                   ("window", ctypes.c_int)])
 
 
 # the depthwise kernels' unary post-ops besides their clamp (depthwise_conv_int8.c ``enum activation``;
 # the VNNI kernel has none)
 DEPTHWISE_ACTIVATIONS = ("none", "swish", "hardswish")
+DEPTHWISE_WINDOWS = (3, 5)  # square windows the AVX2 kernel takes (the VNNI one: 3)
 
 
-def _prepare_dwconv3x3(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point,
-                       qmin, qmax, float_out=False, activation="none") -> Prepared:
+def _prepare_dwconv(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point,
+                    qmin, qmax, float_out=False, activation="none", window=3) -> Prepared:
     """The AVX2 kernel for int16 packed weights, the VNNI one for int8 (``lowering/depthwise.py``)."""
-    _check_nchw_uint8(x, None, "qconv_dw3x3")
+    _check_nchw_uint8(x, None, "qconv_depthwise")
     n, c, h, w = x.shape
     packed = -(-c // 16) * 16  # (the packing pads the channels with zeros)
     if activation not in DEPTHWISE_ACTIVATIONS:
-        raise ValueError(f"qbackend::qconv_dw3x3: activation {activation!r} is not one of {list(DEPTHWISE_ACTIVATIONS)}")
+        raise ValueError(f"qbackend::qconv_depthwise: activation {activation!r} is not one of {list(DEPTHWISE_ACTIVATIONS)}")
+    if window not in DEPTHWISE_WINDOWS:
+        raise ValueError(f"qbackend::qconv_depthwise: a {window}x{window} window; the kernel takes {DEPTHWISE_WINDOWS}")
     if weight.dtype == torch.int8:
         vnni = _vnni_library()[0]
         if vnni is None:
-            raise ValueError(f"qbackend::qconv_dw3x3: int8 weights are packed for AVX512-VNNI: {_vnni_library()[1]}")
-        if float_out or activation != "none":
-            raise ValueError("qbackend::qconv_dw3x3: the AVX512-VNNI kernel writes uint8 after a clamp only")
-        function, dtype, taps = vnni.qb_dwconv3x3_vnni_call, torch.int8, 12  # 3 kernel rows of 4 bytes
+            raise ValueError(f"qbackend::qconv_depthwise: int8 weights are packed for AVX512-VNNI: {_vnni_library()[1]}")
+        if float_out or activation != "none" or window != 3:
+            raise ValueError("qbackend::qconv_depthwise: the AVX512-VNNI kernel takes 3x3 windows and writes uint8 after"
+                             " a clamp only")
+        function, dtype, taps = vnni.qb_dwconv_vnni_call, torch.int8, 12  # 3 kernel rows of 4 bytes
     else:
-        function, dtype, taps = lib.qb_dwconv3x3_call, torch.int16, 10  # 5 pairs of int16
+        function, dtype, taps = lib.qb_dwconv_call, torch.int16, (window * window + 1) // 2 * 2  # pairs of int16
     if mult.numel() != packed:
-        raise ValueError(f"qbackend::qconv_dw3x3: activations of {c} channels for constants packed for {mult.numel()} "
+        raise ValueError(f"qbackend::qconv_depthwise: activations of {c} channels for constants packed for {mult.numel()} "
                          f"({c} channels pack as {packed})")
-    _check_constants("qconv_dw3x3", (weight, dtype, taps * packed), (mult, torch.float32, packed), (add, torch.float32, packed))
-    oh, ow = _window("qconv_dw3x3", h, w, (3, 3), stride, padding)
-    _check_levels("qconv_dw3x3", x_zero_point, out_zero_point, qmin, qmax)
+    _check_constants("qconv_depthwise", (weight, dtype, taps * packed), (mult, torch.float32, packed), (add, torch.float32, packed))
+    oh, ow = _window("qconv_depthwise", h, w, (window, window), stride, padding)
+    _check_levels("qconv_depthwise", x_zero_point, out_zero_point, qmin, qmax)
     call = _DepthwiseCall(n, h, w, c, *stride, *padding, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
                           add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax, ACTIVATIONS[activation],
-                          bool(float_out))
+                          bool(float_out), window)
     return _prepare(call, (n, c, oh, ow), torch.float32 if float_out else torch.uint8, function, (mult, add))
 
 
-def _dwconv3x3_prepared(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point,
-                        qmin, qmax, float_out=False, activation="none", *, trusted=False) -> Prepared:
-    args = (x_zero_point, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax, float_out, activation)
-    return _prepared(weight, trusted, x, args, lambda: _prepare_dwconv3x3(lib, x, x_zero_point, weight, *args[1:]))
+def _dwconv_prepared(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point,
+                     qmin, qmax, float_out=False, activation="none", window=3, *, trusted=False) -> Prepared:
+    args = (x_zero_point, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax, float_out, activation,
+            window)
+    return _prepared(weight, trusted, x, args, lambda: _prepare_dwconv(lib, x, x_zero_point, weight, *args[1:]))
 
 
 def _x_to_y(prepared: Prepared, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -446,8 +452,8 @@ def _x_to_y(prepared: Prepared, x: torch.Tensor, name: str) -> torch.Tensor:
     return y
 
 
-def _dwconv3x3(lib, x, *args, trusted=False):
-    return _x_to_y(_dwconv3x3_prepared(lib, x, *args, trusted=trusted), x, "qconv_dw3x3")
+def _dwconv(lib, x, *args, trusted=False):
+    return _x_to_y(_dwconv_prepared(lib, x, *args, trusted=trusted), x, "qconv_depthwise")
 
 
 def _channels_last_like(x: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -456,10 +462,10 @@ def _channels_last_like(x: torch.Tensor, shape, dtype: torch.dtype) -> torch.Ten
     return x.new_empty_strided(shape, (h * w * c, 1, w * c, c), dtype=dtype)
 
 
-def _dwconv3x3_fake(x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax,
-                    float_out=False, activation="none"):
+def _dwconv_fake(x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax,
+                 float_out=False, activation="none", window=3):
     n, c, h, w = x.shape
-    shape = (n, c, *_output_hw(h, w, (3, 3), stride, padding))
+    shape = (n, c, *_output_hw(h, w, (window, window), stride, padding))
     return _channels_last_like(x, shape, torch.float32 if float_out else torch.uint8)
 
 
@@ -796,13 +802,13 @@ def _scale_quantize(lib, x, factors, scale, zero_point, qmin, qmax):
     return y
 
 
-_IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_dw3x3": _dwconv3x3, "qconv": _conv, "qconv_stem": _stem_conv,
+_IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_depthwise": _dwconv, "qconv": _conv, "qconv_stem": _stem_conv,
           "attention_f32": _attention, "max_pool_u8": _max_pool, "global_avg_pool_u8": _global_avg_pool,
           "scale_quantize": _scale_quantize}
 FAKES = {
     "int4_mm_int16": lambda x, weight, scale, offset, group_size: x.new_empty(x.shape[0], weight.shape[0]),
     "int8_mm_int16": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
-    "qconv_dw3x3": _dwconv3x3_fake,
+    "qconv_depthwise": _dwconv_fake,
     "qconv": _conv_fake,
     "qconv_stem": _stem_conv_fake,
     "attention_f32": _attention_fake,
@@ -813,7 +819,7 @@ FAKES = {
 
 
 def int4_mm_int16(*args):
-    """``qbackend::int4_mm_int16`` without the dispatcher round trip (see ``qconv_dw3x3``):
+    """``qbackend::int4_mm_int16`` without the dispatcher round trip (see ``qconv_depthwise``):
     measured 50 -> 24 us per call of a small layer, 17 calls per token of a 4-layer Llama."""
     return _int4_mm(_load()[0], *args, trusted=True)
 
@@ -823,15 +829,15 @@ def int8_mm_int16(*args):
     return _int8_mm(_load()[0], *args, trusted=True)
 
 
-def qconv_dw3x3(*args):
-    """``qbackend::qconv_dw3x3`` without the dispatcher round trip (~8 us per call, ~40% of a
+def qconv_depthwise(*args):
+    """``qbackend::qconv_depthwise`` without the dispatcher round trip (~8 us per call, ~40% of a
     small conv's): what graphs that run eagerly call. Traced graphs need the op. Its constants
     are the lowering's own packing, so their checks (~4 us) are skipped; the activation's stay."""
-    return _dwconv3x3(_load()[0], *args, trusted=True)
+    return _dwconv(_load()[0], *args, trusted=True)
 
 
 def qconv(*args):
-    """``qbackend::qconv`` without the dispatcher round trip (see ``qconv_dw3x3``)."""
+    """``qbackend::qconv`` without the dispatcher round trip (see ``qconv_depthwise``)."""
     return _conv(_load()[0], *args, trusted=True)
 
 
@@ -888,7 +894,7 @@ def memory_order(x: torch.Tensor) -> Optional[list]:
 
 
 def qconv_stem(*args):
-    """``qbackend::qconv_stem`` without the dispatcher round trip (see ``qconv_dw3x3``)."""
+    """``qbackend::qconv_stem`` without the dispatcher round trip (see ``qconv_depthwise``)."""
     return _stem_conv(_load()[0], *args, trusted=True)
 
 
@@ -913,7 +919,7 @@ def scale_quantize(x, factors, scale, zero_point, qmin, qmax):
 
 
 # own kernel -> the plain function eager graphs call
-PLAIN = {"int4_mm_int16": int4_mm_int16, "int8_mm_int16": int8_mm_int16, "qconv_dw3x3": qconv_dw3x3, "qconv": qconv, "qconv_stem": qconv_stem, "attention_f32": attention_f32, "max_pool_u8": max_pool_u8,
+PLAIN = {"int4_mm_int16": int4_mm_int16, "int8_mm_int16": int8_mm_int16, "qconv_depthwise": qconv_depthwise, "qconv": qconv, "qconv_stem": qconv_stem, "attention_f32": attention_f32, "max_pool_u8": max_pool_u8,
          "global_avg_pool_u8": global_avg_pool_u8, "scale_quantize": scale_quantize}
 # They return tensors they allocated (attention: a view of one): the in-place safety analysis
 # (patterns/inplace.py) may let a later kernel write into them.
@@ -921,7 +927,7 @@ for _fn in PLAIN.values():
     _fn.fresh_output = True
 
 # own kernel a chain may run -> its prepared call for given arguments (kernel_chain.py)
-PREPARED_CALLS = {"qconv_dw3x3": _dwconv3x3_prepared, "qconv": _conv_prepared, "qconv_stem": _stem_conv_prepared,
+PREPARED_CALLS = {"qconv_depthwise": _dwconv_prepared, "qconv": _conv_prepared, "qconv_stem": _stem_conv_prepared,
                   "max_pool_u8": _max_pool_prepared, "global_avg_pool_u8": _global_avg_pool_prepared}
 
 

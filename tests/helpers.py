@@ -121,7 +121,7 @@ def _in_reference_dtype(actual: torch.Tensor, expected: torch.Tensor) -> torch.T
 def chained_convs(gm: GraphModule) -> list:
     """The conv kernel calls (GEMM, depthwise, stem) that kernel chains in ``gm`` run."""
     return [step for node in gm.graph.nodes if isinstance(node.target, KernelChain) for step in node.target.steps
-            if step.kernel in ("qconv", "qconv_dw3x3", "qconv_stem")]
+            if step.kernel in ("qconv", "qconv_depthwise", "qconv_stem")]
 
 
 def chain_lines(node, fmt) -> list:

@@ -39,7 +39,7 @@ def qconv_args():
 
 def dw_args():
     w = torch.zeros(16, 1, 3, 3, dtype=torch.int8)
-    weight, mult, add = depthwise.pack(w, *scale_and_offset(w, torch.ones(16), 0.1, 0))
+    weight, mult, add = depthwise.pack(w, *scale_and_offset(w, torch.ones(16), 0.1, 0), depthwise.vnni_built())
     # x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zp, qmin, qmax
     return [_uint8(1, 16, 6, 6), 0, weight, mult, add, [1, 1], [1, 1], 0.0, 6.0, 0.1, 0, 0, 255]
 
@@ -73,7 +73,7 @@ TABLE = [
                            (13, "silu", "activation 'silu'"),
                            (14, [-1, -3], "kernel_size"), (15, [0, 1], "stride"), (16, [-1, 0], "padding"),
                            (17, [-1, -1], "dilation"), (17, [9, 9], "no output"), (18, 256, "zero points")]),
-    ("qconv_dw3x3", dw_args, [(0, torch.zeros(1, 16, 6, 6), "takes uint8 CPU activations"),
+    ("qconv_depthwise", dw_args, [(0, torch.zeros(1, 16, 6, 6), "takes uint8 CPU activations"),
                               (0, _uint8(1, 32, 6, 6), "activations of 32 channels for constants packed for 16"),
                               (1, -1, "zero points"), (5, [-1, -1], "stride"), (6, [1], "padding"),
                               (12, 300, "zero points")]),

@@ -31,18 +31,19 @@ def reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, low, high, ou
     return (torch.round(y / out_scale) + out_zp).clamp(qmin, qmax).to(torch.uint8)
 
 
-def _depthwise_case(channels, post, stride, padding, qmax):
+def _depthwise_case(channels, post, stride, padding, qmax, window=3):
     """Random uint8 activations, full 8-bit weights, and the kernel's call and the reference's."""
     torch.manual_seed(0)
     x_scale, x_zp, out_scale, out_zp = 0.03, 7, 0.05, 60
     x = torch.randint(0, 256, (2, channels, 9, 11), dtype=torch.uint8)  # odd sizes: every border case
-    w = torch.randint(-128, 128, (channels, 1, 3, 3), dtype=torch.int8)  # full 8-bit weights are exact here
+    w = torch.randint(-128, 128, (channels, 1, window, window), dtype=torch.int8)  # full 8-bit weights are exact here
     w_scale, bias = torch.rand(channels) * 0.01 + 0.001, torch.randn(channels)
     low, high = CLAMPS[post]
 
     def run():
-        packed = depthwise.pack(w, *scale_and_offset(w, w_scale, x_scale, x_zp, bias))
-        return native.op("qconv_dw3x3")(x, x_zp, *packed, [stride] * 2, [padding] * 2, low, high, out_scale, out_zp, 0, qmax)
+        packed = depthwise.pack(w, *scale_and_offset(w, w_scale, x_scale, x_zp, bias), depthwise.vnni_built() and window == 3)
+        return native.op("qconv_depthwise")(x, x_zp, *packed, [stride] * 2, [padding] * 2, low, high, out_scale, out_zp, 0, qmax,
+                                            False, "none", window)
 
     return run, reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, low, high, out_scale, out_zp, 0, qmax)
 
@@ -60,6 +61,16 @@ def test_kernel_gives_the_reference_integers(post, stride, padding, qmax, channe
     assert int(actual.max()) <= qmax
 
 
+@needs_own_kernels
+@pytest.mark.parametrize("post", sorted(CLAMPS))
+@pytest.mark.parametrize("stride,padding", [(1, 2), (2, 2), (1, 0), (2, 1)])
+@pytest.mark.parametrize("channels", [48, 5], ids=["32 + 16 channels", "5: padded to 16"])
+def test_5x5_windows_give_the_reference_integers(post, stride, padding, channels):
+    """EfficientNet's and MobileNetV3's later stages: 25 taps, a 26th with zero weights."""
+    run, expected = _depthwise_case(channels, post, stride, padding, 255, window=5)
+    assert_int8_close(run(), expected, f"5x5 {post} stride {stride} padding {padding}")
+
+
 ACTIVATIONS = {"none": lambda t: t, "swish": nn.functional.silu, "hardswish": nn.functional.hardswish}
 
 
@@ -67,23 +78,23 @@ ACTIVATIONS = {"none": lambda t: t, "swish": nn.functional.silu, "hardswish": nn
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("float_out", [False, True], ids=["uint8 out", "float32 out"])
 @pytest.mark.parametrize("channels", [48, 58], ids=["48 channels", "58: padded to 64"])
-def test_avx2_kernel_runs_silu_and_hardswish_and_writes_float32(activation, float_out, channels, monkeypatch):
+@pytest.mark.parametrize("window", [3, 5])
+def test_avx2_kernel_runs_silu_and_hardswish_and_writes_float32(activation, float_out, channels, window):
     """EfficientNet's depthwise convs end in SiLU, MobileNetV3's in hardswish, and both feed a
     squeeze-excitation block that reads them as float32: float out within 2e-6 of the float64
     reference (dequantize, conv, activation, ReLU6 clamp), uint8 out its integers."""
-    monkeypatch.setattr(native, "int8_build", lambda: "avx2")  # (the packing; every x86 CPU runs this kernel)
     torch.manual_seed(0)
     x_scale, x_zp, out_scale, out_zp = 0.03, 7, 0.05, 60
     x = torch.randint(0, 256, (2, channels, 9, 11), dtype=torch.uint8)
-    w = torch.randint(-128, 128, (channels, 1, 3, 3), dtype=torch.int8)
+    w = torch.randint(-128, 128, (channels, 1, window, window), dtype=torch.int8)
     w_scale, bias = torch.rand(channels) * 0.01 + 0.001, torch.randn(channels)
     exact = nn.functional.conv2d((x.double() - x_zp) * x_scale, w.double() * w_scale.double()[:, None, None, None],
-                                 bias.double(), 1, 1, groups=channels)
+                                 bias.double(), 1, window // 2, groups=channels)
     assert (exact < -3).any() and (exact > 3).any()  # both tails and the middle of each activation
     expected = ACTIVATIONS[activation](exact).clamp(-1.0, 6.0)
-    packed = depthwise.pack(w, *scale_and_offset(w, w_scale, x_scale, x_zp, bias))
-    actual = native.op("qconv_dw3x3")(x, x_zp, *packed, [1, 1], [1, 1], -1.0, 6.0, out_scale, out_zp, 0, 255, float_out,
-                                      activation)
+    packed = depthwise.pack(w, *scale_and_offset(w, w_scale, x_scale, x_zp, bias), vnni=False)  # (every x86 CPU runs it)
+    actual = native.op("qconv_depthwise")(x, x_zp, *packed, [1, 1], [window // 2] * 2, -1.0, 6.0, out_scale, out_zp, 0, 255,
+                                          float_out, activation, window)
     assert actual.is_contiguous(memory_format=torch.channels_last)
     if float_out:
         assert actual.dtype == torch.float32
@@ -96,7 +107,7 @@ def test_an_unknown_depthwise_activation_is_refused():
     x = torch.zeros(1, 16, 4, 4, dtype=torch.uint8)
     packed = (torch.zeros(160, dtype=torch.int16), torch.zeros(16), torch.zeros(16))
     with pytest.raises(ValueError, match=r"activation 'gelu' is not one of \['none', 'swish', 'hardswish'\]"):
-        native.op("qconv_dw3x3")(x, 0, *packed, [1, 1], [1, 1], 0.0, 6.0, 1.0, 0, 0, 255, False, "gelu")
+        native.op("qconv_depthwise")(x, 0, *packed, [1, 1], [1, 1], 0.0, 6.0, 1.0, 0, 0, 255, False, "gelu")
 
 
 @pytest.mark.parametrize("post", sorted(CLAMPS))
@@ -126,7 +137,7 @@ class InvertedResidual(nn.Module):
         return x + y if self.residual else y
 
 
-DEPTHWISE_OP, GEMM_OP = "qbackend::qconv_dw3x3.default", "qbackend::qconv.default"
+DEPTHWISE_OP, GEMM_OP = "qbackend::qconv_depthwise.default", "qbackend::qconv.default"
 
 
 class SqueezeExcitationBlock(nn.Module):
@@ -134,10 +145,10 @@ class SqueezeExcitationBlock(nn.Module):
     act -> depthwise 3x3 -> act -> squeeze-excitation (pool, 1x1, act, 1x1, sigmoid, scale) ->
     1x1 project. The depthwise output is read in float by the scale and quantized for the pool."""
 
-    def __init__(self, act, channels=8, expanded=32):
+    def __init__(self, act, channels=8, expanded=32, window=3):
         super().__init__()
         self.expand = nn.Sequential(nn.Conv2d(channels, expanded, 1), act())
-        self.depthwise = nn.Sequential(nn.Conv2d(expanded, expanded, 3, 1, 1, groups=expanded), act())
+        self.depthwise = nn.Sequential(nn.Conv2d(expanded, expanded, window, 1, window // 2, groups=expanded), act())
         self.squeeze = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(expanded, 8, 1), act(), nn.Conv2d(8, expanded, 1),
                                      nn.Sigmoid())
         self.project = nn.Conv2d(expanded, channels, 1)
@@ -158,14 +169,13 @@ class TestDepthwiseLowering(expecttest.TestCase):
         ops = [d.op for d in captured.report.decisions]
         assert ops == [GEMM_OP, DEPTHWISE_OP, GEMM_OP], str(captured.report)  # (the last one writes float32)
         graph = short_graph(captured.lowered)  # run eagerly: the kernels as plain functions
-        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_dw3x3" in line][0], """qconv_dw3x3 = native.qconv_dw3x3(qconv, 0, <const>, <const>, <const>, (2, 2), (1, 1), 0, 6, 0.00825, 0, 0, 127)""")
+        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_depthwise" in line][0], """qconv_depthwise = native.qconv_depthwise(qconv, 0, <const>, <const>, <const>, (2, 2), (1, 1), 0, 6, 0.00825, 0, 0, 127)""")
         _, _, traced = compile_and_run(model, (x,), need_meta=True)  # to be traced: the registered ops
         targets = {node.target for node in traced.lowered.graph.nodes}
-        assert {native.op("qconv_dw3x3"), native.op("qconv")} <= targets
-        assert not {native.qconv_dw3x3, native.qconv} & targets
+        assert {native.op("qconv_depthwise"), native.op("qconv")} <= targets
+        assert not {native.qconv_depthwise, native.qconv} & targets
 
     @needs_own_kernels
-    @pytest.mark.skipif(native.int8_build() != "avx2", reason="the AVX512-VNNI depthwise kernel folds clamps only")
     def test_squeeze_excitation_blocks_run_their_activations_on_qbackends_kernels(self):
         for act in (nn.SiLU, nn.Hardswish):
             torch.manual_seed(0)
@@ -176,8 +186,19 @@ class TestDepthwiseLowering(expecttest.TestCase):
             by_layer = {d.source: d for d in captured.report.decisions}
             assert [by_layer[f"{name}.0"].op for name in ("expand", "depthwise")] == [GEMM_OP, DEPTHWISE_OP], str(captured.report)
             graph = short_graph(captured.lowered)
-            call = [line for line in graph.splitlines() if "qconv_dw3x3" in line][0]
+            call = [line for line in graph.splitlines() if "qconv_depthwise" in line][0]
             assert call.endswith(f", -inf, inf, 1, 0, 0, 255, True, '{'swish' if act is nn.SiLU else 'hardswish'}')"), call
+
+    @needs_own_kernels
+    def test_5x5_depthwise_convs_run_on_qbackends_kernel(self):
+        torch.manual_seed(0)
+        x = torch.randn(2, 8, 14, 14)
+        model = quantize(SqueezeExcitationBlock(nn.SiLU, window=5).eval(), (x,))
+        actual, expected, captured = compile_and_run(model, (x,))
+        assert_outputs_close(actual, expected, "5x5")
+        assert {d.source: d for d in captured.report.decisions}["depthwise.0"].op == DEPTHWISE_OP, str(captured.report)
+        call = [line for line in short_graph(captured.lowered).splitlines() if "qconv_depthwise" in line][0]
+        self.assertExpectedInline(call, """qconv_depthwise = native.qconv_depthwise(qconv, 12, <const>, <const>, <const>, (1, 1), (2, 2), -inf, inf, 1, 0, 0, 255, True, 'swish', 5)""")
 
     def test_channels_that_are_not_whole_lanes_run_on_padded_copies(self):
         x = torch.randn(1, 8, 10, 10)
@@ -383,15 +404,15 @@ def test_bad_inputs_get_a_clear_error_not_a_crash():
     with pytest.raises(ValueError, match=r"zero points 0, 300 and clamp \[0, 255\] must lie within 0..255"):
         conv1x1(x, weight, mult, add, None, 0.0, 0.0, 6.0, 0.1, 300, 0, 255)
     dw = torch.zeros(16, 1, 3, 3, dtype=torch.int8)
-    dw_weight, dw_mult, dw_add = depthwise.pack(dw, *scale_and_offset(dw, torch.ones(16), 0.1, 0))
+    dw_weight, dw_mult, dw_add = depthwise.pack(dw, *scale_and_offset(dw, torch.ones(16), 0.1, 0), vnni=False)
     with pytest.raises(ValueError, match="activations of 32 channels for constants packed for 16"):
-        native.op("qconv_dw3x3")(torch.zeros(1, 32, 4, 4, dtype=torch.uint8), 0, dw_weight, dw_mult, dw_add, [1, 1], [1, 1],
+        native.op("qconv_depthwise")(torch.zeros(1, 32, 4, 4, dtype=torch.uint8), 0, dw_weight, dw_mult, dw_add, [1, 1], [1, 1],
                                  0.0, 6.0, 0.1, 0, 0, 255)
     with pytest.raises(ValueError, match="expected a contiguous CPU torch.int16 constant"):  # (int8 would mean VNNI packing)
-        native.op("qconv_dw3x3")(torch.zeros(1, 16, 4, 4, dtype=torch.uint8), 0, torch.zeros(160), dw_mult, dw_add, [1, 1],
+        native.op("qconv_depthwise")(torch.zeros(1, 16, 4, 4, dtype=torch.uint8), 0, torch.zeros(160), dw_mult, dw_add, [1, 1],
                                  [1, 1], 0.0, 6.0, 0.1, 0, 0, 255)
     with pytest.raises(ValueError, match=r"stride \[-1, -1\]: two ints from 1"):
-        native.op("qconv_dw3x3")(torch.zeros(1, 16, 4, 4, dtype=torch.uint8), 0, dw_weight, dw_mult, dw_add, [-1, -1],
+        native.op("qconv_depthwise")(torch.zeros(1, 16, 4, 4, dtype=torch.uint8), 0, dw_weight, dw_mult, dw_add, [-1, -1],
                                  [1, 1], 0.0, 6.0, 0.1, 0, 0, 255)
 
 

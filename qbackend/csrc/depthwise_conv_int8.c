@@ -1,4 +1,4 @@
-/* Depthwise 3x3 int8 convolution (uint8 NHWC activations, per-channel int8 weights), with
+/* Depthwise 3x3 and 5x5 int8 convolution (uint8 NHWC activations, per-channel int8 weights), with
  * bias, a post-op (SiLU or hardswish, then a clamp: none / relu / relu6 / hardtanh) and
  * requantization to uint8, or a float32 output (EfficientNet's and MobileNetV3's
  * squeeze-excitation blocks multiply it in float), for AVX2.
@@ -23,8 +23,8 @@
 #include "padded_channels.h"
 #include "vec_math.h"
 
-#define TAPS 9
-#define PAIRS 5 /* the 10th tap has zero weights */
+#define MAX_KERNEL 5
+#define MAX_PAIRS ((MAX_KERNEL * MAX_KERNEL + 1) / 2)
 #define LANES 16
 
 /* The post-op on a group's two vectors, in lockstep (vec_math.h). */
@@ -33,13 +33,13 @@ static inline void activate_pair(__m256 f[2], int activation) {
   else if (activation == HARDSWISH) f[0] = hardswish(f[0]), f[1] = hardswish(f[1]);
 }
 
-/* weight: [PAIRS][C/16][2 (lo, hi)][16] int16; mult, add: [C/16][2][8] float.
+/* weight: [pairs][C/16][2 (lo, hi)][16] int16, pairs = (K * K + 1) / 2; mult, add: [C/16][2][8] float.
  * f = clamp(activation(acc * mult + add), lo, hi); y = f / out_scale + out_zp, rounded and
  * clamped to [qmin, qmax], or yf = f when yf is not NULL. */
-static int dwconv3x3(int threads, int N, int H, int W, int C, int stride_h, int stride_w, int pad_h, int pad_w, int OH, int OW,
+static int dwconv(int threads, int N, int H, int W, int C, int K, int stride_h, int stride_w, int pad_h, int pad_w, int OH, int OW,
                   const uint8_t* x, int x_zp, const int16_t* weight, const float* mult, const float* add, int activation,
                   float lo, float hi, float out_inv_scale, int out_zp, int qmin, int qmax, uint8_t* y, float* yf) {
-  const int groups = C / LANES;
+  const int groups = C / LANES, pairs = (K * K + 1) / 2;
   uint8_t* zero_row = malloc((size_t)C); /* (not on the stack: C is the caller's, up to 2^31) */
   if (!zero_row) return -1;
   memset(zero_row, x_zp, (size_t)C);
@@ -50,17 +50,17 @@ static int dwconv3x3(int threads, int N, int H, int W, int C, int stride_h, int 
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
   for (int n = 0; n < N; n++)
     for (int oh = 0; oh < OH; oh++) {
-      const uint8_t* taps[PAIRS * 2];
+      const uint8_t* taps[MAX_PAIRS * 2];
       for (int ow = 0; ow < OW; ow++) {
-        for (int t = 0; t < TAPS; t++) {
-          const int ih = oh * stride_h - pad_h + t / 3, iw = ow * stride_w - pad_w + t % 3;
+        for (int t = 0; t < K * K; t++) {
+          const int ih = oh * stride_h - pad_h + t / K, iw = ow * stride_w - pad_w + t % K;
           taps[t] = (ih < 0 || ih >= H || iw < 0 || iw >= W) ? zero_row : x + (((size_t)n * H + ih) * W + iw) * C;
         }
-        taps[TAPS] = taps[TAPS - 1];
+        taps[K * K] = taps[K * K - 1];
         const size_t pixel = ((size_t)n * OH + oh) * OW + ow;
         for (int g = 0; g < groups; g++) {
           __m256i acc_lo = _mm256_setzero_si256(), acc_hi = _mm256_setzero_si256();
-          for (int p = 0; p < PAIRS; p++) {
+          for (int p = 0; p < pairs; p++) {
             const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(taps[2 * p] + g * LANES)));
             const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(taps[2 * p + 1] + g * LANES)));
             const __m256i* w = (const __m256i*)(weight + ((size_t)p * groups + g) * 2 * LANES);
@@ -104,19 +104,19 @@ typedef struct {
   const float *mult, *add;
   float lo, hi, out_inv_scale;
   int out_zp, qmin, qmax;
-  int activation, float_out; /* (after the fields the VNNI kernel's struct shares) */
+  int activation, float_out, window; /* (after the fields the VNNI kernel's struct shares) */
 } dwconv_call_t;
 
 static int run(int threads, const void* call, const uint8_t* x, void* y) {
   const dwconv_call_t* c = call;
-  return dwconv3x3(threads, c->N, c->H, c->W, c->C, c->stride_h, c->stride_w, c->pad_h, c->pad_w, c->OH, c->OW, x, c->x_zp,
+  return dwconv(threads, c->N, c->H, c->W, c->C, c->window, c->stride_h, c->stride_w, c->pad_h, c->pad_w, c->OH, c->OW, x, c->x_zp,
                    c->weight, c->mult, c->add, c->activation, c->lo, c->hi, c->out_inv_scale, c->out_zp, c->qmin, c->qmax,
                    c->float_out ? NULL : y, c->float_out ? y : NULL);
 }
 
 /* Returns 0, or -1 when a scratch buffer could not be allocated (as the VNNI kernel). Channels
  * that are not whole groups of 16 run on padded copies (padded_channels.h). */
-int qb_dwconv3x3_call(int threads, const dwconv_call_t* c, const uint8_t* x, void* y) {
+int qb_dwconv_call(int threads, const dwconv_call_t* c, const uint8_t* x, void* y) {
   if (c->C % LANES == 0) return run(threads, c, x, y);
   dwconv_call_t padded = *c;
   padded.C = padded_channels(c->C, LANES);

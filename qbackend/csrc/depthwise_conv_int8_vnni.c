@@ -163,7 +163,7 @@ static int run(int threads, const void* call, const uint8_t* x, void* y) {
 }
 
 /* Channels that are not whole groups of 16 run on padded copies (padded_channels.h). */
-int qb_dwconv3x3_vnni_call(int threads, const dwconv_vnni_call_t* c, const uint8_t* x, uint8_t* y) {
+int qb_dwconv_vnni_call(int threads, const dwconv_vnni_call_t* c, const uint8_t* x, uint8_t* y) {
   if (c->C % 16 == 0) return run(threads, c, x, y);
   dwconv_vnni_call_t padded = *c;
   padded.C = padded_channels(c->C, 16);

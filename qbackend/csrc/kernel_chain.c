@@ -18,7 +18,7 @@ enum kind { GEMM_CONV = 0, X_TO_Y = 1 }; /* X_TO_Y: (threads, call, x, y) -> 0 o
 
 typedef struct {
   int kind;
-  const void* function; /* qb_conv_call(_vnni); X_TO_Y: qb_dwconv3x3(_vnni)_call, qb_stem_conv_vnni_call, the pools */
+  const void* function; /* qb_conv_call(_vnni); X_TO_Y: qb_dwconv(_vnni)_call, qb_stem_conv_vnni_call, the pools */
   const void* call;     /* its prepared arguments */
   operand_t x, residual, y, yf; /* yf: a float32 output (GEMM_CONV only; an X_TO_Y call says its y's dtype) */
 } chain_step_t;
