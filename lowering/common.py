@@ -271,6 +271,12 @@ def emit_smooth_quantize(ctx: EmitContext, match: Match) -> Node:
         match.float_source, match.op_args[0], q.scale, q.zero_point, q.qmin, q.qmax, q.dtype), nan_as(match.result))
 
 
+def emit_layer_norm_quantize(ctx: EmitContext, match: Match) -> Node:
+    q = match.output_quant
+    return ctx.gm.graph.call_function(fast_qdq.layer_norm_quantize_per_tensor, (
+        match.float_source, *match.op_args, q.scale, q.zero_point, q.qmin, q.qmax, q.dtype), nan_as(match.result))
+
+
 COMMON: dict[str, Lowering] = {
     "qconv": Lowering(emit_qconv, ("qconv", "qconv_prepack"), needs_for=lambda match: (qconv_for_rank(match.conv.spatial_rank),)),
     "qconv_add": Lowering(emit_qconv_add, ("qconv_binary", "qconv_prepack")),
@@ -287,4 +293,5 @@ COMMON: dict[str, Lowering] = {
     "sdpa_fused": Lowering(emit_sdpa, ("sdpa",)),
     "qsmooth": Lowering(emit_smooth_quantize, ()),
     "qscale": Lowering(emit_smooth_quantize, ()),
+    "qlayernorm": Lowering(emit_layer_norm_quantize, ()),
 }

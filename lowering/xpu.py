@@ -118,4 +118,5 @@ TABLE = {
     "sdpa_fused": COMMON["sdpa_fused"],
     "qsmooth": COMMON["qsmooth"],
     "qscale": COMMON["qscale"],
+    "qlayernorm": COMMON["qlayernorm"],
 }

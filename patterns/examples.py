@@ -548,6 +548,35 @@ def smoothed_value_returned():
     return _convert(SmoothedLinear(also_return=True), inputs), inputs
 
 
+class NormedLinear(nn.Module):
+    """linear -> LayerNorm -> linear (a BERT layer's output norm before the next one's linear);
+    ``dims``: how many trailing dimensions the norm covers; ``also_return``: the normed rows
+    are an output too (a float consumer)."""
+
+    def __init__(self, dims=1, also_return=False):
+        super().__init__()
+        self.fc1, self.norm, self.fc2 = nn.Linear(16, 16), nn.LayerNorm([5, 16][-dims:]), nn.Linear(16, 8)
+        self.also_return = also_return
+
+    def forward(self, x):
+        normed = self.norm(self.fc1(x))
+        return (self.fc2(normed), normed) if self.also_return else self.fc2(normed)
+
+
+def normed_linear():
+    return NormedLinear(), (torch.randn(2, 5, 16),)
+
+
+def norm_over_two_dimensions():
+    inputs = (torch.randn(2, 5, 16),)
+    return _convert(NormedLinear(dims=2), inputs), inputs
+
+
+def normed_value_returned():
+    inputs = (torch.randn(2, 5, 16),)
+    return _convert(NormedLinear(also_return=True), inputs), inputs
+
+
 class SqueezeExcitation(nn.Module):
     """EfficientNet's block middle: features, their per-channel gate (pool, two 1x1 convs,
     sigmoid), the gated features into the next conv; ``spatial``: a per-pixel gate instead."""

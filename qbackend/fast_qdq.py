@@ -149,6 +149,14 @@ def scale_quantize_per_tensor(x, factors: torch.Tensor, scale: float, zero_point
     return quantize_per_tensor(torch.mul(x, factors), scale, zero_point, qmin, qmax, dtype, nan_as)
 
 
+def layer_norm_quantize_per_tensor(x, weight: torch.Tensor, bias: torch.Tensor, eps: float, scale: float, zero_point: int,
+                                   qmin: int, qmax: int, dtype: torch.dtype, nan_as: int = 0):
+    """quantize_per_tensor(layer_norm(x)) over the last dimension: ATen's LayerNorm, then the
+    one-pass quantize (where qbackend's kernel does not take it: lowering/layer_norm.py)."""
+    return quantize_per_tensor(torch.ops.aten.layer_norm.default(x, [x.shape[-1]], weight, bias, eps), scale, zero_point,
+                               qmin, qmax, dtype, nan_as)
+
+
 def quantize_dequantize_per_tensor(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, out_dtype=None,
                                    nan_as: int = 0):
     """dq(q(x)) for a quantize whose readers all dequantize it alike: qbackend's quantize, or

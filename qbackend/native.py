@@ -62,6 +62,8 @@ OPS = {
     "max_pool_u8": "max_pool_u8(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation) -> Tensor",
     "global_avg_pool_u8": "global_avg_pool_u8(Tensor x, int zero_point, int qmin, int qmax) -> Tensor",
     "scale_quantize": "scale_quantize(Tensor x, Tensor factors, float scale, int zero_point, int qmin, int qmax) -> Tensor",
+    "layer_norm_quantize": "layer_norm_quantize(Tensor x, Tensor weight, Tensor bias, float eps, float scale, int zero_point, "
+                           "int qmin, int qmax) -> Tensor",
 }
 # $QBACKEND_KERNELS: which of the own kernels may run ("auto", the default: the best this CPU
 # has). "off": none (torch's kernels only); otherwise a GEMM build forced (GEMM_BUILDS below;
@@ -127,6 +129,8 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_quantize_nchw_to_nhwc.argtypes = [i32] * 4 + [pointer, f32] + [i32] * 3 + [pointer]
     lib.qb_quantize_dense.argtypes = [i32, ctypes.c_long, pointer, f32] + [i32] * 6 + [pointer]
     lib.qb_scale_quantize.argtypes = [i32, i32, i32, ctypes.c_long, i32, pointer, pointer, ctypes.c_long, f32] + [i32] * 3 + [pointer]
+    lib.qb_layer_norm_quantize.argtypes = [i32, ctypes.c_long, i32] + [pointer] * 3 + [f32, f32] + [i32] * 3 + [pointer]
+    lib.qb_layer_norm_quantize.restype = ctypes.c_long
     _declare_gemm(lib.qb_conv_call)
     lib.qb_run_chain.argtypes = [i32, i32, pointer, pointer]
     lib.qb_max_pool_u8_call.argtypes = lib.qb_global_avg_pool_u8_call.argtypes = [i32] + [pointer] * 3
@@ -401,7 +405,7 @@ class _DepthwiseCall(ctypes.Structure):
 # the depthwise kernels' unary post-ops besides their clamp (depthwise_conv_int8.c ``enum activation``;
 # the VNNI kernel has none)
 DEPTHWISE_ACTIVATIONS = ("none", "swish", "hardswish")
-DEPTHWISE_WINDOWS = (3, 5)  # square windows the AVX2 kernel takes (the VNNI one: 3)
+DEPTHWISE_WINDOWS = (3, 5, 7)  # square windows the AVX2 kernel takes (the VNNI one: 3)
 
 
 def _prepare_dwconv(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point,
@@ -784,12 +788,17 @@ def scale_quantize_refusal(x, factors) -> Optional[str]:
     return None
 
 
+def _uint8_grid_refusal(scale, zero_point, qmin, qmax) -> Optional[str]:
+    """Why a float -> uint8 quantize cannot write to this grid, None if it can."""
+    if not (0 <= qmin <= qmax <= 255 and qmin <= zero_point <= qmax):
+        return f"uint8 range [{qmin}, {qmax}] with zero point {zero_point}"
+    if not (math.isfinite(scale) and scale > 0):
+        return f"scale {scale}"
+    return None
+
+
 def _scale_quantize(lib, x, factors, scale, zero_point, qmin, qmax):
-    reason = scale_quantize_refusal(x, factors)
-    if reason is None and not (0 <= qmin <= qmax <= 255 and qmin <= zero_point <= qmax):
-        reason = f"uint8 range [{qmin}, {qmax}] with zero point {zero_point}"
-    if reason is None and not (math.isfinite(scale) and scale > 0):
-        reason = f"scale {scale}"
+    reason = scale_quantize_refusal(x, factors) or _uint8_grid_refusal(scale, zero_point, qmin, qmax)
     if reason is not None:
         raise ValueError(f"qbackend::scale_quantize: {reason}")
     channels_last = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
@@ -802,9 +811,38 @@ def _scale_quantize(lib, x, factors, scale, zero_point, qmin, qmax):
     return y
 
 
+def layer_norm_quantize_refusal(x, weight, bias, eps) -> Optional[str]:
+    """Why layer_norm_quantize cannot take these (tensors or fake values), None if it can."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() == 0 or x.numel() == 0:
+        return f"the kernel takes a non-empty float32 CPU tensor, not {x.dtype} of shape {tuple(x.shape)} on {x.device}"
+    c = x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None or t.dtype != torch.float32 or t.device.type != "cpu" or tuple(t.shape) != (c,):
+            return f"{name} {None if t is None else (t.dtype, tuple(t.shape))}: the kernel takes float32 [{c}]"
+    if not (math.isfinite(eps) and eps >= 0):
+        return f"eps {eps}"
+    return None
+
+
+def _layer_norm_quantize(lib, x, weight, bias, eps, scale, zero_point, qmin, qmax):
+    reason = layer_norm_quantize_refusal(x, weight, bias, eps) or _uint8_grid_refusal(scale, zero_point, qmin, qmax)
+    if reason is not None:
+        raise ValueError(f"qbackend::layer_norm_quantize: {reason}")
+    x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
+    y = torch.empty(x.shape, dtype=torch.uint8)
+    c = x.shape[-1]
+    if lib.qb_layer_norm_quantize(torch.get_num_threads(), x.numel() // c, c, x.data_ptr(), weight.data_ptr(),
+                                  bias.data_ptr(), eps, 1.0 / scale, zero_point, qmin, qmax, y.data_ptr()):
+        from . import fast_qdq  # rows of huge, infinite or NaN values: ATen's own float32 statistics decide them
+
+        return fast_qdq.layer_norm_quantize_per_tensor(x, weight, bias, eps, scale, zero_point, qmin, qmax, torch.uint8,
+                                                       nan_as=qmin)
+    return y
+
+
 _IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_depthwise": _dwconv, "qconv": _conv, "qconv_stem": _stem_conv,
           "attention_f32": _attention, "max_pool_u8": _max_pool, "global_avg_pool_u8": _global_avg_pool,
-          "scale_quantize": _scale_quantize}
+          "scale_quantize": _scale_quantize, "layer_norm_quantize": _layer_norm_quantize}
 FAKES = {
     "int4_mm_int16": lambda x, weight, scale, offset, group_size: x.new_empty(x.shape[0], weight.shape[0]),
     "int8_mm_int16": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
@@ -815,6 +853,7 @@ FAKES = {
     "max_pool_u8": _max_pool_fake,
     "global_avg_pool_u8": _global_avg_pool_fake,
     "scale_quantize": lambda x, factors, *args: torch.empty_like(x, dtype=torch.uint8),
+    "layer_norm_quantize": lambda x, *args: x.new_empty(x.shape, dtype=torch.uint8),
 }
 
 
@@ -918,9 +957,14 @@ def scale_quantize(x, factors, scale, zero_point, qmin, qmax):
     return _scale_quantize(_load()[0], x, factors, scale, zero_point, qmin, qmax)
 
 
+def layer_norm_quantize(x, weight, bias, eps, scale, zero_point, qmin, qmax):
+    """``qbackend::layer_norm_quantize`` without the dispatcher round trip."""
+    return _layer_norm_quantize(_load()[0], x, weight, bias, eps, scale, zero_point, qmin, qmax)
+
+
 # own kernel -> the plain function eager graphs call
 PLAIN = {"int4_mm_int16": int4_mm_int16, "int8_mm_int16": int8_mm_int16, "qconv_depthwise": qconv_depthwise, "qconv": qconv, "qconv_stem": qconv_stem, "attention_f32": attention_f32, "max_pool_u8": max_pool_u8,
-         "global_avg_pool_u8": global_avg_pool_u8, "scale_quantize": scale_quantize}
+         "global_avg_pool_u8": global_avg_pool_u8, "scale_quantize": scale_quantize, "layer_norm_quantize": layer_norm_quantize}
 # They return tensors they allocated (attention: a view of one): the in-place safety analysis
 # (patterns/inplace.py) may let a later kernel write into them.
 for _fn in PLAIN.values():

@@ -57,7 +57,10 @@ class Decision:
 
 
 # multiply rule -> how the report names one and several
-FUSED_MULTIPLIES = {"qsmooth": ("smoothing multiply", "smoothing multiplies"), "qscale": ("channel scale", "channel scales")}
+# rules that fold a float op into the quantize after it (their kinds: FUSED_KINDS)
+FUSED_INTO_QUANTIZE = {"qsmooth": ("smoothing multiply", "smoothing multiplies"), "qscale": ("channel scale", "channel scales"),
+                       "qlayernorm": ("LayerNorm", "LayerNorms")}
+FUSED_KINDS = ("smooth", "norm")
 
 
 @dataclass
@@ -84,12 +87,12 @@ class Report:
     def moves_line(self) -> str:
         """e.g. 'int8 flow: 2 view chains, 1 cat run on int8; 3 smoothing multiplies fused into
         their quantize' (empty when none does)."""
-        counts = Counter(d.kind for d in self.moves if d.lowered and d.kind != "smooth")
-        fused = Counter(d.rule for d in self.moves if d.lowered and d.kind == "smooth")
+        counts = Counter(d.kind for d in self.moves if d.lowered and d.kind not in FUSED_KINDS)
+        fused = Counter(d.rule for d in self.moves if d.lowered and d.kind in FUSED_KINDS)
         labels = {"view": "view chain"}
         parts = [f"{n} {labels.get(kind, kind)}{'s' * (n != 1)}" for kind, n in sorted(counts.items(), reverse=True)]
         text = [f"{', '.join(parts)} run on int8"] if parts else []
-        text += [f"{n} {FUSED_MULTIPLIES[rule][n != 1]} fused into {'their' if n != 1 else 'its'} quantize"
+        text += [f"{n} {FUSED_INTO_QUANTIZE[rule][n != 1]} fused into {'their' if n != 1 else 'its'} quantize"
                  for rule, n in sorted(fused.items())]
         return f"int8 flow: {'; '.join(text)}" if text else ""
 

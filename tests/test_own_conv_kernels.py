@@ -63,12 +63,15 @@ def test_kernel_gives_the_reference_integers(post, stride, padding, qmax, channe
 
 @needs_own_kernels
 @pytest.mark.parametrize("post", sorted(CLAMPS))
-@pytest.mark.parametrize("stride,padding", [(1, 2), (2, 2), (1, 0), (2, 1)])
+@pytest.mark.parametrize("stride,padding", [(1, "half"), (2, "half"), (1, 0), (2, 1)])
 @pytest.mark.parametrize("channels", [48, 5], ids=["32 + 16 channels", "5: padded to 16"])
-def test_5x5_windows_give_the_reference_integers(post, stride, padding, channels):
-    """EfficientNet's and MobileNetV3's later stages: 25 taps, a 26th with zero weights."""
-    run, expected = _depthwise_case(channels, post, stride, padding, 255, window=5)
-    assert_int8_close(run(), expected, f"5x5 {post} stride {stride} padding {padding}")
+@pytest.mark.parametrize("window", [5, 7])
+def test_larger_windows_give_the_reference_integers(post, stride, padding, channels, window):
+    """EfficientNet's and MobileNetV3's later stages (5x5), ConvNeXt's blocks (7x7): 25 or 49
+    taps, and one with zero weights to make whole pairs."""
+    padding = window // 2 if padding == "half" else padding
+    run, expected = _depthwise_case(channels, post, stride, padding, 255, window=window)
+    assert_int8_close(run(), expected, f"{window}x{window} {post} stride {stride} padding {padding}")
 
 
 ACTIVATIONS = {"none": lambda t: t, "swish": nn.functional.silu, "hardswish": nn.functional.hardswish}
@@ -78,7 +81,7 @@ ACTIVATIONS = {"none": lambda t: t, "swish": nn.functional.silu, "hardswish": nn
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("float_out", [False, True], ids=["uint8 out", "float32 out"])
 @pytest.mark.parametrize("channels", [48, 58], ids=["48 channels", "58: padded to 64"])
-@pytest.mark.parametrize("window", [3, 5])
+@pytest.mark.parametrize("window", [3, 5, 7])
 def test_avx2_kernel_runs_silu_and_hardswish_and_writes_float32(activation, float_out, channels, window):
     """EfficientNet's depthwise convs end in SiLU, MobileNetV3's in hardswish, and both feed a
     squeeze-excitation block that reads them as float32: float out within 2e-6 of the float64

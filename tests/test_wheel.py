@@ -73,4 +73,5 @@ def test_an_installed_wheel_runs_the_own_kernels_without_a_compiler(tmp_path):
     result = json.loads(done.stdout)
     assert result["own_kernels"] > 0 and result["cosine"] > 0.9999, result
     assert "qbackend_kernels.so" in result["prebuilt"], result
-    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing compiled
+    # nothing compiled (the kernel choice cache may hold the zmm probe of a VNNI CPU)
+    assert not [p for p in (tmp_path / "cache").glob("*") if p.name != "choices"]

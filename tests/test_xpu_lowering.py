@@ -10,8 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from qbackend.backend import graph_device
 from qbackend.patterns.examples import (HandQuantized, attention_block, conv_flatten_linear, conv_relu,
-                                        grouped_query_attention, linear_relu, linear_residual, residual_block,
-                                        squeeze_excitation, two_branch_cat)
+                                        grouped_query_attention, linear_relu, linear_residual, normed_linear,
+                                        residual_block, squeeze_excitation, two_branch_cat)
 from qbackend.pt2e_flow import quantize_xpu
 
 from .helpers import (SATURATION_REASON, assert_matches_reference, cpu_saturates, lower_without_running, short_graph,
@@ -20,7 +20,7 @@ from .xpu_builds import SimulatedXpuBuild, requires_xpu
 
 EXAMPLES = {"qconv": conv_relu, "qconv_add": residual_block, "qlinear": linear_relu, "qlinear_add": linear_residual,
             "qcat": two_branch_cat, "qview": conv_flatten_linear, "sdpa": attention_block, "qscale": squeeze_excitation,
-            "sdpa_fused": grouped_query_attention}
+            "sdpa_fused": grouped_query_attention, "qlayernorm": normed_linear}
 
 
 def xpu_converted(build):
@@ -158,6 +158,21 @@ sigmoid = aten.sigmoid(qconv_pointwise_default_2)
 scale_quantize_per_tensor = fast_qdq.scale_quantize_per_tensor(qconv_pointwise_default, sigmoid, 0.00387, -85, -128, 127, int8)
 qconv_pointwise_default_3 = onednn.qconv_pointwise(scale_quantize_per_tensor, 0.00387, -85, <const>, <const>, <const>, <const>, [1, 1], [0, 0], [1, 1], 1, 1, 0, float32, 'none', [], '')
 return (qconv_pointwise_default_3)""")
+
+    def test_qlayernorm(self):
+        graph, report = lowered_for_xpu(EXAMPLES["qlayernorm"])
+        assert "1 LayerNorm fused into its quantize" in report.moves_line(), str(report)
+        self.assertExpectedInline(graph, """\
+l_x_ = input
+quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.0211, -21, -128, 127, int8)
+reshape_default = aten.reshape(quantize_per_tensor_default, [-1, 16])
+qlinear_pointwise_default = onednn.qlinear_pointwise(reshape_default, 0.0211, -21, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')
+reshape_default_1 = aten.reshape(qlinear_pointwise_default, [2, 5, 16])
+layer_norm_quantize_per_tensor = fast_qdq.layer_norm_quantize_per_tensor(reshape_default_1, <const>, <const>, 1e-05, 0.019, -4, -128, 127, int8)
+reshape_default_2 = aten.reshape(layer_norm_quantize_per_tensor, [-1, 16])
+qlinear_pointwise_default_1 = onednn.qlinear_pointwise(reshape_default_2, 0.019, -4, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')
+reshape_default_3 = aten.reshape(qlinear_pointwise_default_1, [2, 5, 8])
+return (reshape_default_3)""")
 
     def test_qview(self):
         graph, report = lowered_for_xpu(EXAMPLES["qview"])

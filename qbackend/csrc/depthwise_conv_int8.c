@@ -1,4 +1,4 @@
-/* Depthwise 3x3 and 5x5 int8 convolution (uint8 NHWC activations, per-channel int8 weights), with
+/* Depthwise 3x3, 5x5 and 7x7 int8 convolution (uint8 NHWC activations, per-channel int8 weights), with
  * bias, a post-op (SiLU or hardswish, then a clamp: none / relu / relu6 / hardtanh) and
  * requantization to uint8, or a float32 output (EfficientNet's and MobileNetV3's
  * squeeze-excitation blocks multiply it in float), for AVX2.
@@ -23,9 +23,10 @@
 #include "padded_channels.h"
 #include "vec_math.h"
 
-#define MAX_KERNEL 5
+#define MAX_KERNEL 7
 #define MAX_PAIRS ((MAX_KERNEL * MAX_KERNEL + 1) / 2)
 #define LANES 16
+#define PIXEL_BLOCK 8 /* output pixels of a row per step */
 
 /* The post-op on a group's two vectors, in lockstep (vec_math.h). */
 static inline void activate_pair(__m256 f[2], int activation) {
@@ -50,22 +51,30 @@ static int dwconv(int threads, int N, int H, int W, int C, int K, int stride_h, 
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
   for (int n = 0; n < N; n++)
     for (int oh = 0; oh < OH; oh++) {
-      const uint8_t* taps[MAX_PAIRS * 2];
-      for (int ow = 0; ow < OW; ow++) {
-        for (int t = 0; t < K * K; t++) {
-          const int ih = oh * stride_h - pad_h + t / K, iw = ow * stride_w - pad_w + t % K;
-          taps[t] = (ih < 0 || ih >= H || iw < 0 || iw >= W) ? zero_row : x + (((size_t)n * H + ih) * W + iw) * C;
+      const uint8_t* taps[PIXEL_BLOCK][MAX_PAIRS * 2];
+      for (int ow0 = 0; ow0 < OW; ow0 += PIXEL_BLOCK) {
+        const int block = OW - ow0 < PIXEL_BLOCK ? OW - ow0 : PIXEL_BLOCK;
+        for (int b = 0; b < block; b++) {
+          for (int r = 0; r < K; r++) { /* (rows and columns as loops: t / K and t % K were two divisions a tap) */
+            const int ih = oh * stride_h - pad_h + r, iw0 = (ow0 + b) * stride_w - pad_w;
+            const uint8_t* row = x + ((size_t)n * H + ih) * W * C;
+            for (int col = 0; col < K; col++) {
+              const int iw = iw0 + col;
+              taps[b][r * K + col] = (ih < 0 || ih >= H || iw < 0 || iw >= W) ? zero_row : row + (size_t)iw * C;
+            }
+          }
+          taps[b][K * K] = taps[b][K * K - 1];
         }
-        taps[K * K] = taps[K * K - 1];
-        const size_t pixel = ((size_t)n * OH + oh) * OW + ow;
-        for (int g = 0; g < groups; g++) {
+        for (int g = 0; g < groups; g++) /* (a group's weights, 64 bytes a tap pair, stay in L1 over the block) */
+        for (int b = 0; b < block; b++) {
+          const size_t pixel = ((size_t)n * OH + oh) * OW + ow0 + b;
           __m256i acc_lo = _mm256_setzero_si256(), acc_hi = _mm256_setzero_si256();
           for (int p = 0; p < pairs; p++) {
-            const __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(taps[2 * p] + g * LANES)));
-            const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(taps[2 * p + 1] + g * LANES)));
+            const __m256i even = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(taps[b][2 * p] + g * LANES)));
+            const __m256i odd = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(taps[b][2 * p + 1] + g * LANES)));
             const __m256i* w = (const __m256i*)(weight + ((size_t)p * groups + g) * 2 * LANES);
-            acc_lo = _mm256_add_epi32(acc_lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(a, b), _mm256_loadu_si256(w)));
-            acc_hi = _mm256_add_epi32(acc_hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(a, b), _mm256_loadu_si256(w + 1)));
+            acc_lo = _mm256_add_epi32(acc_lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(even, odd), _mm256_loadu_si256(w)));
+            acc_hi = _mm256_add_epi32(acc_hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(even, odd), _mm256_loadu_si256(w + 1)));
           }
           const float* m = mult + (size_t)g * LANES;
           const float* c = add + (size_t)g * LANES;
