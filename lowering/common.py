@@ -272,9 +272,14 @@ def emit_smooth_quantize(ctx: EmitContext, match: Match) -> Node:
 
 
 def emit_layer_norm_quantize(ctx: EmitContext, match: Match) -> Node:
-    q = match.output_quant
-    return ctx.gm.graph.call_function(fast_qdq.layer_norm_quantize_per_tensor, (
-        match.float_source, *match.op_args, q.scale, q.zero_point, q.qmin, q.qmax, q.dtype), nan_as(match.result))
+    """LayerNorm, then the one-pass quantize; where other ops read the normed rows too, the
+    graph's LayerNorm stays for them and only its quantize changes."""
+    q, norm = match.output_quant, match.anchor
+    qparams = (q.scale, q.zero_point, q.qmin, q.qmax, q.dtype)
+    if len(norm.users) > 1:
+        return ctx.gm.graph.call_function(fast_qdq.quantize_per_tensor, (norm, *qparams), nan_as(match.result))
+    return ctx.gm.graph.call_function(fast_qdq.layer_norm_quantize_per_tensor, (match.float_source, *match.op_args, *qparams),
+                                      nan_as(match.result))
 
 
 COMMON: dict[str, Lowering] = {

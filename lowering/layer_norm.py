@@ -1,9 +1,11 @@
 """LayerNorm and the quantize after it as one pass on CPU: qbackend's layer_norm_quantize
 kernel (qbackend/csrc/layer_norm_quantize.c). ATen's LayerNorm writes the float32 rows and
 the quantize reads them again; at ConvNeXt's 96 channels ATen also spends ~30 ns a row of its
-own (3136 rows: 64 us here against ~145 for the two ATen calls)."""
+own (3136 rows: 64 us here against ~145 for the two ATen calls). A post-LN transformer's
+residual reads the normed rows too: the kernel then writes them as well."""
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -28,12 +30,22 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
 
 
 def emit(ctx: EmitContext, match):
-    q = match.output_quant
+    """The uint8 rows; where other ops read the normed rows too (a post-LN transformer's
+    residual), the kernel writes the float32 rows for them as well."""
+    q, norm = match.output_quant, match.anchor
     weight, bias, eps = match.op_args
-    ctx.kernel = f"{native.NAMESPACE}::layer_norm_quantize.default"
+    args = (match.float_source, weight, bias, float(eps), q.scale, q.zero_point, q.qmin, q.qmax)
     ctx.notes.append("qbackend's LayerNorm-and-quantize kernel")
-    return own_conv.call_kernel(ctx, "layer_norm_quantize", (match.float_source, weight, bias, float(eps), q.scale,
-                                                             q.zero_point, q.qmin, q.qmax))
+    if len(norm.users) == 1:
+        ctx.kernel = f"{native.NAMESPACE}::layer_norm_quantize.default"
+        return own_conv.call_kernel(ctx, "layer_norm_quantize", args)
+    ctx.kernel = f"{native.NAMESPACE}::layer_norm_and_quantize.default"
+    graph = ctx.gm.graph
+    pair = own_conv.call_kernel(ctx, "layer_norm_and_quantize", args)
+    rows, normed = (graph.call_function(operator.getitem, (pair, i)) for i in (0, 1))
+    normed.meta = dict(norm.meta)
+    norm.replace_all_uses_with(normed, delete_user_cb=lambda user: user is not match.result)
+    return rows
 
 
 KERNEL = own_conv.OwnKernel("LayerNorm-and-quantize", lambda match: True, refusal, emit)

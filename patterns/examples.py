@@ -550,12 +550,13 @@ def smoothed_value_returned():
 
 class NormedLinear(nn.Module):
     """linear -> LayerNorm -> linear (a BERT layer's output norm before the next one's linear);
-    ``dims``: how many trailing dimensions the norm covers; ``also_return``: the normed rows
-    are an output too (a float consumer)."""
+    ``dims``: how many trailing dimensions the norm covers; ``affine``: the norm's weight and
+    bias; ``also_return``: the normed rows are an output too (a float consumer)."""
 
-    def __init__(self, dims=1, also_return=False):
+    def __init__(self, dims=1, affine=True, also_return=False):
         super().__init__()
-        self.fc1, self.norm, self.fc2 = nn.Linear(16, 16), nn.LayerNorm([5, 16][-dims:]), nn.Linear(16, 8)
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 8)
+        self.norm = nn.LayerNorm([5, 16][-dims:], elementwise_affine=affine)
         self.also_return = also_return
 
     def forward(self, x):
@@ -563,8 +564,8 @@ class NormedLinear(nn.Module):
         return (self.fc2(normed), normed) if self.also_return else self.fc2(normed)
 
 
-def normed_linear():
-    return NormedLinear(), (torch.randn(2, 5, 16),)
+def normed_linear(**flags):
+    return NormedLinear(**flags), (torch.randn(2, 5, 16),)
 
 
 def norm_over_two_dimensions():
@@ -572,9 +573,9 @@ def norm_over_two_dimensions():
     return _convert(NormedLinear(dims=2), inputs), inputs
 
 
-def normed_value_returned():
+def norm_without_affine():
     inputs = (torch.randn(2, 5, 16),)
-    return _convert(NormedLinear(also_return=True), inputs), inputs
+    return _convert(NormedLinear(affine=False), inputs), inputs
 
 
 class SqueezeExcitation(nn.Module):

@@ -71,9 +71,11 @@ def single_user(node: Node) -> Optional[Node]:
     return users[0] if len(users) == 1 else None
 
 
-def output_quantize(node: Node) -> Optional[tuple[Node, QParams]]:
-    """The quantize that is the only consumer of ``node``, if it is one the kernels can fuse."""
-    user = single_user(node)
+def output_quantize(node: Node, only_consumer: bool = True) -> Optional[tuple[Node, QParams]]:
+    """The quantize that is the only consumer of ``node`` (or, not ``only_consumer``, the one
+    quantize among its consumers), if it is one the kernels can fuse."""
+    quants = [u for u in node.users if is_op(u, "quantize_per_tensor") and u.args[0] is node]
+    user = single_user(node) if only_consumer else quants[0] if len(quants) == 1 else None
     if user is None or not is_op(user, "quantize_per_tensor") or user.args[0] is not node:
         return None  # (a dynamic quantize is never folded: its qparams depend on the output)
     try:

@@ -64,6 +64,9 @@ OPS = {
     "scale_quantize": "scale_quantize(Tensor x, Tensor factors, float scale, int zero_point, int qmin, int qmax) -> Tensor",
     "layer_norm_quantize": "layer_norm_quantize(Tensor x, Tensor weight, Tensor bias, float eps, float scale, int zero_point, "
                            "int qmin, int qmax) -> Tensor",
+    # (the same, and the float32 rows it quantized: for a norm that other ops read too)
+    "layer_norm_and_quantize": "layer_norm_and_quantize(Tensor x, Tensor weight, Tensor bias, float eps, float scale, "
+                               "int zero_point, int qmin, int qmax) -> (Tensor, Tensor)",
 }
 # $QBACKEND_KERNELS: which of the own kernels may run ("auto", the default: the best this CPU
 # has). "off": none (torch's kernels only); otherwise a GEMM build forced (GEMM_BUILDS below;
@@ -129,7 +132,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_quantize_nchw_to_nhwc.argtypes = [i32] * 4 + [pointer, f32] + [i32] * 3 + [pointer]
     lib.qb_quantize_dense.argtypes = [i32, ctypes.c_long, pointer, f32] + [i32] * 6 + [pointer]
     lib.qb_scale_quantize.argtypes = [i32, i32, i32, ctypes.c_long, i32, pointer, pointer, ctypes.c_long, f32] + [i32] * 3 + [pointer]
-    lib.qb_layer_norm_quantize.argtypes = [i32, ctypes.c_long, i32] + [pointer] * 3 + [f32, f32] + [i32] * 3 + [pointer]
+    lib.qb_layer_norm_quantize.argtypes = [i32, ctypes.c_long, i32] + [pointer] * 3 + [f32, f32] + [i32] * 3 + [pointer] * 2
     lib.qb_layer_norm_quantize.restype = ctypes.c_long
     _declare_gemm(lib.qb_conv_call)
     lib.qb_run_chain.argtypes = [i32, i32, pointer, pointer]
@@ -824,25 +827,29 @@ def layer_norm_quantize_refusal(x, weight, bias, eps) -> Optional[str]:
     return None
 
 
-def _layer_norm_quantize(lib, x, weight, bias, eps, scale, zero_point, qmin, qmax):
+def _layer_norm_quantize(lib, x, weight, bias, eps, scale, zero_point, qmin, qmax, keep_float=False):
+    """The uint8 rows, or (uint8 rows, float32 rows) with ``keep_float``."""
     reason = layer_norm_quantize_refusal(x, weight, bias, eps) or _uint8_grid_refusal(scale, zero_point, qmin, qmax)
     if reason is not None:
         raise ValueError(f"qbackend::layer_norm_quantize: {reason}")
     x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
-    y = torch.empty(x.shape, dtype=torch.uint8)
+    y, yf = torch.empty(x.shape, dtype=torch.uint8), torch.empty(x.shape) if keep_float else None
     c = x.shape[-1]
     if lib.qb_layer_norm_quantize(torch.get_num_threads(), x.numel() // c, c, x.data_ptr(), weight.data_ptr(),
-                                  bias.data_ptr(), eps, 1.0 / scale, zero_point, qmin, qmax, y.data_ptr()):
-        from . import fast_qdq  # rows of huge, infinite or NaN values: ATen's own float32 statistics decide them
+                                  bias.data_ptr(), eps, 1.0 / scale, zero_point, qmin, qmax, y.data_ptr(),
+                                  None if yf is None else yf.data_ptr()):
+        # rows of huge, infinite or NaN values: ATen's own float32 statistics decide them
+        yf = torch.ops.aten.layer_norm.default(x, [c], weight, bias, eps)
+        from . import fast_qdq
 
-        return fast_qdq.layer_norm_quantize_per_tensor(x, weight, bias, eps, scale, zero_point, qmin, qmax, torch.uint8,
-                                                       nan_as=qmin)
-    return y
+        y = fast_qdq.quantize_per_tensor(yf, scale, zero_point, qmin, qmax, torch.uint8, nan_as=qmin)
+    return (y, yf) if keep_float else y
 
 
 _IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_depthwise": _dwconv, "qconv": _conv, "qconv_stem": _stem_conv,
           "attention_f32": _attention, "max_pool_u8": _max_pool, "global_avg_pool_u8": _global_avg_pool,
-          "scale_quantize": _scale_quantize, "layer_norm_quantize": _layer_norm_quantize}
+          "scale_quantize": _scale_quantize, "layer_norm_quantize": _layer_norm_quantize,
+          "layer_norm_and_quantize": functools.partial(_layer_norm_quantize, keep_float=True)}
 FAKES = {
     "int4_mm_int16": lambda x, weight, scale, offset, group_size: x.new_empty(x.shape[0], weight.shape[0]),
     "int8_mm_int16": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
@@ -854,6 +861,7 @@ FAKES = {
     "global_avg_pool_u8": _global_avg_pool_fake,
     "scale_quantize": lambda x, factors, *args: torch.empty_like(x, dtype=torch.uint8),
     "layer_norm_quantize": lambda x, *args: x.new_empty(x.shape, dtype=torch.uint8),
+    "layer_norm_and_quantize": lambda x, *args: (x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(x.shape)),
 }
 
 
@@ -962,9 +970,15 @@ def layer_norm_quantize(x, weight, bias, eps, scale, zero_point, qmin, qmax):
     return _layer_norm_quantize(_load()[0], x, weight, bias, eps, scale, zero_point, qmin, qmax)
 
 
+def layer_norm_and_quantize(x, weight, bias, eps, scale, zero_point, qmin, qmax):
+    """``qbackend::layer_norm_and_quantize`` without the dispatcher round trip."""
+    return _layer_norm_quantize(_load()[0], x, weight, bias, eps, scale, zero_point, qmin, qmax, keep_float=True)
+
+
 # own kernel -> the plain function eager graphs call
 PLAIN = {"int4_mm_int16": int4_mm_int16, "int8_mm_int16": int8_mm_int16, "qconv_depthwise": qconv_depthwise, "qconv": qconv, "qconv_stem": qconv_stem, "attention_f32": attention_f32, "max_pool_u8": max_pool_u8,
-         "global_avg_pool_u8": global_avg_pool_u8, "scale_quantize": scale_quantize, "layer_norm_quantize": layer_norm_quantize}
+         "global_avg_pool_u8": global_avg_pool_u8, "scale_quantize": scale_quantize, "layer_norm_quantize": layer_norm_quantize,
+         "layer_norm_and_quantize": layer_norm_and_quantize}
 # They return tensors they allocated (attention: a view of one): the in-place safety analysis
 # (patterns/inplace.py) may let a later kernel write into them.
 for _fn in PLAIN.values():

@@ -90,10 +90,10 @@ TABLE = [
     ("scale_quantize", lambda: [torch.randn(1, 8, 4, 4), torch.rand(1, 8, 1, 1), 0.1, 3, 0, 255],
      [(0, torch.randn(8, 4, 4), "float32 CPU"), (1, torch.rand(1, 4, 1, 1), "factors"), (2, float("nan"), "scale nan"),
       (3, 300, "uint8 range")]),
-    ("layer_norm_quantize", lambda: [torch.randn(2, 5, 16), torch.randn(16), torch.randn(16), 1e-5, 0.1, 3, 0, 255],
-     [(0, torch.randn(2, 5, 16).double(), "float32 CPU"), (1, torch.randn(8), r"weight .*float32 \[16\]"),
-      (2, None, "bias None"), (3, -1.0, "eps -1.0"), (4, 0.0, "scale 0.0"), (7, 256, "uint8 range")]),
-]
+] + [(op, lambda: [torch.randn(2, 5, 16), torch.randn(16), torch.randn(16), 1e-5, 0.1, 3, 0, 255],
+       [(0, torch.randn(2, 5, 16).double(), "float32 CPU"), (1, torch.randn(8), r"weight .*float32 \[16\]"),
+        (2, None, "bias None"), (3, -1.0, "eps -1.0"), (4, 0.0, "scale 0.0"), (7, 256, "uint8 range")])
+      for op in ("layer_norm_quantize", "layer_norm_and_quantize")]
 
 
 def test_the_table_covers_every_registered_op():

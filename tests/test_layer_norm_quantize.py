@@ -1,6 +1,7 @@
 """qbackend's LayerNorm-and-quantize kernel (csrc/layer_norm_quantize.c): the reference's
 integers (ATen's LayerNorm, then the quantize) within one level on rounding ties, for every
-channel tail and row count; a LayerNorm before a quantized linear lowers onto it."""
+channel tail and row count; a LayerNorm before a quantized linear lowers onto it, writing its
+float rows too where other ops read them."""
 import pytest
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
@@ -60,4 +61,13 @@ def test_a_norm_before_a_quantized_linear_lowers_onto_the_kernel():
     captured = assert_matches_reference(quantize(module, inputs), inputs)
     graph = short_graph(captured.lowered)
     assert "native.layer_norm_quantize(" in graph and "layer_norm.default" not in graph, graph
+    assert "1 LayerNorm fused into its quantize" in str(captured.report), str(captured.report)
+
+
+def test_a_norm_other_ops_read_too_writes_its_float_rows_as_well():
+    torch.manual_seed(0)
+    module, inputs = examples.normed_linear(also_return=True)  # (the normed rows are an output too)
+    captured = assert_matches_reference(quantize(module, inputs), inputs)
+    graph = short_graph(captured.lowered)
+    assert "native.layer_norm_and_quantize(" in graph and "layer_norm.default" not in graph, graph
     assert "1 LayerNorm fused into its quantize" in str(captured.report), str(captured.report)

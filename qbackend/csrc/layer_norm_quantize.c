@@ -73,25 +73,32 @@ static inline __attribute__((always_inline)) int row_statistics(const float* x, 
   return unsafe;
 }
 
+/* yf: the float32 rows too where not NULL (a post-LN transformer's residual reads them). */
 static void normalize_row(const float* x, int C, float mean, float rstd, const float* w, const float* b, float inv_scale,
-                          int zp, int qmin, int qmax, uint8_t* y) {
+                          int zp, int qmin, int qmax, uint8_t* y, float* yf) {
   const __m256 vmean = _mm256_set1_ps(mean), vrstd = _mm256_set1_ps(rstd), vinv = _mm256_set1_ps(inv_scale);
   const __m256 vzp = _mm256_set1_ps((float)zp), vlo = _mm256_set1_ps((float)qmin), vhi = _mm256_set1_ps((float)qmax);
   int i = 0;
   for (; i + 8 <= C; i += 8) {
     const __m256 normed = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmean), vrstd);
     const __m256 f = _mm256_fmadd_ps(normed, _mm256_loadu_ps(w + i), _mm256_loadu_ps(b + i));
+    if (yf) _mm256_storeu_ps(yf + i, f);
     const __m256i ints = quantize_scaled8(_mm256_mul_ps(f, vinv), vzp, vlo, vhi);
     const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
     _mm_storel_epi64((__m128i*)(y + i), _mm_packus_epi16(words, words));
   }
-  for (; i < C; i++) y[i] = round_to_grid((((x[i] - mean) * rstd) * w[i] + b[i]) * inv_scale, zp, qmin, qmax);
+  for (; i < C; i++) {
+    const float f = ((x[i] - mean) * rstd) * w[i] + b[i];
+    if (yf) yf[i] = f;
+    y[i] = round_to_grid(f * inv_scale, zp, qmin, qmax);
+  }
 }
 
-/* x: [rows][C] float32, w and b: [C] float32, y: [rows][C] uint8 (all contiguous). Returns how
+/* x: [rows][C] float32, w and b: [C] float32, y: [rows][C] uint8, yf: NULL or [rows][C] float32
+ * (all contiguous). Returns how
  * many rows have statistics past UNSAFE_SQUARES (their y is not the reference's). */
 long qb_layer_norm_quantize(int threads, long rows, int C, const float* x, const float* w, const float* b, float eps,
-                            float inv_scale, int zp, int qmin, int qmax, uint8_t* y) {
+                            float inv_scale, int zp, int qmin, int qmax, uint8_t* y, float* yf) {
   const long blocks = (rows + ROWS - 1) / ROWS;
   long unsafe = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : unsafe)
@@ -104,7 +111,8 @@ long qb_layer_norm_quantize(int threads, long rows, int C, const float* x, const
     else
       for (int r = 0; r < count; r++) unsafe += row_statistics(x + (first + r) * C, 1, C, C, eps, mean + r, rstd + r);
     for (int r = 0; r < count; r++)
-      normalize_row(x + (first + r) * C, C, mean[r], rstd[r], w, b, inv_scale, zp, qmin, qmax, y + (first + r) * C);
+      normalize_row(x + (first + r) * C, C, mean[r], rstd[r], w, b, inv_scale, zp, qmin, qmax, y + (first + r) * C,
+                    yf ? yf + (first + r) * C : NULL);
   }
   return unsafe;
 }
