@@ -1,11 +1,13 @@
-"""Depthwise 3x3 and 5x5 int8 convs on CPU: qbackend's own kernel (qbackend/csrc/depthwise_conv_int8.c).
+"""Depthwise 3x3, 5x5 and 7x7 int8 convs on CPU: qbackend's own kernels
+(qbackend/csrc/depthwise_conv_int8.c, AVX2; depthwise_conv_int8_vnni.c, AVX512-VNNI, 3x3).
 
-torch 2.13's onednn::qconv_pointwise costs ~50 us per call before any compute and runs
-depthwise 3x3 convs at 3-11 GMAC/s on this AVX2 machine: 100 us for a 384-channel 14x14 layer,
-320 us for 32 channels at 112x112. The kernel here takes the MobileNet-style cases: int8 in,
-int8 out after a clamp post-op; on AVX2 also SiLU / hardswish and a float32 output (what
-EfficientNet's and MobileNetV3's squeeze-excitation blocks read), and 5x5 windows (their later
-stages). Every other conv keeps oneDNN.
+torch 2.13's onednn::qconv_pointwise cost ~50 us per call before any compute and ran
+depthwise 3x3 convs at 3-11 GMAC/s on an AVX2 EPYC: 100 us for a 384-channel 14x14 layer,
+320 us for 32 channels at 112x112. The kernels here take int8 in, int8 out after a clamp
+post-op; the AVX2 one also SiLU / hardswish and a float32 output (what EfficientNet's and
+MobileNetV3's squeeze-excitation blocks and ConvNeXt's LayerNorm read) and 5x5 / 7x7 windows
+(their later stages, ConvNeXt's blocks), on every x86 CPU. Every other conv keeps oneDNN, and
+the kernel choice times each layer against oneDNN (lowering/choice.py).
 """
 from __future__ import annotations
 
@@ -111,7 +113,7 @@ def emit(ctx: EmitContext, match):
     low, high = own_conv.clamp_bounds(None if activation != "none" else match.post_op)
     weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match), _vnni_runs(match))
     ctx.kernel = f"{native.NAMESPACE}::qconv_depthwise.default"
-    ctx.notes.append("qbackend's depthwise kernel (oneDNN: ~50 us per call, 3-11 GMAC/s here)")
+    ctx.notes.append("qbackend's depthwise kernel")
     requantize = (out.scale, out.zero_point, out.qmin, out.qmax) if out is not None else (1.0, 0, 0, 255)
     return own_conv.call_kernel(ctx, "qconv_depthwise", (
         match.x.node, match.x.qparams.zero_point, ctx.constant(weight, "dw_w"), ctx.constant(mult, "dw_mult"),

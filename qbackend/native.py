@@ -5,7 +5,7 @@
   compute-bound at 3-4x their memory-bandwidth time; these quantize the activations per group
   to int16 (finer than bf16 rounding) and multiply with integer instructions: 1.5 ms vs
   3.5-4.2 ms on a 4096x11008 int4 layer.
-- Depthwise 3x3 int8 convs (``depthwise_conv_int8.c``) and an int8 GEMM for other convs up
+- Depthwise 3x3 / 5x5 / 7x7 int8 convs (``depthwise_conv_int8.c``) and an int8 GEMM for other convs up
   to 3x3 and linears (``conv_gemm_int8.c``): onednn::qconv_pointwise / qlinear_pointwise
   spend ~50 us per call before computing, run depthwise convs at 3-11 GMAC/s here, and their
   AVX2 int8 kernels are slower than this GEMM's below a few thousand output rows. Both are
@@ -17,7 +17,7 @@
 - An int8 max pool (``max_pool_uint8.c``; torch's quantized::max_pool2d runs on one thread)
   and global average pool (``global_avg_pool_uint8.c``; torch's needs a quantized-tensor copy),
   the model input's quantize to channels-last uint8 (``quantize_nhwc.c``), float32 attention
-  (``attention_f32.c``), and the runner of own-kernel chains (``kernel_chain.c``).
+  (``attention_f32.c``), LayerNorm with its quantize (``layer_norm_quantize.c``), and the runner of own-kernel chains (``kernel_chain.c``).
 
 The sources are compiled once per machine with the system C compiler (as Inductor does for
 its own kernels) into one library, cached by a hash of sources, flags and compiler
