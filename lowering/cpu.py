@@ -9,7 +9,7 @@ from qbackend.patterns.base import fake_value
 
 from .capabilities import (INT16_MAX, conv_binary_post_op_refusal, conv_post_op_refusal, int8_pairs_saturate,
                            linear_binary_post_op_refusal, linear_post_op_refusal, quantized_tensor_pool_refusal)
-from . import attention, choice, depthwise, gemm, layer_norm, pools, scale, stem
+from . import add_quantize, attention, choice, depthwise, gemm, layer_norm, pools, scale, stem
 from .base import Lowering
 from .common import (COMMON, NO_POST_OP, emit_qavgpool, emit_qconv, emit_qconv_add, emit_qlinear, emit_qlinear_add,
                      emit_qmaxpool2d, emit_sdpa, output_args)
@@ -106,6 +106,7 @@ TABLE["qscale"] = dataclasses.replace(COMMON["qscale"], emit=_own_kernel_or(COMM
                                                                          fallback="the graph's multiply, then quantize"))
 TABLE["qlayernorm"] = dataclasses.replace(COMMON["qlayernorm"], emit=_own_kernel_or(
     COMMON["qlayernorm"].emit, layer_norm.KERNEL, fallback="ATen's LayerNorm, then quantize"))
+TABLE["qadd"] = Lowering(add_quantize.emit, (), limits=add_quantize.limits)
 TABLE["int4_weight_linear"] = Lowering(emit_weight_only, ("int4_pack", "int4_mm"), limits_for("cpu"))
 TABLE["int8_weight_linear"] = Lowering(emit_weight_only, ("int8_weight_only_mm",), limits_for("cpu"))
 

@@ -119,4 +119,5 @@ TABLE = {
     "qsmooth": COMMON["qsmooth"],
     "qscale": COMMON["qscale"],
     "qlayernorm": COMMON["qlayernorm"],
+    "qadd": Unsupported("no add-and-quantize kernel on XPU: the graph's add and quantize stay"),
 }

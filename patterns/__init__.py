@@ -7,6 +7,7 @@ from .qconv import CONV_ANCHORS, QCONV
 from .qconv_binary import QCONV_ADD
 from .qlinear import LINEAR_ANCHORS, QLINEAR, QLINEAR_DYNAMIC
 from .qlinear_binary import QLINEAR_ADD, QLINEAR_ADD_DYNAMIC
+from .qadd import ADD_ANCHORS, QADD
 from .qavgpool import AVG_POOL_ANCHORS, QAVGPOOL
 from .qpool import POOL_ANCHORS, QMAXPOOL2D
 from .qcat import CAT_ANCHORS, QCAT
@@ -17,19 +18,20 @@ from .qsmooth import QSMOOTH, SMOOTH_ANCHORS
 from .weight_only import INT4_WEIGHT_LINEAR, INT8_WEIGHT_LINEAR, is_weight_matmul
 
 RULES: tuple[Rule, ...] = (QCONV_ADD, QCONV, QLINEAR_ADD_DYNAMIC, QLINEAR_ADD, QLINEAR, QLINEAR_DYNAMIC, QMAXPOOL2D, QAVGPOOL,
-                           QCAT, QVIEW, QSMOOTH, QSCALE, QLAYERNORM, INT4_WEIGHT_LINEAR, INT8_WEIGHT_LINEAR, SDPA, FUSED_SDPA)
+                           QCAT, QVIEW, QSMOOTH, QSCALE, QLAYERNORM, QADD, INT4_WEIGHT_LINEAR, INT8_WEIGHT_LINEAR, SDPA, FUSED_SDPA)
 
 # The node kinds the report accounts for, one line each.
 ANCHORS = {"conv": CONV_ANCHORS, "linear": LINEAR_ANCHORS, "pool": POOL_ANCHORS, "avgpool": AVG_POOL_ANCHORS,
            "attention": ATTENTION_ANCHORS}
 # Int8 data movement: rewritten like the others, but counted in one report line, not one line
 # per node (a model has many views and cats, most of them never quantized).
-MOVES = {"view": VIEW_ANCHORS, "cat": CAT_ANCHORS, "smooth": SMOOTH_ANCHORS, "norm": NORM_ANCHORS}
+MOVES = {"view": VIEW_ANCHORS, "cat": CAT_ANCHORS, "smooth": SMOOTH_ANCHORS, "norm": NORM_ANCHORS, "add": ADD_ANCHORS}
 # The pass visits the graph once per sweep, each in graph order. Views go first: hoisting a
 # quantize above a view chain puts it next to its producer, where the rules of the later
 # sweeps (a cat, pool, conv or linear folding its output quantize, a smoothing multiply
 # fused with it) then find it.
-SWEEPS: tuple[tuple[str, ...], ...] = (("view",), ("cat", "smooth", "norm"), ("conv", "linear", "pool", "avgpool", "attention"))
+SWEEPS: tuple[tuple[str, ...], ...] = (("view",), ("cat", "smooth", "norm"), ("conv", "linear", "pool", "avgpool", "attention"),
+                                        ("add",))
 
 
 def _check_registry():

@@ -578,6 +578,31 @@ def norm_without_affine():
     return _convert(NormedLinear(affine=False), inputs), inputs
 
 
+class ResidualSum(nn.Module):
+    """ConvNeXt's block end in small: a float branch (a conv scaled in float, as ConvNeXt's
+    layer scale follows its linear) plus the float residual, the sum both returned and read by
+    the next conv; ``broadcast``: the residual's per-channel means added instead (a near miss)."""
+
+    def __init__(self, broadcast=False):
+        super().__init__()
+        self.branch, self.next = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 1)
+        self.broadcast = broadcast
+
+    def forward(self, x):
+        other = x.mean(dim=(2, 3), keepdim=True) if self.broadcast else x
+        total = self.branch(x) * 0.5 + other
+        return self.next(total), total
+
+
+def residual_sum_quantized():
+    return ResidualSum(), (torch.randn(2, 8, 6, 6),)
+
+
+def broadcast_sum_quantized():
+    inputs = (torch.randn(2, 8, 6, 6),)
+    return _convert(ResidualSum(broadcast=True), inputs), inputs
+
+
 class SqueezeExcitation(nn.Module):
     """EfficientNet's block middle: features, their per-channel gate (pool, two 1x1 convs,
     sigmoid), the gated features into the next conv; ``spatial``: a per-pixel gate instead."""

@@ -64,6 +64,9 @@ OPS = {
     "scale_quantize": "scale_quantize(Tensor x, Tensor factors, float scale, int zero_point, int qmin, int qmax) -> Tensor",
     "layer_norm_quantize": "layer_norm_quantize(Tensor x, Tensor weight, Tensor bias, float eps, float scale, int zero_point, "
                            "int qmin, int qmax) -> Tensor",
+    "add_quantize": "add_quantize(Tensor a, Tensor b, float scale, int zero_point, int qmin, int qmax) -> (Tensor, Tensor)",
+    # (the sum written into a, as ATen's add_: for an in-place residual add; returns the uint8 copy)
+    "add_quantize_": "add_quantize_(Tensor(a!) a, Tensor b, float scale, int zero_point, int qmin, int qmax) -> Tensor",
     # (the same, and the float32 rows it quantized: for a norm that other ops read too)
     "layer_norm_and_quantize": "layer_norm_and_quantize(Tensor x, Tensor weight, Tensor bias, float eps, float scale, "
                                "int zero_point, int qmin, int qmax) -> (Tensor, Tensor)",
@@ -134,6 +137,8 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib.qb_scale_quantize.argtypes = [i32, i32, i32, ctypes.c_long, i32, pointer, pointer, ctypes.c_long, f32] + [i32] * 3 + [pointer]
     lib.qb_layer_norm_quantize.argtypes = [i32, ctypes.c_long, i32] + [pointer] * 3 + [f32, f32] + [i32] * 3 + [pointer] * 2
     lib.qb_layer_norm_quantize.restype = ctypes.c_long
+    lib.qb_add_quantize.argtypes = [i32, ctypes.c_long, pointer, pointer, f32] + [i32] * 3 + [pointer] * 2
+    lib.qb_add_quantize.restype = None
     _declare_gemm(lib.qb_conv_call)
     lib.qb_run_chain.argtypes = [i32, i32, pointer, pointer]
     lib.qb_max_pool_u8_call.argtypes = lib.qb_global_avg_pool_u8_call.argtypes = [i32] + [pointer] * 3
@@ -846,10 +851,50 @@ def _layer_norm_quantize(lib, x, weight, bias, eps, scale, zero_point, qmin, qma
     return (y, yf) if keep_float else y
 
 
+def add_quantize_refusal(a, b) -> Optional[str]:
+    """Why add_quantize cannot take these (tensors or fake values), None if it can: two float32
+    CPU tensors of one shape (a residual and a branch; any strides)."""
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (a, b)):
+        return f"the kernel adds float32 CPU tensors, not {a.dtype} on {a.device} and {b.dtype} on {b.device}"
+    if a.shape != b.shape:
+        return f"shapes {tuple(a.shape)} and {tuple(b.shape)} differ (no broadcasting)"
+    return None
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Every element once, no gaps: a permutation of a contiguous tensor's strides."""
+    expected = 1
+    for extent, stride in sorted(zip(t.shape, t.stride()), key=lambda pair: pair[1]):
+        if extent != 1 and stride != expected:
+            return False
+        expected *= extent
+    return True
+
+
+def _add_quantize(lib, a, b, scale, zero_point, qmin, qmax, in_place=False):
+    """(a + b in a's memory order where a is dense, its uint8 quantize in the same order); with
+    ``in_place`` the sum goes into a and only the uint8 copy is returned."""
+    reason = add_quantize_refusal(a, b) or _uint8_grid_refusal(scale, zero_point, qmin, qmax)
+    if reason is not None:
+        raise ValueError(f"qbackend::add_quantize: {reason}")
+    if in_place and not _dense(a):  # (a strided target: ATen's add_, then the quantize)
+        from . import fast_qdq
+
+        return fast_qdq.quantize_per_tensor(a.add_(b), scale, zero_point, qmin, qmax, torch.uint8, nan_as=qmin)
+    a = a if _dense(a) else a.contiguous()  # (the kernel reads a, b, s and y as one flat memory order: a's)
+    s, y = a if in_place else torch.empty_like(a), torch.empty_like(a, dtype=torch.uint8)
+    # (a copy of b in a's order may go where the sum goes: each place is read before it is written)
+    b = b if b.stride() == a.stride() else (torch.empty_like(a) if in_place else s).copy_(b)
+    lib.qb_add_quantize(torch.get_num_threads(), a.numel(), a.data_ptr(), b.data_ptr(), 1.0 / scale, zero_point, qmin, qmax,
+                        s.data_ptr(), y.data_ptr())
+    return y if in_place else (s, y)
+
+
 _IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_depthwise": _dwconv, "qconv": _conv, "qconv_stem": _stem_conv,
           "attention_f32": _attention, "max_pool_u8": _max_pool, "global_avg_pool_u8": _global_avg_pool,
           "scale_quantize": _scale_quantize, "layer_norm_quantize": _layer_norm_quantize,
-          "layer_norm_and_quantize": functools.partial(_layer_norm_quantize, keep_float=True)}
+          "layer_norm_and_quantize": functools.partial(_layer_norm_quantize, keep_float=True), "add_quantize": _add_quantize,
+          "add_quantize_": functools.partial(_add_quantize, in_place=True)}
 FAKES = {
     "int4_mm_int16": lambda x, weight, scale, offset, group_size: x.new_empty(x.shape[0], weight.shape[0]),
     "int8_mm_int16": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
@@ -862,6 +907,8 @@ FAKES = {
     "scale_quantize": lambda x, factors, *args: torch.empty_like(x, dtype=torch.uint8),
     "layer_norm_quantize": lambda x, *args: x.new_empty(x.shape, dtype=torch.uint8),
     "layer_norm_and_quantize": lambda x, *args: (x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(x.shape)),
+    "add_quantize": lambda a, b, *args: (torch.empty_like(a), torch.empty_like(a, dtype=torch.uint8)),
+    "add_quantize_": lambda a, b, *args: torch.empty_like(a, dtype=torch.uint8),
 }
 
 
@@ -975,10 +1022,21 @@ def layer_norm_and_quantize(x, weight, bias, eps, scale, zero_point, qmin, qmax)
     return _layer_norm_quantize(_load()[0], x, weight, bias, eps, scale, zero_point, qmin, qmax, keep_float=True)
 
 
+def add_quantize(a, b, scale, zero_point, qmin, qmax):
+    """``qbackend::add_quantize`` without the dispatcher round trip."""
+    return _add_quantize(_load()[0], a, b, scale, zero_point, qmin, qmax)
+
+
+def add_quantize_(a, b, scale, zero_point, qmin, qmax):
+    """``qbackend::add_quantize_`` without the dispatcher round trip."""
+    return _add_quantize(_load()[0], a, b, scale, zero_point, qmin, qmax, in_place=True)
+
+
 # own kernel -> the plain function eager graphs call
 PLAIN = {"int4_mm_int16": int4_mm_int16, "int8_mm_int16": int8_mm_int16, "qconv_depthwise": qconv_depthwise, "qconv": qconv, "qconv_stem": qconv_stem, "attention_f32": attention_f32, "max_pool_u8": max_pool_u8,
          "global_avg_pool_u8": global_avg_pool_u8, "scale_quantize": scale_quantize, "layer_norm_quantize": layer_norm_quantize,
-         "layer_norm_and_quantize": layer_norm_and_quantize}
+         "layer_norm_and_quantize": layer_norm_and_quantize, "add_quantize": add_quantize,
+         "add_quantize_": add_quantize_}
 # They return tensors they allocated (attention: a view of one): the in-place safety analysis
 # (patterns/inplace.py) may let a later kernel write into them.
 for _fn in PLAIN.values():

@@ -59,8 +59,8 @@ class Decision:
 # multiply rule -> how the report names one and several
 # rules that fold a float op into the quantize after it (their kinds: FUSED_KINDS)
 FUSED_INTO_QUANTIZE = {"qsmooth": ("smoothing multiply", "smoothing multiplies"), "qscale": ("channel scale", "channel scales"),
-                       "qlayernorm": ("LayerNorm", "LayerNorms")}
-FUSED_KINDS = ("smooth", "norm")
+                       "qlayernorm": ("LayerNorm", "LayerNorms"), "qadd": ("float sum", "float sums")}
+FUSED_KINDS = ("smooth", "norm", "add")
 
 
 @dataclass

@@ -93,7 +93,10 @@ TABLE = [
 ] + [(op, lambda: [torch.randn(2, 5, 16), torch.randn(16), torch.randn(16), 1e-5, 0.1, 3, 0, 255],
        [(0, torch.randn(2, 5, 16).double(), "float32 CPU"), (1, torch.randn(8), r"weight .*float32 \[16\]"),
         (2, None, "bias None"), (3, -1.0, "eps -1.0"), (4, 0.0, "scale 0.0"), (7, 256, "uint8 range")])
-      for op in ("layer_norm_quantize", "layer_norm_and_quantize")]
+      for op in ("layer_norm_quantize", "layer_norm_and_quantize")] + [
+] + [(op, lambda: [torch.randn(2, 8, 4, 4), torch.randn(2, 8, 4, 4), 0.1, 3, 0, 255],
+       [(0, torch.randn(2, 8, 4, 4).double(), "float32 CPU"), (1, torch.randn(2, 8, 1, 1), "no broadcasting"),
+        (2, float("inf"), "scale inf"), (4, 9, "uint8 range")]) for op in ("add_quantize", "add_quantize_")]
 
 
 def test_the_table_covers_every_registered_op():

@@ -1,0 +1,37 @@
+/* A float32 sum and its quantize in one pass: s = a + b, y = clamp(round(s / scale) + zp, qmin, qmax).
+ *
+ * Why: ConvNeXt's residual sum is both the next block's residual (float32) and, quantized, the
+ * next depthwise conv's input; ATen's add writes the sum and the quantize reads it back. Here
+ * one pass reads a and b and writes both. The arithmetic is the reference's: the float32 sum,
+ * times the float32 inverse scale, rounded half to even; a NaN lands on qmin.
+ */
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "vec_math.h"
+
+/* a, b, s: n float32 values; y: n uint8 (one memory order for all four). */
+void qb_add_quantize(int threads, long n, const float* a, const float* b, float inv_scale, int zp, int qmin, int qmax, float* s,
+                     uint8_t* y) {
+  const long block = 4096; /* values per step: a thread's share of a small tensor stays whole */
+  const long blocks = (n + block - 1) / block;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (long k = 0; k < blocks; k++) {
+    const __m256 vinv = _mm256_set1_ps(inv_scale), vzp = _mm256_set1_ps((float)zp), vlo = _mm256_set1_ps((float)qmin),
+                 vhi = _mm256_set1_ps((float)qmax);
+    const long end = (k + 1) * block < n ? (k + 1) * block : n;
+    long i = k * block;
+    for (; i + 8 <= end; i += 8) {
+      const __m256 sum = _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));
+      _mm256_storeu_ps(s + i, sum);
+      const __m256i ints = quantize_scaled8(_mm256_mul_ps(sum, vinv), vzp, vlo, vhi);
+      const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
+      _mm_storel_epi64((__m128i*)(y + i), _mm_packus_epi16(words, words));
+    }
+    for (; i < end; i++) {
+      s[i] = a[i] + b[i];
+      y[i] = round_to_grid(s[i] * inv_scale, zp, qmin, qmax);
+    }
+  }
+}
