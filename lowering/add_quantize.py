@@ -4,7 +4,6 @@ add and the quantize). The sum stays float for its other readers: in the add's t
 the add was in place (ConvNeXt's `x += residual`: no new 1.2 MB tensor a call)."""
 from __future__ import annotations
 
-import operator
 from typing import Optional
 
 import torch
@@ -38,8 +37,4 @@ def emit(ctx: EmitContext, match):
         add.replace_all_uses_with(match.float_source, delete_user_cb=lambda user: user is not match.result)
         return quantized
     ctx.kernel = f"{native.NAMESPACE}::add_quantize.default"
-    pair = own_conv.call_kernel(ctx, "add_quantize", args)
-    total, quantized = (ctx.gm.graph.call_function(operator.getitem, (pair, i)) for i in (0, 1))
-    total.meta = dict(add.meta)
-    add.replace_all_uses_with(total, delete_user_cb=lambda user: user is not match.result)
-    return quantized
+    return own_conv.call_kernel_keeping_float(ctx, "add_quantize", args, add, match.result)

@@ -5,7 +5,6 @@ own (3136 rows: 64 us here against ~145 for the two ATen calls). A post-LN trans
 residual reads the normed rows too: the kernel then writes them as well."""
 from __future__ import annotations
 
-import operator
 from typing import Optional
 
 import torch
@@ -40,12 +39,7 @@ def emit(ctx: EmitContext, match):
         ctx.kernel = f"{native.NAMESPACE}::layer_norm_quantize.default"
         return own_conv.call_kernel(ctx, "layer_norm_quantize", args)
     ctx.kernel = f"{native.NAMESPACE}::layer_norm_and_quantize.default"
-    graph = ctx.gm.graph
-    pair = own_conv.call_kernel(ctx, "layer_norm_and_quantize", args)
-    rows, normed = (graph.call_function(operator.getitem, (pair, i)) for i in (0, 1))
-    normed.meta = dict(norm.meta)
-    norm.replace_all_uses_with(normed, delete_user_cb=lambda user: user is not match.result)
-    return rows
+    return own_conv.call_kernel_keeping_float(ctx, "layer_norm_and_quantize", args, norm, match.result)
 
 
 KERNEL = own_conv.OwnKernel("LayerNorm-and-quantize", lambda match: True, refusal, emit)

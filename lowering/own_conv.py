@@ -5,6 +5,7 @@ conditions on a match."""
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -67,6 +68,16 @@ def requantize_constants(ctx, match, shift: float = 0.0) -> tuple[torch.Tensor, 
     x, w = match.x.qparams, match.weight
     bias = constant_value(ctx.gm, match.bias) if match.bias is not None else None
     return scale_and_offset(w.int8, w.scales, x.scale, x.zero_point, bias, shift)
+
+
+def call_kernel_keeping_float(ctx, name: str, args: tuple, float_node: Node, quantize: Node) -> Node:
+    """A kernel returning (uint8, float32) in place of ``float_node`` and the ``quantize`` that
+    reads it: the float32 result goes to ``float_node``'s other readers; returns the uint8 one."""
+    pair = call_kernel(ctx, name, args)
+    quantized, value = (ctx.gm.graph.call_function(operator.getitem, (pair, i)) for i in (0, 1))
+    value.meta = dict(float_node.meta)
+    float_node.replace_all_uses_with(value, delete_user_cb=lambda user: user is not quantize)
+    return quantized
 
 
 def call_kernel(ctx, name: str, args: tuple) -> Node:

@@ -64,6 +64,7 @@ OPS = {
     "scale_quantize": "scale_quantize(Tensor x, Tensor factors, float scale, int zero_point, int qmin, int qmax) -> Tensor",
     "layer_norm_quantize": "layer_norm_quantize(Tensor x, Tensor weight, Tensor bias, float eps, float scale, int zero_point, "
                            "int qmin, int qmax) -> Tensor",
+    # (returns the uint8 copy and the float32 sum)
     "add_quantize": "add_quantize(Tensor a, Tensor b, float scale, int zero_point, int qmin, int qmax) -> (Tensor, Tensor)",
     # (the sum written into a, as ATen's add_: for an in-place residual add; returns the uint8 copy)
     "add_quantize_": "add_quantize_(Tensor(a!) a, Tensor b, float scale, int zero_point, int qmin, int qmax) -> Tensor",
@@ -872,7 +873,7 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def _add_quantize(lib, a, b, scale, zero_point, qmin, qmax, in_place=False):
-    """(a + b in a's memory order where a is dense, its uint8 quantize in the same order); with
+    """(uint8 quantize of a + b, a + b), both in a's memory order where a is dense; with
     ``in_place`` the sum goes into a and only the uint8 copy is returned."""
     reason = add_quantize_refusal(a, b) or _uint8_grid_refusal(scale, zero_point, qmin, qmax)
     if reason is not None:
@@ -887,7 +888,7 @@ def _add_quantize(lib, a, b, scale, zero_point, qmin, qmax, in_place=False):
     b = b if b.stride() == a.stride() else (torch.empty_like(a) if in_place else s).copy_(b)
     lib.qb_add_quantize(torch.get_num_threads(), a.numel(), a.data_ptr(), b.data_ptr(), 1.0 / scale, zero_point, qmin, qmax,
                         s.data_ptr(), y.data_ptr())
-    return y if in_place else (s, y)
+    return y if in_place else (y, s)
 
 
 _IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_depthwise": _dwconv, "qconv": _conv, "qconv_stem": _stem_conv,
@@ -907,7 +908,7 @@ FAKES = {
     "scale_quantize": lambda x, factors, *args: torch.empty_like(x, dtype=torch.uint8),
     "layer_norm_quantize": lambda x, *args: x.new_empty(x.shape, dtype=torch.uint8),
     "layer_norm_and_quantize": lambda x, *args: (x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(x.shape)),
-    "add_quantize": lambda a, b, *args: (torch.empty_like(a), torch.empty_like(a, dtype=torch.uint8)),
+    "add_quantize": lambda a, b, *args: (torch.empty_like(a, dtype=torch.uint8), torch.empty_like(a)),
     "add_quantize_": lambda a, b, *args: torch.empty_like(a, dtype=torch.uint8),
 }
 

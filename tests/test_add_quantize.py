@@ -26,7 +26,7 @@ def test_sum_and_integers_are_the_references(a_layout, b_layout, qparams):
     a, b = LAYOUTS[a_layout](a), LAYOUTS[b_layout](b)
     expected_sum = a + b
     expected = torch.ops.quantized_decomposed.quantize_per_tensor(expected_sum, *qparams, torch.uint8)
-    for total, q in (native.add_quantize(a, b, *qparams), native.op("add_quantize")(a, b, *qparams)):
+    for q, total in (native.add_quantize(a, b, *qparams), native.op("add_quantize")(a, b, *qparams)):
         torch.testing.assert_close(total, expected_sum, rtol=0, atol=0, equal_nan=True)
         # NaN: the reference casts NaN to uint8 (undefined in C, 0 here); the kernel gives qmin
         assert q.flatten()[0] == qparams[2] and torch.equal(q.flatten()[1:], expected.flatten()[1:])
