@@ -13,16 +13,11 @@ from qbackend.patterns.base import fake_value
 
 from . import own_conv
 from .base import EmitContext
-from .signed_int8 import nan_as
 
 
 def limits(match) -> Optional[str]:
-    q = match.output_quant
-    if q.dtype != torch.uint8:
-        return f"the kernel writes uint8, not {q.dtype}"
-    if nan_as(match.result).get("nan_as", 0) != q.qmin:  # (the kernel stores a NaN as qmin)
-        return "the quantize stores NaN as another level than qmin"
-    return native.add_quantize_refusal(fake_value(match.float_source), fake_value(match.op_args[0])) or native.available()
+    return (own_conv.uint8_quantize_refusal(match)
+            or native.add_quantize_refusal(fake_value(match.float_source), fake_value(match.op_args[0])) or native.available())
 
 
 def emit(ctx: EmitContext, match):

@@ -25,7 +25,8 @@ MAX_CHANNELS = 1 << 14  # the kernel keeps a row of zero-point bytes per channel
 
 
 def is_depthwise(match) -> bool:
-    """A 2-D conv with one input channel per group, multiplier 1, a square 3x3 or 5x5 kernel, no residual."""
+    """A 2-D conv with one input channel per group, multiplier 1, a square window the kernels
+    take (native.DEPTHWISE_WINDOWS), no residual."""
     p, w = match.conv, match.weight
     return (p is not None and w is not None and p.spatial_rank == 2 and match.accum is None and match.accum_float is None
             and p.groups == w.int8.shape[0] and tuple(w.int8.shape[1:]) in {(1, k, k) for k in native.DEPTHWISE_WINDOWS})

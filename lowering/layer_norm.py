@@ -7,25 +7,18 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from qbackend import native
 from qbackend.patterns.base import constant_value, fake_value
 
 from . import own_conv
 from .base import EmitContext
-from .signed_int8 import nan_as
 
 
 def refusal(ctx: EmitContext, match) -> Optional[str]:
-    q = match.output_quant
-    if q.dtype != torch.uint8:
-        return f"the kernel writes uint8, not {q.dtype}"
-    if nan_as(match.result).get("nan_as", 0) != q.qmin:  # (the kernel stores a NaN as qmin)
-        return "the quantize stores NaN as another level than qmin"
     weight, bias, eps = match.op_args
-    return (native.layer_norm_quantize_refusal(fake_value(match.float_source), constant_value(ctx.gm, weight),
-                                               constant_value(ctx.gm, bias), float(eps)) or native.available())
+    return (own_conv.uint8_quantize_refusal(match)
+            or native.layer_norm_quantize_refusal(fake_value(match.float_source), constant_value(ctx.gm, weight),
+                                                  constant_value(ctx.gm, bias), float(eps)) or native.available())
 
 
 def emit(ctx: EmitContext, match):

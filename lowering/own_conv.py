@@ -15,6 +15,8 @@ from torch.fx import Node
 from qbackend import native
 from qbackend.patterns.base import constant_value, fake_value
 
+from .signed_int8 import nan_as
+
 
 @dataclass(frozen=True)
 class OwnKernel:
@@ -52,6 +54,18 @@ def refusal(ctx, match, int8_values, activations=()) -> Optional[str]:
     if match.bias is not None and constant_value(ctx.gm, match.bias) is None:
         return "the bias is not a constant"
     return native.available()
+
+
+def uint8_quantize_refusal(match) -> Optional[str]:
+    """Why a fused float-op-and-quantize kernel cannot write this match's quantize (None if it
+    can): it writes uint8, and stores a NaN as qmin, where the reference stores 0 (or the level
+    lowering/signed_int8.py recorded)."""
+    q = match.output_quant
+    if q.dtype != torch.uint8:
+        return f"the kernel writes uint8, not {q.dtype}"
+    if nan_as(match.result).get("nan_as", 0) != q.qmin:
+        return "the quantize stores NaN as another level than qmin"
+    return None
 
 
 def scale_and_offset(weight: torch.Tensor, w_scale: torch.Tensor, x_scale: float, x_zero_point: int,
