@@ -16,18 +16,16 @@ void qb_add_quantize(int threads, long n, const float* a, const float* b, float 
                      uint8_t* y) {
   const long block = 4096; /* values per step: a thread's share of a small tensor stays whole */
   const long blocks = (n + block - 1) / block;
+  const __m256 vinv = _mm256_set1_ps(inv_scale), vzp = _mm256_set1_ps((float)zp), vlo = _mm256_set1_ps((float)qmin),
+               vhi = _mm256_set1_ps((float)qmax);
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (long k = 0; k < blocks; k++) {
-    const __m256 vinv = _mm256_set1_ps(inv_scale), vzp = _mm256_set1_ps((float)zp), vlo = _mm256_set1_ps((float)qmin),
-                 vhi = _mm256_set1_ps((float)qmax);
     const long end = (k + 1) * block < n ? (k + 1) * block : n;
     long i = k * block;
     for (; i + 8 <= end; i += 8) {
       const __m256 sum = _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));
       _mm256_storeu_ps(s + i, sum);
-      const __m256i ints = quantize_scaled8(_mm256_mul_ps(sum, vinv), vzp, vlo, vhi);
-      const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
-      _mm_storel_epi64((__m128i*)(y + i), _mm_packus_epi16(words, words));
+      store_quantized8(_mm256_mul_ps(sum, vinv), vzp, vlo, vhi, y + i);
     }
     for (; i < end; i++) {
       s[i] = a[i] + b[i];

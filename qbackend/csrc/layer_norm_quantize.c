@@ -6,9 +6,10 @@
  * layer_norm writes the float32 rows and the quantize reads them again, and at ConvNeXt's 96
  * channels ATen spends ~30 ns a row on its own: 97 us for 3136 rows where this kernel's one
  * pass over the row (kept in L1 for the statistics) is a fraction of that. The statistics are
- * two passes (mean, then the squared deviations) in float32, as ATen's are float32 too; the
- * normalised value may differ from ATen's in the last bit, so a value on a rounding tie of the
- * quantize can land one level over (as Inductor's fused LayerNorm can).
+ * two passes over the row: the mean (its sum in float64), then the squared deviations in
+ * float32, as ATen's are; the normalized value may differ from ATen's in the last bit, so a
+ * value on a rounding tie of the quantize can land one level over (as Inductor's fused
+ * LayerNorm can).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -83,9 +84,7 @@ static void normalize_row(const float* x, int C, float mean, float rstd, const f
     const __m256 normed = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmean), vrstd);
     const __m256 f = _mm256_fmadd_ps(normed, _mm256_loadu_ps(w + i), _mm256_loadu_ps(b + i));
     if (yf) _mm256_storeu_ps(yf + i, f);
-    const __m256i ints = quantize_scaled8(_mm256_mul_ps(f, vinv), vzp, vlo, vhi);
-    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
-    _mm_storel_epi64((__m128i*)(y + i), _mm_packus_epi16(words, words));
+    store_quantized8(_mm256_mul_ps(f, vinv), vzp, vlo, vhi, y + i);
   }
   for (; i < C; i++) {
     const float f = ((x[i] - mean) * rstd) * w[i] + b[i];
@@ -95,8 +94,8 @@ static void normalize_row(const float* x, int C, float mean, float rstd, const f
 }
 
 /* x: [rows][C] float32, w and b: [C] float32, y: [rows][C] uint8, yf: NULL or [rows][C] float32
- * (all contiguous). Returns how
- * many rows have statistics past UNSAFE_SQUARES (their y is not the reference's). */
+ * (all contiguous). Returns how many rows have statistics past UNSAFE_SQUARES (their y is not
+ * the reference's). */
 long qb_layer_norm_quantize(int threads, long rows, int C, const float* x, const float* w, const float* b, float eps,
                             float inv_scale, int zp, int qmin, int qmax, uint8_t* y, float* yf) {
   const long blocks = (rows + ROWS - 1) / ROWS;

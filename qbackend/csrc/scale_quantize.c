@@ -23,9 +23,7 @@ static void scale_row(const float* x, const float* s, int s_step, long n_values,
   for (; i + 8 <= n_values; i += 8) {
     __m256 factor = s_step ? _mm256_loadu_ps(s + i) : _mm256_set1_ps(s[0]);
     __m256 product = _mm256_mul_ps(_mm256_loadu_ps(x + i), factor);
-    __m256i ints = quantize_scaled8(_mm256_mul_ps(product, vinv), vzp, vlo, vhi);
-    __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
-    _mm_storel_epi64((__m128i*)(y + i), _mm_packus_epi16(words, words));
+    store_quantized8(_mm256_mul_ps(product, vinv), vzp, vlo, vhi, y + i);
   }
   for (; i < n_values; i++) y[i] = round_to_grid((x[i] * s[s_step ? i : 0]) * inv_scale, zp, qmin, qmax);
 }

@@ -89,4 +89,11 @@ static inline __m256i quantize_scaled8(__m256 scaled, __m256 zp, __m256 lo, __m2
   return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, zp), lo), hi));
 }
 
+/* quantize_scaled8, stored as 8 bytes at y. */
+static inline void store_quantized8(__m256 scaled, __m256 zp, __m256 lo, __m256 hi, uint8_t* y) {
+  const __m256i ints = quantize_scaled8(scaled, zp, lo, hi);
+  const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
+  _mm_storel_epi64((__m128i*)y, _mm_packus_epi16(words, words));
+}
+
 #endif
