@@ -1,12 +1,12 @@
 """Depthwise 3x3, 5x5 and 7x7 int8 convs on CPU: qbackend's own kernels
-(qbackend/csrc/depthwise_conv_int8.c, AVX2; depthwise_conv_int8_vnni.c, AVX512-VNNI, 3x3).
+(qbackend/csrc/depthwise_conv_int8.c, AVX2; depthwise_conv_int8_vnni.c, AVX512-VNNI).
 
 torch 2.13's onednn::qconv_pointwise cost ~50 us per call before any compute and ran
 depthwise 3x3 convs at 3-11 GMAC/s on an AVX2 EPYC: 100 us for a 384-channel 14x14 layer,
 320 us for 32 channels at 112x112. The kernels here take int8 in, int8 out after a clamp
-post-op; the AVX2 one also SiLU / hardswish and a float32 output (what EfficientNet's and
-MobileNetV3's squeeze-excitation blocks and ConvNeXt's LayerNorm read) and 5x5 / 7x7 windows
-(their later stages, ConvNeXt's blocks), on every x86 CPU. Every other conv keeps oneDNN, and
+post-op, SiLU / hardswish before it, or a float32 output (what EfficientNet's and
+MobileNetV3's squeeze-excitation blocks and ConvNeXt's LayerNorm read), and 5x5 / 7x7 windows
+(their later stages, ConvNeXt's blocks). Every other conv keeps oneDNN, and
 the kernel choice times each layer against oneDNN (lowering/choice.py).
 """
 from __future__ import annotations
@@ -53,19 +53,12 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
                             _ACTIVATIONS)
 
 
-# post-ops the AVX2 kernel runs before its clamp (the VNNI one has none)
+# post-ops the kernels run before their clamp
 _ACTIVATIONS = tuple(a for a in native.DEPTHWISE_ACTIVATIONS if a != "none")
 
 
 def vnni_built() -> bool:
     return native.int8_build() == "avx512_vnni"
-
-
-def _vnni_runs(match) -> bool:
-    """The AVX512-VNNI kernel where it is built and takes the conv: 3x3, uint8 out after a clamp
-    only. The AVX2 one runs the rest on such CPUs too."""
-    return (vnni_built() and _window(match) == 3 and match.output_quant is not None
-            and _activation(match.post_op) == "none")
 
 
 def _activation(post) -> str:
@@ -74,7 +67,7 @@ def _activation(post) -> str:
 
 def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, vnni: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed weights, multiplier, addend) in the order of the kernel that runs the conv:
-    int16 tap pairs for AVX2, int8 row triples for AVX512-VNNI; channels
+    int16 tap pairs for AVX2, int8 quads of a kernel row's taps for AVX512-VNNI; channels
     padded to a multiple of LANES with zeros (the kernels run such layers on padded copies)."""
     pad = -weight.shape[0] % LANES
     weight, mult, add = (torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (weight, mult, add))
@@ -93,11 +86,13 @@ def pack_avx2(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tu
 
 
 def pack_vnni(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each kernel row's 3 weights and a zero as 4 bytes; in a group of 32 channels, channel
-    32 g + 16 half + 4 vector + i sits in lane 4 half + i of its vector (vpunpck order); a last
-    group of 16 has only the low halves."""
-    channels, group = weight.shape[0], native.DEPTHWISE_VNNI_GROUP
-    rows = torch.nn.functional.pad(weight.reshape(channels, 3, 3), (0, 1))  # [C, kernel row, 4 bytes]
+    """Each kernel row's K weights, zero-padded to whole quads of 4 bytes; in a group of 32
+    channels, channel 32 g + 16 half + 4 vector + i sits in lane 4 half + i of its vector
+    (vpunpck order); a last group of 16 has only the low halves."""
+    channels, group, window = weight.shape[0], native.DEPTHWISE_VNNI_GROUP, weight.shape[-1]
+    quads = -(-window // 4)
+    rows = torch.nn.functional.pad(weight.reshape(channels, window, window), (0, 4 * quads - window))
+    rows = rows.reshape(channels, window, quads, 4)  # [C, kernel row, quad, 4 bytes]
     full = channels // group * group
 
     def order(values: torch.Tensor) -> torch.Tensor:  # [C, ...] -> per group [vector, half, i, ...]
@@ -105,14 +100,14 @@ def pack_vnni(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tu
                  for start, stop, halves in ((0, full, 2), (full, channels, 1)) if stop > start]
         return torch.cat(parts)
 
-    return order(rows).transpose(0, 1).contiguous().reshape(-1), order(mult.float()), order(add.float())
+    return order(rows).permute(1, 2, 0, 3).contiguous().reshape(-1), order(mult.float()), order(add.float())
 
 
 def emit(ctx: EmitContext, match):
     p, out = match.conv, match.output_quant
     activation = _activation(match.post_op)
     low, high = own_conv.clamp_bounds(None if activation != "none" else match.post_op)
-    weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match), _vnni_runs(match))
+    weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match), vnni_built())
     ctx.kernel = f"{native.NAMESPACE}::qconv_depthwise.default"
     ctx.notes.append("qbackend's depthwise kernel")
     requantize = (out.scale, out.zero_point, out.qmin, out.qmax) if out is not None else (1.0, 0, 0, 255)

@@ -400,8 +400,8 @@ def _prepared(weight: torch.Tensor, trusted: bool, x: torch.Tensor, args: tuple,
 
 
 class _DepthwiseCall(ctypes.Structure):
-    """depthwise_conv_int8.c ``dwconv_call_t`` (depthwise_conv_int8_vnni.c's has the fields up to
-    qmax): what one call site fixes, made once per input shape."""
+    """depthwise_conv_int8.c ``dwconv_call_t`` (and depthwise_conv_int8_vnni.c's): what one call
+    site fixes, made once per input shape."""
 
     _fields_ = ([(name, ctypes.c_int) for name in ("N", "H", "W", "C", "stride_h", "stride_w", "pad_h", "pad_w", "OH", "OW",
                                                     "x_zp")]
@@ -411,10 +411,9 @@ class _DepthwiseCall(ctypes.Structure):
                    ("window", ctypes.c_int)])
 
 
-# the depthwise kernels' unary post-ops besides their clamp (depthwise_conv_int8.c ``enum activation``;
-# the VNNI kernel has none)
+# the depthwise kernels' unary post-ops besides their clamp (vec_math.h ``enum activation``)
 DEPTHWISE_ACTIVATIONS = ("none", "swish", "hardswish")
-DEPTHWISE_WINDOWS = (3, 5, 7)  # square windows the AVX2 kernel takes (the VNNI one: 3)
+DEPTHWISE_WINDOWS = (3, 5, 7)  # square windows the kernels take
 
 
 def _prepare_dwconv(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point,
@@ -431,10 +430,7 @@ def _prepare_dwconv(lib, x, x_zero_point, weight, mult, add, stride, padding, lo
         vnni = _vnni_library()[0]
         if vnni is None:
             raise ValueError(f"qbackend::qconv_depthwise: int8 weights are packed for AVX512-VNNI: {_vnni_library()[1]}")
-        if float_out or activation != "none" or window != 3:
-            raise ValueError("qbackend::qconv_depthwise: the AVX512-VNNI kernel takes 3x3 windows and writes uint8 after"
-                             " a clamp only")
-        function, dtype, taps = vnni.qb_dwconv_vnni_call, torch.int8, 12  # 3 kernel rows of 4 bytes
+        function, dtype, taps = vnni.qb_dwconv_vnni_call, torch.int8, window * -(-window // 4) * 4  # rows of 4-byte quads
     else:
         function, dtype, taps = lib.qb_dwconv_call, torch.int16, (window * window + 1) // 2 * 2  # pairs of int16
     if mult.numel() != packed:

@@ -41,7 +41,7 @@ def _depthwise_case(channels, post, stride, padding, qmax, window=3):
     low, high = CLAMPS[post]
 
     def run():
-        packed = depthwise.pack(w, *scale_and_offset(w, w_scale, x_scale, x_zp, bias), depthwise.vnni_built() and window == 3)
+        packed = depthwise.pack(w, *scale_and_offset(w, w_scale, x_scale, x_zp, bias), depthwise.vnni_built())
         return native.op("qconv_depthwise")(x, x_zp, *packed, [stride] * 2, [padding] * 2, low, high, out_scale, out_zp, 0, qmax,
                                             False, "none", window)
 
@@ -66,7 +66,7 @@ def test_kernel_gives_the_reference_integers(post, stride, padding, qmax, channe
 @pytest.mark.parametrize("stride,padding", [(1, "half"), (2, "half"), (1, 0), (2, 1)])
 @pytest.mark.parametrize("channels", [48, 5], ids=["32 + 16 channels", "5: padded to 16"])
 @pytest.mark.parametrize("window", [5, 7])
-def test_larger_windows_give_the_reference_integers(post, stride, padding, channels, window):
+def test_larger_windows_give_the_reference_integers(post, stride, padding, channels, window, int8_build):
     """EfficientNet's and MobileNetV3's later stages (5x5), ConvNeXt's blocks (7x7): 25 or 49
     taps, and one with zero weights to make whole pairs."""
     padding = window // 2 if padding == "half" else padding
@@ -82,7 +82,7 @@ ACTIVATIONS = {"none": lambda t: t, "swish": nn.functional.silu, "hardswish": nn
 @pytest.mark.parametrize("float_out", [False, True], ids=["uint8 out", "float32 out"])
 @pytest.mark.parametrize("channels", [48, 58], ids=["48 channels", "58: padded to 64"])
 @pytest.mark.parametrize("window", [3, 5, 7])
-def test_avx2_kernel_runs_silu_and_hardswish_and_writes_float32(activation, float_out, channels, window):
+def test_kernels_run_silu_and_hardswish_and_write_float32(activation, float_out, channels, window, int8_build):
     """EfficientNet's depthwise convs end in SiLU, MobileNetV3's in hardswish, and both feed a
     squeeze-excitation block that reads them as float32: float out within 2e-6 of the float64
     reference (dequantize, conv, activation, ReLU6 clamp), uint8 out its integers."""
@@ -95,7 +95,7 @@ def test_avx2_kernel_runs_silu_and_hardswish_and_writes_float32(activation, floa
                                  bias.double(), 1, window // 2, groups=channels)
     assert (exact < -3).any() and (exact > 3).any()  # both tails and the middle of each activation
     expected = ACTIVATIONS[activation](exact).clamp(-1.0, 6.0)
-    packed = depthwise.pack(w, *scale_and_offset(w, w_scale, x_scale, x_zp, bias), vnni=False)  # (every x86 CPU runs it)
+    packed = depthwise.pack(w, *scale_and_offset(w, w_scale, x_scale, x_zp, bias), depthwise.vnni_built())
     actual = native.op("qconv_depthwise")(x, x_zp, *packed, [1, 1], [window // 2] * 2, -1.0, 6.0, out_scale, out_zp, 0, 255,
                                           float_out, activation, window)
     assert actual.is_contiguous(memory_format=torch.channels_last)
