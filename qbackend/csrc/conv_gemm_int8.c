@@ -34,6 +34,11 @@
 #include <string.h>
 
 #include "padded_channels.h"
+#if defined(QB_VNNI) || defined(QB_ZMM)
+/* 8 pixels' activations in lockstep: GELU's polynomial and squarings are a chain of ~16
+ * dependent operations, and 4 chains left the FMA units waiting (32 ymm registers hold 8) */
+#define ACTIVATION_LANES 8
+#endif
 #include "vec_math.h"
 
 #define MAX_TAPS 9 /* up to 3x3 kernels */
@@ -130,8 +135,7 @@ typedef struct {
   float* float_out;        /* NULL, or float [P][Cout] written instead of the uint8 output (no requantization) */
   int activation;          /* enum activation, applied before the clamp */
   __m256 residual_scale, low, high, out_inv_scale, out_zp;
-  __m128i qmin, qmax;
-  __m256 qlow, qhigh; /* qmin, qmax as floats: the grid's clamp before the integer conversion */
+  __m256 qlow, qhigh; /* qmin, qmax as floats: the grid's clamp before the integer conversion (no byte clamp after it) */
   /* NULL, or per output channel acc * grid_mult + grid_add lands on the output grid directly:
    * set (in conv) where the post-op is a clamp, the output uint8 and any residual uint8 */
   const float *grid_mult, *grid_add;
@@ -150,22 +154,43 @@ static inline __m256 pre_activation8(const epilogue_t* e, __m256i acc, int o, in
   return f;
 }
 
+/* The post-op's clamp. (max_ps / min_ps return their second operand for a NaN: this order
+ * keeps a NaN, as the reference's clamp does; a float residual may hold one, or an infinity) */
+static inline __m256 clamped8(const epilogue_t* e, __m256 f) { return _mm256_min_ps(e->high, _mm256_max_ps(e->low, f)); }
+
+/* A clamped result requantized, as int32 within [qmin, qmax]: clamped as floats first (an
+ * infinity converts to INT_MIN; a NaN lands on qmin, the 0 the reference's integer conversion
+ * stores: qmin is 0 in every uint8 flow), rounded half to even, as torch's quantize does. */
+static inline __m256i quantized8(const epilogue_t* e, __m256 f) {
+  return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_fmadd_ps(f, e->out_inv_scale, e->out_zp), e->qlow), e->qhigh));
+}
+
 /* 8 outputs after the post-op: clamped, then stored as floats or requantized to uint8. */
 static inline void finish8(const epilogue_t* e, __m256 f, int o, int Cout, size_t pixel, uint8_t* restrict y) {
-  /* (max_ps / min_ps return their second operand for a NaN: this order keeps a NaN, as the
-   * reference's clamp does; a float residual may hold one, or an infinity) */
-  f = _mm256_min_ps(e->high, _mm256_max_ps(e->low, f));
+  f = clamped8(e, f);
   if (e->float_out) {
     _mm256_storeu_ps(e->float_out + pixel * Cout + o, f);
     return;
   }
-  /* clamped as floats first: an infinity converts to INT_MIN; a NaN lands on qmin, the 0 the
-   * reference's integer conversion stores (qmin is 0 in every uint8 flow) */
-  f = _mm256_min_ps(_mm256_max_ps(_mm256_fmadd_ps(f, e->out_inv_scale, e->out_zp), e->qlow), e->qhigh);
-  const __m256i q32 = _mm256_cvtps_epi32(f); /* round half to even, as torch's quantize does */
+  const __m256i q32 = quantized8(e, f);
   const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
-  const __m128i q8 = _mm_min_epu8(_mm_max_epu8(_mm_packus_epi16(q16, q16), e->qmin), e->qmax);
-  _mm_storel_epi64((__m128i*)(y + pixel * Cout + o), q8);
+  _mm_storel_epi64((__m128i*)(y + pixel * Cout + o), _mm_packus_epi16(q16, q16));
+}
+
+/* finish8 for the same 8 outputs of 4 consecutive pixels, uint8 out: one pack of all four
+ * (bytes: lane 0 holds each pixel's outputs 0-3, lane 1 its 4-7; a dword permute makes each
+ * pixel's 8 bytes one qword) instead of four narrowing sequences. */
+static inline void finish4x8(const epilogue_t* e, const __m256 f[4], int o, int Cout, size_t pixel, uint8_t* restrict y) {
+  __m256i q[4];
+  for (int j = 0; j < 4; j++) q[j] = quantized8(e, clamped8(e, f[j]));
+  const __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  const __m256i pixels = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m128i low = _mm256_castsi256_si128(pixels), high = _mm256_extracti128_si256(pixels, 1);
+  uint8_t* out = y + pixel * Cout + o;
+  _mm_storel_epi64((__m128i*)out, low);
+  _mm_storeh_pd((double*)(out + Cout), _mm_castsi128_pd(low));
+  _mm_storel_epi64((__m128i*)(out + 2 * (size_t)Cout), high);
+  _mm_storeh_pd((double*)(out + 3 * (size_t)Cout), _mm_castsi128_pd(high));
 }
 
 /* 8 outputs of a clamp-only epilogue. ``e`` is a local copy: read through a pointer, its
@@ -190,14 +215,14 @@ static inline void store8(const epilogue_t e, __m256i acc, int o, int Cout, size
 /* store8's constants broadcast to zmm (once per tile where a tile's pixels share them). */
 typedef struct {
   __m512 residual_scale, low, high, inv_scale, zp;
-  __m512i qmin, qmax, order;
+  __m512i order;
   __m512 qlow, qhigh;
 } wide_epilogue_t;
 
 static inline wide_epilogue_t wide_epilogue(const epilogue_t* e) {
   const wide_epilogue_t w = {_mm512_broadcast_f32x8(e->residual_scale), _mm512_broadcast_f32x8(e->low),
                              _mm512_broadcast_f32x8(e->high), _mm512_broadcast_f32x8(e->out_inv_scale),
-                             _mm512_broadcast_f32x8(e->out_zp), _mm512_broadcast_i32x4(e->qmin), _mm512_broadcast_i32x4(e->qmax),
+                             _mm512_broadcast_f32x8(e->out_zp),
                              /* packs work per 128-bit lane: dword 4 q + s holds block s's outputs 4 q .. 4 q + 3 */
                              _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
                              _mm512_broadcast_f32x8(e->qlow), _mm512_broadcast_f32x8(e->qhigh)};
@@ -222,8 +247,7 @@ static inline __m512i quantized(const wide_epilogue_t* w, __m512 f) {
   return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_fmadd_ps(f, w->inv_scale, w->zp), w->qlow), w->qhigh));
 }
 
-/* store8 on 16 channels, for a clamp-only epilogue (the clamp to [qmin, qmax] in int32 equals
- * store8's saturating packs, as 0 <= qmin <= qmax <= 255). */
+/* store8 on 16 channels, for a clamp-only epilogue. */
 static inline void store16(const epilogue_t e, __m512i acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
   const wide_epilogue_t w = wide_epilogue(&e);
   const __m512 f = float_result(&e, &w, acc, _mm512_loadu_ps(e.mult + o), _mm512_loadu_ps(e.add + o), o, Cout, pixel);
@@ -231,8 +255,7 @@ static inline void store16(const epilogue_t e, __m512i acc, int o, int Cout, siz
     _mm512_storeu_ps(e.float_out + pixel * Cout + o, f);
     return;
   }
-  const __m512i q = _mm512_min_epi32(_mm512_max_epi32(quantized(&w, f), _mm512_cvtepu8_epi32(e.qmin)), _mm512_cvtepu8_epi32(e.qmax));
-  _mm_storeu_si128((__m128i*)(y + pixel * Cout + o), _mm512_cvtepi32_epi8(q));
+  _mm_storeu_si128((__m128i*)(y + pixel * Cout + o), _mm512_cvtepi32_epi8(quantized(&w, f))); /* (within [qmin, qmax]) */
 }
 
 /* One pixel's 64 outputs from o (4 zmm blocks, clamp-only, uint8 out): float_result per block,
@@ -243,8 +266,7 @@ static inline void store64(const epilogue_t* e, const wide_epilogue_t* w, const 
   __m512i q[4];
   for (int b = 0; b < 4; b++) q[b] = quantized(w, float_result(e, w, acc[b], mult[b], add[b], o + 16 * b, Cout, pixel));
   __m512i bytes = _mm512_packus_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3]));
-  bytes = _mm512_min_epu8(_mm512_max_epu8(_mm512_permutexvar_epi32(w->order, bytes), w->qmin), w->qmax);
-  _mm512_storeu_si512(y + pixel * Cout + o, bytes);
+  _mm512_storeu_si512(y + pixel * Cout + o, _mm512_permutexvar_epi32(w->order, bytes));
 }
 #endif
 
@@ -289,7 +311,12 @@ static __attribute__((noinline)) void store_activated(const epilogue_t* shared, 
           f[j] = pre_activation8(&e, block_half(acc[i][b], half), o8, Cout, p + i);
         }
         activate_lanes(e.activation, f, ACTIVATION_LANES);
-        for (int j = 0; j < ACTIVATION_LANES && first + j < pixels; j++) finish8(&e, f[j], o8, Cout, p + first + j, y);
+        for (int j0 = 0; j0 < ACTIVATION_LANES; j0 += 4) {
+          if (!e.float_out && first + j0 + 4 <= pixels)
+            finish4x8(&e, f + j0, o8, Cout, p + first + j0, y);
+          else
+            for (int j = j0; j < j0 + 4 && first + j < pixels; j++) finish8(&e, f[j], o8, Cout, p + first + j, y);
+        }
       }
     }
 }
@@ -417,8 +444,8 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
   const geometry_t g = {N, H, W, Cin, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w};
   epilogue_t e = {mult, add, residual_is_float ? NULL : residual, residual_is_float ? residual : NULL, yf, activation,
                   _mm256_set1_ps(residual_scale), _mm256_set1_ps(low), _mm256_set1_ps(high),
-                  _mm256_set1_ps(out_inv_scale), _mm256_set1_ps((float)out_zp), _mm_set1_epi8((char)qmin),
-                  _mm_set1_epi8((char)qmax), _mm256_set1_ps((float)qmin), _mm256_set1_ps((float)qmax)};
+                  _mm256_set1_ps(out_inv_scale), _mm256_set1_ps((float)out_zp), _mm256_set1_ps((float)qmin),
+                  _mm256_set1_ps((float)qmax)};
   float* grid = NULL;
   if (activation == CLAMP_ONLY && !yf && !residual_is_float && out_inv_scale > 0) {
     /* On the output grid, the float result's clamp and requantization are one multiply-add and

@@ -10,7 +10,9 @@
  * one chain after another left the FMA units idle (SiLU on a 16 -> 96 1x1 conv's outputs took
  * 2.2x its standalone time; measured on an AVX2 Zen 3). Inlined with a constant ``n``, the
  * loops unroll into interleaved chains. */
-#define ACTIVATION_LANES 4
+#ifndef ACTIVATION_LANES
+#define ACTIVATION_LANES 4 /* (16 ymm registers; a file built for AVX512VL's 32 may define 8 first) */
+#endif
 #define EACH_LANE(j) for (int j = 0; j < n; j++)
 
 /* e^x for x in about [-87, 88]: x = k ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor
