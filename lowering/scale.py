@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
-
 from qbackend import native
 from qbackend.patterns.base import fake_value
 
@@ -16,10 +14,9 @@ from .base import EmitContext
 
 
 def refusal(ctx: EmitContext, match) -> Optional[str]:
-    q = match.output_quant
-    if q.dtype != torch.uint8:
-        return f"the kernel writes uint8, not {q.dtype}"
-    return native.scale_quantize_refusal(fake_value(match.float_source), fake_value(match.op_args[0])) or native.available()
+    return (own_conv.uint8_quantize_refusal(match)
+            or native.scale_quantize_refusal(fake_value(match.float_source), fake_value(match.op_args[0]))
+            or native.available())
 
 
 def emit(ctx: EmitContext, match):

@@ -73,3 +73,18 @@ def test_a_per_pixel_gate_keeps_the_graphs_multiply():
     _, _, captured = compile_and_run(converted, inputs)
     assert "scale_quantize" not in short_graph(captured.lowered)
     assert "channel scale" not in str(captured.report)
+
+
+@needs_own_kernels
+def test_a_signed_quantize_keeps_the_graphs_multiply():
+    """XPU-quantized models run on CPU as uint8 + 128, where the reference stores NaN as 128;
+    the kernel would store it as 0: the multiply and its quantize stay apart, with the reason."""
+    from qbackend.pt2e_flow import quantize_xpu
+
+    torch.manual_seed(0)
+    module, inputs = examples.squeeze_excitation()
+    _, _, captured = compile_and_run(quantize_xpu(module, inputs, [inputs]), inputs)
+    graph = short_graph(captured.lowered)
+    assert "native.scale_quantize(" not in graph and "nan_as=128" in graph, graph
+    scale = [d for d in captured.report.moves if d.rule == "qscale"]
+    assert scale and all("stores NaN as another level than qmin" in d.reason for d in scale), scale
