@@ -1,6 +1,8 @@
 """qbackend's own int8 GEMM on linears (lowering/gemm.py): GELU (erf and tanh), SiLU, hardswish
 and a float32 residual fused in its epilogue, the same values as the reference, chosen for linears of
 up to its build's max_rows rows and oneDNN's qlinear above, or with the reason where it does not apply."""
+import os
+
 import pytest
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  registers the reference ops
@@ -52,11 +54,21 @@ def test_activation_in_the_epilogue_gives_the_reference_values(activation, int8_
     assert (ints.reshape(reference.shape) == reference).double().mean() > 0.999
 
 
+def _streamed_weights_limit() -> int:
+    """conv_gemm_int8.c weights_streamed(): 4x the L2 (256 KB where the OS does not say)."""
+    l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE") if "SC_LEVEL2_CACHE_SIZE" in os.sysconf_names else -1
+    return 4 * (l2 if l2 > 0 else 256 * 1024)
+
+
 @needs_own_kernels
-@pytest.mark.parametrize("cin,cout", [(768, 400), (2304, 128)], ids=["3-block tiles", "64-wide tiles"])
-def test_weights_beyond_l2_run_in_row_blocks(cin, cout, int8_build):
-    """Weights over the kernel's 256 KB WEIGHTS_IN_L2: output tiles go round blocks of rows,
-    as many blocks for each thread; 301 rows leave a tail tile."""
+@pytest.mark.parametrize("cout", [400, 128], ids=["3-block tiles", "64-wide tiles"])
+@pytest.mark.parametrize("beyond", [False, True], ids=["weights streamed", "weights beyond: row blocks"])
+def test_both_loop_orders_give_the_exact_sums(cout, beyond, int8_build):
+    """Weights up to the kernel's limit stream past each pixel tile; beyond it, output tiles go
+    round blocks of rows, as many blocks for each thread. 301 rows leave a tail tile."""
+    limit = _streamed_weights_limit()
+    cin = (limit // cout + 4) // 4 * 4 if beyond else 768
+    assert (cin * cout > limit) == beyond
     x, constants, exact = _gemm_case(rows=301, cin=cin, cout=cout)
     floats = native.op("qconv")(x, *constants, None, 0.0, float("-inf"), float("inf"), 1.0, 0, 0, 255, True)
     torch.testing.assert_close(floats.reshape(exact.shape).double(), exact, atol=2e-6, rtol=1e-6)

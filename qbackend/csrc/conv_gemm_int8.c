@@ -32,6 +32,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "padded_channels.h"
 #if defined(QB_VNNI) || defined(QB_ZMM)
@@ -42,8 +43,24 @@
 #include "vec_math.h"
 
 #define MAX_TAPS 9 /* up to 3x3 kernels */
-#define WEIGHTS_IN_L2 (256 * 1024)
 #define ROW_BLOCK_BYTES (128 * 1024)
+
+/* Weights up to this many bytes stream past pixel tiles whose inputs stay in L1 (see conv):
+ * 4x this CPU's L2 (glibc reads it from cpuid; 256 KB where unknown). A fixed 256 KB, tuned
+ * on another CPU, sent a Zen 4's (1 MB L2) 432 KB - 2.3 MB weights to row blocks, 10-48%
+ * slower there (128x384->1152 178 vs 160 us; 1568x384->1536 3364 vs 2479; a 3x3 512->512
+ * conv at 7x7 batch 8 4483 vs 2317). */
+static size_t weights_streamed(void) {
+  static size_t bytes = 0; /* (threads racing here store the same value) */
+  if (!bytes) {
+    long l2 = -1;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    bytes = 4 * (l2 > 0 ? (size_t)l2 : 256 * 1024);
+  }
+  return bytes;
+}
 
 /* A block: BLOCK output channels x 4 input channels of packed weights, one vector of int32 sums. */
 #define PACKED 16 /* output channels per row of the packed weights */
@@ -471,11 +488,12 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
   const int wide = WIDE_PIXELS && blocks % 4 == 0, tile_pixels = wide ? WIDE_PIXELS : PIXEL_TILE;
   const int output_tiles = wide ? blocks / 4 : blocks % 3 == 1 && blocks > 1 ? blocks / 3 + 1 : (blocks + 2) / 3;
   const int pixel_tiles = (P + tile_pixels - 1) / tile_pixels;
-  /* The weights stay in L2 across pixel tiles when they fit. Else the output tiles go round
+  /* A pixel tile's inputs stay in L1 while every output tile's weights stream past them (from
+   * L2, or L3 beyond it) when the weights are not too large (weights_streamed). Else the output tiles go round
    * each block of pixel tiles whose inputs fit ROW_BLOCK_BYTES, so that block stays in L2: blocks
    * of equal size, as many for each thread (the static schedule gives each thread whole blocks;
    * a short last one left a thread 40% idle on ResNet's layer3 / 4 convs at batch 8). */
-  const int pixels_outer = (size_t)taps * g.Cin * Cout <= WEIGHTS_IN_L2;
+  const int pixels_outer = (size_t)taps * g.Cin * Cout <= weights_streamed();
   int row_blocks = 1;
   if (!pixels_outer) {
     const int fit = ROW_BLOCK_BYTES / (tile_pixels * g.Cin) < 1 ? 1 : ROW_BLOCK_BYTES / (tile_pixels * g.Cin);
