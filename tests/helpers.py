@@ -172,6 +172,9 @@ def short_graph(gm: GraphModule) -> str:
         elif node.op == "call_function":
             args = [fmt(a) for a in node.args] + [f"{k}={fmt(v)}" for k, v in node.kwargs.items()]
             lines.append(f"{node.name} = {op_name(node.target)}({', '.join(args)})")
+        elif node.op == "call_method":
+            args = [fmt(a) for a in node.args[1:]] + [f"{k}={fmt(v)}" for k, v in node.kwargs.items()]
+            lines.append(f"{node.name} = {fmt(node.args[0])}.{node.target}({', '.join(args)})")
         elif node.op == "output":
             lines.append(f"return {fmt(node.args[0])}")
     return "\n".join(lines)

@@ -72,12 +72,12 @@ return (qconv2d_pointwise_binary)""")
         self.assertExpectedInline(lowered_graph(*linear_relu()), """\
 l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0474, 61, 0, 127, uint8)
-reshape_default = aten.reshape(quantize_per_tensor_default, [15, 16, 1, 1])
+reshape_default = quantize_per_tensor_default.reshape([15, 16, 1, 1])
 qconv = native.qconv(reshape_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0109, 0, 0, 127, False, 'none')
-reshape_default_1 = aten.reshape(qconv, [3, 5, 24])
-reshape_default_2 = aten.reshape(reshape_default_1, [15, 24, 1, 1])
+reshape_default_1 = qconv.reshape([3, 5, 24])
+reshape_default_2 = reshape_default_1.reshape([15, 24, 1, 1])
 qconv_1 = native.qconv(reshape_default_2, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
-reshape_default_3 = aten.reshape(qconv_1, [3, 5, 8])
+reshape_default_3 = qconv_1.reshape([3, 5, 8])
 return (reshape_default_3)""")
 
     def test_conv3d_relu_left_unfused_by_the_kernel(self):
@@ -107,10 +107,33 @@ return (qconv_pointwise_default_2)""")
 l_x_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor_channels_last(l_x_, 0.0567, 61, 0, 127, uint8)
 qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0567, 61, <const>, <const>, <const>, <const>, [2, 2], [0, 0], [1, 1], 1, 0.012, 0, uint8, 'hardtanh', [0, 1.53], '')
-flatten_using_ints = aten.flatten.using_ints(qconv_pointwise_default, 1)
+flatten_using_ints = qconv_pointwise_default.flatten(1)
 qlinear_pointwise_default = onednn.qlinear_pointwise(flatten_using_ints, 0.012, 0, <const>, <const>, <const>, <const>, 0.00928, 69, uint8, 'hardtanh', [-0.64, 0.538], '')
-view_default = aten.reshape(qlinear_pointwise_default, [-1, 2, 6])
-permute_default = aten.permute(view_default, [0, 2, 1])
-reshape_default = aten.reshape(permute_default, [-1, 12])
+view_default = qlinear_pointwise_default.reshape([-1, 2, 6])
+permute_default = view_default.permute([0, 2, 1])
+reshape_default = permute_default.reshape([-1, 12])
 qlinear_pointwise_default_1 = onednn.qlinear_pointwise(reshape_default, 0.00928, 69, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')
 return (qlinear_pointwise_default_1)""")
+
+
+class Slices(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 24)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y[:, 2:100], y[:, ::2], y[:, -3:], y.transpose(0, 1)
+
+
+def test_views_run_as_tensor_methods_where_the_same():
+    """cleanup.views_as_tensor_methods: a unit-step slice within the static size (its end past
+    the size is clamped, as slice does) becomes narrow; a stepped or negative-start slice stays
+    aten.slice; transpose becomes the method. Values: the reference's (compile_and_run)."""
+    x = torch.randn(5, 16)
+    _, _, captured = compile_and_run(quantize(Slices().eval(), (x,)), (x,))
+    graph = short_graph(captured.lowered)
+    y = next(n for n in captured.lowered.graph.nodes if n.name == "transpose").args[0].name  # (the linear's result)
+    lines = [line.replace(y, "y") for line in graph.splitlines() if line.startswith(("slice", "transpose"))]
+    assert lines == ["slice_1 = y.narrow(1, 2, 22)", "slice_2 = aten.slice.Tensor(y, 1, 0, 9223372036854775807, 2)",
+                     "slice_3 = aten.slice.Tensor(y, 1, -3, 9223372036854775807)", "transpose = y.transpose(0, 1)"], graph

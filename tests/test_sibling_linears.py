@@ -51,7 +51,7 @@ def inputs(kernel="onednn"):
 
 def _qlinear_lines(captured) -> list[str]:
     return [line for line in short_graph(captured.lowered).splitlines()
-            if any(call in line for call in KERNELS.values()) or "= aten.slice" in line]
+            if any(call in line for call in KERNELS.values()) or ".narrow(" in line]
 
 
 class TestSiblingGraph(expecttest.TestCase):
@@ -60,9 +60,9 @@ class TestSiblingGraph(expecttest.TestCase):
         captured = assert_matches_reference(quantize(Projections(), inputs()), inputs())
         self.assertExpectedInline("\n".join(_qlinear_lines(captured)), """\
 qlinear_pointwise_default_4 = onednn.qlinear_pointwise(quantize_per_tensor_default, 0.0645, 63, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')
-slice_tensor = aten.slice.Tensor(qlinear_pointwise_default_4, -1, 0, 16)
-slice_tensor_1 = aten.slice.Tensor(qlinear_pointwise_default_4, -1, 16, 32)
-slice_tensor_2 = aten.slice.Tensor(qlinear_pointwise_default_4, -1, 32, 56)
+slice_tensor = qlinear_pointwise_default_4.narrow(-1, 0, 16)
+slice_tensor_1 = qlinear_pointwise_default_4.narrow(-1, 16, 16)
+slice_tensor_2 = qlinear_pointwise_default_4.narrow(-1, 32, 24)
 qlinear_pointwise_default_3 = onednn.qlinear_pointwise(quantize_per_tensor_default, 0.0645, 63, <const>, <const>, <const>, <const>, 0.0172, 0, uint8, 'hardtanh', [0, 2.19], '')""")
         notes = {d.node: d.reason for d in captured.report.decisions}
         assert notes["linear"].endswith("; one call with linear_1, linear_2 (same input, weights concatenated)"), str(captured.report)
@@ -74,9 +74,9 @@ qlinear_pointwise_default_3 = onednn.qlinear_pointwise(quantize_per_tensor_defau
         captured = assert_matches_reference(quantize(Projections(), inputs("own")), inputs("own"))
         self.assertExpectedInline("\n".join(_qlinear_lines(captured)), """\
 qconv_4 = native.qconv(reshape_default, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
-slice_tensor = aten.slice.Tensor(reshape_default_8, -1, 0, 16)
-slice_tensor_1 = aten.slice.Tensor(reshape_default_8, -1, 16, 32)
-slice_tensor_2 = aten.slice.Tensor(reshape_default_8, -1, 32, 56)
+slice_tensor = reshape_default_8.narrow(-1, 0, 16)
+slice_tensor_1 = reshape_default_8.narrow(-1, 16, 16)
+slice_tensor_2 = reshape_default_8.narrow(-1, 32, 24)
 qconv_3 = native.qconv(reshape_default_6, <const>, <const>, <const>, None, 0, 0, inf, 0.0154, 0, 0, 127, False, 'none')""")
         notes = {d.node: d.reason for d in captured.report.decisions}
         assert notes["linear"] == "qbackend's int8 GEMM kernel (16 rows); one call with linear_1, linear_2 (same input, weights concatenated)", str(captured.report)
@@ -149,7 +149,7 @@ class LlamaProjections(nn.Module):
 
 
 def _weight_only_lines(captured) -> list[str]:
-    return [line for line in short_graph(captured.lowered).splitlines() if "= native.int" in line or "= aten.slice" in line]
+    return [line for line in short_graph(captured.lowered).splitlines() if "= native.int" in line or ".narrow(" in line]
 
 
 class TestWeightOnlySiblingGraph(expecttest.TestCase):
@@ -160,12 +160,7 @@ class TestWeightOnlySiblingGraph(expecttest.TestCase):
         _, _, captured = compile_and_run(model, (torch.randn(1, 3, 128),))
         self.assertExpectedInline("\n".join(_weight_only_lines(captured)), """\
 int4_mm_int16_6 = native.int4_mm_int16(reshape_default, <const>, <const>, <const>, 64)
-slice_tensor = aten.slice.Tensor(int4_mm_int16_6, -1, 0, 128)
-slice_tensor_1 = aten.slice.Tensor(int4_mm_int16_6, -1, 128, 160)
-slice_tensor_2 = aten.slice.Tensor(int4_mm_int16_6, -1, 160, 192)
 int4_mm_int16_7 = native.int4_mm_int16(reshape_default_3, <const>, <const>, <const>, 64)
-slice_tensor_3 = aten.slice.Tensor(int4_mm_int16_7, -1, 0, 256)
-slice_tensor_4 = aten.slice.Tensor(int4_mm_int16_7, -1, 256, 512)
 int4_mm_int16_5 = native.int4_mm_int16(reshape_default_5, <const>, <const>, <const>, 64)""")
         notes = {d.source: d.reason for d in captured.report.decisions}
         assert notes["q"].endswith("one call with linear_1, linear_2 (same input, weights concatenated)"), str(captured.report)

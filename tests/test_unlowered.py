@@ -190,7 +190,7 @@ def test_without_mkl_a_float_linear_of_a_transposed_input_reads_it_contiguous(mo
     inputs = (torch.randn(3, 10, 32),)
     captured = assert_matches_reference(quantize(BatchFirstAttention().eval(), inputs), inputs)
     readers = [n.args[0] for n in _float_linears(captured)]
-    assert [r.target for r in readers] == [torch.ops.aten.contiguous.default, torch.ops.aten.reshape.default], captured.lowered.graph
+    assert [r.target for r in readers] == [torch.ops.aten.contiguous.default, "reshape"], captured.lowered.graph
 
 
 def _failing_lowering(monkeypatch):

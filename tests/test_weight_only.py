@@ -111,7 +111,7 @@ return (add_tensor)""")
         graph, report = self.lowered(model.up, x, weight_only_compute="activation")
         self.assertExpectedInline(graph, """\
 l_args_0_ = input
-reshape_default = aten.reshape(l_args_0_, [-1, 256])
+reshape_default = l_args_0_.reshape([-1, 256])
 contiguous_default = aten.contiguous(reshape_default)
 _weight_int8pack_mm_default = aten._weight_int8pack_mm(contiguous_default, <const>, <const>)
 unflatten_rows = weight_only.unflatten_rows(_weight_int8pack_mm_default, l_args_0_)

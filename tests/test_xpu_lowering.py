@@ -94,12 +94,12 @@ return (qconv2d_pointwise_binary)""")
         self.assertExpectedInline(graph, """\
 l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0215, 11, -128, 127, int8)
-reshape_default = aten.reshape(quantize_per_tensor_default, [-1, 16])
+reshape_default = quantize_per_tensor_default.reshape([-1, 16])
 qlinear_pointwise_default = onednn.qlinear_pointwise(reshape_default, 0.0215, 11, <const>, <const>, <const>, <const>, 0.00736, -128, int8, 'relu', [], '')
-reshape_default_1 = aten.reshape(qlinear_pointwise_default, [3, 5, 24])
-reshape_default_2 = aten.reshape(reshape_default_1, [-1, 24])
+reshape_default_1 = qlinear_pointwise_default.reshape([3, 5, 24])
+reshape_default_2 = reshape_default_1.reshape([-1, 24])
 qlinear_pointwise_default_1 = onednn.qlinear_pointwise(reshape_default_2, 0.00736, -128, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')
-reshape_default_3 = aten.reshape(qlinear_pointwise_default_1, [3, 5, 8])
+reshape_default_3 = qlinear_pointwise_default_1.reshape([3, 5, 8])
 return (reshape_default_3)""")
 
     def test_qlinear_add(self):
@@ -107,9 +107,9 @@ return (reshape_default_3)""")
         self.assertExpectedInline(graph, """\
 l_x_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.0206, -23, -128, 127, int8)
-reshape_default = aten.reshape(quantize_per_tensor_default, [-1, 16])
+reshape_default = quantize_per_tensor_default.reshape([-1, 16])
 qlinear_pointwise_default = onednn.qlinear_pointwise(reshape_default, 0.0206, -23, <const>, <const>, <const>, <const>, 0.00642, -102, int8, 'gelu', [], 'none')
-reshape_default_1 = aten.reshape(qlinear_pointwise_default, [2, 5, 64])
+reshape_default_1 = qlinear_pointwise_default.reshape([2, 5, 64])
 contiguous_default = aten.contiguous(l_x_)
 qlinear_pointwise_binary = onednn.qlinear_pointwise.binary(reshape_default_1, 0.00642, -102, <const>, <const>, <const>, contiguous_default, <const>, 1, 0, float32, 1, 0, 'add', 1, 'none', [], '')
 layer_norm = aten.layer_norm(qlinear_pointwise_binary, [16], <const>, <const>, 1e-05, False)
@@ -165,13 +165,13 @@ return (qconv_pointwise_default_3)""")
         self.assertExpectedInline(graph, """\
 l_x_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.0211, -21, -128, 127, int8)
-reshape_default = aten.reshape(quantize_per_tensor_default, [-1, 16])
+reshape_default = quantize_per_tensor_default.reshape([-1, 16])
 qlinear_pointwise_default = onednn.qlinear_pointwise(reshape_default, 0.0211, -21, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')
-reshape_default_1 = aten.reshape(qlinear_pointwise_default, [2, 5, 16])
+reshape_default_1 = qlinear_pointwise_default.reshape([2, 5, 16])
 layer_norm_quantize_per_tensor = fast_qdq.layer_norm_quantize_per_tensor(reshape_default_1, <const>, <const>, 1e-05, 0.019, -4, -128, 127, int8)
-reshape_default_2 = aten.reshape(layer_norm_quantize_per_tensor, [-1, 16])
+reshape_default_2 = layer_norm_quantize_per_tensor.reshape([-1, 16])
 qlinear_pointwise_default_1 = onednn.qlinear_pointwise(reshape_default_2, 0.019, -4, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')
-reshape_default_3 = aten.reshape(qlinear_pointwise_default_1, [2, 5, 8])
+reshape_default_3 = qlinear_pointwise_default_1.reshape([2, 5, 8])
 return (reshape_default_3)""")
 
     def test_qview(self):
@@ -182,11 +182,11 @@ return (reshape_default_3)""")
 l_x_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.0282, -5, -128, 127, int8)
 qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.0282, -5, <const>, <const>, <const>, <const>, [2, 2], [0, 0], [1, 1], 1, 0.00599, -128, int8, 'relu', [], '')
-flatten_using_ints = aten.flatten.using_ints(qconv_pointwise_default, 1)
+flatten_using_ints = qconv_pointwise_default.flatten(1)
 qlinear_pointwise_default = onednn.qlinear_pointwise(flatten_using_ints, 0.00599, -128, <const>, <const>, <const>, <const>, 0.00462, 11, int8, 'none', [], '')
-view_default = aten.reshape(qlinear_pointwise_default, [-1, 2, 6])
-permute_default = aten.permute(view_default, [0, 2, 1])
-reshape_default = aten.reshape(permute_default, [-1, 12])
+view_default = qlinear_pointwise_default.reshape([-1, 2, 6])
+permute_default = view_default.permute([0, 2, 1])
+reshape_default = permute_default.reshape([-1, 12])
 qlinear_pointwise_default_1 = onednn.qlinear_pointwise(reshape_default, 0.00462, 11, <const>, <const>, <const>, <const>, 1, 0, float32, 'none', [], '')
 return (qlinear_pointwise_default_1)""")
 
