@@ -42,7 +42,8 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
         return f"not a depthwise conv with a {' or '.join(f'{k}x{k}' for k in native.DEPTHWISE_WINDOWS)} window"
     p, w, k = match.conv, match.weight, _window(match)
     channels = w.int8.shape[0]
-    if list(p.dilation) != [1, 1] or any(s not in (1, 2) for s in p.stride) or any(not 0 <= q <= k // 2 for q in p.padding):
+    if list(p.dilation) != [1, 1] or any(s not in native.DEPTHWISE_STRIDES for s in p.stride) \
+            or any(not 0 <= q <= k // 2 for q in p.padding):
         return (f"stride {p.stride}, padding {p.padding}, dilation {p.dilation}: the kernel takes stride 1-2, padding"
                 f" 0-{k // 2}")
     if channels > MAX_CHANNELS:

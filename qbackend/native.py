@@ -414,6 +414,7 @@ class _DepthwiseCall(ctypes.Structure):
 # the depthwise kernels' unary post-ops besides their clamp (vec_math.h ``enum activation``)
 DEPTHWISE_ACTIVATIONS = ("none", "swish", "hardswish")
 DEPTHWISE_WINDOWS = (3, 5, 7)  # square windows the kernels take
+DEPTHWISE_STRIDES = (1, 2)
 
 
 def _prepare_dwconv(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, out_scale, out_zero_point,
@@ -438,6 +439,8 @@ def _prepare_dwconv(lib, x, x_zero_point, weight, mult, add, stride, padding, lo
                          f"({c} channels pack as {packed})")
     _check_constants("qconv_depthwise", (weight, dtype, taps * packed), (mult, torch.float32, packed), (add, torch.float32, packed))
     oh, ow = _window("qconv_depthwise", h, w, (window, window), stride, padding)
+    if any(s not in DEPTHWISE_STRIDES for s in stride):  # (the VNNI kernel shares a row's quads: 4 / stride columns apart)
+        raise ValueError(f"qbackend::qconv_depthwise: stride {list(stride)}; the kernels take {DEPTHWISE_STRIDES}")
     _check_levels("qconv_depthwise", x_zero_point, out_zero_point, qmin, qmax)
     call = _DepthwiseCall(n, h, w, c, *stride, *padding, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
                           add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax, ACTIVATIONS[activation],
