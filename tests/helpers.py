@@ -180,6 +180,19 @@ def short_graph(gm: GraphModule) -> str:
     return "\n".join(lines)
 
 
+def assert_fused_into_quantize(example, kernel: str, replaced: str, report_phrase: str) -> Captured:
+    """A float op and its quantize (``example()``: module, inputs) lowered onto one own
+    kernel: the reference's values, ``native.<kernel>(`` in the graph and no ``replaced`` op
+    left, and the report's count of such fusions."""
+    torch.manual_seed(0)
+    module, inputs = example()
+    captured = assert_matches_reference(quantize(module, inputs), inputs)
+    graph = short_graph(captured.lowered)
+    assert f"native.{kernel}(" in graph and replaced not in graph, graph
+    assert report_phrase in str(captured.report), str(captured.report)
+    return captured
+
+
 def lower_without_running(module, inputs, registry=None, **options):
     """(lowered GraphModule, report) for the graph Dynamo captures, without running the
     lowered graph: for devices this machine lacks (XPU), checked at graph level."""

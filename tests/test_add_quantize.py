@@ -8,7 +8,7 @@ import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_
 from qbackend import native
 from qbackend.patterns import examples
 
-from .helpers import assert_matches_reference, needs_own_kernels, quantize, short_graph
+from .helpers import assert_fused_into_quantize, assert_matches_reference, needs_own_kernels, quantize, short_graph
 
 pytestmark = needs_own_kernels
 
@@ -35,12 +35,7 @@ def test_sum_and_integers_are_the_references(a_layout, b_layout, qparams):
 
 
 def test_a_residual_sum_read_as_float_and_quantized_lowers_onto_the_kernel():
-    torch.manual_seed(0)
-    module, inputs = examples.residual_sum_quantized()
-    captured = assert_matches_reference(quantize(module, inputs), inputs)
-    graph = short_graph(captured.lowered)
-    assert "native.add_quantize(" in graph and "aten.add" not in graph, graph
-    assert "1 float sum fused into its quantize" in str(captured.report), str(captured.report)
+    assert_fused_into_quantize(examples.residual_sum_quantized, "add_quantize", "aten.add", "1 float sum fused into its quantize")
 
 
 def test_the_in_place_form_writes_the_sum_into_its_target():

@@ -9,7 +9,7 @@ import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_
 from qbackend import native
 from qbackend.patterns import examples
 
-from .helpers import assert_matches_reference, needs_own_kernels, quantize, short_graph
+from .helpers import assert_fused_into_quantize, assert_matches_reference, needs_own_kernels, quantize, short_graph
 
 pytestmark = needs_own_kernels
 
@@ -56,12 +56,8 @@ def test_a_strided_input_reads_as_its_values():
 
 
 def test_a_norm_before_a_quantized_linear_lowers_onto_the_kernel():
-    torch.manual_seed(0)
-    module, inputs = examples.normed_linear()
-    captured = assert_matches_reference(quantize(module, inputs), inputs)
-    graph = short_graph(captured.lowered)
-    assert "native.layer_norm_quantize(" in graph and "layer_norm.default" not in graph, graph
-    assert "1 LayerNorm fused into its quantize" in str(captured.report), str(captured.report)
+    assert_fused_into_quantize(examples.normed_linear, "layer_norm_quantize", "layer_norm.default",
+                               "1 LayerNorm fused into its quantize")
 
 
 def test_a_norm_other_ops_read_too_writes_its_float_rows_as_well():

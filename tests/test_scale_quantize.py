@@ -9,7 +9,7 @@ import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_
 from qbackend import native
 from qbackend.patterns import examples
 
-from .helpers import assert_matches_reference, compile_and_run, needs_own_kernels, quantize, short_graph
+from .helpers import assert_fused_into_quantize, compile_and_run, needs_own_kernels, short_graph
 
 pytestmark = needs_own_kernels
 
@@ -60,12 +60,8 @@ def test_bad_arguments_get_a_clear_error(args, message):
 
 
 def test_squeeze_excitation_lowers_onto_the_kernel():
-    torch.manual_seed(0)
-    module, inputs = examples.squeeze_excitation()
-    captured = assert_matches_reference(quantize(module, inputs), inputs)
-    graph = short_graph(captured.lowered)
-    assert "native.scale_quantize(" in graph and "aten.mul" not in graph, graph
-    assert "1 channel scale fused into its quantize" in str(captured.report), str(captured.report)
+    assert_fused_into_quantize(examples.squeeze_excitation, "scale_quantize", "aten.mul",
+                               "1 channel scale fused into its quantize")
 
 
 def test_a_per_pixel_gate_keeps_the_graphs_multiply():
