@@ -9,15 +9,17 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from qbackend.lowering.common import additive_mask, static_shape
+from qbackend.lowering.common import static_shape
 from qbackend.lowering.signed_int8 import nan_as
 from qbackend.patterns.base import constant_value, fake_value
 from qbackend.patterns.inplace import schema_writes
 
 from . import fast_qdq, native
+from .attention_cleanup import attention_inputs_uncopied, attention_masks_once, attention_output_quantized
 from .channel_shuffle import shuffles_in_one_pass
 from .freeze import drop_unused_constants, set_constant
 from .kernel_chain import chain_own_kernels
+from .view_chains import view_chains_collapsed
 from .ops import graph_op, resolve
 
 aten = torch.ops.aten
@@ -198,72 +200,6 @@ def float_linears(gm: GraphModule, device: str) -> Optional[str]:
     return f"{packed} float linear(s) on MKL's sgemm, weight packed once" if packed else None
 
 
-def attention_masks_once(gm: GraphModule) -> Optional[str]:
-    """A boolean attention mask that several fused attentions read becomes the float mask they
-    each built from it (0 where True, -inf where False: ATen's own conversion) once, before
-    the first: all-MiniLM-L6-v2 converted its one mask in each of its 6 layers (190 vs 171 us
-    an attention call at batch 1)."""
-    readers: dict = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is aten.scaled_dot_product_attention.default:
-            mask_node = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-            mask, query = fake_value(mask_node), fake_value(node.args[0])
-            if mask is not None and mask.dtype == torch.bool and query is not None and query.dtype == torch.float32:
-                readers.setdefault(mask_node, []).append(node)
-    shared = {mask: attentions for mask, attentions in readers.items() if len(attentions) > 1}
-    for mask, attentions in shared.items():
-        with gm.graph.inserting_before(attentions[0]):
-            additive = additive_mask(gm.graph, mask)
-        for attention in attentions:
-            if len(attention.args) > 3:
-                attention.update_arg(3, additive)
-            else:
-                attention.update_kwarg("attn_mask", additive)
-    calls = sum(map(len, shared.values()))
-    return f"{calls} attention calls share {len(shared)} float mask(s) built once" if shared else None
-
-
-# Views that take any strides (a reshape copies when it must; ``view`` could fail, so it is not here)
-_STRIDED_VIEWS = {aten.select.int, aten.reshape.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default,
-                  aten.squeeze.dim, aten.slice.Tensor}
-# Readers whose result does not depend on their inputs' strides
-_ANY_STRIDES = {aten.scaled_dot_product_attention.default}
-
-
-def _reads_any_strides(target) -> bool:
-    """torch's attention, or ours in either form (it passes strides to the kernel, copying only
-    a last dim that is not contiguous)."""
-    return target in _ANY_STRIDES or target is native.attention_f32 or str(target) == f"{native.NAMESPACE}.attention_f32.default"
-
-
-def _reaches_only_strided_readers(node: Node) -> bool:
-    pending = list(node.users)
-    while pending:
-        user = pending.pop()
-        if user.op != "call_function" or user.kwargs.get("out") is not None:
-            return False
-        if user.target in _STRIDED_VIEWS:
-            pending.extend(user.users)
-        elif not _reads_any_strides(user.target):
-            return False
-    return True
-
-
-def attention_inputs_uncopied(gm: GraphModule) -> Optional[str]:
-    """torch's MultiheadAttention makes its packed q / k / v projection contiguous before
-    splitting it into heads (``unflatten ... squeeze(-2).contiguous()``): a copy of the whole
-    projection, which only views then read, and then fused attention, which takes any strides.
-    Without it: vit_b_16 60.8 -> 59.3 ms at batch 1, 491 -> 483 at 8, bit-identical."""
-    dropped = 0
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is aten.contiguous.default and len(node.args) == 1 \
-                and not node.kwargs and isinstance(node.args[0], Node) and _reaches_only_strided_readers(node):
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-            dropped += 1
-    return f"{dropped} copy(s) before fused attention left out (it reads the strided views)" if dropped else None
-
-
 # view ops -> the Tensor method taking the same positional arguments: a method call costs ~1.1 us
 # less than the operator's (Python's OpOverload.__call__; reshape 1.8 vs 3.2 us, transpose 1.1
 # vs 2.0), and all-MiniLM-L6-v2's lowered graph makes ~110 such calls a forward
@@ -304,8 +240,10 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True) ->
     if fast_boundary:
         fast_boundary_qdq(gm, device)
     views_accept_any_layout(gm)
-    notes = [float_linears(gm, device) if fast_boundary else None, attention_masks_once(gm), attention_inputs_uncopied(gm),
-             shuffles_in_one_pass(gm) if fast_boundary else None, chain_own_kernels(gm)]
+    notes = [float_linears(gm, device) if fast_boundary else None, attention_masks_once(gm),
+             attention_output_quantized(gm) if fast_boundary else None, attention_inputs_uncopied(gm),
+             shuffles_in_one_pass(gm) if fast_boundary else None, chain_own_kernels(gm),
+             view_chains_collapsed(gm) if fast_boundary else None]
     if fast_boundary:  # (last: the passes above read the view ops' targets)
         views_as_tensor_methods(gm)
     gm.graph.eliminate_dead_code()

@@ -56,6 +56,9 @@ OPS = {
              "str activation='none', int[2] kernel_size=[1, 1], int[2] stride=[1, 1], int[2] padding=[0, 0], "
              "int[2] dilation=[1, 1], int x_zero_point=0) -> Tensor",
     "attention_f32": "attention_f32(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor",
+    # (uint8 [batch, length, heads, head dim]: the heads merged, as the out-projection reads them)
+    "attention_quantize": "attention_quantize(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float out_scale, "
+                          "int zero_point, int qmin, int qmax) -> Tensor",
     "qconv_stem": "qconv_stem(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int[2] kernel_size, "
                   "int[2] stride, int[2] padding, float low, float high, float out_scale, int out_zero_point, int qmin, "
                   "int qmax, int[2] pool_kernel=[0, 0], int[2] pool_stride=[1, 1], int[2] pool_padding=[0, 0]) -> Tensor",
@@ -147,7 +150,8 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     # (0; -1 when the depthwise conv could not allocate its padding row: the pools always 0)
     lib.qb_dwconv_call.restype = lib.qb_run_chain.restype = i32
     lib.qb_max_pool_u8_call.restype = lib.qb_global_avg_pool_u8_call.restype = i32
-    lib.qb_quantize_nchw_to_nhwc.restype = lib.qb_quantize_dense.restype = lib.qb_attention_f32.restype = lib.qb_scale_quantize.restype = None
+    lib.qb_quantize_nchw_to_nhwc.restype = lib.qb_quantize_dense.restype = lib.qb_scale_quantize.restype = None
+    lib.qb_attention_f32.restype = i32  # (0; -1 when a thread could not allocate its scratch)
     lib.qb_has_avx512_vnni.restype = i32
     _library = torch.library.Library(NAMESPACE, "FRAGMENT")
     for name, schema in OPS.items():
@@ -716,7 +720,8 @@ class _AttentionCall(ctypes.Structure):
 
     _fields_ = ([(name, ctypes.c_int) for name in ("B", "H", "L", "S", "D")]
                 + [(name, ctypes.c_long * 3) for name in ("q_stride", "k_stride", "v_stride")]
-                + [("mask_stride", ctypes.c_long * 4), ("scale", ctypes.c_float)])
+                + [("mask_stride", ctypes.c_long * 4), ("scale", ctypes.c_float), ("quantized", ctypes.c_int),
+                   ("out_inv_scale", ctypes.c_float)] + [(name, ctypes.c_int) for name in ("out_zero_point", "out_qmin", "out_qmax")])
 
 
 def attention_refusal(q, k, v, mask, mask_dtypes=(torch.float32,)) -> Optional[str]:
@@ -755,28 +760,53 @@ def _attention(lib, q, k, v, mask, scale):
         raise ValueError(f"qbackend::attention_f32: {reason}")
     (b, h, length, d), kv_heads = q.shape, k.shape[1]
     if kv_heads == h:
-        return _checked_attention(lib, q, k, v, mask, scale)
+        return _checked_attention(lib, q, k, v, mask, scale).transpose(1, 2)
     # grouped: each key / value head read once for all its query heads
     if mask is not None:  # (a view: refusal leaves one query row, or a mask the same for all heads and rows)
         mask = mask.expand(b, h, length, k.shape[2]).reshape(b, kv_heads, h // kv_heads * length, k.shape[2])
-    return _checked_attention(lib, _grouped(q, kv_heads), k, v, mask, scale).reshape(b, h, length, d)
+    return _checked_attention(lib, _grouped(q, kv_heads), k, v, mask, scale).transpose(1, 2).reshape(b, h, length, d)
 
 
-def _checked_attention(lib, q, k, v, mask, scale):
+def attention_quantize_refusal(q, k, v, mask, out_scale, zero_point, qmin, qmax) -> Optional[str]:
+    """Why attention_quantize cannot take these (tensors or fake values), None if it can."""
+    reason = attention_refusal(q, k, v, mask)
+    if reason is None and k.shape[1] != q.shape[1]:
+        reason = "grouped-query attention (its rows come out in another order)"
+    return reason or _uint8_grid_refusal(out_scale, zero_point, qmin, qmax)
+
+
+def _attention_quantize(lib, q, k, v, mask, scale, out_scale, zero_point, qmin, qmax):
+    reason = attention_quantize_refusal(q, k, v, mask, out_scale, zero_point, qmin, qmax)
+    if reason is not None:
+        raise ValueError(f"qbackend::attention_quantize: {reason}")
+    return _checked_attention(lib, q, k, v, mask, scale, (out_scale, zero_point, qmin, qmax))
+
+
+@functools.lru_cache(maxsize=256)
+def _attention_call(shape: tuple, s: int, strides: tuple, mask_stride: tuple, scale: float, quantize) -> "_AttentionCall":
+    """The kernel's arguments for one call site (made once: ~15 us of ctypes per call otherwise)."""
+    out_scale, zero_point, qmin, qmax = quantize or (1.0, 0, 0, 0)
+    return _AttentionCall(*shape[:3], s, shape[3], *((ctypes.c_long * 3)(*stride) for stride in strides),
+                          (ctypes.c_long * 4)(*mask_stride), scale, quantize is not None, 1.0 / out_scale, zero_point, qmin, qmax)
+
+
+def _checked_attention(lib, q, k, v, mask, scale, quantize=None):
     """The kernel on operands ``attention_refusal`` took, heads equal (a decode step's hot path:
-    checked once)."""
+    checked once): [B, L, H, D], float32, or uint8 on ``quantize``'s (scale, zero point, qmin,
+    qmax) grid."""
     (b, h, length, d), s = q.shape, k.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     mask_stride = (0, 0, 0, 0)
     if mask is not None:
         mask = mask.expand(b, h, length, s)
         mask_stride = mask.stride()
-    call = _AttentionCall(b, h, length, s, d, (ctypes.c_long * 3)(*q.stride()[:3]), (ctypes.c_long * 3)(*k.stride()[:3]),
-                          (ctypes.c_long * 3)(*v.stride()[:3]), (ctypes.c_long * 4)(*mask_stride), scale)
-    out = torch.empty(b, length, h, d)
-    lib.qb_attention_f32(torch.get_num_threads(), ctypes.byref(call), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                         None if mask is None else mask.data_ptr(), out.data_ptr())
-    return out.transpose(1, 2)
+    call = _attention_call(tuple(q.shape), s, (q.stride()[:3], k.stride()[:3], v.stride()[:3]), tuple(mask_stride), scale,
+                           quantize)
+    out = torch.empty(b, length, h, d, dtype=torch.float32 if quantize is None else torch.uint8)
+    if lib.qb_attention_f32(torch.get_num_threads(), ctypes.byref(call), q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                            None if mask is None else mask.data_ptr(), out.data_ptr()):
+        raise MemoryError("qbackend attention: a thread could not allocate its packed keys and scores")
+    return out
 
 
 def _attention_fake(q, k, v, mask, scale):
@@ -784,6 +814,11 @@ def _attention_fake(q, k, v, mask, scale):
     if k.shape[1] != h:  # (grouped: the result's rows come back in query-head order, contiguous)
         return q.new_empty(b, h, length, d)
     return q.new_empty(b, length, h, d).transpose(1, 2)
+
+
+def _attention_quantize_fake(q, k, v, mask, scale, *quantize):
+    b, h, length, d = q.shape
+    return q.new_empty(b, length, h, d, dtype=torch.uint8)
 
 
 def scale_quantize_refusal(x, factors) -> Optional[str]:
@@ -891,7 +926,7 @@ def _add_quantize(lib, a, b, scale, zero_point, qmin, qmax, in_place=False):
 
 
 _IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_depthwise": _dwconv, "qconv": _conv, "qconv_stem": _stem_conv,
-          "attention_f32": _attention, "max_pool_u8": _max_pool, "global_avg_pool_u8": _global_avg_pool,
+          "attention_f32": _attention, "attention_quantize": _attention_quantize, "max_pool_u8": _max_pool, "global_avg_pool_u8": _global_avg_pool,
           "scale_quantize": _scale_quantize, "layer_norm_quantize": _layer_norm_quantize,
           "layer_norm_and_quantize": functools.partial(_layer_norm_quantize, keep_float=True), "add_quantize": _add_quantize,
           "add_quantize_": functools.partial(_add_quantize, in_place=True)}
@@ -902,6 +937,7 @@ FAKES = {
     "qconv": _conv_fake,
     "qconv_stem": _stem_conv_fake,
     "attention_f32": _attention_fake,
+    "attention_quantize": _attention_quantize_fake,
     "max_pool_u8": _max_pool_fake,
     "global_avg_pool_u8": _global_avg_pool_fake,
     "scale_quantize": lambda x, factors, *args: torch.empty_like(x, dtype=torch.uint8),
@@ -997,6 +1033,11 @@ def attention_f32(q, k, v, mask, scale):
     return _attention(_load()[0], q, k, v, mask, scale)
 
 
+def attention_quantize(q, k, v, mask, scale, out_scale, zero_point, qmin, qmax):
+    """``qbackend::attention_quantize`` without the dispatcher round trip."""
+    return _attention_quantize(_load()[0], q, k, v, mask, scale, out_scale, zero_point, qmin, qmax)
+
+
 def max_pool_u8(x, kernel_size, stride, padding, dilation):
     """``qbackend::max_pool_u8`` without the dispatcher round trip."""
     return _max_pool(_load()[0], x, kernel_size, stride, padding, dilation)
@@ -1033,7 +1074,8 @@ def add_quantize_(a, b, scale, zero_point, qmin, qmax):
 
 
 # own kernel -> the plain function eager graphs call
-PLAIN = {"int4_mm_int16": int4_mm_int16, "int8_mm_int16": int8_mm_int16, "qconv_depthwise": qconv_depthwise, "qconv": qconv, "qconv_stem": qconv_stem, "attention_f32": attention_f32, "max_pool_u8": max_pool_u8,
+PLAIN = {"int4_mm_int16": int4_mm_int16, "int8_mm_int16": int8_mm_int16, "qconv_depthwise": qconv_depthwise, "qconv": qconv, "qconv_stem": qconv_stem, "attention_f32": attention_f32,
+         "attention_quantize": attention_quantize, "max_pool_u8": max_pool_u8,
          "global_avg_pool_u8": global_avg_pool_u8, "scale_quantize": scale_quantize, "layer_norm_quantize": layer_norm_quantize,
          "layer_norm_and_quantize": layer_norm_and_quantize, "add_quantize": add_quantize,
          "add_quantize_": add_quantize_}

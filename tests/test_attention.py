@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend import native
+from qbackend import fast_qdq, native
 
 from .helpers import assert_matches_reference, compile_and_run, quantize, short_graph, needs_own_kernels
 from .tolerances import TOLERANCE
@@ -86,6 +86,33 @@ def test_attention_kernel_matches_torch(case):
             assert actual.transpose(1, 2).is_contiguous()
 
 
+@needs_own_kernels
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+def test_attention_quantize_writes_the_float_kernels_quantized_bytes(case):
+    """The kernel's own quantize is the float32 result's quantize, bit for bit: rounding ties,
+    the clamp at both ends (a scale that saturates), a NaN (a query with one) stored as 0."""
+    batch, heads, length, keys, dim, mask_shape = case
+    q, k, v = _heads(batch, heads, length, dim, 0), _heads(batch, heads, keys, dim, 1), _heads(batch, heads, keys, dim, 2)
+    q[0, 0, 0, 0] = float("nan")
+    mask = None if mask_shape is None else torch.randn(mask_shape) * 4
+    for out_scale, zero_point, qmin, qmax in ((0.02, 128, 0, 255), (0.005, 40, 0, 127)):
+        floats = native.attention_f32(q, k, v, mask, dim ** -0.5)
+        expected = fast_qdq.quantize_per_tensor(floats, out_scale, zero_point, qmin, qmax, torch.uint8).transpose(1, 2)
+        assert expected.min() == qmin and expected.max() == qmax  # (both clamps reached)
+        for kernel in native.own_kernel_forms("attention_quantize"):
+            actual = kernel(q, k, v, mask, dim ** -0.5, out_scale, zero_point, qmin, qmax)
+            assert actual.dtype == torch.uint8 and actual.is_contiguous()  # [B, L, H, D]
+            assert torch.equal(actual, expected)
+
+
+@needs_own_kernels
+def test_attention_quantize_leaves_grouped_queries_to_the_float_kernel():
+    """(its rows would come out in another order; tests/test_bad_arguments.py has the rest)"""
+    q, kv = torch.randn(1, 2, 4, 16), torch.randn(1, 1, 6, 16)
+    with pytest.raises(ValueError, match="grouped-query attention"):
+        native.attention_quantize(q, kv, kv, None, 0.25, 0.1, 128, 0, 255)
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(q=torch.randn(1, 2, 4, 8), k=torch.randn(1, 2, 6, 8), v=torch.randn(1, 2, 6, 8)),
      "head dim 8: the kernel takes a multiple of 16"),
@@ -126,8 +153,8 @@ quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(scaled_dot_product_
         graph = short_graph(captured.lowered)
         attention = [line for line in graph.splitlines() if "attention" in line]
         self.assertExpectedInline("\n".join(attention), """\
-attention_f32 = native.attention_f32(transpose, transpose_1, transpose_2, l_mask_, 0.25)
-quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(attention_f32, 0.0131, 65, 0, 127, uint8)""")
+attention_quantize = native.attention_quantize(transpose, transpose_1, transpose_2, l_mask_, 0.25, 0.0131, 65, 0, 127)
+reshape_default_5 = attention_quantize.reshape([16, 32, 1, 1])""")
         assert "softmax" not in graph and "matmul" not in graph
 
 

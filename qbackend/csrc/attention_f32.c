@@ -7,7 +7,9 @@
  * element, two key vectors). Each query row's scores then go through the softmax in place
  * (max, e^(s - max), their sum), and the output rows are sum_j p[j] v[j] / sum, 6 rows x 16
  * head-dim columns at a time. Written as [B][L][H][D]: the layout the head merge after
- * attention (transpose(1, 2).reshape) reads as a view. D % 16 == 0. */
+ * attention (transpose(1, 2).reshape) reads as a view. D % 16 == 0. The output is float32, or
+ * uint8 quantized as the reference's quantize of that float32 value (the out-projection's
+ * input: one pass less over the output, and no float copy of it). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
@@ -26,6 +28,9 @@ typedef struct {
   long q_stride[3], k_stride[3], v_stride[3]; /* batch, head, row */
   long mask_stride[4];                        /* batch, head, row, column */
   float scale;
+  int quantized;       /* 0: float32 out; 1: uint8 out, round_half_even(o * out_inv_scale) + zero point, clamped */
+  float out_inv_scale; /* (a NaN lands on qmin: the caller asks for qmin == the reference's NaN byte, 0) */
+  int out_zero_point, out_qmin, out_qmax;
 } attention_call_t;
 
 static void pack_keys(const float* k, long row, int S, int D, int S16, float* kt) {
@@ -53,9 +58,11 @@ static inline __attribute__((always_inline)) void score_tile(int rows, int D, co
   }
 }
 
-/* out[r][c .. c + 15] = sum over j < S of p[r][j] v[j][c ..] * inv_sum[r] */
+/* out[r][c .. c + 15] = sum over j < S of p[r][j] v[j][c ..] * inv_sum[r]; ``out`` is float32,
+ * or uint8 where a->quantized */
 static inline __attribute__((always_inline)) void output_tile(int rows, int S, const float* p, int S16, const float* v,
-                                                              long v_row, const float* inv_sum, float* out, long out_row) {
+                                                              long v_row, const float* inv_sum, const attention_call_t* a,
+                                                              void* out, long out_row) {
   __m256 acc[ROWS][2];
   for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int j = 0; j < S; j++) {
@@ -66,10 +73,21 @@ static inline __attribute__((always_inline)) void output_tile(int rows, int S, c
       acc[r][1] = _mm256_fmadd_ps(x, v1, acc[r][1]);
     }
   }
+  if (a->quantized) {
+    const __m256 scale = _mm256_set1_ps(a->out_inv_scale), zp = _mm256_set1_ps((float)a->out_zero_point),
+                 lo = _mm256_set1_ps((float)a->out_qmin), hi = _mm256_set1_ps((float)a->out_qmax);
+    for (int r = 0; r < rows; r++) { /* (the float32 value first, then its quantize: the reference's two roundings) */
+      const __m256 inv = _mm256_set1_ps(inv_sum[r]);
+      uint8_t* y = (uint8_t*)out + r * out_row;
+      store_quantized8(_mm256_mul_ps(_mm256_mul_ps(acc[r][0], inv), scale), zp, lo, hi, y);
+      store_quantized8(_mm256_mul_ps(_mm256_mul_ps(acc[r][1], inv), scale), zp, lo, hi, y + 8);
+    }
+    return;
+  }
   for (int r = 0; r < rows; r++) {
     const __m256 inv = _mm256_set1_ps(inv_sum[r]);
-    _mm256_storeu_ps(out + r * out_row, _mm256_mul_ps(acc[r][0], inv));
-    _mm256_storeu_ps(out + r * out_row + 8, _mm256_mul_ps(acc[r][1], inv));
+    _mm256_storeu_ps((float*)out + r * out_row, _mm256_mul_ps(acc[r][0], inv));
+    _mm256_storeu_ps((float*)out + r * out_row + 8, _mm256_mul_ps(acc[r][1], inv));
   }
 }
 
@@ -113,20 +131,29 @@ static float softmax_row(float* s, int S, int S16, const float* mask, long mask_
   return total > 0.0f ? 1.0f / total : 0.0f;
 }
 
-void qb_attention_f32(int threads, const attention_call_t* a, const float* q, const float* k, const float* v,
-                      const float* mask, float* out) {
+/* 0, or -1 when a thread could not allocate its packed keys and scores (the output is then
+ * incomplete: the caller raises) */
+int qb_attention_f32(int threads, const attention_call_t* a, const float* q, const float* k, const float* v,
+                     const float* mask, void* out) {
   const int S16 = (a->S + KEYS - 1) / KEYS * KEYS, blocks = (a->L + QUERY_BLOCK - 1) / QUERY_BLOCK;
   const long out_row = (long)a->H * a->D;
   const __m256 scale = _mm256_set1_ps(a->scale);
+  const size_t out_bytes = a->quantized ? 1 : sizeof(float);
+  int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
     float* kt = malloc(sizeof(float) * S16 * a->D);
     float* scores = malloc(sizeof(float) * QUERY_BLOCK * S16);
     float inv_sum[QUERY_BLOCK];
     int packed = -1;
+    if (!kt || !scores) {
+#pragma omp atomic write
+      failed = 1;
+    }
 #pragma omp for schedule(static) collapse(2)
     for (int bh = 0; bh < a->B * a->H; bh++)
       for (int block = 0; block < blocks; block++) {
+        if (!kt || !scores) continue;
         const int b = bh / a->H, h = bh % a->H, l0 = block * QUERY_BLOCK;
         const int n = a->L - l0 < QUERY_BLOCK ? a->L - l0 : QUERY_BLOCK;
         const float* qb = q + b * a->q_stride[0] + h * a->q_stride[1] + l0 * a->q_stride[2];
@@ -144,14 +171,15 @@ void qb_attention_f32(int threads, const attention_call_t* a, const float* q, co
           const float* m = mask ? mask + b * a->mask_stride[0] + h * a->mask_stride[1] + (l0 + i) * a->mask_stride[2] : NULL;
           inv_sum[i] = softmax_row(scores + (size_t)i * S16, a->S, S16, m, a->mask_stride[3]);
         }
-        float* ob = out + ((size_t)b * a->L + l0) * out_row + h * a->D;
+        char* ob = (char*)out + (((size_t)b * a->L + l0) * out_row + h * a->D) * out_bytes;
         for (int c = 0; c < a->D; c += 16) /* (a 16-column slice of v stays in L1 across the row tiles) */
           for (int i = 0; i < n; i += ROWS) {
-#define OUTPUTS(R) output_tile(R, a->S, scores + (size_t)i * S16, S16, vb + c, a->v_stride[2], inv_sum + i, ob + i * out_row + c, out_row)
+#define OUTPUTS(R) output_tile(R, a->S, scores + (size_t)i * S16, S16, vb + c, a->v_stride[2], inv_sum + i, a, ob + (i * out_row + c) * out_bytes, out_row)
             ROW_CASES(n - i, OUTPUTS)
           }
       }
     free(kt);
     free(scores);
   }
+  return failed ? -1 : 0;
 }

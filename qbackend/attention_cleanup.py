@@ -1,0 +1,129 @@
+"""After lowering, around fused attention: its boolean mask made additive once, its output
+quantized by the kernel itself, and no copy of its inputs that it would read strided anyway."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from qbackend.lowering.common import additive_mask
+from qbackend.patterns.base import fake_value
+
+from . import fast_qdq, native
+
+aten = torch.ops.aten
+
+
+def attention_masks_once(gm: GraphModule) -> Optional[str]:
+    """A boolean attention mask that several fused attentions read becomes the float mask they
+    each built from it (0 where True, -inf where False: ATen's own conversion) once, before
+    the first: all-MiniLM-L6-v2 converted its one mask in each of its 6 layers (190 vs 171 us
+    an attention call at batch 1)."""
+    readers: dict = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is aten.scaled_dot_product_attention.default:
+            mask_node = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+            mask, query = fake_value(mask_node), fake_value(node.args[0])
+            if mask is not None and mask.dtype == torch.bool and query is not None and query.dtype == torch.float32:
+                readers.setdefault(mask_node, []).append(node)
+    shared = {mask: attentions for mask, attentions in readers.items() if len(attentions) > 1}
+    for mask, attentions in shared.items():
+        with gm.graph.inserting_before(attentions[0]):
+            additive = additive_mask(gm.graph, mask)
+        for attention in attentions:
+            if len(attention.args) > 3:
+                attention.update_arg(3, additive)
+            else:
+                attention.update_kwarg("attn_mask", additive)
+    calls = sum(map(len, shared.values()))
+    return f"{calls} attention calls share {len(shared)} float mask(s) built once" if shared else None
+
+
+# Views that take any strides (a reshape copies when it must; ``view`` could fail, so it is not here)
+_STRIDED_VIEWS = {aten.select.int, aten.reshape.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default,
+                  aten.squeeze.dim, aten.slice.Tensor}
+# Readers whose result does not depend on their inputs' strides
+_ANY_STRIDES = {aten.scaled_dot_product_attention.default}
+
+
+def _reads_any_strides(target) -> bool:
+    """torch's attention, or ours in any form (it passes strides to the kernel, copying only a
+    last dim that is not contiguous)."""
+    return (target in _ANY_STRIDES or target in (native.attention_f32, native.attention_quantize)
+            or str(target) in (f"{native.NAMESPACE}.attention_f32.default", f"{native.NAMESPACE}.attention_quantize.default"))
+
+
+def _reaches_only_strided_readers(node: Node) -> bool:
+    pending = list(node.users)
+    while pending:
+        user = pending.pop()
+        if user.op != "call_function" or user.kwargs.get("out") is not None:
+            return False
+        if user.target in _STRIDED_VIEWS:
+            pending.extend(user.users)
+        elif not _reads_any_strides(user.target):
+            return False
+    return True
+
+
+def attention_inputs_uncopied(gm: GraphModule) -> Optional[str]:
+    """torch's MultiheadAttention makes its packed q / k / v projection contiguous before
+    splitting it into heads (``unflatten ... squeeze(-2).contiguous()``): a copy of the whole
+    projection, which only views then read, and then fused attention, which takes any strides.
+    Without it: vit_b_16 60.8 -> 59.3 ms at batch 1, 491 -> 483 at 8, bit-identical."""
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is aten.contiguous.default and len(node.args) == 1 \
+                and not node.kwargs and isinstance(node.args[0], Node) and _reaches_only_strided_readers(node):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            dropped += 1
+    return f"{dropped} copy(s) before fused attention left out (it reads the strided views)" if dropped else None
+
+
+def _output_quantize(attention: Node) -> Optional[Node]:
+    """The uint8 quantize that is the attention's one reader, where the kernel can write its
+    bytes: NaN stored as the reference's 0 (the kernel stores qmin)."""
+    if len(attention.users) != 1:
+        return None
+    [quantize] = attention.users
+    if quantize.target is not fast_qdq.quantize_per_tensor or quantize.args[0] is not attention or len(quantize.args) != 6:
+        return None
+    _, scale, zero_point, qmin, qmax, dtype = quantize.args
+    if dtype is not torch.uint8 or quantize.kwargs.get("nan_as", 0) != qmin:
+        return None
+    if not (isinstance(scale, float) and all(isinstance(n, int) for n in (zero_point, qmin, qmax))):
+        return None
+    return quantize
+
+
+def attention_output_quantized(gm: GraphModule) -> Optional[str]:
+    """qbackend's attention kernel followed by the quantize of its output (the out-projection's
+    input) becomes one kernel writing the bytes, in [batch, length, heads, head dim] order, with
+    the quantize's arithmetic on the same float32 values (bit-identical). all-MiniLM-L6-v2 at
+    batch 1: the quantize took 10-32 us a layer, the kernel writes a quarter of the bytes."""
+    fused = 0
+    for attention in list(gm.graph.nodes):
+        if attention.op != "call_function" or attention.target is not native.attention_f32 or attention.kwargs:
+            continue
+        quantize = _output_quantize(attention)
+        if quantize is None:
+            continue
+        q, k, v, mask, scale = attention.args
+        out_grid = quantize.args[1:5]
+        values = [fake_value(n) if isinstance(n, Node) else None for n in (q, k, v, mask)]
+        if any(value is None for value in values[:3]) or (mask is not None and values[3] is None):
+            continue
+        if native.attention_quantize_refusal(*values, *out_grid) is not None:
+            continue
+        with gm.graph.inserting_before(quantize):
+            rows = gm.graph.call_function(native.attention_quantize, (q, k, v, mask, scale, *out_grid))
+            rows.meta["example_value"] = native.FAKES["attention_quantize"](*values, scale, *out_grid)
+            heads = gm.graph.call_function(aten.transpose.int, (rows, 1, 2))  # (the [B, H, L, D] value the graph had)
+            heads.meta["example_value"] = rows.meta["example_value"].transpose(1, 2)
+        quantize.replace_all_uses_with(heads)
+        gm.graph.erase_node(quantize)
+        gm.graph.erase_node(attention)
+        fused += 1
+    return f"{fused} attention output quantize(s) written by the attention kernel" if fused else None
