@@ -1,5 +1,6 @@
 """After lowering, around fused attention: its boolean mask made additive once, its output
-quantized by the kernel itself, and no copy of its inputs that it would read strided anyway."""
+quantized by the kernel itself, its inputs read where the projection wrote them (no views, no
+copy)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -127,3 +128,67 @@ def attention_output_quantized(gm: GraphModule) -> Optional[str]:
         gm.graph.erase_node(attention)
         fused += 1
     return f"{fused} attention output quantize(s) written by the attention kernel" if fused else None
+
+
+# views between a projection and the attention reading it (a merged q / k / v linear split into heads)
+_PROJECTION_VIEWS = {aten.slice.Tensor, aten.reshape.default, aten.view.default, aten.transpose.int, aten.permute.default,
+                     aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.unflatten.int}
+
+
+def _view_chain(node) -> Optional[tuple[Node, list[Node]]]:
+    """(the tensor ``node`` views, the view ops from it to ``node``); None if ``node`` is no view."""
+    chain = []
+    while (isinstance(node, Node) and node.op == "call_function" and node.target in _PROJECTION_VIEWS and not node.kwargs
+           and not any(isinstance(a, Node) for a in node.args[1:])):
+        chain.insert(0, node)
+        node = node.args[0]
+    return (node, chain) if chain and isinstance(node, Node) else None
+
+
+def _projection_geometry(operands: list) -> Optional[tuple]:
+    """``attention_from_projection``'s geometry for q, k, v, or None: each a view of one float32
+    projection of static shape, the last dim contiguous, found by replaying the views on a
+    contiguous meta tensor (a reshape that would copy leaves the chain unmatched)."""
+    chains = [_view_chain(n) for n in operands]
+    if any(c is None for c in chains) or len({root for root, _ in chains}) != 1:
+        return None
+    root = chains[0][0]
+    value = fake_value(root)
+    if value is None or value.dtype != torch.float32 or not all(isinstance(d, int) for d in value.shape):
+        return None
+    base = torch.empty(value.shape, device="meta")
+    views = []
+    for _, chain in chains:
+        view = base
+        for node in chain:
+            view = node.target(view, *node.args[1:])
+        if view._base is not base or view.dim() != 4 or view.stride(-1) != 1:
+            return None
+        views.append(view)
+    q, k, _ = views
+    return (tuple(base.shape), tuple(q.shape), k.shape[2], tuple(v.storage_offset() for v in views),
+            tuple(tuple(v.stride()[:3]) for v in views))
+
+
+def attention_reads_projection(gm: GraphModule) -> Optional[str]:
+    """qbackend's attention whose q, k and v are views of one projection reads them where the
+    projection wrote them: one call with the views' offsets and strides, fixed at compile time,
+    in place of the views (9 calls a layer for BERT's merged q / k / v) and of the per-call
+    operand checks."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.kwargs or node.target not in (native.attention_f32, native.attention_quantize):
+            continue
+        q, k, v, mask, scale, *out_grid = node.args
+        geometry = _projection_geometry([q, k, v])
+        if geometry is None:
+            continue
+        projection = _view_chain(q)[0]
+        quantize = tuple(out_grid) if out_grid else None
+        with gm.graph.inserting_before(node):
+            fused = gm.graph.call_function(native.attention_from_projection, (projection, geometry, mask, scale, quantize))
+        fused.meta = dict(node.meta)
+        node.replace_all_uses_with(fused)
+        gm.graph.erase_node(node)
+        rewritten += 1
+    return f"{rewritten} attention call(s) read q / k / v inside their projection" if rewritten else None

@@ -794,19 +794,45 @@ def _checked_attention(lib, q, k, v, mask, scale, quantize=None):
     """The kernel on operands ``attention_refusal`` took, heads equal (a decode step's hot path:
     checked once): [B, L, H, D], float32, or uint8 on ``quantize``'s (scale, zero point, qmin,
     qmax) grid."""
-    (b, h, length, d), s = q.shape, k.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return _attention_kernel(lib, tuple(q.shape), k.shape[2], (q.data_ptr(), k.data_ptr(), v.data_ptr()),
+                             (q.stride()[:3], k.stride()[:3], v.stride()[:3]), mask, scale, quantize)
+
+
+def _attention_kernel(lib, shape: tuple, s: int, pointers: tuple, strides: tuple, mask, scale, quantize):
+    """attention_f32.c on q / k / v at ``pointers``, [B, H, L or S, D] with ``strides`` for their first
+    three dims (the last contiguous), all checked by the caller; the mask broadcasts."""
+    b, h, length, d = shape
     mask_stride = (0, 0, 0, 0)
     if mask is not None:
         mask = mask.expand(b, h, length, s)
         mask_stride = mask.stride()
-    call = _attention_call(tuple(q.shape), s, (q.stride()[:3], k.stride()[:3], v.stride()[:3]), tuple(mask_stride), scale,
-                           quantize)
+    call = _attention_call(shape, s, strides, tuple(mask_stride), scale, quantize)
     out = torch.empty(b, length, h, d, dtype=torch.float32 if quantize is None else torch.uint8)
-    if lib.qb_attention_f32(torch.get_num_threads(), ctypes.byref(call), q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                            None if mask is None else mask.data_ptr(), out.data_ptr()):
+    if lib.qb_attention_f32(torch.get_num_threads(), ctypes.byref(call), *pointers, None if mask is None else mask.data_ptr(),
+                            out.data_ptr()):
         raise MemoryError("qbackend attention: a thread could not allocate its packed keys and scores")
     return out
+
+
+def attention_from_projection(projection, geometry: tuple, mask, scale, quantize=None):
+    """``attention_f32`` (``quantize`` None) or ``attention_quantize`` (``quantize``: its out scale,
+    zero point, qmin, qmax) of queries, keys and values that are fixed views of one float32
+    projection, as attention's own inputs usually are (a merged q / k / v linear, split into
+    heads): ``geometry`` is what the lowering found them to be in a contiguous projection of
+    its shape, (projection shape, query shape [B, H, L, D], key length S, element offsets of
+    q / k / v, strides of their first three dims). One call instead of nine views and the
+    operand checks of each call; checked here: the projection (the views' validity) and the mask."""
+    projection_shape, shape, s, offsets, strides = geometry
+    if projection.dtype != torch.float32 or projection.device.type != "cpu" or tuple(projection.shape) != projection_shape:
+        raise ValueError(f"qbackend attention: the projection is {projection.dtype} {tuple(projection.shape)} on "
+                         f"{projection.device}, not float32 {projection_shape} on CPU")
+    if mask is not None and (mask.dtype != torch.float32 or mask.device.type != "cpu" or mask.dim() > 4):
+        raise ValueError(f"qbackend attention: the mask is {mask.dtype} of rank {mask.dim()}, not an additive float32 one")
+    projection = projection.contiguous()  # (the geometry's layout; a no-op when it already is)
+    base = projection.data_ptr()
+    out = _attention_kernel(_load()[0], shape, s, tuple(base + 4 * offset for offset in offsets), strides, mask, scale, quantize)
+    return out if quantize is not None else out.transpose(1, 2)
 
 
 def _attention_fake(q, k, v, mask, scale):
@@ -1081,7 +1107,7 @@ PLAIN = {"int4_mm_int16": int4_mm_int16, "int8_mm_int16": int8_mm_int16, "qconv_
          "add_quantize_": add_quantize_}
 # They return tensors they allocated (attention: a view of one): the in-place safety analysis
 # (patterns/inplace.py) may let a later kernel write into them.
-for _fn in PLAIN.values():
+for _fn in (*PLAIN.values(), attention_from_projection):
     _fn.fresh_output = True
 
 # own kernel a chain may run -> its prepared call for given arguments (kernel_chain.py)

@@ -158,6 +158,61 @@ reshape_default_5 = attention_quantize.reshape([16, 32, 1, 1])""")
         assert "softmax" not in graph and "matmul" not in graph
 
 
+class SelfAttention(nn.Module):
+    """BERT's self-attention: q, k, v linears of one input (merged into one projection), split
+    into 2 heads of 16; ``cross``: keys and values from another input (two projections)."""
+
+    def __init__(self, cross=False):
+        super().__init__()
+        self.q, self.k, self.v, self.out = (nn.Linear(32, 32) for _ in range(4))
+        self.cross = cross
+
+    def forward(self, x, mask):
+        source = x.flip(1) if self.cross else x
+        q, k, v = (t.view(2, 8, 2, 16).transpose(1, 2) for t in (self.q(x), self.k(source), self.v(source)))
+        heads = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(heads.transpose(1, 2).reshape(2, 8, 32))
+
+
+class TestAttentionProjection(expecttest.TestCase):
+    @needs_own_kernels
+    def test_attention_reads_its_projection_and_writes_the_out_projections_bytes(self):
+        torch.manual_seed(0)
+        captured = assert_matches_reference(quantize(SelfAttention(), inputs()), inputs())
+        graph = short_graph(captured.lowered)
+        # (the projection: the merged q / k / v linear on qbackend's GEMM, [16 rows, 96, 1, 1])
+        self.assertExpectedInline(graph[graph.index("\nattention_from_projection") + 1:], """\
+attention_from_projection = native.attention_from_projection(qconv_4, ((16, 96, 1, 1), (2, 2, 8, 16), 8, (0, 32, 64), ((768, 16, 96), (768, 16, 96), (768, 16, 96))), l_mask_, 0.25, (0.0107, 58, 0, 127))
+reshape_default_10 = attention_from_projection.reshape([16, 32, 1, 1])
+qconv_3 = native.qconv(reshape_default_10, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
+reshape_default_8 = qconv_3.reshape([2, 8, 32])
+return (reshape_default_8)""")
+        assert "1 attention call(s) read q / k / v inside their projection" in captured.report.notes, str(captured.report)
+
+    @needs_own_kernels
+    def test_cross_attention_keeps_the_views_of_its_two_projections(self):
+        captured = assert_matches_reference(quantize(SelfAttention(cross=True), inputs()), inputs())
+        graph = short_graph(captured.lowered)
+        assert "native.attention_quantize(transpose" in graph and "attention_from_projection" not in graph, graph
+
+
+@needs_own_kernels
+@pytest.mark.parametrize("projection, mask, message", [
+    (torch.randn(2, 8, 96), None, r"not float32 \(2, 8, 48\)"),
+    (torch.randn(2, 8, 48).double(), None, "float64"),
+    (torch.randn(2, 8, 48), torch.zeros(2, 1, 1, 8, dtype=torch.bool), "not an additive float32 one"),
+    (torch.randn(2, 8, 48), torch.zeros(3, 1, 1, 8), "expanded size"),
+])
+def test_attention_from_projection_checks_what_it_reads(projection, mask, message):
+    """What the lowering fixed (the views' geometry) holds only for the projection it saw."""
+    geometry = ((2, 8, 48), (2, 1, 8, 16), 8, (0, 16, 32), ((384, 16, 48),) * 3)
+    good = torch.randn(2, 8, 48)
+    expected = native.attention_f32(*(good.narrow(2, 16 * i, 16).view(2, 8, 1, 16).transpose(1, 2) for i in range(3)), None, 0.25)
+    torch.testing.assert_close(native.attention_from_projection(good, geometry, None, 0.25), expected, rtol=0, atol=0)
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        native.attention_from_projection(projection, geometry, mask, 0.25)
+
+
 class TwoAttentionsOneMask(nn.Module):
     """Two fused attentions reading one boolean padding mask, as every layer of a BERT does:
     2 heads of ``head_dim`` (8: torch's fused attention; 16: qbackend's kernel)."""
@@ -201,8 +256,10 @@ def test_a_boolean_mask_runs_on_the_kernel_made_additive_once():
     [additive] = [n for n in nodes if n.target is torch.ops.aten.masked_fill.Scalar]
     assert additive.args[0].target is torch.ops.aten.zeros_like.default and additive.args[2] == -math.inf
     assert additive.args[1].target is torch.ops.aten.logical_not.default and additive.args[1].args[0] in nodes
-    kernels = [n for n in nodes if n.target in native.own_kernel_forms("attention_f32")]
-    assert len(kernels) == 2 and all(k.args[3] is additive for k in kernels), captured.lowered.graph
+    # (the first reads its projection's views inside it: attention_from_projection, mask third)
+    masks = [n.args[3] if n.target in native.own_kernel_forms("attention_f32") else n.args[2] for n in nodes
+             if n.target in (*native.own_kernel_forms("attention_f32"), native.attention_from_projection)]
+    assert len(masks) == 2 and all(mask is additive for mask in masks), captured.lowered.graph
 
 
 @needs_own_kernels

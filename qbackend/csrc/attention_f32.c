@@ -105,8 +105,13 @@ static inline __attribute__((always_inline)) void output_tile(int rows, int S, c
  * score (max would skip it) or a +inf one (inf - inf) makes the row NaN, as softmax does; a
  * row masked whole (-inf everywhere) gives 0, as torch's CPU attention does (not 0 * inf). */
 static float softmax_row(float* s, int S, int S16, const float* mask, long mask_col) {
-  if (mask)
+  if (mask && mask_col == 1) { /* (a padding mask's row: the common case, vectorised) */
+    int j = 0;
+    for (; j + 8 <= S; j += 8) _mm256_storeu_ps(s + j, _mm256_add_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(mask + j)));
+    for (; j < S; j++) s[j] += mask[j];
+  } else if (mask) {
     for (int j = 0; j < S; j++) s[j] += mask[j * mask_col];
+  }
   for (int j = S; j < S16; j++) s[j] = -INFINITY;
   __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
   for (int j = 0; j < S16; j += 8) {
