@@ -145,10 +145,28 @@ def _view_chain(node) -> Optional[tuple[Node, list[Node]]]:
     return (node, chain) if chain and isinstance(node, Node) else None
 
 
+MAX_PROJECTION_ELEMENTS = 1 << 24  # (the replay's integers: 64 MB at most, once per attention at compile time)
+
+
+def _affine_strides(view: torch.Tensor, flat: torch.Tensor) -> Optional[tuple]:
+    """(offset, strides) with view[i] == offset + sum(i_k * stride_k) for every index i, where
+    ``view`` holds positions in ``flat`` (0 .. n - 1); None if the positions are no strided view."""
+    offset = int(view.reshape(-1)[0])
+    strides = []
+    for dim, size in enumerate(view.shape):
+        step = tuple(1 if d == dim else 0 for d in range(view.dim()))
+        strides.append(int(view[step]) - offset if size > 1 else 0)
+    if min(strides) < 0:
+        return None
+    return (offset, tuple(strides)) if torch.equal(flat.as_strided(view.shape, strides, offset), view) else None
+
+
 def _projection_geometry(operands: list) -> Optional[tuple]:
-    """``attention_from_projection``'s geometry for q, k, v, or None: each a view of one float32
-    projection of static shape, the last dim contiguous, found by replaying the views on a
-    contiguous meta tensor (a reshape that would copy leaves the chain unmatched)."""
+    """``attention_from_projection``'s geometry for q, k, v, or None: each a strided view of one
+    float32 projection of static shape (in its row-major order), the last dim contiguous. Found
+    by replaying the ops on the projection's element positions: the ops' values never depend on
+    the input's strides, and a reshape that copies (MultiheadAttention's heads of a batch > 1)
+    still yields positions the kernel can read in place."""
     chains = [_view_chain(n) for n in operands]
     if any(c is None for c in chains) or len({root for root, _ in chains}) != 1:
         return None
@@ -156,18 +174,21 @@ def _projection_geometry(operands: list) -> Optional[tuple]:
     value = fake_value(root)
     if value is None or value.dtype != torch.float32 or not all(isinstance(d, int) for d in value.shape):
         return None
-    base = torch.empty(value.shape, device="meta")
-    views = []
+    if value.numel() > MAX_PROJECTION_ELEMENTS:
+        return None
+    flat = torch.arange(value.numel())
+    geometry = []
     for _, chain in chains:
-        view = base
+        view = flat.reshape(value.shape)
         for node in chain:
             view = node.target(view, *node.args[1:])
-        if view._base is not base or view.dim() != 4 or view.stride(-1) != 1:
+        found = _affine_strides(view, flat) if view.dim() == 4 and view.numel() else None
+        if found is None or found[1][-1] != 1:
             return None
-        views.append(view)
-    q, k, _ = views
-    return (tuple(base.shape), tuple(q.shape), k.shape[2], tuple(v.storage_offset() for v in views),
-            tuple(tuple(v.stride()[:3]) for v in views))
+        geometry.append((view.shape, *found))
+    (q_shape, *_), (k_shape, *_) = geometry[:2]
+    return (tuple(value.shape), tuple(q_shape), k_shape[2], tuple(offset for _, offset, _ in geometry),
+            tuple(strides[:3] for _, _, strides in geometry))
 
 
 def attention_reads_projection(gm: GraphModule) -> Optional[str]:

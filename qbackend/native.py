@@ -720,7 +720,8 @@ class _AttentionCall(ctypes.Structure):
 
     _fields_ = ([(name, ctypes.c_int) for name in ("B", "H", "L", "S", "D")]
                 + [(name, ctypes.c_long * 3) for name in ("q_stride", "k_stride", "v_stride")]
-                + [("mask_stride", ctypes.c_long * 4), ("scale", ctypes.c_float), ("quantized", ctypes.c_int),
+                + [("mask_stride", ctypes.c_long * 4), ("out_stride", ctypes.c_long * 2), ("scale", ctypes.c_float),
+                   ("quantized", ctypes.c_int),
                    ("out_inv_scale", ctypes.c_float)] + [(name, ctypes.c_int) for name in ("out_zero_point", "out_qmin", "out_qmax")])
 
 
@@ -783,11 +784,13 @@ def _attention_quantize(lib, q, k, v, mask, scale, out_scale, zero_point, qmin, 
 
 
 @functools.lru_cache(maxsize=256)
-def _attention_call(shape: tuple, s: int, strides: tuple, mask_stride: tuple, scale: float, quantize) -> "_AttentionCall":
+def _attention_call(shape: tuple, s: int, strides: tuple, mask_stride: tuple, out_stride: tuple, scale: float,
+                    quantize) -> "_AttentionCall":
     """The kernel's arguments for one call site (made once: ~15 us of ctypes per call otherwise)."""
     out_scale, zero_point, qmin, qmax = quantize or (1.0, 0, 0, 0)
     return _AttentionCall(*shape[:3], s, shape[3], *((ctypes.c_long * 3)(*stride) for stride in strides),
-                          (ctypes.c_long * 4)(*mask_stride), scale, quantize is not None, 1.0 / out_scale, zero_point, qmin, qmax)
+                          (ctypes.c_long * 4)(*mask_stride), (ctypes.c_long * 2)(*out_stride), scale, quantize is not None,
+                          1.0 / out_scale, zero_point, qmin, qmax)
 
 
 def _checked_attention(lib, q, k, v, mask, scale, quantize=None):
@@ -799,16 +802,19 @@ def _checked_attention(lib, q, k, v, mask, scale, quantize=None):
                              (q.stride()[:3], k.stride()[:3], v.stride()[:3]), mask, scale, quantize)
 
 
-def _attention_kernel(lib, shape: tuple, s: int, pointers: tuple, strides: tuple, mask, scale, quantize):
+def _attention_kernel(lib, shape: tuple, s: int, pointers: tuple, strides: tuple, mask, scale, quantize,
+                      length_first: bool = False):
     """attention_f32.c on q / k / v at ``pointers``, [B, H, L or S, D] with ``strides`` for their first
-    three dims (the last contiguous), all checked by the caller; the mask broadcasts."""
+    three dims (the last contiguous), all checked by the caller; the mask broadcasts. Returns
+    [B, L, H, D], in [L, B, H, D] memory where ``length_first``."""
     b, h, length, d = shape
     mask_stride = (0, 0, 0, 0)
     if mask is not None:
         mask = mask.expand(b, h, length, s)
         mask_stride = mask.stride()
-    call = _attention_call(shape, s, strides, tuple(mask_stride), scale, quantize)
-    out = torch.empty(b, length, h, d, dtype=torch.float32 if quantize is None else torch.uint8)
+    dtype = torch.float32 if quantize is None else torch.uint8
+    out = torch.empty(length, b, h, d, dtype=dtype).transpose(0, 1) if length_first else torch.empty(b, length, h, d, dtype=dtype)
+    call = _attention_call(shape, s, strides, tuple(mask_stride), out.stride()[:2], scale, quantize)
     if lib.qb_attention_f32(torch.get_num_threads(), ctypes.byref(call), *pointers, None if mask is None else mask.data_ptr(),
                             out.data_ptr()):
         raise MemoryError("qbackend attention: a thread could not allocate its packed keys and scores")
@@ -831,7 +837,11 @@ def attention_from_projection(projection, geometry: tuple, mask, scale, quantize
         raise ValueError(f"qbackend attention: the mask is {mask.dtype} of rank {mask.dim()}, not an additive float32 one")
     projection = projection.contiguous()  # (the geometry's layout; a no-op when it already is)
     base = projection.data_ptr()
-    out = _attention_kernel(_load()[0], shape, s, tuple(base + 4 * offset for offset in offsets), strides, mask, scale, quantize)
+    # a length-major projection (MultiheadAttention's [L, B, 3E] rows) gets a length-major result:
+    # its head merge (permute(2, 0, 1, 3).reshape(L * B, E)) is then a view, not a copy
+    length_first = quantize is None and shape[0] > 1 and strides[0][2] > strides[0][0]
+    out = _attention_kernel(_load()[0], shape, s, tuple(base + 4 * offset for offset in offsets), strides, mask, scale, quantize,
+                            length_first)
     return out if quantize is not None else out.transpose(1, 2)
 
 

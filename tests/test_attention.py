@@ -324,6 +324,24 @@ def test_multihead_attentions_projection_is_not_copied_before_attention(returned
         assert copies[0].users and next(iter(copies[0].users)).op == "output"
 
 
+@needs_own_kernels
+def test_multihead_attention_of_a_batch_reads_its_projection_in_place():
+    """Splitting a batch's projection into heads copies (``view(L, B * H, D)`` of [L, B, 3E]
+    rows): the attention reads the heads where the projection wrote them instead."""
+    torch.manual_seed(0)
+    inputs = (torch.randn(3, 10, 32),)
+    captured = assert_matches_reference(quantize(TorchMultiheadAttention().eval(), inputs), inputs)
+    [attention] = [n for n in captured.lowered.graph.nodes if n.target is native.attention_from_projection]
+    projection, geometry = attention.args[:2]
+    assert list(projection.users) == [attention], captured.lowered.graph  # (no views, no copies of it)
+    # [L, B, 3E] rows of 3 x 2 heads of 16; q[b, h, l, d] at l * 288 + b * 96 + h * 16 + d
+    assert geometry == ((10, 3, 96), (3, 2, 10, 16), 10, (0, 32, 64), ((96, 16, 288),) * 3)
+    # written length-major as the projection: the heads merge back into [L * B, E] rows as a view
+    heads = native.attention_from_projection(torch.randn(10, 3, 96), geometry, None, 0.25)
+    merged = heads.permute(2, 0, 1, 3).reshape(30, 32)
+    assert merged.data_ptr() == heads.data_ptr() and merged.is_contiguous()
+
+
 class DecodeStepAttention(nn.Module):
     """One Llama decode step's attention as Dynamo captures it from transformers: a new token's
     8 query heads against a cache of 2 key / value heads (``enable_gqa``), head dim 16, and an

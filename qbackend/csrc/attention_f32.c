@@ -6,8 +6,8 @@
  * so scores for 6 query rows x 16 keys are 12 vector FMAs per head-dim step (a broadcast query
  * element, two key vectors). Each query row's scores then go through the softmax in place
  * (max, e^(s - max), their sum), and the output rows are sum_j p[j] v[j] / sum, 6 rows x 16
- * head-dim columns at a time. Written as [B][L][H][D]: the layout the head merge after
- * attention (transpose(1, 2).reshape) reads as a view. D % 16 == 0. The output is float32, or
+ * head-dim columns at a time. Written as [B][L][H][D] (or [L][B][H][D], out_stride): the layout
+ * the head merge after attention (transpose(1, 2).reshape) reads as a view. D % 16 == 0. The output is float32, or
  * uint8 quantized as the reference's quantize of that float32 value (the out-projection's
  * input: one pass less over the output, and no float copy of it). */
 #include <immintrin.h>
@@ -27,6 +27,7 @@ typedef struct {
   int B, H, L, S, D;
   long q_stride[3], k_stride[3], v_stride[3]; /* batch, head, row */
   long mask_stride[4];                        /* batch, head, row, column */
+  long out_stride[2];                         /* batch, row: H * D apart, the heads of a row side by side */
   float scale;
   int quantized;       /* 0: float32 out; 1: uint8 out, round_half_even(o * out_inv_scale) + zero point, clamped */
   float out_inv_scale; /* (a NaN lands on qmin: the caller asks for qmin == the reference's NaN byte, 0) */
@@ -141,7 +142,7 @@ static float softmax_row(float* s, int S, int S16, const float* mask, long mask_
 int qb_attention_f32(int threads, const attention_call_t* a, const float* q, const float* k, const float* v,
                      const float* mask, void* out) {
   const int S16 = (a->S + KEYS - 1) / KEYS * KEYS, blocks = (a->L + QUERY_BLOCK - 1) / QUERY_BLOCK;
-  const long out_row = (long)a->H * a->D;
+  const long out_row = a->out_stride[1];
   const __m256 scale = _mm256_set1_ps(a->scale);
   const size_t out_bytes = a->quantized ? 1 : sizeof(float);
   int failed = 0;
@@ -176,7 +177,7 @@ int qb_attention_f32(int threads, const attention_call_t* a, const float* q, con
           const float* m = mask ? mask + b * a->mask_stride[0] + h * a->mask_stride[1] + (l0 + i) * a->mask_stride[2] : NULL;
           inv_sum[i] = softmax_row(scores + (size_t)i * S16, a->S, S16, m, a->mask_stride[3]);
         }
-        char* ob = (char*)out + (((size_t)b * a->L + l0) * out_row + h * a->D) * out_bytes;
+        char* ob = (char*)out + ((size_t)b * a->out_stride[0] + (size_t)l0 * out_row + h * a->D) * out_bytes;
         for (int c = 0; c < a->D; c += 16) /* (a 16-column slice of v stays in L1 across the row tiles) */
           for (int i = 0; i < n; i += ROWS) {
 #define OUTPUTS(R) output_tile(R, a->S, scores + (size_t)i * S16, S16, vb + c, a->v_stride[2], inv_sum + i, a, ob + (i * out_row + c) * out_bytes, out_row)
