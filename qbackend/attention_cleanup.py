@@ -180,13 +180,18 @@ def _projection_geometry(operands: list) -> Optional[tuple]:
     geometry = []
     for _, chain in chains:
         view = flat.reshape(value.shape)
-        for node in chain:
-            view = node.target(view, *node.args[1:])
+        try:
+            for node in chain:
+                view = node.target(view, *node.args[1:])
+        except RuntimeError:  # (a ``view`` the traced strides allowed and row-major ones do not)
+            return None
         found = _affine_strides(view, flat) if view.dim() == 4 and view.numel() else None
         if found is None or found[1][-1] != 1:
             return None
         geometry.append((view.shape, *found))
     (q_shape, *_), (k_shape, *_) = geometry[:2]
+    if k_shape[1] != q_shape[1]:  # (grouped-query heads: attention_f32 regroups the queries first)
+        return None
     return (tuple(value.shape), tuple(q_shape), k_shape[2], tuple(offset for _, offset, _ in geometry),
             tuple(strides[:3] for _, _, strides in geometry))
 

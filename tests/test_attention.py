@@ -342,6 +342,31 @@ def test_multihead_attention_of_a_batch_reads_its_projection_in_place():
     assert merged.data_ptr() == heads.data_ptr() and merged.is_contiguous()
 
 
+class GroupedQueryProjection(nn.Module):
+    """4 query heads and 2 key / value heads of 16, split from one projection."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(32, 128), nn.Linear(64, 32)
+
+    def forward(self, x):
+        qkv = self.qkv(x)
+        q = qkv[..., :64].reshape(2, 8, 4, 16).transpose(1, 2)
+        k, v = (qkv[..., start:start + 32].reshape(2, 8, 2, 16).transpose(1, 2) for start in (64, 96))
+        heads = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        return self.out(heads.transpose(1, 2).reshape(2, 8, 64))
+
+
+@needs_own_kernels
+def test_grouped_query_heads_of_one_projection_keep_their_views():
+    """(attention_from_projection takes equal heads; the float kernel regroups the queries)"""
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 8, 32),)
+    captured = assert_matches_reference(quantize(GroupedQueryProjection().eval(), inputs), inputs)
+    targets = [n.target for n in captured.lowered.graph.nodes]
+    assert native.attention_f32 in targets and native.attention_from_projection not in targets, captured.lowered.graph
+
+
 class DecodeStepAttention(nn.Module):
     """One Llama decode step's attention as Dynamo captures it from transformers: a new token's
     8 query heads against a cache of 2 key / value heads (``enable_gqa``), head dim 16, and an
