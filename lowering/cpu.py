@@ -9,7 +9,7 @@ from qbackend.patterns.base import fake_value
 
 from .capabilities import (INT16_MAX, conv_binary_post_op_refusal, conv_post_op_refusal, int8_pairs_saturate,
                            linear_binary_post_op_refusal, linear_post_op_refusal, quantized_tensor_pool_refusal)
-from . import add_quantize, attention, choice, depthwise, gemm, layer_norm, pools, scale, stem
+from . import add_quantize, attention, choice, depthwise, gemm, grouped, layer_norm, pools, scale, stem
 from .base import Lowering
 from .common import (COMMON, NO_POST_OP, emit_qavgpool, emit_qconv, emit_qconv_add, emit_qlinear, emit_qlinear_add,
                      emit_qmaxpool2d, emit_sdpa, output_args)
@@ -90,7 +90,7 @@ def _own_kernel_or(onednn_emit, *kernels, fallback="oneDNN"):
 
 
 TABLE["qconv"] = dataclasses.replace(TABLE["qconv"], emit=_own_kernel_or(emit_qconv, depthwise.KERNEL, stem.KERNEL,
-                                                                                          gemm.CONV_KERNEL))
+                                                                                          grouped.KERNEL, gemm.CONV_KERNEL))
 TABLE["qconv_add"] = dataclasses.replace(TABLE["qconv_add"], emit=_own_kernel_or(emit_qconv_add, gemm.CONV_KERNEL))
 TABLE["qlinear"] = dataclasses.replace(TABLE["qlinear"], emit=_own_kernel_or(emit_qlinear, gemm.LINEAR_KERNEL))
 TABLE["qlinear_add"] = dataclasses.replace(TABLE["qlinear_add"], emit=_own_kernel_or(emit_qlinear_add, gemm.LINEAR_KERNEL))

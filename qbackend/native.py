@@ -59,6 +59,9 @@ OPS = {
     # (uint8 [batch, length, heads, head dim]: the heads merged, as the out-projection reads them)
     "attention_quantize": "attention_quantize(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float out_scale, "
                           "int zero_point, int qmin, int qmax) -> Tensor",
+    # (grouped 3x3, as many outputs as inputs per group; AVX512-VNNI only)
+    "qconv_grouped": "qconv_grouped(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int groups, "
+                     "int stride, float low, float high, float out_scale, int out_zero_point, int qmin, int qmax) -> Tensor",
     "qconv_stem": "qconv_stem(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int[2] kernel_size, "
                   "int[2] stride, int[2] padding, float low, float high, float out_scale, int out_zero_point, int qmin, "
                   "int qmax, int[2] pool_kernel=[0, 0], int[2] pool_stride=[1, 1], int[2] pool_padding=[0, 0]) -> Tensor",
@@ -199,8 +202,10 @@ def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     _declare_gemm(vnni.qb_conv_call_vnni512)
     vnni.qb_vnni_zmm_speedup.argtypes, vnni.qb_vnni_zmm_speedup.restype = [ctypes.c_int], ctypes.c_double
     vnni.qb_dwconv_vnni_call.argtypes = vnni.qb_stem_conv_vnni_call.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3
-    # -1: a thread's scratch could not be allocated (the depthwise conv; the stem conv with a fused pool)
-    vnni.qb_dwconv_vnni_call.restype = vnni.qb_stem_conv_vnni_call.restype = ctypes.c_int
+    vnni.qb_grouped_conv_vnni.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3
+    # -1: a thread's scratch could not be allocated (the depthwise conv; the stem conv with a fused
+    # pool; the grouped conv's zero-point pixel)
+    vnni.qb_dwconv_vnni_call.restype = vnni.qb_stem_conv_vnni_call.restype = vnni.qb_grouped_conv_vnni.restype = ctypes.c_int
     return vnni, None
 
 
@@ -470,6 +475,61 @@ def _x_to_y(prepared: Prepared, x: torch.Tensor, name: str) -> torch.Tensor:
 
 def _dwconv(lib, x, *args, trusted=False):
     return _x_to_y(_dwconv_prepared(lib, x, *args, trusted=trusted), x, "qconv_depthwise")
+
+
+GROUPED_LANES = 8  # grouped_conv_int8_vnni.c: output channels per vector
+
+
+class _GroupedCall(ctypes.Structure):
+    """grouped_conv_int8_vnni.c ``grouped_call_t``."""
+
+    _fields_ = ([(name, ctypes.c_int) for name in ("N", "H", "W", "C", "Cg", "stride", "OH", "OW", "x_zp")]
+                + [("weight", ctypes.c_void_p), ("mult", ctypes.c_void_p), ("add", ctypes.c_void_p), ("lo", ctypes.c_float),
+                   ("hi", ctypes.c_float), ("out_inv_scale", ctypes.c_float), ("out_zp", ctypes.c_int),
+                   ("qmin", ctypes.c_int), ("qmax", ctypes.c_int)])
+
+
+def grouped_refusal(channels: int, groups: int) -> Optional[str]:
+    """Why the grouped kernel cannot take ``channels`` in and out in ``groups`` (None if it can)."""
+    per_group = channels // groups if groups and channels % groups == 0 else 0
+    if channels % GROUPED_LANES or not (per_group == 4 or (per_group and per_group % GROUPED_LANES == 0)) or groups < 2:
+        return (f"{channels} channels in {groups} groups: the kernel takes groups of 4 or a multiple of {GROUPED_LANES} "
+                f"channels, {GROUPED_LANES} channels at a time")
+    return None
+
+
+def _prepare_grouped_conv(x, x_zero_point, weight, mult, add, groups, stride, low, high, out_scale, out_zero_point, qmin,
+                     qmax) -> Prepared:
+    _check_nchw_uint8(x, None, "qconv_grouped")
+    n, c, h, w = x.shape
+    vnni, unavailable = _vnni_library()
+    if vnni is None:
+        raise ValueError(f"qbackend::qconv_grouped: {unavailable}")
+    reason = grouped_refusal(c, groups)
+    if reason is not None:
+        raise ValueError(f"qbackend::qconv_grouped: {reason}")
+    _check_constants("qconv_grouped", (weight, torch.int8, c * 9 * (c // groups)), (mult, torch.float32, c),
+                     (add, torch.float32, c))
+    oh, ow = _window("qconv_grouped", h, w, (3, 3), (stride, stride), (1, 1))
+    if stride not in DEPTHWISE_STRIDES:
+        raise ValueError(f"qbackend::qconv_grouped: stride {stride}; the kernel takes {DEPTHWISE_STRIDES}")
+    if not (math.isfinite(out_scale) and out_scale > 0) or math.isnan(low) or math.isnan(high):
+        raise ValueError(f"qbackend::qconv_grouped: out scale {out_scale}, clamp [{low}, {high}]")
+    _check_levels("qconv_grouped", x_zero_point, out_zero_point, qmin, qmax)
+    call = _GroupedCall(n, h, w, c, c // groups, stride, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
+                        add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
+    return _prepare(call, (n, c, oh, ow), torch.uint8, vnni.qb_grouped_conv_vnni, (mult, add))
+
+
+def _grouped_conv(lib, x, x_zero_point, weight, *args, trusted=False):
+    prepared = _prepared(weight, trusted, x, (x_zero_point, *args),
+                         lambda: _prepare_grouped_conv(x, x_zero_point, weight, *args))
+    return _x_to_y(prepared, x, "qconv_grouped")
+
+
+def _grouped_conv_fake(x, x_zero_point, weight, mult, add, groups, stride, *args):
+    n, c, h, w = x.shape
+    return _channels_last_like(x, (n, c, *_output_hw(h, w, (3, 3), (stride, stride), (1, 1))), torch.uint8)
 
 
 def _channels_last_like(x: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -962,7 +1022,7 @@ def _add_quantize(lib, a, b, scale, zero_point, qmin, qmax, in_place=False):
 
 
 _IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_depthwise": _dwconv, "qconv": _conv, "qconv_stem": _stem_conv,
-          "attention_f32": _attention, "attention_quantize": _attention_quantize, "max_pool_u8": _max_pool, "global_avg_pool_u8": _global_avg_pool,
+          "qconv_grouped": _grouped_conv, "attention_f32": _attention, "attention_quantize": _attention_quantize, "max_pool_u8": _max_pool, "global_avg_pool_u8": _global_avg_pool,
           "scale_quantize": _scale_quantize, "layer_norm_quantize": _layer_norm_quantize,
           "layer_norm_and_quantize": functools.partial(_layer_norm_quantize, keep_float=True), "add_quantize": _add_quantize,
           "add_quantize_": functools.partial(_add_quantize, in_place=True)}
@@ -972,6 +1032,7 @@ FAKES = {
     "qconv_depthwise": _dwconv_fake,
     "qconv": _conv_fake,
     "qconv_stem": _stem_conv_fake,
+    "qconv_grouped": _grouped_conv_fake,
     "attention_f32": _attention_fake,
     "attention_quantize": _attention_quantize_fake,
     "max_pool_u8": _max_pool_fake,
@@ -993,6 +1054,12 @@ def int4_mm_int16(*args):
 def int8_mm_int16(*args):
     """``qbackend::int8_mm_int16`` without the dispatcher round trip (``int4_mm_int16``)."""
     return _int8_mm(_load()[0], *args, trusted=True)
+
+
+def qconv_grouped(*args):
+    """``qbackend::qconv_grouped`` without the dispatcher round trip; its constants are the
+    lowering's own packing (checked once per input shape, as the depthwise conv's)."""
+    return _grouped_conv(_load()[0], *args, trusted=True)
 
 
 def qconv_depthwise(*args):
@@ -1110,7 +1177,7 @@ def add_quantize_(a, b, scale, zero_point, qmin, qmax):
 
 
 # own kernel -> the plain function eager graphs call
-PLAIN = {"int4_mm_int16": int4_mm_int16, "int8_mm_int16": int8_mm_int16, "qconv_depthwise": qconv_depthwise, "qconv": qconv, "qconv_stem": qconv_stem, "attention_f32": attention_f32,
+PLAIN = {"int4_mm_int16": int4_mm_int16, "int8_mm_int16": int8_mm_int16, "qconv_depthwise": qconv_depthwise, "qconv": qconv, "qconv_stem": qconv_stem, "qconv_grouped": qconv_grouped, "attention_f32": attention_f32,
          "attention_quantize": attention_quantize, "max_pool_u8": max_pool_u8,
          "global_avg_pool_u8": global_avg_pool_u8, "scale_quantize": scale_quantize, "layer_norm_quantize": layer_norm_quantize,
          "layer_norm_and_quantize": layer_norm_and_quantize, "add_quantize": add_quantize,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from qbackend import native
-from qbackend.lowering import depthwise, gemm
+from qbackend.lowering import depthwise, gemm, grouped
 from qbackend.lowering.own_conv import scale_and_offset
 from qbackend.weight_quant import quantize as quantize_weight
 
@@ -49,6 +49,14 @@ def stem_args():
     return list(stem_case(SHAPES["MobileNet 3x3 s2"], "relu")[0])
 
 
+def grouped_args():
+    _needs_vnni_library()
+    w = torch.zeros(32, 4, 3, 3, dtype=torch.int8)
+    # x, x_zero_point, weight, mult, add, groups, stride, low, high, out_scale, out_zp, qmin, qmax
+    return [_uint8(1, 32, 6, 6), 0, *grouped.pack(w, *scale_and_offset(w, torch.ones(32), 0.1, 0)), 8, 1, 0.0, 6.0, 0.1, 0,
+            0, 255]
+
+
 def attention_args():
     return [torch.randn(1, 2, 4, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16), None, 0.25]
 
@@ -80,6 +88,10 @@ TABLE = [
                               (12, 300, "zero points")]),
     ("qconv_stem", stem_args, [(0, torch.zeros(2, 3, 32, 32), "takes uint8 CPU activations"),
                                (6, [-1, -1], "stride"), (7, [-2, 0], "padding"), (11, 999, "zero points")]),
+    ("qconv_grouped", grouped_args, [(0, torch.zeros(1, 32, 6, 6), "takes uint8 CPU activations"),
+                                     (2, torch.zeros(7, dtype=torch.int8), "expected a contiguous CPU torch.int8 constant"),
+                                     (5, 16, "32 channels in 16 groups"), (6, 3, "stride 3"), (9, 0.0, "out scale 0.0"),
+                                     (10, 300, "zero points")]),
     ("attention_f32", attention_args, [(0, torch.randn(1, 2, 4, 16).double(), "float32 CPU"),
                                        (1, torch.randn(1, 2, 5, 32), "differ in batch, heads or head dim"),
                                        (3, torch.zeros(1, 1, 4, 6, dtype=torch.bool), "not an additive float32 one")]),
