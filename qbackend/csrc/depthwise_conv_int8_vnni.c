@@ -32,6 +32,7 @@
 
 #include "padded_channels.h"
 #include "vec_math.h"
+#include "vnni_dot.h"
 
 #define GROUP 32        /* channels per group */
 #define QUAD_BYTES 128  /* a group's quad for one output column: 32 channels x 4 bytes */
@@ -49,14 +50,6 @@ typedef struct {
   int out_zp, qmin, qmax;
   int activation, float_out, window;
 } dwconv_vnni_call_t;
-
-/* acc + 4-byte dot products of unsigned x and signed w per int32 lane, in place: GCC 12 moved
- * the intrinsic's accumulator between registers around every vpdpbusd of the loops below
- * (half the instructions of the hot loop, 96-channel 7x7 layer 1.3x slower). */
-static inline __m256i dot_add(__m256i acc, __m256i x, __m256i w) {
-  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "vm"(w));
-  return acc;
-}
 
 static inline int quads_of(int window) { return (window + 3) / 4; }
 

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "vec_math.h"
+#include "vnni_dot.h"
 
 #define LANES 8  /* output channels per vector */
 #define PIXELS 8 /* output pixels a step */
@@ -34,13 +35,6 @@ typedef struct {
   float lo, hi, out_inv_scale;
   int out_zp, qmin, qmax;
 } grouped_call_t;
-
-/* acc + 4-byte dot products of unsigned x and signed w per int32 lane, in place (as asm: GCC
- * moves an intrinsic's accumulator between registers, see depthwise_conv_int8_vnni.c) */
-static inline __m256i dot_add(__m256i acc, __m256i x, __m256i w) {
-  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "vm"(w));
-  return acc;
-}
 
 /* Block b's 8 output channels of 8 output pixels (``pixel`` bytes apart in the padded input,
  * whose window corners are at win + tap[t]), summed into acc. Cg == 4: the block spans two
