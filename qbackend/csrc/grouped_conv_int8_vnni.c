@@ -5,12 +5,17 @@
  * ran at 400 (4 channels a group: 317 us for 128 channels at 56x56).
  * Four input channels of one group are one vpdpbusd word: an output channel's sum is 9 taps x
  * (Cg / 4) dot products of 4 bytes. 8 output channels go in a ymm vector (Zen 4 runs zmm
- * vpdpbusd at a third of ymm's rate); with Cg >= 8 they share a group, so each input word is
- * broadcast; with Cg == 4 they span two groups, and one broadcast 8-byte load gives each lane
- * its group's word (a vpermd there cost more than the vpdpbusd). 8 output pixels a step share each weight vector load. Padding reads a
- * pixel of zero-point bytes; ``add`` removes x_zp * sum(w) once per channel. The result is
- * the reference's arithmetic: f = acc * mult + add, clamped to [lo, hi], then
- * round_half_even(f / scale) + zero point, clamped to [qmin, qmax].
+ * vpdpbusd at a third of ymm's rate), a "block". With Cg >= 8 a block is one group's, so each
+ * input word is broadcast; with Cg == 4 it spans two groups A and B, and one broadcast 8-byte
+ * load gives lanes A0 B0 A1 B1 ... their group's word (the lanes hold the channels in that
+ * order: weights, mult and add are packed so, lowering/grouped.py, and the bytes go back to
+ * channel order when stored; a vpermd per word had cost more than the vpdpbusd). Two blocks
+ * of 8 output pixels go together: 16 independent sums hide vpdpbusd's latency (8 left it
+ * exposed: 1.2-1.6x slower), and blocks of one group share their input words. The input is
+ * copied once into rows with a zero-point border, so every tap is a fixed offset; ``add``
+ * removes x_zp * sum(w) once per channel. The result is the reference's arithmetic:
+ * f = acc * mult + add, clamped to [lo, hi], then round_half_even(f / scale) + zero point,
+ * clamped to [qmin, qmax].
  */
 #include <immintrin.h>
 #include <stddef.h>
@@ -21,13 +26,12 @@
 #include "vec_math.h"
 #include "vnni_dot.h"
 
-#define LANES 8  /* output channels per vector */
+#define LANES 8  /* output channels per vector: a block */
 #define PIXELS 8 /* output pixels a step */
 #define TAPS 9
 
 /* One call site's arguments (qbackend/native.py _GroupedCall); weight is
- * [C / 8 blocks][9 taps][Cg / 4 quads][8 lanes][4 bytes], mult and add [C], in lane order (for
- * Cg == 4 a block's channels A0 B0 A1 B1 A2 B2 A3 B3: lowering/grouped.py). */
+ * [C / 8 blocks][9 taps][Cg / 4 quads][8 lanes][4 bytes], mult and add [C], in lane order. */
 typedef struct {
   int N, H, W, C, Cg, stride, OH, OW, x_zp;
   const int8_t* weight;
@@ -36,61 +40,92 @@ typedef struct {
   int out_zp, qmin, qmax;
 } grouped_call_t;
 
-/* Block b's 8 output channels of 8 output pixels (``pixel`` bytes apart in the padded input,
- * whose window corners are at win + tap[t]), summed into acc. Cg == 4: the block spans two
- * groups A and B, and one broadcast 8-byte load gives lanes A0 B0 A1 B1 ... their group's word
- * (the lanes hold channels in that order: weights, mult and add are packed so, and the bytes
- * are put back in channel order when stored); else one group, each word broadcast. */
-static inline void sums_of_two_groups(const uint8_t* win, size_t pixel, const size_t tap[TAPS], const int8_t* w,
-                                      __m256i acc[PIXELS]) {
-  for (int t = 0; t < TAPS; t++) {
-    const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + (size_t)t * LANES * 4));
-    const uint8_t* in = win + tap[t];
-    for (int p = 0; p < PIXELS; p++) {
-      int64_t words;
-      memcpy(&words, in + p * pixel, 8);
-      acc[p] = dot_add(acc[p], _mm256_set1_epi64x(words), wv);
-    }
-  }
+/* one word broadcast (a block of one group), or two groups' words in alternate lanes (Cg == 4) */
+static inline __m256i word(const uint8_t* at) {
+  int32_t v;
+  memcpy(&v, at, 4);
+  return _mm256_set1_epi32(v);
+}
+static inline __m256i two_words(const uint8_t* at) {
+  int64_t v;
+  memcpy(&v, at, 8);
+  return _mm256_set1_epi64x(v);
 }
 
-static inline void sums_of_one_group(const uint8_t* win, size_t pixel, const size_t tap[TAPS], int quads, const int8_t* w,
-                                     __m256i acc[PIXELS]) {
-  for (int t = 0; t < TAPS; t++)
-    for (int q = 0; q < quads; q++) {
-      const __m256i wv = _mm256_loadu_si256((const __m256i*)(w + ((size_t)t * quads + q) * LANES * 4));
-      const uint8_t* in = win + tap[t] + 4 * q;
-      for (int p = 0; p < PIXELS; p++) {
-        int32_t word;
-        memcpy(&word, in + p * pixel, 4);
-        acc[p] = dot_add(acc[p], _mm256_set1_epi32(word), wv);
-      }
-    }
-}
+/* the first channel a block's lanes read */
+static inline int block_channel(int Cg, int b) { return Cg == 4 ? LANES * b : LANES * b / Cg * Cg; }
 
-/* Block b of 8 output pixels from the window corner ``win`` of the first: sums, then the
- * epilogue for the first ``pixels`` of them, stored at out. */
-static inline void block_step(const grouped_call_t* c, const uint8_t* win, size_t pixel, const size_t tap[TAPS], int b,
-                              int pixels, uint8_t* out) {
-  const int Cg = c->Cg, quads = Cg / 4, ch0 = Cg == 4 ? LANES * b : LANES * b / Cg * Cg;
-  const int8_t* w = c->weight + (size_t)b * TAPS * quads * LANES * 4;
-  __m256i acc[PIXELS];
-  for (int p = 0; p < PIXELS; p++) acc[p] = _mm256_setzero_si256();
-  if (Cg == 4) sums_of_two_groups(win + ch0, pixel, tap, w, acc);
-  else sums_of_one_group(win + ch0, pixel, tap, quads, w, acc);
-  const __m256 mult = _mm256_loadu_ps(c->mult + LANES * b), add = _mm256_loadu_ps(c->add + LANES * b);
+/* Block b's sums for the first ``pixels`` pixels -> bytes at out (pixel p at out + p * C) */
+static inline void store_block(const grouped_call_t* c, const __m256i acc[PIXELS], int b, int pixels, uint8_t* out) {
   const __m256 lo = _mm256_set1_ps(c->lo), hi = _mm256_set1_ps(c->hi), inv = _mm256_set1_ps(c->out_inv_scale);
   const __m256 zp = _mm256_set1_ps((float)c->out_zp), qmin = _mm256_set1_ps((float)c->qmin),
                qmax = _mm256_set1_ps((float)c->qmax);
+  const __m256 mult = _mm256_loadu_ps(c->mult + LANES * b), add = _mm256_loadu_ps(c->add + LANES * b);
   /* bytes from lanes A0 B0 A1 B1 ... back to channel order A0-A3 B0-B3 (Cg == 4), else as they are */
-  const __m128i order = Cg == 4 ? _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15)
-                                : _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m128i order = c->Cg == 4 ? _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+                                   : _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int p = 0; p < pixels; p++) {
     const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[p]), mult, add);
     const __m256i ints = quantize_scaled8(_mm256_mul_ps(_mm256_min_ps(_mm256_max_ps(f, lo), hi), inv), zp, qmin, qmax);
     const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
     _mm_storel_epi64((__m128i*)(out + (size_t)p * c->C + LANES * b), _mm_shuffle_epi8(_mm_packus_epi16(words, words), order));
   }
+}
+
+/* Sums of blocks b and b + 1 over every tap and quad: LOAD0 / LOAD1 the lane words at ``at``
+ * (pixel p's input at the tap, quad and the pair's first channel) */
+#define PAIR_SUMS(QUADS, LOAD0, LOAD1)                                                               \
+  for (int t = 0; t < TAPS; t++)                                                                     \
+    for (int q = 0; q < (QUADS); q++) {                                                              \
+      const size_t step = ((size_t)t * (QUADS) + q) * LANES * 4;                                     \
+      const __m256i w0 = _mm256_loadu_si256((const __m256i*)(w + step));                            \
+      const __m256i w1 = _mm256_loadu_si256((const __m256i*)(w + block_bytes + step));              \
+      for (int p = 0; p < PIXELS; p++) {                                                             \
+        const uint8_t* at = win + tap[t] + 4 * q + p * pixel;                                        \
+        const __m256i x0 = LOAD0;                                                                    \
+        acc0[p] = dot_add(acc0[p], x0, w0);                                                          \
+        acc1[p] = dot_add(acc1[p], LOAD1, w1);                                                       \
+      }                                                                                              \
+    }
+
+/* Blocks b and b + 1 for 8 output pixels (``pixel`` bytes apart in the padded input; a
+ * window's taps at win + tap[t] from its corner), stored for the first ``pixels``. */
+static void pair_step(const grouped_call_t* c, const uint8_t* corner, size_t pixel, const size_t tap[TAPS], int b,
+                      int pixels, uint8_t* out) {
+  const int Cg = c->Cg, quads = Cg / 4;
+  const size_t block_bytes = (size_t)TAPS * quads * LANES * 4;
+  const int8_t* w = c->weight + (size_t)b * block_bytes;
+  const uint8_t* win = corner + block_channel(Cg, b);
+  __m256i acc0[PIXELS], acc1[PIXELS];
+  for (int p = 0; p < PIXELS; p++) acc0[p] = acc1[p] = _mm256_setzero_si256();
+  if (Cg == 4) {
+    PAIR_SUMS(1, two_words(at), two_words(at + 8)) /* (the next block: the next two groups) */
+  } else if (Cg == 8) {
+    PAIR_SUMS(2, word(at), word(at + 8)) /* (the next block: the next group) */
+  } else {
+    PAIR_SUMS(quads, word(at), x0) /* (the next block: the same group, the same words) */
+  }
+  store_block(c, acc0, b, pixels, out);
+  store_block(c, acc1, b + 1, pixels, out);
+}
+
+/* A last, odd block: pair_step's sums for one block */
+static void single_step(const grouped_call_t* c, const uint8_t* corner, size_t pixel, const size_t tap[TAPS], int b,
+                        int pixels, uint8_t* out) {
+  const int Cg = c->Cg, quads = Cg / 4;
+  const int8_t* w = c->weight + (size_t)b * TAPS * quads * LANES * 4;
+  const uint8_t* win = corner + block_channel(Cg, b);
+  __m256i acc[PIXELS];
+  for (int p = 0; p < PIXELS; p++) acc[p] = _mm256_setzero_si256();
+  for (int t = 0; t < TAPS; t++)
+    for (int q = 0; q < quads; q++) {
+      const __m256i w0 = _mm256_loadu_si256((const __m256i*)(w + ((size_t)t * quads + q) * LANES * 4));
+      for (int p = 0; p < PIXELS; p++) {
+        const uint8_t* at = win + tap[t] + 4 * q + p * pixel;
+        acc[p] = dot_add(acc[p], Cg == 4 ? two_words(at) : word(at), w0);
+      }
+    }
+  store_block(c, acc, b, pixels, out);
 }
 
 /* 0, or -1 when the padded input could not be allocated. The input is copied once into rows
@@ -118,6 +153,7 @@ int qb_grouped_conv_vnni(int threads, const grouped_call_t* c, const uint8_t* x,
     }
     size_t tap[TAPS];
     for (int t = 0; t < TAPS; t++) tap[t] = ((size_t)(t / 3) * PW + t % 3) * C;
+    const int blocks = c->C / LANES;
 #pragma omp for schedule(static)
     for (int row = 0; row < c->N * c->OH; row++) {
       const int n = row / c->OH, oy = row % c->OH;
@@ -126,8 +162,11 @@ int qb_grouped_conv_vnni(int threads, const grouped_call_t* c, const uint8_t* x,
         /* a last tile of fewer pixels moves left over pixels already written (the same values) */
         const int start = ox0 + PIXELS <= c->OW || c->OW < PIXELS ? ox0 : c->OW - PIXELS;
         const int pixels = c->OW - start < PIXELS ? c->OW - start : PIXELS;
+        const uint8_t* corner = corner_row + start * pixel;
         uint8_t* out = y + (((size_t)n * c->OH + oy) * c->OW + start) * C;
-        for (int b = 0; b < c->C / LANES; b++) block_step(c, corner_row + start * pixel, pixel, tap, b, pixels, out);
+        int b = 0;
+        for (; b + 2 <= blocks; b += 2) pair_step(c, corner, pixel, tap, b, pixels, out);
+        if (b < blocks) single_step(c, corner, pixel, tap, b, pixels, out);
       }
     }
   }
