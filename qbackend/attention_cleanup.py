@@ -12,6 +12,7 @@ from qbackend.lowering.common import additive_mask
 from qbackend.patterns.base import fake_value
 
 from . import fast_qdq, native
+from .view_chains import positions, replayed, view_chain
 
 aten = torch.ops.aten
 
@@ -130,22 +131,10 @@ def attention_output_quantized(gm: GraphModule) -> Optional[str]:
     return f"{fused} attention output quantize(s) written by the attention kernel" if fused else None
 
 
-# views between a projection and the attention reading it (a merged q / k / v linear split into heads)
-_PROJECTION_VIEWS = {aten.slice.Tensor, aten.reshape.default, aten.view.default, aten.transpose.int, aten.permute.default,
-                     aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.unflatten.int}
-
-
-def _view_chain(node) -> Optional[tuple[Node, list[Node]]]:
-    """(the tensor ``node`` views, the view ops from it to ``node``); None if ``node`` is no view."""
-    chain = []
-    while (isinstance(node, Node) and node.op == "call_function" and node.target in _PROJECTION_VIEWS and not node.kwargs
-           and not any(isinstance(a, Node) for a in node.args[1:])):
-        chain.insert(0, node)
-        node = node.args[0]
-    return (node, chain) if chain and isinstance(node, Node) else None
-
-
-MAX_PROJECTION_ELEMENTS = 1 << 24  # (the replay's integers: 64 MB at most, once per attention at compile time)
+# views between a projection and the attention reading it (a merged q / k / v linear split into
+# heads): the strided ones above, and ``view`` / ``unflatten`` (a replay that cannot take one
+# leaves the attention as it is)
+_PROJECTION_VIEWS = _STRIDED_VIEWS | {aten.view.default, aten.unflatten.int}
 
 
 def _affine_strides(view: torch.Tensor, flat: torch.Tensor) -> Optional[tuple]:
@@ -167,23 +156,19 @@ def _projection_geometry(operands: list) -> Optional[tuple]:
     by replaying the ops on the projection's element positions: the ops' values never depend on
     the input's strides, and a reshape that copies (MultiheadAttention's heads of a batch > 1)
     still yields positions the kernel can read in place."""
-    chains = [_view_chain(n) for n in operands]
-    if any(c is None for c in chains) or len({root for root, _ in chains}) != 1:
+    chains = [view_chain(n, _PROJECTION_VIEWS) for n in operands]
+    if any(not chain for _, chain in chains) or len({root for root, _ in chains}) != 1:
         return None
     root = chains[0][0]
     value = fake_value(root)
-    if value is None or value.dtype != torch.float32 or not all(isinstance(d, int) for d in value.shape):
+    start = positions(root) if value is not None and value.dtype == torch.float32 else None
+    if start is None:
         return None
-    if value.numel() > MAX_PROJECTION_ELEMENTS:
-        return None
-    flat = torch.arange(value.numel())
+    flat = start.reshape(-1)
     geometry = []
     for _, chain in chains:
-        view = flat.reshape(value.shape)
-        try:
-            for node in chain:
-                view = node.target(view, *node.args[1:])
-        except RuntimeError:  # (a ``view`` the traced strides allowed and row-major ones do not)
+        view = replayed(chain, start)
+        if view is None:
             return None
         found = _affine_strides(view, flat) if view.dim() == 4 and view.numel() else None
         if found is None or found[1][-1] != 1:
@@ -209,7 +194,7 @@ def attention_reads_projection(gm: GraphModule) -> Optional[str]:
         geometry = _projection_geometry([q, k, v])
         if geometry is None:
             continue
-        projection = _view_chain(q)[0]
+        projection = view_chain(q, _PROJECTION_VIEWS)[0]
         quantize = tuple(out_grid) if out_grid else None
         with gm.graph.inserting_before(node):
             fused = gm.graph.call_function(native.attention_from_projection, (projection, geometry, mask, scale, quantize))

@@ -9,6 +9,7 @@ any tensor the graph passes at run time (``reshape`` still copies where strides 
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -23,9 +24,40 @@ VIEWS = {aten.reshape.default, aten.view.default, aten.transpose.int, aten.permu
 MAX_ELEMENTS = 1 << 24  # (the replay's integers: 64 MB at most, once per chain at compile time)
 
 
-def _is_view(node) -> bool:
-    return (isinstance(node, Node) and node.op == "call_function" and node.target in VIEWS and not node.kwargs
+def is_view(node, views=VIEWS) -> bool:
+    """``node`` is one of ``views`` on a tensor, its other arguments constants."""
+    return (isinstance(node, Node) and node.op == "call_function" and node.target in views and not node.kwargs
             and isinstance(node.args[0], Node) and not any(isinstance(a, Node) for a in node.args[1:]))
+
+
+def view_chain(node, views=VIEWS) -> tuple[Node, list[Node]]:
+    """(the first input that is none of ``views``, the views from it to ``node``: empty when
+    ``node`` is none)."""
+    chain = []
+    while is_view(node, views):
+        chain.insert(0, node)
+        node = node.args[0]
+    return node, chain
+
+
+def positions(root: Node) -> Optional[torch.Tensor]:
+    """0 .. n - 1 in ``root``'s static shape (None: symbolic, or over MAX_ELEMENTS): replayed
+    through a chain of views, they say where each element of its result comes from."""
+    shape = static_shape(root)
+    if shape is None or math.prod(shape) > MAX_ELEMENTS:
+        return None
+    return torch.arange(math.prod(shape), dtype=torch.int32).reshape(shape)
+
+
+def replayed(chain: list[Node], value: torch.Tensor) -> Optional[torch.Tensor]:
+    """``value`` through the chain's ops; None where one cannot take it (a ``view`` the traced
+    strides allowed and row-major ones do not)."""
+    try:
+        for node in chain:
+            value = node.target(value, *node.args[1:])
+    except RuntimeError:
+        return None
+    return value
 
 
 def _writes(user: Node) -> bool:
@@ -37,32 +69,11 @@ def _writes(user: Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
-def _chain(end: Node) -> tuple[Node, list[Node]]:
-    """(the first non-view input, the views from it to ``end``)."""
-    chain = [end]
-    while _is_view(chain[0].args[0]):
-        chain.insert(0, chain[0].args[0])
-    return chain[0].args[0], chain
-
-
 def _reorders_back(root: Node, chain: list[Node]) -> Optional[list[int]]:
     """The chain's output shape where its elements come out in the input's row-major order."""
-    shape = static_shape(root)
-    if shape is None:
-        return None
-    count = 1
-    for size in shape:
-        count *= size
-    if count > MAX_ELEMENTS:
-        return None
-    order = torch.arange(count, dtype=torch.int32)
-    value = order.reshape(shape)
-    try:
-        for node in chain:
-            value = node.target(value, *node.args[1:])
-    except RuntimeError:  # (a view the replay cannot take: leave the chain)
-        return None
-    return list(value.shape) if torch.equal(value.reshape(-1), order) else None
+    start = positions(root)
+    value = None if start is None else replayed(chain, start)
+    return list(value.shape) if value is not None and torch.equal(value.reshape(-1), start.reshape(-1)) else None
 
 
 def view_chains_collapsed(gm: GraphModule) -> Optional[str]:
@@ -71,9 +82,9 @@ def view_chains_collapsed(gm: GraphModule) -> Optional[str]:
     becomes one reshape when it only restores row-major order."""
     collapsed = 0
     for end in list(gm.graph.nodes):
-        if not _is_view(end) or all(_is_view(user) for user in end.users):
+        if not is_view(end) or all(is_view(user) for user in end.users):
             continue
-        root, chain = _chain(end)
+        root, chain = view_chain(end)
         if len(chain) < 2 or any(_writes(user) for node in (root, *chain) for user in node.users):
             continue
         shape = _reorders_back(root, chain)
