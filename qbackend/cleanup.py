@@ -19,6 +19,7 @@ from . import fast_qdq, native
 from .attention_cleanup import (attention_inputs_uncopied, attention_masks_once, attention_output_quantized,
                                 attention_reads_projection)
 from .channel_shuffle import shuffles_in_one_pass
+from .float_linear import float_linears
 from .freeze import drop_unused_constants, set_constant
 from .kernel_chain import chain_own_kernels
 from .view_chains import view_chains_collapsed
@@ -163,45 +164,6 @@ def views_accept_any_layout(gm: GraphModule) -> None:
                 node.target = aten.reshape.default
 
 
-def _float_constant(gm: GraphModule, node) -> Optional[torch.Tensor]:
-    value = constant_value(gm, node) if isinstance(node, Node) else None
-    return value if value is not None and value.dtype == torch.float32 and value.device.type == "cpu" else None
-
-
-def float_linears(gm: GraphModule, device: str) -> Optional[str]:
-    """The float32 linears the quantizer left float (ViT's attention in-projection: vit_b_16 at
-    batch 1 spent 42 ms a call in them, Inductor 30) run as Inductor's freezing runs them: on
-    MKL's sgemm with the constant weight packed once for the input's row count (other row
-    counts: ATen's linear, inside the same op). Where MKL cannot, a non-contiguous input of 3+
-    dims (a transpose) is made contiguous: ATen would run it as a bmm against the weight
-    expanded per row (614 ms a call at batch 8, 479 on the packed GEMM)."""
-    packed_op, pack = resolve("float_linear_packed", device), resolve("float_linear_pack", device)
-    packed = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not aten.linear.default or node.kwargs:
-            continue
-        x_node, weight_node, bias_node = (*node.args, None)[:3]
-        x, weight, bias = fake_value(x_node), _float_constant(gm, weight_node), _float_constant(gm, bias_node)
-        if x is None or x.dtype != torch.float32 or static_shape(x_node) is None:
-            continue
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if packed_op and pack and weight is not None and weight.dim() == 2 and rows and (bias_node is None or bias is not None):
-            name = f"_qb_packed_{node.name}"
-            set_constant(gm, name, pack.op(weight, rows))
-            with gm.graph.inserting_before(node):
-                call = gm.graph.call_function(packed_op.op, (x_node, gm.graph.get_attr(name), weight_node, bias_node, rows))
-            call.meta = dict(node.meta)
-            node.replace_all_uses_with(call)
-            gm.graph.erase_node(node)
-            packed += 1
-        elif x.dim() >= 3:
-            with gm.graph.inserting_before(node):
-                contiguous = gm.graph.call_function(aten.contiguous.default, (x_node,))
-            contiguous.meta = {k: v for k, v in x_node.meta.items() if k in ("example_value", "val")}
-            node.update_arg(0, contiguous)
-    return f"{packed} float linear(s) on MKL's sgemm, weight packed once" if packed else None
-
-
 # own kernels' results that are contiguous whatever their inputs: (plain function, tuple index or None)
 _CONTIGUOUS_RESULTS = {(native.layer_norm_and_quantize, 0), (native.layer_norm_and_quantize, 1), (native.layer_norm_quantize, None)}
 
@@ -257,9 +219,9 @@ def views_as_tensor_methods(gm: GraphModule) -> None:
             node.op, node.target, node.args = "call_method", "narrow", (node.args[0], *narrow)
 
 
-def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True) -> list[str]:
+def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, kernel_choice: Optional[str] = None) -> list[str]:
     """``fast_boundary=False`` keeps the reference q/dq ops (another compiler, Inductor, fuses
-    them). Returns notes for the report."""
+    them); ``kernel_choice``: lowering/choice.py's mode. Returns notes for the report."""
     gm.graph.eliminate_dead_code()
     fold_constants(gm)
     gm.graph.eliminate_dead_code()
@@ -268,7 +230,7 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True) ->
     views_accept_any_layout(gm)
     if fast_boundary:
         contiguous_copies_dropped(gm)
-    notes = [float_linears(gm, device) if fast_boundary else None, attention_masks_once(gm),
+    notes = [float_linears(gm, device, kernel_choice) if fast_boundary else None, attention_masks_once(gm),
              attention_output_quantized(gm) if fast_boundary else None, attention_inputs_uncopied(gm),
              attention_reads_projection(gm) if fast_boundary else None,
              shuffles_in_one_pass(gm) if fast_boundary else None, chain_own_kernels(gm),

@@ -60,9 +60,12 @@ ALIASES: dict[str, tuple[str, ...]] = {
     # float attention, fused (composite: picks the device's flash / math kernel itself)
     "sdpa": ("aten::scaled_dot_product_attention",),
     # float linears with a constant weight (the quantizer left them float: ViT's attention
-    # in-projection): MKL's sgemm on a weight packed once, as Inductor's freezing does
+    # projections) on a weight packed once: MKL's sgemm, as Inductor's freezing runs them, or
+    # oneDNN's, whichever measures faster (qbackend/float_linear.py)
     "float_linear_packed": ("mkl::_mkl_linear",),
     "float_linear_pack": ("mkl::_mkl_reorder_linear_weight",),
+    "float_linear_onednn": ("mkldnn::_linear_pointwise",),
+    "float_linear_onednn_pack": ("mkldnn::_reorder_linear_weight",),
     # weight-only int4 / int8
     "int4_pack": ("aten::_convert_weight_to_int4pack_for_cpu", "aten::_convert_weight_to_int4pack"),
     "int4_mm": ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm"),
@@ -72,7 +75,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
 
 # Ops qbackend runs once at compile time (weight packing) and never places in a graph: a
 # graph traced with fake tensors does not need their Meta kernels.
-COMPILE_TIME = frozenset({"qconv_prepack", "qlinear_prepack", "int4_pack", "float_linear_pack"})
+COMPILE_TIME = frozenset({"qconv_prepack", "qlinear_prepack", "int4_pack", "float_linear_pack", "float_linear_onednn_pack"})
 
 # Ops qbackend *matches* in PT2E graphs. They are registered by torchao / torch.ao when a PT2E
 # flow runs; qbackend never imports those modules itself, so an unregistered op simply means

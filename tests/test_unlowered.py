@@ -173,7 +173,8 @@ def _float_linears(captured) -> list:
 
 
 def test_float_linears_with_constant_weights_run_on_a_packed_gemm():
-    """As Inductor's freezing: MKL's sgemm on a weight packed once (cleanup.float_linears)."""
+    """As Inductor's freezing: MKL's sgemm on a weight packed once (float_linear.py; the
+    "prior" kernel choice the tests pin: test_kernel_choice.py measures it)."""
     inputs = (torch.randn(3, 10, 32),)
     captured = assert_matches_reference(quantize(BatchFirstAttention().eval(), inputs), inputs)
     assert [n.target for n in _float_linears(captured)] == [torch.ops.mkl._mkl_linear.default] * 2, captured.lowered.graph
@@ -181,12 +182,12 @@ def test_float_linears_with_constant_weights_run_on_a_packed_gemm():
     assert "2 float linear(s) on MKL's sgemm, weight packed once" in captured.report.notes
 
 
-def test_without_mkl_a_float_linear_of_a_transposed_input_reads_it_contiguous(monkeypatch):
+def test_without_a_packed_gemm_a_float_linear_of_a_transposed_input_reads_it_contiguous(monkeypatch):
     """(else ATen runs it as a bmm against the weight expanded per row)"""
-    from qbackend import cleanup
+    from qbackend import float_linear
     from qbackend.ops import Resolved
 
-    monkeypatch.setattr(cleanup, "resolve", lambda logical, device: Resolved(logical, device, None, None, "no MKL"))
+    monkeypatch.setattr(float_linear, "resolve", lambda logical, device: Resolved(logical, device, None, None, "no GEMM"))
     inputs = (torch.randn(3, 10, 32),)
     captured = assert_matches_reference(quantize(BatchFirstAttention().eval(), inputs), inputs)
     readers = [n.args[0] for n in _float_linears(captured)]
