@@ -16,19 +16,18 @@ aten = torch.ops.aten
 ADD_ANCHORS = {aten.add.Tensor, aten.add_.Tensor}
 
 
-def _fresh(node: Node) -> bool:
-    """An op's own output (not an input, constant or view) that only ``node``'s reader reads."""
-    return node.op == "call_function" and node.target not in VIEW_OPS and len(node.users) == 1
-
-
 def _written_only_here(target: Node, add: Node) -> bool:
     """An in-place add may become a new sum where nothing else reads what it writes into: the
-    target (or the one view it is of a fresh value) has no other reader."""
+    target, and each view it is of a fresh value (ConvNeXt's GEMM output, reshaped, then
+    permuted), has no other reader."""
     if list(target.users) != [add]:
         return False
-    if target.op == "call_function" and target.target in VIEW_OPS:
-        return isinstance(target.args[0], Node) and _fresh(target.args[0])
-    return _fresh(target)
+    while target.op == "call_function" and target.target in VIEW_OPS:
+        base = target.args[0]
+        if not isinstance(base, Node) or len(base.users) != 1:
+            return False
+        target = base
+    return target.op == "call_function"
 
 
 def select_qadd(graph: GraphView, add: Node) -> Match:

@@ -5,10 +5,12 @@ import pytest
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
 
-from qbackend import native
+from qbackend import choice_cache, native
+from qbackend.lowering import choice
 from qbackend.patterns import examples
 
 from .helpers import assert_fused_into_quantize, assert_matches_reference, needs_own_kernels, quantize, short_graph
+from .test_kernel_choice import SimulatedMachine
 
 pytestmark = needs_own_kernels
 
@@ -66,3 +68,30 @@ def test_an_in_place_residual_sum_lowers_onto_the_in_place_form():
     captured = assert_matches_reference(quantize(InPlaceResidual(), inputs), inputs)
     graph = short_graph(captured.lowered)
     assert "native.add_quantize_(" in graph and "aten.add" not in graph, graph
+
+
+class ViewedInPlaceResidual(torch.nn.Module):
+    """ConvNeXt's later stages: the add writes into a view (permute) of a view (reshape) of the
+    branch's linear output."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.next = torch.nn.Linear(8, 8), torch.nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        total = self.fc(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        total += x
+        return self.next(total), total
+
+
+def test_an_in_place_sum_into_a_chain_of_views_lowers_onto_the_in_place_form(tmp_path, monkeypatch):
+    """(the own GEMM measured faster, as on ConvNeXt's later stages: it runs the linear on
+    rows, so its output is reshaped back, then permuted)"""
+    monkeypatch.setenv("QBACKEND_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice_cache, "_shared", None)
+    monkeypatch.setattr(choice, "measure", SimulatedMachine(own_us=100, onednn_us=300))
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 8, 6, 6),)
+    captured = assert_matches_reference(quantize(ViewedInPlaceResidual(), inputs), inputs, kernel_choice="measure")
+    graph = short_graph(captured.lowered)
+    assert "native.qconv(reshape" in graph and "native.add_quantize_(permute" in graph and "aten.add" not in graph, graph
