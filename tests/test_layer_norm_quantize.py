@@ -19,8 +19,8 @@ def reference(x, weight, bias, eps, scale, zero_point, qmin, qmax):
     return torch.ops.quantized_decomposed.quantize_per_tensor(normed, scale, zero_point, qmin, qmax, torch.uint8)
 
 
-@pytest.mark.parametrize("shape", [(3136, 96), (2, 7, 13), (1, 5), (5, 768), (4, 4, 1)],
-                         ids=["ConvNeXt rows", "rows of 8 + 5", "one row of 5", "ViT rows", "one channel"])
+@pytest.mark.parametrize("shape", [(3136, 96), (2, 7, 13), (1, 5), (5, 768), (4, 4, 1), (3, 50)],
+                         ids=["ConvNeXt rows", "rows of 8 + 5", "one row of 5", "ViT rows", "one channel", "rows of 32 + 2 x 8 + 2"])
 @pytest.mark.parametrize("qparams", [(0.02, 128, 0, 255), (0.05, 0, 0, 127)], ids=["full range", "7-bit"])
 def test_kernel_gives_the_references_integers(shape, qparams):
     torch.manual_seed(0)

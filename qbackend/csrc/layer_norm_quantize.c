@@ -80,6 +80,20 @@ static void normalize_row(const float* x, int C, float mean, float rstd, const f
   const __m256 vmean = _mm256_set1_ps(mean), vrstd = _mm256_set1_ps(rstd), vinv = _mm256_set1_ps(inv_scale);
   const __m256 vzp = _mm256_set1_ps((float)zp), vlo = _mm256_set1_ps((float)qmin), vhi = _mm256_set1_ps((float)qmax);
   int i = 0;
+  /* 32 values a step: one pack of four vectors and one 32-byte store (8-byte stores and their
+   * narrowing had been a third of the kernel's time at ConvNeXt's 96 channels) */
+  for (; i + 32 <= C; i += 32) {
+    __m256i q[4];
+    for (int v = 0; v < 4; v++) {
+      const __m256 normed = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8 * v), vmean), vrstd);
+      const __m256 f = _mm256_fmadd_ps(normed, _mm256_loadu_ps(w + i + 8 * v), _mm256_loadu_ps(b + i + 8 * v));
+      if (yf) _mm256_storeu_ps(yf + i + 8 * v, f);
+      q[v] = quantize_scaled8(_mm256_mul_ps(f, vinv), vzp, vlo, vhi);
+    }
+    /* (within [qmin, qmax]: the packs saturate nothing; they interleave 4-value pieces per lane) */
+    const __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i*)(y + i), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
   for (; i + 8 <= C; i += 8) {
     const __m256 normed = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmean), vrstd);
     const __m256 f = _mm256_fmadd_ps(normed, _mm256_loadu_ps(w + i), _mm256_loadu_ps(b + i));
