@@ -19,6 +19,7 @@ from . import fast_qdq, native
 from .attention_cleanup import (attention_inputs_uncopied, attention_masks_once, attention_output_quantized,
                                 attention_reads_projection)
 from .channel_shuffle import shuffles_in_one_pass
+from .depthwise_norm import depthwise_norms_fused
 from .float_linear import float_linears
 from .freeze import drop_unused_constants, set_constant
 from .kernel_chain import chain_own_kernels
@@ -233,7 +234,8 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
     notes = [float_linears(gm, device, kernel_choice) if fast_boundary else None, attention_masks_once(gm),
              attention_output_quantized(gm) if fast_boundary else None, attention_inputs_uncopied(gm),
              attention_reads_projection(gm) if fast_boundary else None,
-             shuffles_in_one_pass(gm) if fast_boundary else None, chain_own_kernels(gm),
+             shuffles_in_one_pass(gm) if fast_boundary else None,
+             depthwise_norms_fused(gm) if fast_boundary else None, chain_own_kernels(gm),
              view_chains_collapsed(gm) if fast_boundary else None]
     if fast_boundary:  # (last: the passes above read the view ops' targets)
         views_as_tensor_methods(gm)

@@ -51,6 +51,12 @@ OPS = {
     "qconv_depthwise": "qconv_depthwise(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int[] stride, "
                    "int[] padding, float low, float high, float out_scale, int out_zero_point, int qmin, int qmax, "
                    "bool float_out=False, str activation='none', int window=3) -> Tensor",
+    # (ConvNeXt's depthwise conv, the LayerNorm over its channels and the quantize after it: uint8
+    # [N, OH, OW, C], what layer_norm_quantize gives for the conv's float result seen as NHWC)
+    "qconv_depthwise_layer_norm": "qconv_depthwise_layer_norm(Tensor x, int x_zero_point, Tensor weight, Tensor mult, "
+                                  "Tensor add, int[] stride, int[] padding, float low, float high, str activation, "
+                                  "int window, Tensor norm_weight, Tensor norm_bias, float eps, float scale, "
+                                  "int zero_point, int qmin, int qmax) -> Tensor",
     "qconv": "qconv(Tensor x, Tensor weight, Tensor mult, Tensor add, Tensor? residual, float residual_scale, "
              "float low, float high, float out_scale, int out_zero_point, int qmin, int qmax, bool float_out=False, "
              "str activation='none', int[2] kernel_size=[1, 1], int[2] stride=[1, 1], int[2] padding=[0, 0], "
@@ -417,7 +423,8 @@ class _DepthwiseCall(ctypes.Structure):
                 + [("weight", ctypes.c_void_p), ("mult", ctypes.c_void_p), ("add", ctypes.c_void_p), ("lo", ctypes.c_float),
                    ("hi", ctypes.c_float), ("out_inv_scale", ctypes.c_float), ("out_zp", ctypes.c_int),
                    ("qmin", ctypes.c_int), ("qmax", ctypes.c_int), ("activation", ctypes.c_int), ("float_out", ctypes.c_int),
-                   ("window", ctypes.c_int)])
+                   ("window", ctypes.c_int), ("norm_weight", ctypes.c_void_p), ("norm_bias", ctypes.c_void_p),
+                   ("norm_eps", ctypes.c_float)])  # (the LayerNorm: the VNNI kernel's only)
 
 
 # the depthwise kernels' unary post-ops besides their clamp (vec_math.h ``enum activation``)
@@ -462,6 +469,47 @@ def _dwconv_prepared(lib, x, x_zero_point, weight, mult, add, stride, padding, l
     args = (x_zero_point, mult, add, stride, padding, low, high, out_scale, out_zero_point, qmin, qmax, float_out, activation,
             window)
     return _prepared(weight, trusted, x, args, lambda: _prepare_dwconv(lib, x, x_zero_point, weight, *args[1:]))
+
+
+def dwconv_layer_norm_refusal(x, weight, norm_weight, norm_bias, eps) -> Optional[str]:
+    """Why qconv_depthwise_layer_norm cannot take these (tensors or fake values), None if it can."""
+    if weight.dtype != torch.int8:
+        return "the LayerNorm is fused into the AVX512-VNNI depthwise kernel only (int8 packed weights)"
+    if x.dim() != 4 or x.shape[1] % 16:
+        return f"input of shape {tuple(x.shape)}: the fused LayerNorm takes NCHW with whole groups of 16 channels"
+    return _norm_parameters_refusal(x.shape[1], norm_weight, norm_bias, eps)
+
+
+def _dwconv_layer_norm(lib, x, x_zero_point, weight, mult, add, stride, padding, low, high, activation, window, norm_weight,
+                       norm_bias, eps, scale, zero_point, qmin, qmax, *, trusted=False):
+    reason = dwconv_layer_norm_refusal(x, weight, norm_weight, norm_bias, eps) or _uint8_grid_refusal(scale, zero_point, qmin, qmax)
+    if reason is not None:
+        raise ValueError(f"qbackend::qconv_depthwise_layer_norm: {reason}")
+    norm_weight, norm_bias = norm_weight.contiguous(), norm_bias.contiguous()
+    args = (x_zero_point, mult, add, stride, padding, low, high, scale, zero_point, qmin, qmax, True, activation, window)
+
+    def prepare():
+        prepared = _prepare_dwconv(lib, x, x_zero_point, weight, *args[1:])
+        prepared.struct.norm_weight, prepared.struct.norm_bias = norm_weight.data_ptr(), norm_bias.data_ptr()
+        prepared.struct.norm_eps = eps
+        return prepared._replace(constants=prepared.constants + (norm_weight, norm_bias))
+
+    prepared = _prepared(weight, trusted, x, args + (norm_weight, norm_bias, eps), prepare)
+    x = x.contiguous(memory_format=torch.channels_last)
+    n, c, oh, ow = prepared.shape
+    y = x.new_empty((n, oh, ow, c))
+    status = prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), y.data_ptr())
+    if status < 0:
+        raise MemoryError("qbackend::qconv_depthwise_layer_norm: a thread could not allocate its scratch")
+    if status:  # pixels of huge, infinite or NaN values: the conv's floats, then layer_norm_quantize (ATen's statistics)
+        floats = _dwconv(lib, x, x_zero_point, weight, *args[1:], trusted=trusted)
+        y = _layer_norm_quantize(lib, floats.permute(0, 2, 3, 1), norm_weight, norm_bias, eps, scale, zero_point, qmin, qmax)
+    return y
+
+
+def _dwconv_layer_norm_fake(x, x_zero_point, weight, mult, add, stride, padding, low, high, activation, window, *args):
+    n, c, h, w = x.shape
+    return x.new_empty((n, *_output_hw(h, w, (window, window), stride, padding), c), dtype=torch.uint8)
 
 
 def _x_to_y(prepared: Prepared, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -954,7 +1002,10 @@ def layer_norm_quantize_refusal(x, weight, bias, eps) -> Optional[str]:
     """Why layer_norm_quantize cannot take these (tensors or fake values), None if it can."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() == 0 or x.numel() == 0:
         return f"the kernel takes a non-empty float32 CPU tensor, not {x.dtype} of shape {tuple(x.shape)} on {x.device}"
-    c = x.shape[-1]
+    return _norm_parameters_refusal(x.shape[-1], weight, bias, eps)
+
+
+def _norm_parameters_refusal(c: int, weight, bias, eps) -> Optional[str]:
     for name, t in (("weight", weight), ("bias", bias)):
         if t is None or t.dtype != torch.float32 or t.device.type != "cpu" or tuple(t.shape) != (c,):
             return f"{name} {None if t is None else (t.dtype, tuple(t.shape))}: the kernel takes float32 [{c}]"
@@ -1021,7 +1072,8 @@ def _add_quantize(lib, a, b, scale, zero_point, qmin, qmax, in_place=False):
     return y if in_place else (y, s)
 
 
-_IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_depthwise": _dwconv, "qconv": _conv, "qconv_stem": _stem_conv,
+_IMPLS = {"int4_mm_int16": _int4_mm, "int8_mm_int16": _int8_mm, "qconv_depthwise": _dwconv,
+          "qconv_depthwise_layer_norm": _dwconv_layer_norm, "qconv": _conv, "qconv_stem": _stem_conv,
           "qconv_grouped": _grouped_conv, "attention_f32": _attention, "attention_quantize": _attention_quantize, "max_pool_u8": _max_pool, "global_avg_pool_u8": _global_avg_pool,
           "scale_quantize": _scale_quantize, "layer_norm_quantize": _layer_norm_quantize,
           "layer_norm_and_quantize": functools.partial(_layer_norm_quantize, keep_float=True), "add_quantize": _add_quantize,
@@ -1030,6 +1082,7 @@ FAKES = {
     "int4_mm_int16": lambda x, weight, scale, offset, group_size: x.new_empty(x.shape[0], weight.shape[0]),
     "int8_mm_int16": lambda x, weight, scale: x.new_empty(x.shape[0], weight.shape[0]),
     "qconv_depthwise": _dwconv_fake,
+    "qconv_depthwise_layer_norm": _dwconv_layer_norm_fake,
     "qconv": _conv_fake,
     "qconv_stem": _stem_conv_fake,
     "qconv_grouped": _grouped_conv_fake,
@@ -1067,6 +1120,11 @@ def qconv_depthwise(*args):
     small conv's): what graphs that run eagerly call. Traced graphs need the op. Its constants
     are the lowering's own packing, so their checks (~4 us) are skipped; the activation's stay."""
     return _dwconv(_load()[0], *args, trusted=True)
+
+
+def qconv_depthwise_layer_norm(*args):
+    """``qbackend::qconv_depthwise_layer_norm`` without the dispatcher round trip (as ``qconv_depthwise``)."""
+    return _dwconv_layer_norm(_load()[0], *args, trusted=True)
 
 
 def qconv(*args):
@@ -1177,7 +1235,8 @@ def add_quantize_(a, b, scale, zero_point, qmin, qmax):
 
 
 # own kernel -> the plain function eager graphs call
-PLAIN = {"int4_mm_int16": int4_mm_int16, "int8_mm_int16": int8_mm_int16, "qconv_depthwise": qconv_depthwise, "qconv": qconv, "qconv_stem": qconv_stem, "qconv_grouped": qconv_grouped, "attention_f32": attention_f32,
+PLAIN = {"int4_mm_int16": int4_mm_int16, "int8_mm_int16": int8_mm_int16, "qconv_depthwise": qconv_depthwise,
+         "qconv_depthwise_layer_norm": qconv_depthwise_layer_norm, "qconv": qconv, "qconv_stem": qconv_stem, "qconv_grouped": qconv_grouped, "attention_f32": attention_f32,
          "attention_quantize": attention_quantize, "max_pool_u8": max_pool_u8,
          "global_avg_pool_u8": global_avg_pool_u8, "scale_quantize": scale_quantize, "layer_norm_quantize": layer_norm_quantize,
          "layer_norm_and_quantize": layer_norm_and_quantize, "add_quantize": add_quantize,

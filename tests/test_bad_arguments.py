@@ -44,6 +44,18 @@ def dw_args():
     return [_uint8(1, 16, 6, 6), 0, weight, mult, add, [1, 1], [1, 1], 0.0, 6.0, 0.1, 0, 0, 255]
 
 
+def dw_norm_args():
+    _needs_vnni_library()
+    # x, x_zero_point, weight, mult, add, stride, padding, low, high, activation, window, norm_weight, norm_bias, eps,
+    # scale, zero_point, qmin, qmax
+    return dw_args()[:9] + ["none", 3, torch.randn(16), torch.randn(16), 1e-6, 0.1, 3, 0, 255]
+
+
+def avx2_depthwise_weight():
+    w = torch.zeros(16, 1, 3, 3, dtype=torch.int8)
+    return depthwise.pack(w, *scale_and_offset(w, torch.ones(16), 0.1, 0), False)[0]
+
+
 def stem_args():
     _needs_vnni_library()
     return list(stem_case(SHAPES["MobileNet 3x3 s2"], "relu")[0])
@@ -86,6 +98,10 @@ TABLE = [
                               (1, -1, "zero points"), (5, [-1, -1], "stride"), (5, [1, 3], r"stride \[1, 3\]; the kernels take \(1, 2\)"),
                               (6, [1], "padding"),
                               (12, 300, "zero points")]),
+    ("qconv_depthwise_layer_norm", dw_norm_args,
+     [(0, torch.zeros(1, 16, 6, 6), "takes uint8 CPU activations"), (0, _uint8(1, 24, 6, 6), "whole groups of 16 channels"),
+      (2, avx2_depthwise_weight(), "AVX512-VNNI depthwise kernel only"), (11, torch.randn(8), r"weight .*float32 \[16\]"),
+      (12, None, "bias None"), (13, -1.0, "eps -1.0"), (14, 0.0, "scale 0.0"), (17, 300, "uint8 range")]),
     ("qconv_stem", stem_args, [(0, torch.zeros(2, 3, 32, 32), "takes uint8 CPU activations"),
                                (6, [-1, -1], "stride"), (7, [-2, 0], "padding"), (11, 999, "zero points")]),
     ("qconv_grouped", grouped_args, [(0, torch.zeros(1, 32, 6, 6), "takes uint8 CPU activations"),

@@ -13,6 +13,11 @@
  * the last K input rows it needed (K consecutive rows: distinct slots mod K), so a row is
  * interleaved once for up to K output rows.
  *
+ * With a LayerNorm (ConvNeXt: depthwise 7x7 -> LayerNorm over channels -> quantize for the
+ * linear after it), each output row's floats stay in a thread's scratch row and only their
+ * normalized, quantized bytes are written (layer_norm_rows.h): the float tensor and a pass
+ * reading it back are left out.
+ *
  * Channels go 32 at a time; a last group of 16 reads with a byte mask, writes 16 channels, and
  * its packed constants are the low halves of the vectors only (so they hold C channels, no
  * padding). Padding columns and rows read the zero point, as in the AVX2 kernel, and ``add``
@@ -30,6 +35,7 @@
 
 #include <omp.h>
 
+#include "layer_norm_rows.h"
 #include "padded_channels.h"
 #include "vec_math.h"
 #include "vnni_dot.h"
@@ -49,6 +55,11 @@ typedef struct {
   float lo, hi, out_inv_scale;
   int out_zp, qmin, qmax;
   int activation, float_out, window;
+  /* NULL, or (with float_out) each output pixel's C float values are layer-normalized with these
+   * and quantized with out_inv_scale .. qmax (ConvNeXt's depthwise conv -> LayerNorm -> quantize):
+   * the output is uint8 and the float rows stay in a thread's scratch row */
+  const float *norm_weight, *norm_bias;
+  float norm_eps;
 } dwconv_vnni_call_t;
 
 static inline int quads_of(int window) { return (window + 3) / 4; }
@@ -198,8 +209,8 @@ static void output_group_for(const dwconv_vnni_call_t* c, const epilogue_t* e, c
 #undef GROUP_CASE
 }
 
-/* One output row (pixel index ``index`` of N x OH rows) from the quads of its K input rows. */
-static void output_row(const dwconv_vnni_call_t* c, const uint8_t* const rows[MAX_WINDOW], size_t index, void* out) {
+/* One output row from the quads of its K input rows, its first pixel ``pixel`` pixels into out. */
+static void output_row(const dwconv_vnni_call_t* c, const uint8_t* const rows[MAX_WINDOW], size_t pixel, void* out) {
   const int C = c->C, OW = c->OW, K = c->window, groups = (C + GROUP - 1) / GROUP;
   epilogue_t e;
   e.inv = _mm256_set1_ps(c->out_inv_scale), e.zp = _mm256_set1_ps((float)c->out_zp);
@@ -207,7 +218,6 @@ static void output_row(const dwconv_vnni_call_t* c, const uint8_t* const rows[MA
   e.lo_q = _mm256_max_ps(_mm256_set1_ps((float)c->qmin), _mm256_fmadd_ps(e.lo, e.inv, e.zp));
   e.hi_q = _mm256_min_ps(_mm256_set1_ps((float)c->qmax), _mm256_fmadd_ps(e.hi, e.inv, e.zp));
   e.activation = c->activation;
-  const size_t pixel = index * OW;
   for (int g = 0; g < groups; g++) {
     const size_t offset = (size_t)g * quad_columns(c) * QUAD_BYTES;
     const uint8_t* group_rows[MAX_WINDOW];
@@ -219,18 +229,25 @@ static void output_row(const dwconv_vnni_call_t* c, const uint8_t* const rows[MA
   }
 }
 
-/* 0, or -1 when a thread could not allocate its quads (y is then incomplete). */
+/* 0, -1 when a thread could not allocate its scratch (y is then incomplete), or with a
+ * LayerNorm the count of pixels whose statistics are past UNSAFE_SQUARES (their bytes are not
+ * the reference's: the caller runs those layers another way). */
 static int run(int threads, const void* call, const uint8_t* x, void* y) {
   const dwconv_vnni_call_t* c = call;
-  const int K = c->window;
+  const int K = c->window, normed = c->norm_weight != NULL;
   if (K != 3 && K != 5 && K != 7) return -1;
+  if (normed && (!c->float_out || c->C % 16)) return -1; /* (float rows to normalize, no padding channels) */
   const size_t row_bytes = (size_t)((c->C + GROUP - 1) / GROUP) * quad_columns(c) * QUAD_BYTES;
+  const size_t float_row_bytes = normed ? ((size_t)c->OW * c->C * sizeof(float) + 63) / 64 * 64 : 0;
   const int rows = c->N * c->OH;
   int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+  long unsafe = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed) reduction(+ : unsafe)
   {
-    /* K slots of quads (kernel rows are consecutive input rows: distinct slots mod K) */
-    uint8_t* slots = aligned_alloc(64, (K * row_bytes + 63) / 64 * 64);
+    /* K slots of quads (kernel rows are consecutive input rows: distinct slots mod K), then with
+     * a LayerNorm one row of float outputs */
+    uint8_t* slots = aligned_alloc(64, (K * row_bytes + 63) / 64 * 64 + float_row_bytes);
+    float* float_row = normed && slots ? (float*)(slots + (K * row_bytes + 63) / 64 * 64) : NULL;
     int built[MAX_WINDOW][2]; /* (n, ih) each slot holds */
     for (int s = 0; s < MAX_WINDOW; s++) built[s][0] = -1, built[s][1] = -2;
     const int team = omp_get_num_threads(), me = omp_get_thread_num();
@@ -249,16 +266,24 @@ static int run(int threads, const void* call, const uint8_t* x, void* y) {
         }
         kernel_rows[r] = quads;
       }
-      output_row(c, kernel_rows, (size_t)index, y);
+      const size_t pixel = (size_t)index * c->OW;
+      if (!normed) {
+        output_row(c, kernel_rows, pixel, y);
+        continue;
+      }
+      output_row(c, kernel_rows, 0, float_row);
+      unsafe += layer_norm_rows(float_row, c->OW, c->C, c->norm_weight, c->norm_bias, c->norm_eps, c->out_inv_scale,
+                                c->out_zp, c->qmin, c->qmax, (uint8_t*)y + pixel * c->C, NULL);
     }
     free(slots);
   }
-  return failed ? -1 : 0;
+  return failed ? -1 : (int)(unsafe < 0x7fffffff ? unsafe : 0x7fffffff);
 }
 
 /* Channels that are not whole groups of 16 run on padded copies (padded_channels.h). */
 int qb_dwconv_vnni_call(int threads, const dwconv_vnni_call_t* c, const uint8_t* x, void* y) {
   if (c->C % 16 == 0) return run(threads, c, x, y);
+  if (c->norm_weight) return -1; /* (padding channels would enter the statistics) */
   dwconv_vnni_call_t padded = *c;
   padded.C = padded_channels(c->C, 16);
   return run_padded(run, threads, &padded, (size_t)c->N * c->H * c->W, (size_t)c->N * c->OH * c->OW, c->C, padded.C, x, y,
