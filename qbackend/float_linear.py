@@ -10,6 +10,7 @@ kept in the machine's choice cache; the "prior" mode (no timing) keeps MKL, Indu
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -92,7 +93,7 @@ def float_linears(gm: GraphModule, device: str, kernel_choice: Optional[str] = N
     contiguous: ATen would run it as a bmm against the weight expanded per row (614 ms a call
     at batch 8 on vit_b_16, 479 on the packed GEMM). Returns the report's note."""
     gemms, mode = _gemms(device), choice.mode(kernel_choice)
-    chosen: dict[str, list] = {}
+    chosen: Counter = Counter()  # the report's label of each GEMM run -> how many linears run on it
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.linear.default or node.kwargs:
             continue
@@ -111,12 +112,10 @@ def float_linears(gm: GraphModule, device: str, kernel_choice: Optional[str] = N
             call.meta = dict(node.meta)
             node.replace_all_uses_with(call)
             gm.graph.erase_node(node)
-            chosen.setdefault(f"{gemm.label}" + (f" (measured on this machine: {times})" if times else ""), []).append(node.name)
+            chosen[gemm.label + (f" (measured on this machine: {times})" if times else "")] += 1
         elif x.dim() >= 3:
             with gm.graph.inserting_before(node):
                 contiguous = gm.graph.call_function(aten.contiguous.default, (x_node,))
             contiguous.meta = {k: v for k, v in x_node.meta.items() if k in ("example_value", "val")}
             node.update_arg(0, contiguous)
-    if not chosen:
-        return None
-    return "; ".join(f"{len(names)} float linear(s) on {label}, weight packed once" for label, names in chosen.items())
+    return "; ".join(f"{count} float linear(s) on {label}, weight packed once" for label, count in chosen.items()) or None
