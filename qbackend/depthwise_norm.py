@@ -15,6 +15,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from qbackend.patterns.base import constant_value, fake_value
+from qbackend.patterns.qdq import single_user
 
 from . import native
 
@@ -24,20 +25,16 @@ aten = torch.ops.aten
 _FLOAT_OUT, _DEFAULTS = 13, ("none", 3)
 
 
-def _only_reader(node: Node) -> Optional[Node]:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
 def _fusable(gm: GraphModule, conv: Node) -> Optional[Node]:
     """The ``layer_norm_quantize`` that alone reads ``conv``'s float result through a permute to
     NHWC, where the fused kernel takes them; else None."""
     if conv.op != "call_function" or conv.target is not native.qconv_depthwise or conv.kwargs \
             or len(conv.args) <= _FLOAT_OUT or conv.args[_FLOAT_OUT] is not True:
         return None
-    permute = _only_reader(conv)
+    permute = single_user(conv)
     if permute is None or permute.target is not aten.permute.default or list(permute.args[1:]) != [[0, 2, 3, 1]]:
         return None
-    norm = _only_reader(permute)
+    norm = single_user(permute)
     if norm is None or norm.target is not native.layer_norm_quantize or norm.args[0] is not permute or norm.kwargs:
         return None
     x, weight = fake_value(conv.args[0]), constant_value(gm, conv.args[2])

@@ -238,6 +238,7 @@ static int run(int threads, const void* call, const uint8_t* x, void* y) {
   if (K != 3 && K != 5 && K != 7) return -1;
   if (normed && (!c->float_out || c->C % 16)) return -1; /* (float rows to normalize, no padding channels) */
   const size_t row_bytes = (size_t)((c->C + GROUP - 1) / GROUP) * quad_columns(c) * QUAD_BYTES;
+  const size_t slots_bytes = (K * row_bytes + 63) / 64 * 64; /* (the float row after them stays aligned) */
   const size_t float_row_bytes = normed ? ((size_t)c->OW * c->C * sizeof(float) + 63) / 64 * 64 : 0;
   const int rows = c->N * c->OH;
   int failed = 0;
@@ -246,8 +247,8 @@ static int run(int threads, const void* call, const uint8_t* x, void* y) {
   {
     /* K slots of quads (kernel rows are consecutive input rows: distinct slots mod K), then with
      * a LayerNorm one row of float outputs */
-    uint8_t* slots = aligned_alloc(64, (K * row_bytes + 63) / 64 * 64 + float_row_bytes);
-    float* float_row = normed && slots ? (float*)(slots + (K * row_bytes + 63) / 64 * 64) : NULL;
+    uint8_t* slots = aligned_alloc(64, slots_bytes + float_row_bytes);
+    float* float_row = normed && slots ? (float*)(slots + slots_bytes) : NULL;
     int built[MAX_WINDOW][2]; /* (n, ih) each slot holds */
     for (int s = 0; s < MAX_WINDOW; s++) built[s][0] = -1, built[s][1] = -2;
     const int team = omp_get_num_threads(), me = omp_get_thread_num();
