@@ -106,7 +106,8 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
     inductor = options.remainder == "inductor"  # (Inductor traces the graph: ops with Meta kernels, its own q/dq)
     report = lower(work, device, registry, options.weight_only_compute, options.weight_only_dense_rows,
                    options.need_meta or inductor, options.kernel_choice)
-    report.notes.extend(cleanup(work, device, fast_boundary=not inductor, kernel_choice=options.kernel_choice))
+    report.notes.extend(cleanup(work, device, fast_boundary=not inductor, kernel_choice=options.kernel_choice,
+                                weight_only_compute=options.weight_only_compute))
     compiled = inductor and compile_with_inductor(work, [example_inputs[i] for i in runtime_inputs], report)
     return runnable(compiled or work, runtime_inputs, len(example_inputs)), report, work
 

@@ -19,6 +19,7 @@ from . import fast_qdq, native
 from .attention_cleanup import (attention_inputs_uncopied, attention_masks_once, attention_output_quantized,
                                 attention_reads_projection)
 from .channel_shuffle import shuffles_in_one_pass
+from .dense_weight_only import dense_slices_pass
 from .depthwise_norm import depthwise_norms_fused
 from .float_linear import float_linears
 from .freeze import drop_unused_constants, set_constant
@@ -220,7 +221,8 @@ def views_as_tensor_methods(gm: GraphModule) -> None:
             node.op, node.target, node.args = "call_method", "narrow", (node.args[0], *narrow)
 
 
-def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, kernel_choice: Optional[str] = None) -> list[str]:
+def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, kernel_choice: Optional[str] = None,
+            weight_only_compute: str = "auto") -> list[str]:
     """``fast_boundary=False`` keeps the reference q/dq ops (another compiler, Inductor, fuses
     them); ``kernel_choice``: lowering/choice.py's mode. Returns notes for the report."""
     gm.graph.eliminate_dead_code()
@@ -236,6 +238,7 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
              attention_reads_projection(gm) if fast_boundary else None,
              shuffles_in_one_pass(gm) if fast_boundary else None,
              depthwise_norms_fused(gm) if fast_boundary else None, chain_own_kernels(gm),
+             dense_slices_pass(gm, kernel_choice, weight_only_compute) if fast_boundary and device == "cpu" else None,
              view_chains_collapsed(gm) if fast_boundary else None]
     if fast_boundary:  # (last: the passes above read the view ops' targets)
         views_as_tensor_methods(gm)

@@ -1,0 +1,198 @@
+"""Weight-only linears over many rows (a prompt's prefill): the weight written out a slice at a
+time (csrc/weight_dequantize.c) and multiplied densely, where that measures faster.
+
+qbackend's int16 weight-only kernels unpack every weight for every few rows: over many rows they
+are compute-bound. A 512-row 2048 -> 5632 int4 layer took 97 ms on them, 80 ms on torch's bf16
+int4 kernel, and 29 ms as a dense bf16 matmul (Zen 4 EPYC, avx512_bf16, 2 threads); a
+4-layer Llama's 512-token prefill took 1465 ms where Inductor on the bf16 model took 572. Here
+the weight is written out as bf16 or float32 ``CHUNK_BYTES`` at a time (the int4 weights stay
+what is kept in memory) and each slice is multiplied with ATen's dense matmul.
+
+From how many rows on, and in which dtype, is measured per machine and weight shape on the
+lowered graph (``dense_slices_pass``, kept in qbackend/choice_cache.py): the int16 kernel and
+each dense dtype are timed at ``PROBE_ROWS`` rows, and the crossover is where their straight
+lines meet. Decode (one row) never reaches it: the dense matmul reads 4x (bf16) or 8x the bytes.
+With bf16, activations and products round as in torch's bf16 kernels (relative error ~3e-3
+where the int16 kernels give ~3e-5): ``weight_only_compute="int16"`` keeps the int16 kernels.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import statistics
+import time
+from typing import Callable, Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from . import native
+from .lowering.choice import mode as choice_mode
+from .lowering.common import static_shape
+from .patterns.base import constant_value, fake_value
+from .stack_room import in_fresh_chunk
+
+CHUNK_BYTES = 4 << 20  # a written-out slice: stays in the caches while multiplied; little transient memory
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+PROBE_ROWS = (32, 128)
+ROUNDS = 2  # timed calls of each candidate at each probe, interleaved, after one warm-up
+MIN_ROWS = 8  # a graph whose rows are known to be fewer runs the kernel alone (not measured)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """(int4, int8) C functions, or None where the own kernels are not built."""
+    lib = native._load()[0]
+    if lib is None:
+        return None
+    int4, int8 = lib.qb_int4_dequantize, lib.qb_int8_dequantize
+    int4.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p]
+    int8.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p]
+    int4.restype = int8.restype = None
+    return int4, int8
+
+
+def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple) -> None:
+    if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError(f"qbackend dense weight-only: {name} must be a contiguous CPU {dtype} tensor of shape {shape}, "
+                         f"got {tensor.dtype} {tuple(tensor.shape)}")
+
+
+def written_out(bits: int, args: tuple, start: int, out: torch.Tensor) -> torch.Tensor:
+    """Rows [start, start + len(out)) of the weight the int16 kernel's ``args`` hold (int4:
+    storage, scale, offset, group size; int8: weight, scale), as ``out``'s dtype (bf16 or
+    float32), into ``out``."""
+    kernels = _kernels()
+    if kernels is None:
+        raise RuntimeError(native.available())
+    rows, k = out.shape
+    weight = args[0]
+    n = weight.shape[0]
+    if out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous() or not 0 <= start <= start + rows <= n:
+        raise ValueError(f"qbackend dense weight-only: rows [{start}, {start + rows}) of {n} into a contiguous bf16 / "
+                         f"float32 buffer, got {out.dtype} {tuple(out.shape)}")
+    bf16 = int(out.dtype == torch.bfloat16)
+    if bits == 4:
+        group = args[3]
+        if k % 16 or group % 16 or k % group:
+            raise ValueError(f"qbackend dense weight-only: int4 K {k} and group {group} must be multiples of 16, K of group")
+        groups = k // group
+        _check("the int4 storage", weight, torch.uint8, (n, k // 2))
+        _check("the scales", args[1], torch.float32, (n, groups))
+        _check("the offsets", args[2], torch.float32, (n, groups))
+        kernels[0](torch.get_num_threads(), rows, k, group, weight[start:].data_ptr(), args[1][start:].data_ptr(),
+                   args[2][start:].data_ptr(), bf16, out.data_ptr())
+    else:
+        if k % 16:
+            raise ValueError(f"qbackend dense weight-only: int8 K {k} must be a multiple of 16")
+        _check("the int8 weight", weight, torch.int8, (n, k))
+        _check("the scales", args[1], torch.float32, (n,))
+        kernels[1](torch.get_num_threads(), rows, k, weight[start:].data_ptr(), args[1][start:].data_ptr(), bf16,
+                   out.data_ptr())
+    return out
+
+
+def _in_features(bits: int, args: tuple) -> int:
+    return args[0].shape[1] * (2 if bits == 4 else 1)
+
+
+def dense_slices(x: torch.Tensor, bits: int, dtype: torch.dtype, *args) -> torch.Tensor:
+    """x [M, K] float32 times the weight ``args`` hold, transposed: float32 [M, N], the weight
+    written out ``CHUNK_BYTES`` at a time in ``dtype`` and multiplied densely."""
+    n, k = args[0].shape[0], _in_features(bits, args)
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32:
+        raise ValueError(f"qbackend dense weight-only: float32 activations [M, {k}], got {x.dtype} {tuple(x.shape)}")
+    rows = max(16, CHUNK_BYTES // (k * dtype.itemsize) // 16 * 16)
+    x_dtype, y = x.to(dtype), x.new_empty(x.shape[0], n)
+    slice_ = torch.empty(min(rows, n), k, dtype=dtype)
+    for start in range(0, n, rows):
+        part = slice_[:min(rows, n - start)]
+        y[:, start:start + part.shape[0]] = torch.mm(x_dtype, written_out(bits, args, start, part).t())
+    return y
+
+
+def kernel_or_dense(x: torch.Tensor, dense_from: int, dtype: torch.dtype, bits: int, *args) -> torch.Tensor:
+    """The int16 kernel for fewer than ``dense_from`` rows, ``dense_slices`` from there on."""
+    if x.shape[0] >= dense_from:
+        return dense_slices(x, bits, dtype, *args)
+    return native.PLAIN[f"int{bits}_mm_int16"](x, *args)
+
+
+def _timed(candidates: dict, rows: int, k: int) -> dict:
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    for fn in candidates.values():
+        fn(x)
+    samples = {name: [] for name in candidates}
+    for _ in range(ROUNDS):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn(x)
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def _measured(bits: int, kernel: Callable, args: tuple) -> dict:
+    """{"dtype": name or None, "from": rows, "ms": the probes' times}: the dense dtype whose
+    time grows least with rows, from where its line crosses the kernel's (None: never faster)."""
+    k = _in_features(bits, args)
+    candidates = {"int16": lambda x: kernel(x, *args)}
+    candidates.update({name: functools.partial(lambda x, d: dense_slices(x, bits, d, *args), d=d) for name, d in DTYPES.items()})
+    low, high = (in_fresh_chunk(_timed, candidates, rows, k) for rows in PROBE_ROWS)
+    span = PROBE_ROWS[1] - PROBE_ROWS[0]
+    slope = {name: (high[name] - low[name]) / span for name in candidates}
+    best = min(DTYPES, key=lambda name: (high[name], slope[name]))
+    record = {"dtype": None, "from": None,
+              "ms": {name: [round(low[name] * 1e3, 3), round(high[name] * 1e3, 3)] for name in candidates}}
+    if high[best] < high["int16"] and slope[best] < slope["int16"]:
+        crossing = PROBE_ROWS[0] + (low[best] - low["int16"]) / (slope["int16"] - slope[best])
+        record.update(dtype=best, **{"from": max(2, math.floor(round(crossing, 6)) + 1)})  # (the first row count past it)
+    return record
+
+
+WEIGHT_ONLY = {"int4_mm_int16": 4, "int8_mm_int16": 8}
+
+
+def _rows(x: Node, k: int) -> Optional[int]:
+    """The activation rows a weight-only call gets (through the lowering's reshape to 2-D), or
+    None when they vary."""
+    shape = static_shape(x)
+    if shape is None and x.op == "call_function" and fake_value(x) is None and x.args:
+        shape = static_shape(x.args[0])  # (the reshape the lowering added has no recorded value)
+        return None if shape is None else math.prod(shape) // k
+    return None if shape is None else shape[0]
+
+
+def dense_slices_pass(gm: GraphModule, kernel_choice: Optional[str] = None, compute: str = "auto") -> Optional[str]:
+    """Each int16 weight-only kernel call that may see ``MIN_ROWS`` rows or more runs densely
+    from its measured crossover on (see the module doc); the report's note, or None."""
+    mode = choice_mode(kernel_choice)
+    if mode == "prior" or compute != "auto" or native.available() is not None:
+        return None
+    from qbackend import choice_cache  # (it hashes the kernels' sources)
+
+    plain = {native.PLAIN[name]: bits for name, bits in WEIGHT_ONLY.items()}  # (a graph to be traced calls the ops: kept)
+    changed = []
+    for node in list(gm.graph.nodes):
+        bits = plain.get(node.target) if node.op == "call_function" else None
+        if not bits or node.kwargs:
+            continue
+        args = tuple(constant_value(gm, a) if isinstance(a, Node) else a for a in node.args[1:])
+        rows = _rows(node.args[0], _in_features(bits, args)) if all(a is not None for a in args) else 0
+        if rows is not None and rows < MIN_ROWS:
+            continue
+        group = f" g{args[3]}" if bits == 4 else ""
+        key = f"weight-only dense int{bits} {args[0].shape[0]}x{_in_features(bits, args)}{group}"
+        record = choice_cache.shared().get(key)
+        if record is None and mode == "measure":
+            record = _measured(bits, native.PLAIN[f"int{bits}_mm_int16"], args)
+            choice_cache.shared().put(key, record)
+        if not record or not record.get("dtype"):
+            continue
+        node.args = (node.args[0], record["from"], DTYPES[record["dtype"]], bits, *node.args[1:])
+        node.target = kernel_or_dense
+        changed.append(f"{key} from {record['from']} rows in {record['dtype']}")
+    if not changed:
+        return None
+    return (f"{len(changed)} weight-only linear(s) run as dense matmuls over slices of the weight written out "
+            f"(measured on this machine): {'; '.join(changed)}")

@@ -1,0 +1,158 @@
+"""Weight-only linears over many rows run as dense matmuls on slices of the weight written out
+(qbackend/dense_weight_only.py): the written-out weights, the numerics, where the measured
+crossover puts the switch, and when the graph keeps the int16 kernels."""
+import expecttest
+import pytest
+import torch
+
+from qbackend import choice_cache, dense_weight_only, native
+from qbackend.lowering import weight_only
+from qbackend.weight_quant import quantize
+
+from .helpers import compile_and_run, needs_own_kernels, short_graph
+from .test_weight_only import quantized_and_reference
+from .tolerances import assert_weight_only_close
+
+pytestmark = needs_own_kernels
+
+
+def packed(bits, n=96, k=256, group=64, seed=0):
+    torch.manual_seed(seed)
+    weight = quantize(torch.randn(n, k), bits, group if bits == 4 else None)
+    return weight, weight_only.pack(weight, "cpu", torch.float32, "int16").args
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_written_out_rows_are_the_dequantized_weight(bits):
+    weight, args = packed(bits)
+    expected = weight.dequantize(torch.float32)
+    for start, rows in ((0, 96), (16, 32), (95, 1)):
+        f32 = dense_weight_only.written_out(bits, args, start, torch.empty(rows, 256))
+        bf16 = dense_weight_only.written_out(bits, args, start, torch.empty(rows, 256, dtype=torch.bfloat16))
+        # int4: u * scale + (offset - 8 scale) in one multiply-add, so an ulp from (q * scale + offset)
+        torch.testing.assert_close(f32, expected[start:start + rows], rtol=1e-6, atol=1e-6)
+        assert (bf16.float() - f32).abs().max() <= f32.abs().max() * 2 ** -8  # (nearest even: half a bf16 ulp)
+        torch.testing.assert_close(bf16, f32.to(torch.bfloat16), rtol=2 ** -7, atol=0)
+        if bits == 8:
+            assert torch.equal(bf16, f32.to(torch.bfloat16))  # (q * scale, one rounding: the same bits)
+
+
+def test_a_nan_weight_stays_nan_in_bf16():
+    weight, (storage, scale, offset, group) = packed(4)
+    offset = offset.clone()
+    offset[3, 0] = float("nan")
+    out = dense_weight_only.written_out(4, (storage, scale, offset, group), 0, torch.empty(96, 256, dtype=torch.bfloat16))
+    assert out[3, :group].isnan().all() and not out[3, group:].isnan().any() and not out[4].isnan().any()
+
+
+def test_bad_arguments_are_refused_before_the_kernel():
+    _, (storage, scale, offset, group) = packed(4)
+    written_out = dense_weight_only.written_out
+    with pytest.raises(ValueError, match=r"rows \[90, 100\) of 96"):
+        written_out(4, (storage, scale, offset, group), 90, torch.empty(10, 256))
+    with pytest.raises(ValueError, match="contiguous bf16 / float32 buffer"):
+        written_out(4, (storage, scale, offset, group), 0, torch.empty(8, 256, dtype=torch.float16))
+    with pytest.raises(ValueError, match="the scales must be a contiguous CPU torch.float32"):
+        written_out(4, (storage, scale.double(), offset, group), 0, torch.empty(8, 256))
+    with pytest.raises(ValueError, match="the int4 storage must be"):
+        written_out(4, (storage[:, :64], scale, offset, group), 0, torch.empty(8, 256))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        written_out(4, (storage, scale, offset, 24), 0, torch.empty(8, 256))
+    _, (int8, int8_scale) = packed(8)
+    with pytest.raises(ValueError, match="the int8 weight must be"):
+        written_out(8, (int8.t(), int8_scale), 0, torch.empty(8, 96))
+    with pytest.raises(ValueError, match=r"float32 activations \[M, 256\]"):
+        dense_weight_only.dense_slices(torch.randn(4, 128), 4, torch.float32, storage, scale, offset, group)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dense_slices_match_the_float_linear_on_the_dequantized_weight(bits, monkeypatch):
+    monkeypatch.setattr(dense_weight_only, "CHUNK_BYTES", 40 * 256 * 4)  # 32-row slices: 96 rows in three
+    weight, args = packed(bits)
+    x = torch.randn(20, 256)
+    expected = x @ weight.dequantize(torch.float32).t()
+    kernel = native.PLAIN[f"int{bits}_mm_int16"]
+    assert_weight_only_close(dense_weight_only.dense_slices(x, bits, torch.float32, *args), expected, "fp32", "weight_only_int16")
+    assert_weight_only_close(dense_weight_only.dense_slices(x, bits, torch.bfloat16, *args), expected, "bf16")
+    assert torch.equal(dense_weight_only.kernel_or_dense(x, 21, torch.bfloat16, bits, *args), kernel(x, *args))
+    assert torch.equal(dense_weight_only.kernel_or_dense(x, 20, torch.bfloat16, bits, *args),
+                       dense_weight_only.dense_slices(x, bits, torch.bfloat16, *args))
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("QBACKEND_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice_cache, "_shared", None)
+
+
+def simulated(record):
+    """A machine where the dense matmul wins from ``record``'s row count on (None: never)."""
+    calls = []
+    return calls, lambda bits, kernel, args: calls.append(args[0].shape) or dict(record)
+
+
+class TestDenseSlicesInTheGraph(expecttest.TestCase):
+    @pytest.fixture(autouse=True)
+    def _cache(self, cache_dir, monkeypatch):
+        self.monkeypatch = monkeypatch
+
+    def compiled(self, module, x, **options):
+        actual, _, captured = compile_and_run(module, (x,), kernel_choice="measure", **options)
+        return actual, short_graph(captured.lowered), str(captured.report)
+
+    def test_from_the_measured_row_count_on_the_linear_runs_dense(self):
+        calls, measured = simulated({"dtype": "bf16", "from": 24, "ms": {}})
+        self.monkeypatch.setattr(dense_weight_only, "_measured", measured)
+        model, reference = quantized_and_reference(4, 128)
+        x = torch.randn(1, 32, 256)
+        actual, graph, report = self.compiled(model.gate, x)
+        self.assertExpectedInline(graph, """\
+l_args_0_ = input
+reshape_default = l_args_0_.reshape([-1, 256])
+int4_mm_int16 = dense_weight_only.kernel_or_dense(reshape_default, 24, bfloat16, 4, <const>, <const>, <const>, 128)
+unflatten_rows = weight_only.unflatten_rows(int4_mm_int16, l_args_0_)
+add_tensor = aten.add.Tensor(unflatten_rows, <const>)
+return (add_tensor)""")
+        assert "weight-only dense int4 512x256 g128 from 24 rows in bf16" in report
+        with torch.no_grad():
+            assert_weight_only_close(actual, reference.gate(x), "32 rows, dense bf16")
+        assert calls == [(512, 128)]
+        # the next compile reads the machine's record: nothing timed again
+        model.gate(torch.randn(1, 8, 256))
+        self.compiled(model.gate, torch.randn(1, 16, 256))
+        assert calls == [(512, 128)]
+
+    def test_kept_on_the_kernel_for_few_rows_without_measuring_and_where_dense_never_wins(self):
+        calls, measured = simulated({"dtype": None, "from": None, "ms": {}})
+        self.monkeypatch.setattr(dense_weight_only, "_measured", measured)
+        model, reference = quantized_and_reference(8, None)
+        _, graph, report = self.compiled(model.up, torch.randn(1, 4, 256))  # (decode-like: 4 rows)
+        assert calls == [] and "kernel_or_dense" not in graph and "dense matmuls" not in report
+        actual, graph, _ = self.compiled(model.up, torch.randn(1, 64, 256))
+        assert calls == [(512, 256)] and "int8_mm_int16(" in graph and "kernel_or_dense" not in graph
+
+    def test_prior_and_int16_compute_keep_the_int16_kernels(self):
+        calls, measured = simulated({"dtype": "fp32", "from": 2, "ms": {}})
+        self.monkeypatch.setattr(dense_weight_only, "_measured", measured)
+        model, _ = quantized_and_reference(4, 128)
+        x = torch.randn(1, 32, 256)
+        for options in ({"kernel_choice": "prior"}, {"kernel_choice": "measure", "weight_only_compute": "int16"}):
+            _, _, captured = compile_and_run(model.gate, (x,), **options)
+            assert "kernel_or_dense" not in short_graph(captured.lowered)
+        assert calls == []
+
+
+def test_the_measured_record_names_a_dtype_only_where_its_line_beats_the_kernels(monkeypatch):
+    def timings(by_rows):
+        return lambda candidates, rows, k: by_rows[rows]
+
+    weight, args = packed(4)
+    kernel = native.PLAIN["int4_mm_int16"]
+    # int16 0.2 ms a row; bf16 3 ms + 0.05 a row (crossing at 20 rows); fp32 slower than bf16
+    monkeypatch.setattr(dense_weight_only, "_timed", timings({32: {"int16": 6.4, "bf16": 4.6, "fp32": 9.0},
+                                                             128: {"int16": 25.6, "bf16": 9.4, "fp32": 20.0}}))
+    record = dense_weight_only._measured(4, kernel, args)
+    assert (record["dtype"], record["from"]) == ("bf16", 21)
+    monkeypatch.setattr(dense_weight_only, "_timed", timings({32: {"int16": 1.0, "bf16": 4.6, "fp32": 9.0},
+                                                             128: {"int16": 4.0, "bf16": 9.4, "fp32": 20.0}}))
+    assert dense_weight_only._measured(4, kernel, args)["dtype"] is None
