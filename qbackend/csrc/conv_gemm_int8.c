@@ -224,16 +224,10 @@ static inline __attribute__((always_inline)) __m256i on_grid8(const epilogue_t* 
   return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, e->grid_low), e->grid_high)); /* (the packs saturate nothing) */
 }
 
-/* 8 outputs of a clamp-only epilogue. ``e`` is a local copy: read through a pointer, its
- * constants would be reloaded after every uint8 store (which may alias them). */
+/* 8 outputs of a clamp-only epilogue off the grid (a float output or residual). ``e`` is a local
+ * copy: read through a pointer, its constants would be reloaded after every uint8 store (which
+ * may alias them). */
 static inline void store8(const epilogue_t e, __m256i acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
-  if (e.grid_mult) {
-    const __m256i q32 = on_grid8(&e, acc, _mm256_loadu_ps(e.grid_mult + o), _mm256_loadu_ps(e.grid_add + o),
-                                 e.residual ? e.residual + pixel * Cout + o : NULL);
-    const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
-    _mm_storel_epi64((__m128i*)(y + pixel * Cout + o), _mm_packus_epi16(q16, q16));
-    return;
-  }
   finish8(&e, pre_activation8(&e, acc, o, Cout, pixel), o, Cout, pixel, y);
 }
 
@@ -248,9 +242,9 @@ static inline __m256i block_half(block_t acc, int half) {
 }
 
 /* A whole tile's clamp-only epilogue on the output grid: each 8 outputs' constants loaded once
- * for the tile's pixels, 4 pixels' bytes packed and stored together. Per output, store8 had
- * cost 1.5 cycles of a Zen 4 core (25088 x 8 -> 144 1x1 conv: 770 us, oneDNN 457): the
- * accumulators went through the stack and each 8 reloaded its constants. */
+ * for the tile's pixels, 4 pixels' bytes packed and stored together (8 at a time, reloading the
+ * constants and storing 8 bytes, it took half a small-K conv's cycles: a 25088 x 24 -> 144 1x1
+ * conv on one Zen 4 thread 1262 -> 1159 us; oneDNN 847). */
 static inline __attribute__((always_inline)) void store_tile_on_grid(const epilogue_t* e, block_t acc[PIXEL_TILE][4], int pixels,
                                                                      int blocks, int o, int Cout, size_t p, uint8_t* restrict y) {
 #pragma GCC unroll 4
