@@ -20,7 +20,7 @@ from torch.fx import GraphModule, Node
 
 from qbackend.patterns.base import fake_value
 
-from . import native
+from . import fast_qdq, native
 
 aten = torch.ops.aten
 _VIEWS = (aten.reshape.default, aten.view.default)
@@ -28,15 +28,16 @@ _VIEWS = (aten.reshape.default, aten.view.default)
 
 @functools.lru_cache(maxsize=None)
 def _kernel():
-    """The C function, or None where the own kernels are not built."""
+    """The C functions (pair, halves), or None where the own kernels are not built."""
     lib = native._load()[0]
     if lib is None:
         return None
-    function = lib.qb_shuffle_pair_f32
-    function.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                         ctypes.c_long, ctypes.c_void_p]
-    function.restype = None
-    return function
+    pair, halves = lib.qb_shuffle_pair_f32, lib.qb_shuffle_halves_f32
+    pair.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                     ctypes.c_long, ctypes.c_void_p]
+    halves.argtypes = pair.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_float] + [ctypes.c_int] * 3
+    pair.restype = halves.restype = None
+    return pair, halves
 
 
 def _pixel_stride(x: torch.Tensor) -> Optional[int]:
@@ -56,48 +57,76 @@ def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return shuffled.reshape(n, 2 * half, h, w).contiguous(memory_format=torch.channels_last)
 
 
-def _shuffled(a: torch.Tensor, b: torch.Tensor, first: int, count: int) -> Optional[torch.Tensor]:
-    """Channels ``first`` to ``first + count`` of ``a`` and ``b`` shuffled by the kernel (read in
-    place: no slice tensors, ~4 us each), or None where it does not apply: the kernels not
-    built, a fake tensor under tracing, not float32 CPU tensors of one 4-D shape, channels not
-    contiguous in each pixel."""
-    kernel = _kernel()
-    if (kernel is None or type(a) is not torch.Tensor or type(b) is not torch.Tensor or a.dim() != 4
+def _strides(a: torch.Tensor, b: torch.Tensor) -> Optional[tuple[int, int]]:
+    """The inputs' pixel strides where the kernels apply, else None: the kernels built, plain
+    float32 CPU tensors of one 4-D shape (not fake ones under tracing), channels contiguous in
+    each pixel (read in place: no slice tensors, ~4 us each)."""
+    if (_kernel() is None or type(a) is not torch.Tensor or type(b) is not torch.Tensor or a.dim() != 4
             or a.shape != b.shape or a.dtype != torch.float32 or b.dtype != torch.float32
             or a.device.type != "cpu" or b.device.type != "cpu"):
         return None
     a_stride, b_stride = _pixel_stride(a), _pixel_stride(b)
-    if a_stride is None or b_stride is None:
-        return None
-    n, _, h, w = a.shape
-    out = torch.empty((n, 2 * count, h, w), dtype=torch.float32, memory_format=torch.channels_last)
-    if out.numel():
-        offset = first * a.element_size()
-        kernel(torch.get_num_threads(), n * h * w, count, a.data_ptr() + offset, a_stride, b.data_ptr() + offset,
-               b_stride, out.data_ptr())
-    return out
+    return None if a_stride is None or b_stride is None else (a_stride, b_stride)
+
+
+def _channels_last(n: int, c: int, h: int, w: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty((n, c, h, w), dtype=dtype, memory_format=torch.channels_last)
 
 
 def shuffle_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The channels-last [N, 2 * half, H, W] tensor whose channel 2k + g is ``(a, b)[g]``'s
     channel k: ShuffleNet's shuffle of ``cat([a, b], 1)`` in two groups; ATen's ops where the
     kernel does not apply (the same values)."""
-    out = _shuffled(a, b, 0, a.shape[1])
-    return _reference(a, b) if out is None else out
+    strides = _strides(a, b)
+    if strides is None:
+        return _reference(a, b)
+    n, half, h, w = a.shape
+    out = _channels_last(n, 2 * half, h, w, torch.float32)
+    if out.numel():
+        _kernel()[0](torch.get_num_threads(), n * h * w, half, a.data_ptr(), strides[0], b.data_ptr(), strides[1], out.data_ptr())
+    return out
+
+
+def _halves(a: torch.Tensor, b: torch.Tensor, quantized: Optional[tuple]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The kernel's two halves (the second uint8 when ``quantized`` gives (scale, zero point,
+    qmin, qmax)), or None where it does not apply."""
+    strides = _strides(a, b)
+    if strides is None:
+        return None
+    n, half, h, w = a.shape
+    quarter = half // 2
+    first = _channels_last(n, 2 * quarter, h, w, torch.float32)
+    second = _channels_last(n, 2 * (half - quarter), h, w, torch.float32 if quantized is None else torch.uint8)
+    scale, zero_point, qmin, qmax = quantized or (1.0, 0, 0, 0)
+    if first.numel() or second.numel():
+        _kernel()[1](torch.get_num_threads(), n * h * w, half, a.data_ptr(), strides[0], b.data_ptr(), strides[1],
+                     first.data_ptr(), second.data_ptr(), quantized is not None, 1.0 / scale, zero_point, qmin, qmax)
+    return first, second
 
 
 def shuffle_halves(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``shuffle_pair(a, b).chunk(2, 1)`` as two dense channels-last tensors (the chunk's
-    halves would be strided slices, copied again by what reads them): the first half shuffles
-    the first half of each input's channels, the second half the rest."""
-    quarter = a.shape[1] // 2
-    first = _shuffled(a, b, 0, quarter)
-    if first is None:
+    halves would be strided slices, copied again by what reads them), in one kernel call: the
+    first half shuffles the first half of each input's channels, the second half the rest."""
+    found = _halves(a, b, None)
+    if found is None:
         return tuple(t.contiguous(memory_format=torch.channels_last) for t in _reference(a, b).chunk(2, 1))
-    return first, _shuffled(a, b, quarter, a.shape[1] - quarter)
+    return found
 
 
-shuffle_pair.fresh_output = shuffle_halves.fresh_output = True  # (patterns/inplace.py: a later kernel may write into them)
+def shuffle_halves_quantized(a: torch.Tensor, b: torch.Tensor, scale: float, zero_point: int, qmin: int,
+                             qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``shuffle_halves`` whose second half is quantized to uint8 as
+    ``fast_qdq.quantize_per_tensor_channels_last`` does it (the same bytes; a NaN as qmin)."""
+    if 0 <= qmin <= qmax <= 255 and scale > 0:
+        found = _halves(a, b, (scale, zero_point, qmin, qmax))
+        if found is not None:
+            return found
+    first, second = shuffle_halves(a, b)
+    return first, fast_qdq.quantize_per_tensor_channels_last(second, scale, zero_point, qmin, qmax, torch.uint8, nan_as=qmin)
+
+
+shuffle_pair.fresh_output = shuffle_halves.fresh_output = shuffle_halves_quantized.fresh_output = True  # (patterns/inplace.py: a later kernel may write into them)
 
 
 class _Shuffle(NamedTuple):
@@ -161,6 +190,23 @@ def _cat_of_halves(x: Node, half: int) -> bool:
     return len(parts) == 2 and all(isinstance(v := fake_value(p), torch.Tensor) and v.shape[1] == half for p in parts)
 
 
+def _second_half_quantized(pair: Node) -> list[Node]:
+    """Where the second half of ``pair`` (a shuffle_halves call) is read only by a uint8
+    quantize (the next block's branch), the call writes it quantized: returns the quantize,
+    now unused; else []."""
+    second = [user for user in pair.users if user.args[1] == 1]
+    quantize = next(iter(second[0].users)) if len(second) == 1 and len(second[0].users) == 1 else None
+    if quantize is None or quantize.target is not fast_qdq.quantize_per_tensor_channels_last or len(quantize.args) != 6:
+        return []
+    _, scale, zero_point, qmin, qmax, dtype = quantize.args
+    if dtype != torch.uint8 or quantize.kwargs.get("nan_as", 0) != qmin or set(quantize.kwargs) - {"nan_as"}:
+        return []
+    pair.target, pair.args = shuffle_halves_quantized, (*pair.args, scale, zero_point, qmin, qmax)
+    quantize.replace_all_uses_with(second[0])
+    second[0].meta = dict(quantize.meta)  # (a uint8 value now)
+    return [quantize]
+
+
 def shuffles_in_one_pass(gm: GraphModule) -> Optional[str]:
     """Rewrite each two-group channel shuffle whose result (or a view of it) the graph does not
     return."""
@@ -180,8 +226,9 @@ def shuffles_in_one_pass(gm: GraphModule) -> Optional[str]:
                           graph.call_function(aten.slice.Tensor, (x, 1, half, 2 * half))]
             chunk = _chunked_in_two(node, half)
             if chunk is not None:  # (its getitems read the pair of halves instead)
-                chunk.replace_all_uses_with(graph.call_function(shuffle_halves, tuple(halves)))
-                dead = [chunk, chunk.args[0], node, found.transpose, found.view]
+                pair = graph.call_function(shuffle_halves, tuple(halves))
+                chunk.replace_all_uses_with(pair)
+                dead = [chunk, chunk.args[0], node, found.transpose, found.view] + _second_half_quantized(pair)
             else:
                 shuffled = graph.call_function(shuffle_pair, tuple(halves))
                 node.replace_all_uses_with(graph.call_function(aten.view.default, (shuffled, found.shape)))

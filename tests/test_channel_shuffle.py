@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend import channel_shuffle, cleanup
-from qbackend.channel_shuffle import _reference, shuffle_halves, shuffle_pair
+from qbackend import channel_shuffle, cleanup, fast_qdq
+from qbackend.channel_shuffle import _reference, shuffle_halves, shuffle_halves_quantized, shuffle_pair
 
 from .helpers import assert_matches_reference, compile_and_run, needs_own_kernels, quantize, short_graph
 
@@ -64,10 +64,25 @@ def test_the_kernel_gives_the_references_values(half, layout):
         assert all(t.is_contiguous(memory_format=torch.channels_last) for t in (first, second))
 
 
+@pytest.mark.parametrize("half", [2, 10, 16, 58])
+@pytest.mark.parametrize("qparams", [(0.05, 0, 0, 255), (0.013, 37, 0, 255), (0.02, 3, 0, 127)], ids=["zp 0", "zp 37", "reduce range"])
+def test_the_quantized_second_half_is_the_quantizes_bytes(half, qparams):
+    torch.manual_seed(half)
+    whole = (torch.randn(2, 2 * half + 1, 5, 7) * 4).contiguous(memory_format=torch.channels_last)
+    whole[0, :, 1, 2] = torch.tensor([float("nan"), float("inf"), -float("inf")]).repeat(half)[:2 * half + 1]
+    a, b = whole[:, :half], whole[:, half + 1:]  # (channel slices, read in place)
+    first, second = shuffle_halves_quantized(a, b, *qparams)
+    float_first, float_second = shuffle_halves(a, b)
+    assert torch.equal(first, float_first) or torch.allclose(first, float_first, equal_nan=True)
+    expected = fast_qdq.quantize_per_tensor_channels_last(float_second, *qparams, torch.uint8, nan_as=qparams[2])
+    assert second.dtype == torch.uint8 and torch.equal(second, expected)
+    assert second.is_contiguous(memory_format=torch.channels_last)
+
+
 def test_tensors_the_kernel_does_not_take_run_atens_ops():
     a, b = torch.randn(1, 4, 3, 3), torch.randn(1, 4, 3, 3)
-    assert channel_shuffle._shuffled(a.double(), b.double(), 0, 4) is None
-    assert channel_shuffle._shuffled(a.to("meta"), b.to("meta"), 0, 4) is None
+    assert channel_shuffle._strides(a.double(), b.double()) is None
+    assert channel_shuffle._strides(a.to("meta"), b.to("meta")) is None
     assert torch.equal(shuffle_pair(a.double(), b.double()), _reference(a.double(), b.double()))
     assert shuffle_pair(a.to("meta"), b.to("meta")).shape == (1, 8, 3, 3)
 
@@ -85,7 +100,7 @@ def test_shufflenet_units_run_the_kernel_with_the_bytes_of_atens_ops(monkeypatch
     model = quantize(ShuffleBlock().eval(), (x,))
     rewritten, plain = (_lowered(model, x, monkeypatch, flag) for flag in (True, False))
     targets = [n.target for n in rewritten.lowered.graph.nodes]
-    assert targets.count(shuffle_halves) == 1 and targets.count(shuffle_pair) == 1, short_graph(rewritten.lowered)
+    assert targets.count(shuffle_halves_quantized) == 1 and targets.count(shuffle_pair) == 1, short_graph(rewritten.lowered)
     assert torch.ops.aten.transpose.int not in targets
     assert "2 channel shuffle(s) in one pass (qbackend's kernel)" in str(rewritten.report)
     with torch.no_grad():
@@ -109,10 +124,11 @@ getitem = _operator.getitem(chunk_default, 0)
 getitem_1 = _operator.getitem(chunk_default, 1)
 quantize_per_tensor_default_1 = fast_qdq.quantize_per_tensor_channels_last(getitem_1, 0.0122, 0, 0, 127, uint8)
 getitem_4 = _operator.getitem(kernel_chain_0, 0)
-shuffle_halves = channel_shuffle.shuffle_halves(getitem, getitem_4)
+shuffle_halves = channel_shuffle.shuffle_halves_quantized(getitem, getitem_4, 0.01, 0, 0, 127)
 getitem_2 = _operator.getitem(shuffle_halves, 0)
 getitem_3 = _operator.getitem(shuffle_halves, 1)
-quantize_per_tensor_default_4 = fast_qdq.quantize_per_tensor_channels_last(getitem_3, 0.01, 0, 0, 127, uint8)
+qconv_3 = native.qconv(getitem_3, <const>, <const>, <const>, None, 0, 0, inf, 0.00475, 0, 0, 127, False, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 0)
+kernel_chain_1 = kernel_chain(getitem_3) of 3 steps -> (qconv_4)
 getitem_5 = _operator.getitem(kernel_chain_1, 0)
 shuffle_pair = channel_shuffle.shuffle_pair(getitem_2, getitem_5)
 view_default_1 = shuffle_pair.view([1, 4, 2, 8, 8])
@@ -130,8 +146,8 @@ def test_shuffles_the_kernel_cannot_serve_stay(case, monkeypatch):
     captured = compile_and_run(model, (x,))[2]
     targets = [n.target for n in captured.lowered.graph.nodes]
     if case == "three groups":
-        assert shuffle_pair not in targets and shuffle_halves not in targets
+        assert shuffle_pair not in targets and shuffle_halves not in targets and shuffle_halves_quantized not in targets
         assert "transpose" in targets  # (a Tensor method call: cleanup.views_as_tensor_methods)
     else:  # (the first unit's shuffle is rewritten; the last one's contiguous result is the output)
-        assert targets.count(shuffle_halves) == 1 and torch.ops.aten.contiguous.default in targets, short_graph(captured.lowered)
+        assert targets.count(shuffle_halves_quantized) == 1 and torch.ops.aten.contiguous.default in targets, short_graph(captured.lowered)
     assert_matches_reference(model, (x,))
