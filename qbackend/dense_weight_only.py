@@ -178,7 +178,9 @@ def dense_slices_pass(gm: GraphModule, kernel_choice: Optional[str] = None, comp
         if not bits or node.kwargs:
             continue
         args = tuple(constant_value(gm, a) if isinstance(a, Node) else a for a in node.args[1:])
-        rows = _rows(node.args[0], _in_features(bits, args)) if all(a is not None for a in args) else 0
+        if any(a is None for a in args):
+            continue
+        rows = _rows(node.args[0], _in_features(bits, args))
         if rows is not None and rows < MIN_ROWS:
             continue
         group = f" g{args[3]}" if bits == 4 else ""
@@ -191,7 +193,10 @@ def dense_slices_pass(gm: GraphModule, kernel_choice: Optional[str] = None, comp
             continue
         node.args = (node.args[0], record["from"], DTYPES[record["dtype"]], bits, *node.args[1:])
         node.target = kernel_or_dense
-        changed.append(f"{key} from {record['from']} rows in {record['dtype']}")
+        times = record.get("ms", {})
+        timing = (f" (at {PROBE_ROWS[1]} rows: int16 kernel {times['int16'][1]} ms, {record['dtype']} {times[record['dtype']][1]} ms)"
+                  if "int16" in times and record["dtype"] in times else "")
+        changed.append(f"{key} from {record['from']} rows in {record['dtype']}{timing}")
     if not changed:
         return None
     return (f"{len(changed)} weight-only linear(s) run as dense matmuls over slices of the weight written out "
