@@ -160,15 +160,19 @@ typedef struct {
 } epilogue_t;
 
 /* The float result of 8 outputs before the post-op: acc * mult + add (+ residual). */
-static inline __m256 pre_activation8(const epilogue_t* e, __m256i acc, int o, int Cout, size_t pixel) {
-  __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_loadu_ps(e->mult + o), _mm256_loadu_ps(e->add + o));
+static inline __m256 pre_activation_at(const epilogue_t* e, __m256i acc, __m256 mult, __m256 add, size_t at) {
+  __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), mult, add);
   if (e->residual) {
-    const __m256i r = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(e->residual + pixel * Cout + o)));
+    const __m256i r = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(e->residual + at)));
     f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r), e->residual_scale, f);
   } else if (e->residual_f) {
-    f = _mm256_fmadd_ps(_mm256_loadu_ps(e->residual_f + pixel * Cout + o), e->residual_scale, f);
+    f = _mm256_fmadd_ps(_mm256_loadu_ps(e->residual_f + at), e->residual_scale, f);
   }
   return f;
+}
+
+static inline __m256 pre_activation8(const epilogue_t* e, __m256i acc, int o, int Cout, size_t pixel) {
+  return pre_activation_at(e, acc, _mm256_loadu_ps(e->mult + o), _mm256_loadu_ps(e->add + o), pixel * Cout + o);
 }
 
 /* The post-op's clamp. (max_ps / min_ps return their second operand for a NaN: this order
@@ -267,6 +271,25 @@ static inline __attribute__((always_inline)) void store_tile_on_grid(const epilo
         const __m256i q32 = on_grid8(e, block_half(acc[i][b], half), mult, add, e->residual ? e->residual + (p + i) * Cout + o8 : NULL);
         const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
         _mm_storel_epi64((__m128i*)(y + (p + i) * Cout + o8), _mm_packus_epi16(q16, q16));
+      }
+    }
+}
+
+/* store_tile_on_grid's float32 counterpart: a tile's clamp-only float results (a conv before
+ * float ops: a squeeze-excitation's scale, a shuffle), each 8 outputs' constants loaded once
+ * for the tile's pixels. */
+static inline __attribute__((always_inline)) void store_tile_float(const epilogue_t* e, block_t acc[PIXEL_TILE][4], int pixels,
+                                                                   int blocks, int o, int Cout, size_t p) {
+#pragma GCC unroll 4
+  for (int b = 0; b < blocks; b++)
+#pragma GCC unroll 2
+    for (int half = 0; half < BLOCK / 8 && o + BLOCK * b + 8 * half < Cout; half++) {
+      const int o8 = o + BLOCK * b + 8 * half;
+      const __m256 mult = _mm256_loadu_ps(e->mult + o8), add = _mm256_loadu_ps(e->add + o8);
+#pragma GCC unroll 8
+      for (int i = 0; i < pixels; i++) {
+        const size_t at = (p + i) * Cout + o8;
+        _mm256_storeu_ps(e->float_out + at, clamped8(e, pre_activation_at(e, block_half(acc[i][b], half), mult, add, at)));
       }
     }
 }
@@ -412,6 +435,10 @@ static inline __attribute__((always_inline)) void tile(int pixels, int blocks, i
 #endif
   if (e.grid_mult) {
     store_tile_on_grid(&e, acc, pixels, blocks, o, Cout, p, y);
+    return;
+  }
+  if (e.float_out && e.activation == CLAMP_ONLY) {
+    store_tile_float(&e, acc, pixels, blocks, o, Cout, p);
     return;
   }
   if (e.activation != CLAMP_ONLY) { /* (``shared``: a pointer to ``e`` would make its copy a memcpy per tile) */
