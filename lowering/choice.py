@@ -13,16 +13,17 @@ across machines).
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import statistics
 import time
 from typing import Callable, NamedTuple, Optional
 
 import torch
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import GraphModule, Node
 
 from qbackend.patterns.base import QuantizedWeight, fake_value
-from qbackend.runnable import module_of_direct_calls
+from qbackend.runnable import NodeSteps
 from qbackend.stack_room import in_fresh_chunk
 
 from .base import EmitContext
@@ -108,36 +109,26 @@ def _pattern_like(value: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 def runnable(gm: GraphModule, nodes: list[Node], result: Node, values: dict) -> Optional[tuple[Callable, list]]:
-    """The emitted ``nodes`` as a module of their own and inputs for it, one per graph node read
+    """The emitted ``nodes`` as a callable of their own and inputs for it, one per graph node read
     (``values``: node -> tensor, shared between candidates); None when an input is not a tensor
     of static shape."""
-    graph, env, inputs = Graph(), {}, []
-    emitted = set(nodes)
-
-    def outside(node: Node) -> Node:
-        if node not in env:
-            if node.op == "get_attr":
-                env[node] = graph.node_copy(node)
-                return env[node]
-            if static_shape(node) is None:
-                raise LookupError(node.name)
-            value = fake_value(node)
-            env[node] = graph.placeholder(node.name)
-            if node not in values:
-                values[node] = _pattern_like(value, len(values))
-            inputs.append(values[node])
-        return env[node]
-
-    try:
-        for node in nodes:
-            for used in node.all_input_nodes:
-                if used not in emitted:
-                    outside(used)
-            env[node] = graph.node_copy(node, lambda n: env[n])
-    except LookupError:
-        return None
-    graph.output(env[result])
-    return module_of_direct_calls(gm, graph), inputs  # (ops called as the lowered graph will call them)
+    constants = {node: operator.attrgetter(node.target)(gm) for node in nodes if node.op == "get_attr"}
+    steps = [node for node in nodes if node.op != "get_attr"]
+    emitted, inputs = set(steps), []
+    for node in steps:
+        for used in node.all_input_nodes:
+            if used in emitted or used in constants or used in inputs:
+                continue
+            if used.op == "get_attr":
+                constants[used] = operator.attrgetter(used.target)(gm)
+                continue
+            if static_shape(used) is None:
+                return None
+            if used not in values:
+                values[used] = _pattern_like(fake_value(used), len(values))
+            inputs.append(used)
+    # (ops called as the lowered graph will call them)
+    return NodeSteps(steps, inputs, constants, result), [values[node] for node in inputs]
 
 
 def time_each(candidates: dict[str, tuple[Callable, list]]) -> dict[str, float]:
