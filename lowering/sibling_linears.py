@@ -68,7 +68,7 @@ def _weight_only_kernels() -> tuple:
     return tuple(form for name in ("int4_mm_int16", "int8_mm_int16") for form in native.own_kernel_forms(name))
 
 
-def _weight_only_input(node: Node) -> Node:
+def weight_only_input(node: Node) -> Node:
     """A weight-only kernel's activation rows: the linear's input, through its reshape to 2-D."""
     rows = node.args[0]
     return rows.args[0] if rows.target is aten.reshape.default else rows
@@ -80,7 +80,7 @@ def _group_key(node: Node, qlinear, own_kernels, weight_only) -> Optional[tuple]
     if SIBLING not in node.meta:
         return None
     if node.target in weight_only:  # (int4: weight, scale, offset, group size; int8: weight, scale)
-        return (node.target, _weight_only_input(node), *node.args[4:])
+        return (node.target, weight_only_input(node), *node.args[4:])
     if node.target is qlinear:
         x, x_scale, x_zp, _, _, _, _bias_node, *outputs = node.args
         return (qlinear, x, x_scale, x_zp, tuple(map(_hashable, outputs)))

@@ -30,7 +30,8 @@ from torch.fx import GraphModule, Node
 from . import native
 from .lowering.choice import mode as choice_mode
 from .lowering.common import static_shape
-from .patterns.base import constant_value, fake_value
+from .lowering.sibling_linears import weight_only_input
+from .patterns.base import constant_value
 from .stack_room import in_fresh_chunk
 
 CHUNK_BYTES = 4 << 20  # a written-out slice: stays in the caches while multiplied; little transient memory
@@ -137,7 +138,7 @@ def _measured(bits: int, kernel: Callable, args: tuple) -> dict:
     time grows least with rows, from where its line crosses the kernel's (None: never faster)."""
     k = _in_features(bits, args)
     candidates = {"int16": lambda x: kernel(x, *args)}
-    candidates.update({name: functools.partial(lambda x, d: dense_slices(x, bits, d, *args), d=d) for name, d in DTYPES.items()})
+    candidates.update({name: lambda x, d=d: dense_slices(x, bits, d, *args) for name, d in DTYPES.items()})
     low, high = (in_fresh_chunk(_timed, candidates, rows, k) for rows in PROBE_ROWS)
     span = PROBE_ROWS[1] - PROBE_ROWS[0]
     slope = {name: (high[name] - low[name]) / span for name in candidates}
@@ -153,14 +154,10 @@ def _measured(bits: int, kernel: Callable, args: tuple) -> dict:
 WEIGHT_ONLY = {"int4_mm_int16": 4, "int8_mm_int16": 8}
 
 
-def _rows(x: Node, k: int) -> Optional[int]:
-    """The activation rows a weight-only call gets (through the lowering's reshape to 2-D), or
-    None when they vary."""
-    shape = static_shape(x)
-    if shape is None and x.op == "call_function" and fake_value(x) is None and x.args:
-        shape = static_shape(x.args[0])  # (the reshape the lowering added has no recorded value)
-        return None if shape is None else math.prod(shape) // k
-    return None if shape is None else shape[0]
+def _rows(call: Node) -> Optional[int]:
+    """The activation rows a weight-only kernel call gets, or None when they vary."""
+    shape = static_shape(weight_only_input(call))
+    return None if shape is None else math.prod(shape[:-1])
 
 
 def dense_slices_pass(gm: GraphModule, kernel_choice: Optional[str] = None, compute: str = "auto") -> Optional[str]:
@@ -180,7 +177,7 @@ def dense_slices_pass(gm: GraphModule, kernel_choice: Optional[str] = None, comp
         args = tuple(constant_value(gm, a) if isinstance(a, Node) else a for a in node.args[1:])
         if any(a is None for a in args):
             continue
-        rows = _rows(node.args[0], _in_features(bits, args))
+        rows = _rows(node)
         if rows is not None and rows < MIN_ROWS:
             continue
         group = f" g{args[3]}" if bits == 4 else ""
