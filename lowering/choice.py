@@ -112,9 +112,8 @@ def runnable(gm: GraphModule, nodes: list[Node], result: Node, values: dict) -> 
     """The emitted ``nodes`` as a callable of their own and inputs for it, one per graph node read
     (``values``: node -> tensor, shared between candidates); None when an input is not a tensor
     of static shape."""
-    constants = {node: operator.attrgetter(node.target)(gm) for node in nodes if node.op == "get_attr"}
-    steps = [node for node in nodes if node.op != "get_attr"]
-    emitted, inputs = set(steps), []
+    steps = [node for node in nodes if node.op != "get_attr"]  # (the emitted constants are read as any other)
+    emitted, inputs, constants = set(steps), [], {}
     for node in steps:
         for used in node.all_input_nodes:
             if used in emitted or used in constants or used in inputs:
