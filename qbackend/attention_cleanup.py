@@ -46,7 +46,8 @@ def attention_masks_once(gm: GraphModule) -> Optional[str]:
 _STRIDED_VIEWS = {aten.select.int, aten.reshape.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default,
                   aten.squeeze.dim, aten.slice.Tensor}
 # Readers whose result does not depend on their inputs' strides
-_ANY_STRIDES = {aten.scaled_dot_product_attention.default}
+_ANY_STRIDES = {aten.scaled_dot_product_attention.default, torch._C._nn.scaled_dot_product_attention,
+                torch.nn.functional.scaled_dot_product_attention}
 
 
 def _reads_any_strides(target) -> bool:
@@ -56,8 +57,9 @@ def _reads_any_strides(target) -> bool:
             or str(target) in (f"{native.NAMESPACE}.attention_f32.default", f"{native.NAMESPACE}.attention_quantize.default"))
 
 
-def _reaches_only_strided_readers(node: Node) -> bool:
-    pending = list(node.users)
+def reaches_only_strided_readers(readers) -> bool:
+    """Each of ``readers``, and through views every reader after it, takes any strides."""
+    pending = list(readers)
     while pending:
         user = pending.pop()
         if user.op != "call_function" or user.kwargs.get("out") is not None:
@@ -77,7 +79,7 @@ def attention_inputs_uncopied(gm: GraphModule) -> Optional[str]:
     dropped = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.contiguous.default and len(node.args) == 1 \
-                and not node.kwargs and isinstance(node.args[0], Node) and _reaches_only_strided_readers(node):
+                and not node.kwargs and isinstance(node.args[0], Node) and reaches_only_strided_readers(node.users):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             dropped += 1
