@@ -34,8 +34,38 @@ typedef struct {
   int out_zero_point, out_qmin, out_qmax;
 } attention_call_t;
 
+/* r[i][j] <- r[j][i] */
+static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+/* Whole tiles by 8 x 8 transposes: a decode step's few query rows read each packed key once,
+ * so packing element by element had cost more than the scores (2048 keys: 3/4 of the call). */
 static void pack_keys(const float* k, long row, int S, int D, int S16, float* kt) {
-  for (int j0 = 0; j0 < S16; j0 += KEYS)
+  int j0 = 0;
+  for (; j0 + KEYS <= S; j0 += KEYS)
+    for (int half = 0; half < KEYS; half += 8)
+      for (int d0 = 0; d0 < D; d0 += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(k + (j0 + half + i) * row + d0);
+        transpose8(r);
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps(kt + (size_t)j0 * D + (d0 + i) * KEYS + half, r[i]);
+      }
+  for (; j0 < S16; j0 += KEYS)
     for (int d = 0; d < D; d++)
       for (int j = 0; j < KEYS; j++) kt[((size_t)j0 * D) + d * KEYS + j] = j0 + j < S ? k[(j0 + j) * row + d] : 0.0f;
 }
