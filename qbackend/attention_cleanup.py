@@ -47,13 +47,14 @@ _STRIDED_VIEWS = {aten.select.int, aten.reshape.default, aten.transpose.int, ate
                   aten.squeeze.dim, aten.slice.Tensor}
 # Readers whose result does not depend on their inputs' strides
 _ANY_STRIDES = {aten.scaled_dot_product_attention.default, torch._C._nn.scaled_dot_product_attention,
-                torch.nn.functional.scaled_dot_product_attention}
+                torch.nn.functional.scaled_dot_product_attention, torch.cat, aten.cat.default}
 
 
 def _reads_any_strides(target) -> bool:
     """torch's attention, or ours in any form (it passes strides to the kernel, copying only a
-    last dim that is not contiguous)."""
+    last dim that is not contiguous); a cat, or a function that says it (kv_append.append)."""
     return (target in _ANY_STRIDES or target in (native.attention_f32, native.attention_quantize)
+            or getattr(target, "reads_any_strides", False)
             or str(target) in (f"{native.NAMESPACE}.attention_f32.default", f"{native.NAMESPACE}.attention_quantize.default"))
 
 

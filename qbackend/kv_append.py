@@ -77,6 +77,9 @@ def append(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
     return base.narrow(d, start, rows + added)
 
 
+append.reads_any_strides = True  # (the values it appends, whatever their layout)
+
+
 def _cat_of_graph_input(node: Node) -> Optional[tuple[Node, Node, int]]:
     """(past, new, dim) of ``cat([past, new], dim)`` whose ``past`` is a graph input."""
     if node.op != "call_function" or node.target not in _CATS:

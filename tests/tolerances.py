@@ -23,6 +23,9 @@ TOLERANCE = {
     # qbackend's float32 attention kernel vs torch's: the same float32 sums in another order
     # (and its e^x within 2e-7); measured <= 2.2e-5 absolute on scores of std ~9
     "attention_f32": {"rtol": 1e-4, "atol": 1e-4},
+    # qbackend's RMSNorm kernel vs the graph's ops: the mean of squares summed in another order,
+    # every other step rounded as the reference rounds it
+    "rms_norm": {"rtol": 4e-7, "atol": 1e-7},
 }
 
 

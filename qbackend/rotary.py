@@ -1,0 +1,144 @@
+"""Rotary position embedding in one pass (csrc/rotary_f32.c).
+
+Hugging Face's ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2) reaches the graph as 7 float
+ops per tensor: ``q * cos``, two halves of q, a negation, their cat (``rotate_half``), a
+product with sin and the sum; ~31 us of dispatch per layer for a decode step's queries and
+keys. ``rotaries_fused`` rewrites each into one call of ``rotary(q, cos, sin)``, whose values are
+the graph's bit for bit (the same products and sum, each rounded). Its output is dense where the
+graph's followed q's layout, so only a result that readers taking any strides read (fused
+attention, a KV cache's cat, through views) is rewritten.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import operator
+from typing import Optional
+
+import torch
+from torch.fx import GraphModule, Node
+
+from qbackend.patterns.base import fake_value
+
+from . import native
+from .attention_cleanup import reaches_only_strided_readers
+from .float_ops import float32, is_op, operands
+
+aten = torch.ops.aten
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    """The C function, or None where the own kernels are not built."""
+    lib = native._load()[0]
+    if lib is None:
+        return None
+    kernel = lib.qb_rotary_f32
+    kernel.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5
+    kernel.restype = None
+    return kernel
+
+
+def _reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = q.shape[-1] // 2
+    return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+
+
+def _expanded(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """cos and sin as views of q's shape when the kernel computes this call: plain float32 CPU
+    tensors (not fake ones under tracing), q 4-D with an even last dim, every last dim
+    contiguous; else None."""
+    tensors = (q, cos, sin)
+    if _kernel() is None or not all(type(t) is torch.Tensor and t.dtype == torch.float32 and t.device.type == "cpu"
+                                    for t in tensors):
+        return None
+    if q.dim() != 4 or q.shape[-1] % 2 or q.numel() == 0 or cos.dim() > 4 or sin.dim() > 4:
+        return None
+    try:
+        views = cos.expand(q.shape), sin.expand(q.shape)
+    except RuntimeError:  # (not broadcastable: torch's ops raise it)
+        return None
+    return views if all(t.stride(-1) == 1 for t in (q, *views)) else None
+
+
+def rotary(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``q * cos + rotate_half(q) * sin``, dense; torch's ops where the kernel does not apply."""
+    views = _expanded(q, cos, sin)
+    if views is None:
+        return _reference(q, cos, sin)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    geometry = (ctypes.c_long * 16)(*q.shape, *q.stride(), *views[0].stride(), *views[1].stride())
+    _kernel()(torch.get_num_threads(), geometry, q.data_ptr(), views[0].data_ptr(), views[1].data_ptr(), out.data_ptr())
+    return out
+
+
+rotary.fresh_output = True  # (patterns/inplace.py: a later kernel may write into it)
+
+
+def _half(node, q: Node, half: int, first: bool) -> bool:
+    """``node`` is q's first (or second) half along its last dim: ``q[..., :half]`` or an ATen slice."""
+    if not isinstance(node, Node) or len(node.users) != 1:
+        return False
+    start, stop = (0, half) if first else (half, 2 * half)
+    if node.op == "call_function" and node.target is aten.slice.Tensor and node.args[0] is q and not node.kwargs:
+        dim, lo, hi, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
+        lo, hi = lo or 0, 2 * half if hi is None else min(hi, 2 * half)
+        return dim in (-1, 3) and step == 1 and (lo, hi) == (start, stop)
+    if node.op == "call_function" and node.target is operator.getitem and node.args[0] is q:
+        index = node.args[1]
+        if not (isinstance(index, tuple) and len(index) == 2 and index[0] is Ellipsis and isinstance(index[1], slice)):
+            return False
+        part = index[1]
+        lo = 0 if part.start is None else part.start
+        hi = 2 * half if part.stop is None else part.stop
+        return part.step in (None, 1) and lo == start and hi == stop
+    return False
+
+
+def _rotated(node, q: Node, half: int) -> bool:
+    """``node`` is ``cat((-q[..., half:], q[..., :half]), dim=-1)``, read only by the product."""
+    if not (is_op(node, "cat") and len(node.users) == 1):
+        return False
+    parts = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if dim not in (-1, 3) or not isinstance(parts, (list, tuple)) or len(parts) != 2:
+        return False
+    negated, first = parts
+    return is_op(negated, "neg") and len(negated.users) == 1 and _half(negated.args[0], q, half, first=False) \
+        and _half(first, q, half, first=True)
+
+
+def _rotary(node: Node) -> Optional[tuple[Node, Node, Node]]:
+    """(q, cos, sin) when ``node`` is ``q * cos + rotate_half(q) * sin`` on float32 4-D q."""
+    terms = operands(node, "add")
+    for direct, turned in ([] if terms is None else [terms, terms[::-1]]):
+        plain, rotated = operands(direct, "mul"), operands(turned, "mul")
+        if plain is None or rotated is None or len(direct.users) != 1 or len(turned.users) != 1:
+            continue
+        for q, cos in (plain, plain[::-1]):
+            value = fake_value(q)
+            if not (isinstance(q, Node) and float32(q) and value.dim() == 4 and isinstance(value.shape[-1], int)
+                    and value.shape[-1] % 2 == 0 and float32(cos) and float32(node)):
+                continue
+            for cat, sin in (rotated, rotated[::-1]):
+                if _rotated(cat, q, value.shape[-1] // 2) and float32(sin) and fake_value(node).shape == value.shape:
+                    return q, cos, sin
+    return None
+
+
+def rotaries_fused(gm: GraphModule) -> Optional[str]:
+    """Rewrite each rotary embedding (see the module docstring) into one call."""
+    if _kernel() is None:
+        return None
+    fused = 0
+    for node in list(gm.graph.nodes):
+        found = _rotary(node)
+        if found is None or not reaches_only_strided_readers(node.users):
+            continue
+        with gm.graph.inserting_before(node):
+            fused_node = gm.graph.call_function(rotary, found)
+        fused_node.meta = dict(node.meta)
+        node.replace_all_uses_with(fused_node)
+        fused += 1
+    gm.graph.eliminate_dead_code()
+    return f"{fused} rotary embedding(s) in one pass" if fused else None
