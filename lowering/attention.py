@@ -25,11 +25,11 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
     reason = native.available()
     if reason is not None:
         return reason
-    q, k, v, mask, _ = match.op_args
+    q, k, v, mask, _, is_causal = match.op_args
     values = [fake_value(n) for n in (q, k, v)] + [None if mask is None else fake_value(mask)]
     if any(value is None for value in values[:3]) or (mask is not None and values[3] is None):
         return "the operands have no example values (shapes unknown)"
-    return native.attention_refusal(*values, mask_dtypes=(torch.float32, torch.bool))
+    return native.attention_refusal(*values, mask_dtypes=(torch.float32, torch.bool), is_causal=is_causal)
 
 
 ADDITIVE = "qbackend_additive_mask"  # node meta of a bool mask: its additive form, once made
@@ -46,13 +46,15 @@ def _additive(ctx: EmitContext, mask):
 
 
 def emit(ctx: EmitContext, match):
-    q, k, v, mask, scale = match.op_args
+    q, k, v, mask, scale, is_causal = match.op_args
     if mask is not None and fake_value(mask).dtype == torch.bool:
         mask = _additive(ctx, mask)
         ctx.notes.append("bool mask as an additive one")
     ctx.kernel = f"{native.NAMESPACE}::attention_f32.default"
     ctx.notes.append("qbackend's float32 attention kernel")
-    return own_conv.call_kernel(ctx, "attention_f32", (q, k, v, mask, scale))
+    if is_causal:
+        ctx.notes.append("causal: each block of query rows reads the keys up to its last position")
+    return own_conv.call_kernel(ctx, "attention_f32", (q, k, v, mask, scale) + ((True,) if is_causal else ()))
 
 
 KERNEL = own_conv.OwnKernel("attention", lambda match: True, refusal, emit)

@@ -219,9 +219,10 @@ def emit_qavgpool(ctx: EmitContext, match: Match) -> Node:
 
 
 def emit_sdpa(ctx: EmitContext, match: Match) -> Node:
-    q, k, v, mask, scale = match.op_args
+    q, k, v, mask, scale, is_causal = match.op_args
     grouped = fake_value(q).shape[1] != fake_value(k).shape[1]  # (grouped-query: fewer key / value heads)
     return ctx.gm.graph.call_function(ctx.op("sdpa").op, (q, k, v), {"attn_mask": mask, "scale": scale,
+                                                                      **({"is_causal": True} if is_causal else {}),
                                                                       **({"enable_gqa": True} if grouped else {})})
 
 

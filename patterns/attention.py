@@ -83,7 +83,7 @@ def select_sdpa(graph: GraphView, softmax: Node) -> Match:
     require(shapes[0].shape[-1] == shapes[1].shape[-1] and shapes[1].shape[-2] == shapes[2].shape[-2],
             "queries, keys and values do not line up as attention")
     require(shapes[0].dtype in (torch.float32, torch.bfloat16, torch.float16), "attention is not in float")
-    return Match(None, softmax, tuple(nodes), op_args=(q, k, v, mask, scale), float_dtype=shapes[0].dtype)
+    return Match(None, softmax, tuple(nodes), op_args=(q, k, v, mask, scale, False), float_dtype=shapes[0].dtype)
 
 
 SDPA = Rule(
@@ -104,7 +104,8 @@ def select_fused_sdpa(graph: GraphView, call: Node) -> Match:
     require(set(given) <= set(SDPA_PARAMETERS), f"unknown arguments {sorted(set(given) - set(SDPA_PARAMETERS))}")
     q, k, v, mask = (given[name] for name in ("query", "key", "value", "attn_mask"))
     require(given["dropout_p"] == 0, "dropout in attention")
-    require(not given["is_causal"], "causal attention (is_causal=True): no explicit mask to read")
+    require(given["is_causal"] in (False, True), "is_causal is not a constant")
+    require(not (given["is_causal"] and mask is not None), "a mask and is_causal both given")
     shapes = [fake_value(t) if isinstance(t, Node) else None for t in (q, k, v)]
     require(all(s is not None and s.dim() == 4 for s in shapes), "queries, keys or values are not [batch, heads, length, dim]")
     heads, kv_heads = shapes[0].shape[1], shapes[1].shape[1]
@@ -114,17 +115,17 @@ def select_fused_sdpa(graph: GraphView, call: Node) -> Match:
     scale = given["scale"]
     require(scale is None or isinstance(scale, numbers.Number), "the scale is not a constant")
     scale = float(scale) if scale is not None else shapes[0].shape[-1] ** -0.5  # (torch's default)
-    return Match(None, call, (call,), op_args=(q, k, v, mask, scale), float_dtype=shapes[0].dtype)
+    return Match(None, call, (call,), op_args=(q, k, v, mask, scale, given["is_causal"]), float_dtype=shapes[0].dtype)
 
 
 FUSED_SDPA = Rule(
     name="sdpa_fused",
     anchors="attention",
-    pattern="scaled_dot_product_attention(q, k, v, [mask], [scale], [enable_gqa])",
+    pattern="scaled_dot_product_attention(q, k, v, [mask | is_causal], [scale], [enable_gqa])",
     doc="fused attention call => qbackend's attention kernel (grouped queries read each key / value head once)",
     select_fn=select_fused_sdpa,
     priority=0,
     example=examples.grouped_query_attention,
-    near_misses=(NearMiss(examples.causal_fused_attention, "causal attention"),),
+    near_misses=(NearMiss(examples.flat_heads_fused_attention, "not [batch, heads, length, dim]"),),
     anchor_ops=FUSED_SDPA_OPS,
 )

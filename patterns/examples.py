@@ -518,6 +518,26 @@ def causal_fused_attention():
     return _convert(GroupedQueryAttention(causal=True), inputs), inputs
 
 
+class FlatHeadsAttention(nn.Module):
+    """Attention over [batch * heads, length, head dim] queries, keys and values (3-D) through
+    the fused call."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x):
+        b, length, _ = x.shape
+        q, k, v = (t.view(b, length, 4, 16).transpose(1, 2).reshape(b * 4, length, 16) for t in self.qkv(x).chunk(3, dim=-1))
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.out(attended.view(b, 4, length, 16).transpose(1, 2).reshape(b, length, 64))
+
+
+def flat_heads_fused_attention():
+    inputs = (torch.randn(2, 8, 64),)
+    return _convert(FlatHeadsAttention(), inputs), inputs
+
+
 class SmoothedLinear(nn.Module):
     """LayerNorm -> x * (1/s) -> linear, as ``qbackend.smooth_quant`` leaves an explicit
     smoothing multiply; ``factors`` of shape [16] (per channel) or [1] (a near miss);

@@ -110,7 +110,8 @@ def attention_output_quantized(gm: GraphModule) -> Optional[str]:
     batch 1: the quantize took 10-32 us a layer, the kernel writes a quarter of the bytes."""
     fused = 0
     for attention in list(gm.graph.nodes):
-        if attention.op != "call_function" or attention.target is not native.attention_f32 or attention.kwargs:
+        if attention.op != "call_function" or attention.target is not native.attention_f32 or attention.kwargs \
+                or len(attention.args) != 5:  # (a causal one: attention_quantize takes none)
             continue
         quantize = _output_quantize(attention)
         if quantize is None:
@@ -191,7 +192,8 @@ def attention_reads_projection(gm: GraphModule) -> Optional[str]:
     operand checks."""
     rewritten = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.kwargs or node.target not in (native.attention_f32, native.attention_quantize):
+        if node.op != "call_function" or node.kwargs or node.target not in (native.attention_f32, native.attention_quantize) \
+                or (node.target is native.attention_f32 and len(node.args) != 5):  # (a causal one: the views stay)
             continue
         q, k, v, mask, scale, *out_grid = node.args
         geometry = _projection_geometry([q, k, v])

@@ -61,7 +61,7 @@ OPS = {
              "float low, float high, float out_scale, int out_zero_point, int qmin, int qmax, bool float_out=False, "
              "str activation='none', int[2] kernel_size=[1, 1], int[2] stride=[1, 1], int[2] padding=[0, 0], "
              "int[2] dilation=[1, 1], int x_zero_point=0) -> Tensor",
-    "attention_f32": "attention_f32(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor",
+    "attention_f32": "attention_f32(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, bool is_causal=False) -> Tensor",
     # (uint8 [batch, length, heads, head dim]: the heads merged, as the out-projection reads them)
     "attention_quantize": "attention_quantize(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float out_scale, "
                           "int zero_point, int qmin, int qmax) -> Tensor",
@@ -830,14 +830,16 @@ class _AttentionCall(ctypes.Structure):
                 + [(name, ctypes.c_long * 3) for name in ("q_stride", "k_stride", "v_stride")]
                 + [("mask_stride", ctypes.c_long * 4), ("out_stride", ctypes.c_long * 2), ("scale", ctypes.c_float),
                    ("quantized", ctypes.c_int),
-                   ("out_inv_scale", ctypes.c_float)] + [(name, ctypes.c_int) for name in ("out_zero_point", "out_qmin", "out_qmax")])
+                   ("out_inv_scale", ctypes.c_float)]
+                + [(name, ctypes.c_int) for name in ("out_zero_point", "out_qmin", "out_qmax", "causal_rows")])
 
 
-def attention_refusal(q, k, v, mask, mask_dtypes=(torch.float32,)) -> Optional[str]:
+def attention_refusal(q, k, v, mask, mask_dtypes=(torch.float32,), is_causal=False) -> Optional[str]:
     """Why attention_f32 cannot take these (tensors or fake values), None if it can. Keys and
     values may have fewer heads than the queries (grouped-query attention), each shared by
     ``heads / kv_heads`` consecutive query heads. ``mask_dtypes``: the lowering also takes a
-    bool mask, which it turns into an additive one first."""
+    bool mask, which it turns into an additive one first. ``is_causal``: torch's (query row i
+    sees keys j <= i), without a mask (torch raises on both)."""
     if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 4 for t in (q, k, v)):
         return "the kernel takes float32 CPU [batch, heads, length, head dim] queries, keys and values"
     (b, h, length, d), (kv_heads, s, dv) = q.shape, v.shape[1:]
@@ -845,6 +847,8 @@ def attention_refusal(q, k, v, mask, mask_dtypes=(torch.float32,)) -> Optional[s
         return f"queries {tuple(q.shape)}, keys {tuple(k.shape)} and values {tuple(v.shape)} differ in batch, heads or head dim"
     if d % ATTENTION_HEAD_DIM_STEP or length == 0 or s == 0:
         return f"head dim {d}: the kernel takes a multiple of {ATTENTION_HEAD_DIM_STEP}"
+    if mask is not None and is_causal:
+        return "a mask and is_causal both given"
     if mask is not None:
         if mask.dtype not in mask_dtypes or mask.device.type != "cpu" or mask.dim() > 4:
             return f"the mask is {mask.dtype} of rank {mask.dim()}, not an additive float32 one"
@@ -863,17 +867,19 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.reshape(b, kv_heads, h // kv_heads * length, d)
 
 
-def _attention(lib, q, k, v, mask, scale):
-    reason = attention_refusal(q, k, v, mask)
+def _attention(lib, q, k, v, mask, scale, is_causal=False):
+    reason = attention_refusal(q, k, v, mask, is_causal=is_causal)
     if reason is not None:
         raise ValueError(f"qbackend::attention_f32: {reason}")
     (b, h, length, d), kv_heads = q.shape, k.shape[1]
+    causal_rows = length if is_causal else 0  # (grouped: each query head's positions one after another)
     if kv_heads == h:
-        return _checked_attention(lib, q, k, v, mask, scale).transpose(1, 2)
+        return _checked_attention(lib, q, k, v, mask, scale, causal_rows=causal_rows).transpose(1, 2)
     # grouped: each key / value head read once for all its query heads
     if mask is not None:  # (a view: refusal leaves one query row, or a mask the same for all heads and rows)
         mask = mask.expand(b, h, length, k.shape[2]).reshape(b, kv_heads, h // kv_heads * length, k.shape[2])
-    return _checked_attention(lib, _grouped(q, kv_heads), k, v, mask, scale).transpose(1, 2).reshape(b, h, length, d)
+    return _checked_attention(lib, _grouped(q, kv_heads), k, v, mask, scale,
+                              causal_rows=causal_rows).transpose(1, 2).reshape(b, h, length, d)
 
 
 def attention_quantize_refusal(q, k, v, mask, out_scale, zero_point, qmin, qmax) -> Optional[str]:
@@ -893,25 +899,25 @@ def _attention_quantize(lib, q, k, v, mask, scale, out_scale, zero_point, qmin, 
 
 @functools.lru_cache(maxsize=256)
 def _attention_call(shape: tuple, s: int, strides: tuple, mask_stride: tuple, out_stride: tuple, scale: float,
-                    quantize) -> "_AttentionCall":
+                    quantize, causal_rows: int = 0) -> "_AttentionCall":
     """The kernel's arguments for one call site (made once: ~15 us of ctypes per call otherwise)."""
     out_scale, zero_point, qmin, qmax = quantize or (1.0, 0, 0, 0)
     return _AttentionCall(*shape[:3], s, shape[3], *((ctypes.c_long * 3)(*stride) for stride in strides),
                           (ctypes.c_long * 4)(*mask_stride), (ctypes.c_long * 2)(*out_stride), scale, quantize is not None,
-                          1.0 / out_scale, zero_point, qmin, qmax)
+                          1.0 / out_scale, zero_point, qmin, qmax, causal_rows)
 
 
-def _checked_attention(lib, q, k, v, mask, scale, quantize=None):
+def _checked_attention(lib, q, k, v, mask, scale, quantize=None, causal_rows=0):
     """The kernel on operands ``attention_refusal`` took, heads equal (a decode step's hot path:
     checked once): [B, L, H, D], float32, or uint8 on ``quantize``'s (scale, zero point, qmin,
     qmax) grid."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     return _attention_kernel(lib, tuple(q.shape), k.shape[2], (q.data_ptr(), k.data_ptr(), v.data_ptr()),
-                             (q.stride()[:3], k.stride()[:3], v.stride()[:3]), mask, scale, quantize)
+                             (q.stride()[:3], k.stride()[:3], v.stride()[:3]), mask, scale, quantize, causal_rows=causal_rows)
 
 
 def _attention_kernel(lib, shape: tuple, s: int, pointers: tuple, strides: tuple, mask, scale, quantize,
-                      length_first: bool = False):
+                      length_first: bool = False, causal_rows: int = 0):
     """attention_f32.c on q / k / v at ``pointers``, [B, H, L or S, D] with ``strides`` for their first
     three dims (the last contiguous), all checked by the caller; the mask broadcasts. Returns
     [B, L, H, D], in [L, B, H, D] memory where ``length_first``."""
@@ -922,7 +928,7 @@ def _attention_kernel(lib, shape: tuple, s: int, pointers: tuple, strides: tuple
         mask_stride = mask.stride()
     dtype = torch.float32 if quantize is None else torch.uint8
     out = torch.empty(length, b, h, d, dtype=dtype).transpose(0, 1) if length_first else torch.empty(b, length, h, d, dtype=dtype)
-    call = _attention_call(shape, s, strides, tuple(mask_stride), out.stride()[:2], scale, quantize)
+    call = _attention_call(shape, s, strides, tuple(mask_stride), out.stride()[:2], scale, quantize, causal_rows)
     if lib.qb_attention_f32(torch.get_num_threads(), ctypes.byref(call), *pointers, None if mask is None else mask.data_ptr(),
                             out.data_ptr()):
         raise MemoryError("qbackend attention: a thread could not allocate its packed keys and scores")
@@ -953,7 +959,7 @@ def attention_from_projection(projection, geometry: tuple, mask, scale, quantize
     return out if quantize is not None else out.transpose(1, 2)
 
 
-def _attention_fake(q, k, v, mask, scale):
+def _attention_fake(q, k, v, mask, scale, is_causal=False):
     b, h, length, d = q.shape
     if k.shape[1] != h:  # (grouped: the result's rows come back in query-head order, contiguous)
         return q.new_empty(b, h, length, d)
@@ -1189,9 +1195,9 @@ def qconv_stem(*args):
     return _stem_conv(_load()[0], *args, trusted=True)
 
 
-def attention_f32(q, k, v, mask, scale):
+def attention_f32(q, k, v, mask, scale, is_causal=False):
     """``qbackend::attention_f32`` without the dispatcher round trip."""
-    return _attention(_load()[0], q, k, v, mask, scale)
+    return _attention(_load()[0], q, k, v, mask, scale, is_causal)
 
 
 def attention_quantize(q, k, v, mask, scale, out_scale, zero_point, qmin, qmax):

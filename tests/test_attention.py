@@ -417,3 +417,30 @@ def test_a_converted_models_fused_attention_call_runs_on_the_kernel():
     module, example = grouped_query_attention()
     captured = assert_matches_reference(quantize(module, example), example)
     assert [d[:2] for d in _attention_decisions(captured.report)] == [("sdpa_fused", "qbackend::attention_f32.default")]
+
+
+@needs_own_kernels
+@pytest.mark.parametrize("heads, kv_heads, length, cached", [(8, 2, 37, 37), (4, 4, 100, 100), (8, 2, 130, 130), (4, 2, 5, 40)],
+                         ids=["grouped", "heads equal, blocks of 64 rows", "grouped, a block spanning two heads",
+                              "fewer queries than keys: top-left, as torch"])
+def test_causal_attention_matches_torchs(heads, kv_heads, length, cached):
+    generator = torch.Generator().manual_seed(length)
+    q = torch.randn(1, length, heads, 16, generator=generator).transpose(1, 2)
+    k, v = (torch.randn(1, kv_heads, cached, 16, generator=generator) for _ in range(2))
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(native.attention_f32(q, k, v, None, 0.25, True), expected, **TOLERANCE["attention_f32"])
+    with pytest.raises(ValueError, match="a mask and is_causal both given"):
+        native.attention_f32(q, k, v, torch.zeros(1, 1, length, cached), 0.25, True)
+
+
+@needs_own_kernels
+def test_a_causal_fused_attention_call_runs_on_the_kernel():
+    from qbackend.patterns.examples import causal_fused_attention
+
+    converted, example = causal_fused_attention()
+    captured = assert_matches_reference(converted, example)
+    [(rule, op, reason)] = _attention_decisions(captured.report)
+    assert (rule, op) == ("sdpa_fused", "qbackend::attention_f32.default"), str(captured.report)
+    assert "causal: each block of query rows reads the keys up to its last position" in reason, reason
+    [call] = [n for n in captured.lowered.graph.nodes if n.target is native.attention_f32]
+    assert call.args[5:] == (True,)

@@ -32,6 +32,8 @@ typedef struct {
   int quantized;       /* 0: float32 out; 1: uint8 out, round_half_even(o * out_inv_scale) + zero point, clamped */
   float out_inv_scale; /* (a NaN lands on qmin: the caller asks for qmin == the reference's NaN byte, 0) */
   int out_zero_point, out_qmin, out_qmax;
+  int causal_rows; /* 0; else causal (torch's is_causal: row i sees keys j <= i), row r at position r % causal_rows
+                      (grouped queries: each query head's positions one after another) */
 } attention_call_t;
 
 /* r[i][j] <- r[j][i] */
@@ -198,19 +200,29 @@ int qb_attention_f32(int threads, const attention_call_t* a, const float* q, con
           pack_keys(k + b * a->k_stride[0] + h * a->k_stride[1], a->k_stride[2], a->S, a->D, S16, kt);
           packed = bh;
         }
+        /* keys the block's rows see: all, or (causal) up to the furthest row's position; past a
+           row's own position its scores are -inf, exactly 0 after the softmax */
+        int seen = a->S;
+        if (a->causal_rows) {
+          seen = 0;
+          for (int i = 0; i < n; i++) seen = (l0 + i) % a->causal_rows + 1 > seen ? (l0 + i) % a->causal_rows + 1 : seen;
+          seen = seen < a->S ? seen : a->S;
+        }
+        const int seen16 = (seen + KEYS - 1) / KEYS * KEYS;
         for (int i = 0; i < n; i += ROWS)
-          for (int j0 = 0; j0 < S16; j0 += KEYS) {
+          for (int j0 = 0; j0 < seen16; j0 += KEYS) {
 #define SCORES(R) score_tile(R, a->D, qb + i * a->q_stride[2], a->q_stride[2], kt + (size_t)j0 * a->D, scale, scores + (size_t)i * S16 + j0, S16)
             ROW_CASES(n - i, SCORES)
           }
         for (int i = 0; i < n; i++) {
           const float* m = mask ? mask + b * a->mask_stride[0] + h * a->mask_stride[1] + (l0 + i) * a->mask_stride[2] : NULL;
-          inv_sum[i] = softmax_row(scores + (size_t)i * S16, a->S, S16, m, a->mask_stride[3]);
+          const int row_seen = a->causal_rows && (l0 + i) % a->causal_rows + 1 < seen ? (l0 + i) % a->causal_rows + 1 : seen;
+          inv_sum[i] = softmax_row(scores + (size_t)i * S16, row_seen, seen16, m, a->mask_stride[3]);
         }
         char* ob = (char*)out + ((size_t)b * a->out_stride[0] + (size_t)l0 * out_row + h * a->D) * out_bytes;
         for (int c = 0; c < a->D; c += 16) /* (a 16-column slice of v stays in L1 across the row tiles) */
           for (int i = 0; i < n; i += ROWS) {
-#define OUTPUTS(R) output_tile(R, a->S, scores + (size_t)i * S16, S16, vb + c, a->v_stride[2], inv_sum + i, a, ob + (i * out_row + c) * out_bytes, out_row)
+#define OUTPUTS(R) output_tile(R, seen, scores + (size_t)i * S16, S16, vb + c, a->v_stride[2], inv_sum + i, a, ob + (i * out_row + c) * out_bytes, out_row)
             ROW_CASES(n - i, OUTPUTS)
           }
       }
