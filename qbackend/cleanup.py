@@ -27,6 +27,7 @@ from .kernel_chain import chain_own_kernels
 from .kv_append import kv_cache_appends
 from .rms_norm import rms_norms_fused
 from .rotary import rotaries_fused
+from .silu_mul import silu_muls_fused
 from .view_chains import view_chains_collapsed
 from .ops import graph_op, resolve
 
@@ -240,6 +241,7 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
              attention_output_quantized(gm) if fast_boundary else None, attention_inputs_uncopied(gm),
              attention_reads_projection(gm) if fast_boundary else None, kv_cache_appends(gm) if fast_boundary else None,
              rotaries_fused(gm) if fast_boundary else None, rms_norms_fused(gm) if fast_boundary else None,
+             silu_muls_fused(gm) if fast_boundary else None,
              shuffles_in_one_pass(gm) if fast_boundary else None,
              depthwise_norms_fused(gm) if fast_boundary else None, chain_own_kernels(gm),
              dense_slices_pass(gm, kernel_choice, weight_only_compute) if fast_boundary and device == "cpu" else None,

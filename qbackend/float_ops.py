@@ -26,6 +26,7 @@ SPELLINGS = {
     "cat": ({torch.cat}, None, {aten.cat.default}, {"dim"}),
     "unsqueeze": ({torch.unsqueeze}, "unsqueeze", {aten.unsqueeze.default}, {"dim"}),
     "to": (set(), "to", set(), {"dtype"}),
+    "silu": ({torch.nn.functional.silu}, None, {aten.silu.default}, {"inplace"}),
 }
 
 

@@ -26,6 +26,8 @@ TOLERANCE = {
     # qbackend's RMSNorm kernel vs the graph's ops: the mean of squares summed in another order,
     # every other step rounded as the reference rounds it
     "rms_norm": {"rtol": 4e-7, "atol": 1e-7},
+    # qbackend's SiLU (its own e^x, within 2e-7) times b vs torch's: measured <= 3.3e-7 relative
+    "silu_mul": {"rtol": 5e-7, "atol": 1e-12},
 }
 
 

@@ -1,0 +1,30 @@
+/* SwiGLU's gate as Llama's MLP computes it, silu(a) * b (act_fn(gate_proj(x)) * up_proj(x)), in
+ * one pass: rows of n floats, a and b each with their own row stride (slices of one merged
+ * gate / up output), into dense out. SiLU is the own kernels' (vec_math.h swish, within 2 ulp
+ * of torch's), then one rounded product. One call in place of two ops and their two passes. */
+#include <immintrin.h>
+#include <math.h>
+
+#include "vec_math.h"
+
+void qb_silu_mul_f32(int threads, long rows, long n, const float* a, long a_row, const float* b, long b_row, float* out) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
+  for (long r = 0; r < rows; r++) {
+    const float *x = a + r * a_row, *y = b + r * b_row;
+    float* o = out + r * n;
+    long j = 0;
+    for (; j + 32 <= n; j += 32) {
+      __m256 v[4];
+      for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(x + j + 8 * k);
+      swish_lanes(v, 4);
+      for (int k = 0; k < 4; k++) _mm256_storeu_ps(o + j + 8 * k, _mm256_mul_ps(v[k], _mm256_loadu_ps(y + j + 8 * k)));
+    }
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(o + j, _mm256_mul_ps(swish(_mm256_loadu_ps(x + j)), _mm256_loadu_ps(y + j)));
+    if (j < n) { /* (the tail through a vector of its own) */
+      float xs[8] = {0}, ys[8] = {0}, os[8];
+      for (long k = j; k < n; k++) xs[k - j] = x[k], ys[k - j] = y[k];
+      _mm256_storeu_ps(os, _mm256_mul_ps(swish(_mm256_loadu_ps(xs)), _mm256_loadu_ps(ys)));
+      for (long k = j; k < n; k++) o[k] = os[k - j];
+    }
+  }
+}
