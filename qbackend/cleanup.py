@@ -23,6 +23,7 @@ from .dense_weight_only import dense_slices_pass
 from .depthwise_norm import depthwise_norms_fused
 from .float_linear import float_linears
 from .freeze import drop_unused_constants, set_constant
+from .huge_pages import streamed_weights_on_huge_pages
 from .kernel_chain import chain_own_kernels
 from .kv_append import kv_cache_appends
 from .rms_norm import rms_norms_fused
@@ -245,7 +246,8 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
              shuffles_in_one_pass(gm) if fast_boundary else None,
              depthwise_norms_fused(gm) if fast_boundary else None, chain_own_kernels(gm),
              dense_slices_pass(gm, kernel_choice, weight_only_compute) if fast_boundary and device == "cpu" else None,
-             view_chains_collapsed(gm) if fast_boundary else None]
+             view_chains_collapsed(gm) if fast_boundary else None,
+             streamed_weights_on_huge_pages(gm) if device == "cpu" else None]
     if fast_boundary:  # (last: the passes above read the view ops' targets)
         views_as_tensor_methods(gm)
     gm.graph.eliminate_dead_code()
