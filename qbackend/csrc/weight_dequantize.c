@@ -40,6 +40,30 @@ static inline void store16(__m256 first, __m256 second, int bf16, void* out, siz
   }
 }
 
+/* A group's 16 possible bf16 weights, u * scale + offset for u = 0 .. 15 (rounded as bf16x8
+ * rounds each weight), as two byte tables for vpshufb, each in both 128-bit lanes. */
+static inline void bf16_tables(__m256 s, __m256 o, __m256i* low, __m256i* high) {
+  const __m128i first = bf16x8(_mm256_fmadd_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), s, o));
+  const __m128i second = bf16x8(_mm256_fmadd_ps(_mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15), s, o));
+  const __m128i split = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15); /* (low bytes, then high) */
+  const __m128i a = _mm_shuffle_epi8(first, split), b = _mm_shuffle_epi8(second, split);
+  *low = _mm256_broadcastsi128_si256(_mm_unpacklo_epi64(a, b));
+  *high = _mm256_broadcastsi128_si256(_mm_unpackhi_epi64(a, b));
+}
+
+/* 32 weights (16 bytes of storage) of one group as bf16 by table lookup: the same bits as the
+ * arithmetic path, at a quarter of its instructions (a prompt's prefill writes out every
+ * weight of every layer once). */
+static inline void bf16_by_table(const uint8_t* bytes, __m256i low, __m256i high, uint16_t* o) {
+  const __m128i v = _mm_loadu_si128((const __m128i*)bytes), nibble = _mm_set1_epi8(15);
+  const __m128i even = _mm_and_si128(v, nibble), odd = _mm_and_si128(_mm_srli_epi16(v, 4), nibble);
+  const __m256i index = _mm256_set_m128i(_mm_unpackhi_epi8(even, odd), _mm_unpacklo_epi8(even, odd));
+  const __m256i l = _mm256_shuffle_epi8(low, index), h = _mm256_shuffle_epi8(high, index);
+  const __m256i a = _mm256_unpacklo_epi8(l, h), b = _mm256_unpackhi_epi8(l, h); /* (per lane: columns 0-7, 8-15) */
+  _mm256_storeu_si256((__m256i*)o, _mm256_permute2x128_si256(a, b, 0x20));
+  _mm256_storeu_si256((__m256i*)(o + 16), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
 /* Rows [0, rows) of an int4 weight of K columns (K % 16 == 0, group % 16 == 0, K % group == 0);
  * u, scale, offset and out start at the first of them. */
 void qb_int4_dequantize(int threads, int rows, int K, int group, const uint8_t* u, const float* scale,
@@ -50,6 +74,12 @@ void qb_int4_dequantize(int threads, int rows, int K, int group, const uint8_t* 
     const uint8_t* row = u + (size_t)r * (K / 2);
     for (int g = 0; g < groups; g++) {
       const __m256 s = _mm256_set1_ps(scale[(size_t)r * groups + g]), o = _mm256_set1_ps(offset[(size_t)r * groups + g]);
+      if (bf16 && group % 32 == 0) {
+        __m256i low, high;
+        bf16_tables(s, o, &low, &high);
+        for (int k = g * group; k < (g + 1) * group; k += 32) bf16_by_table(row + k / 2, low, high, (uint16_t*)out + (size_t)r * K + k);
+        continue;
+      }
       for (int k = g * group; k < (g + 1) * group; k += 16) {
         const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(row + k / 2)));
         const __m256 even = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
