@@ -19,6 +19,7 @@ from . import fast_qdq, native
 from .attention_cleanup import (attention_inputs_uncopied, attention_masks_once, attention_output_quantized,
                                 attention_reads_projection)
 from .channel_shuffle import shuffles_in_one_pass
+from .dead_code import eliminate_dead_code
 from .dense_weight_only import dense_slices_pass
 from .depthwise_norm import depthwise_norms_fused
 from .float_linear import float_linears
@@ -230,9 +231,9 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
             weight_only_compute: str = "auto") -> list[str]:
     """``fast_boundary=False`` keeps the reference q/dq ops (another compiler, Inductor, fuses
     them); ``kernel_choice``: lowering/choice.py's mode. Returns notes for the report."""
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm)
     fold_constants(gm)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm)
     if fast_boundary:
         fast_boundary_qdq(gm, device)
     views_accept_any_layout(gm)
@@ -250,7 +251,7 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
              streamed_weights_on_huge_pages(gm) if device == "cpu" else None]
     if fast_boundary:  # (last: the passes above read the view ops' targets)
         views_as_tensor_methods(gm)
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm)
     gm.graph.lint()
     gm.recompile()
     drop_unused_constants(gm)

@@ -21,6 +21,7 @@ from torch.fx import GraphModule, Node
 from qbackend.patterns.base import constant_value, fake_value
 
 from . import native
+from .dead_code import eliminate_dead_code
 from .float_ops import float32, is_op, operands, single_user, through_noop_casts
 
 
@@ -183,5 +184,5 @@ def rms_norms_fused(gm: GraphModule) -> Optional[str]:
         normed.meta = dict(node.meta)  # (a later norm's match reads the dtypes and shapes)
         node.replace_all_uses_with(normed)
         fused += 1
-    graph.eliminate_dead_code()
+    eliminate_dead_code(gm)
     return f"{fused} RMSNorm(s) in one pass ({with_sum} with the residual add before it)" if fused else None

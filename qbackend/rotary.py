@@ -21,6 +21,7 @@ from torch.fx import GraphModule, Node
 from qbackend.patterns.base import fake_value
 
 from . import native
+from .dead_code import eliminate_dead_code
 from .attention_cleanup import reaches_only_strided_readers
 from .float_ops import float32, is_op, operands
 
@@ -140,5 +141,5 @@ def rotaries_fused(gm: GraphModule) -> Optional[str]:
         fused_node.meta = dict(node.meta)
         node.replace_all_uses_with(fused_node)
         fused += 1
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm)
     return f"{fused} rotary embedding(s) in one pass" if fused else None

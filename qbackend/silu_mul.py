@@ -18,6 +18,7 @@ from torch.fx import GraphModule, Node
 from qbackend.patterns.base import fake_value
 
 from . import native
+from .dead_code import eliminate_dead_code
 from .float_ops import float32, is_op, operands, single_user
 
 
@@ -89,5 +90,5 @@ def silu_muls_fused(gm: GraphModule) -> Optional[str]:
         call.meta = dict(node.meta)
         node.replace_all_uses_with(call)
         fused += 1
-    gm.graph.eliminate_dead_code()
+    eliminate_dead_code(gm)
     return f"{fused} SiLU-and-multiply(s) in one pass" if fused else None
