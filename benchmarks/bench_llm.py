@@ -52,7 +52,7 @@ from common import (NUM_THREADS, cosine, cpu_key, fmt, log, machine_description,
 
 # (transformers imports torchvision where it is installed; its CUDA-built C ops do not load: zoo_models.py)
 sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache  # noqa: E402
 
 CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
               vocab_size=32000, max_position_embeddings=4096)
@@ -147,10 +147,10 @@ def first_calls(path: Runner, prompt: torch.Tensor) -> dict:
     return {"first_s": seconds, "graphs": frames, "recompiles": counters["frames"]["ok"] - frames}
 
 
-def greedy_logits(path: Runner, prompt: torch.Tensor, tokens: Optional[list] = None) -> tuple[list, list]:
+def greedy_logits(path: Runner, prompt: torch.Tensor, tokens: Optional[list] = None, cache=None) -> tuple[list, list]:
     """Logits of the prompt, then of each decoded step (feeding ``tokens`` when given, so every
-    path sees the reference's sequence); the tokens it chose."""
-    token, cache, logits = step(path, prompt, DynamicCache())
+    path sees the reference's sequence); the tokens it chose. ``cache``: a DynamicCache unless given."""
+    token, cache, logits = step(path, prompt, DynamicCache() if cache is None else cache)
     all_logits, chosen = [logits[0].float()], []
     for i in range(ACCURACY_STEPS):
         feed = token if tokens is None else tokens[i]
@@ -158,6 +158,14 @@ def greedy_logits(path: Runner, prompt: torch.Tensor, tokens: Optional[list] = N
         token, cache, logits = step(path, feed, cache)
         all_logits.append(logits[0, -1:].float())
     return all_logits, chosen
+
+
+def static_cache_logits(model: torch.nn.Module, prompt: torch.Tensor, tokens: list) -> list:
+    """``greedy_logits`` of ``model`` compiled with qbackend on a StaticCache, through a wrapper
+    of its own: the timed paths' Dynamo cache keeps only their own graphs to check."""
+    compiled = torch.compile(lambda **inputs: model(**inputs), backend="qbackend")
+    static = StaticCache(config=config(), max_cache_len=PROMPT + ACCURACY_STEPS + 1)
+    return greedy_logits(Runner("static", compiled, torch.float32, compiled=True), prompt, tokens, static)[0]
 
 
 def min_cosine(a: list, b: list) -> float:
@@ -256,6 +264,8 @@ def run(contexts: list, steps: int, prefill_calls: int) -> tuple[list, dict]:
             path.results["cos_fp32"] = min_cosine(logits, reference)
             if path.bits:
                 path.results["cos_dequantized"] = min_cosine(logits, dequantized[path.bits])
+            if path.bits and path.compiled:  # (transformers' other cache: written in place by index_copy_)
+                path.results["cos_static"] = min_cosine(static_cache_logits({4: int4, 8: int8}[path.bits], prompt, tokens), logits)
             log(f"{path.name}: prefill of {PREFILL}")
             path.results["prefill"] = prefill_ms(path, prefill_calls)
         except Exception as error:  # one broken path must not hide the others
@@ -312,6 +322,10 @@ def report(rows: list, extra: dict, contexts: list, command: str) -> str:
         lines.append("| " + " | ".join([path.name, *(fmt(r.get(f"decode_{c}"), ".2f") for c in contexts), x_floor, speed,
                                          fmt(r.get("prefill"), ".0f"), first, fmt(r.get("cos_fp32"), ".5f"),
                                          fmt(r.get("cos_dequantized"), ".5f")]) + " |")
+    static = [f"{path.name} {path.results['cos_static']:.5f}" for path in rows if "cos_static" in path.results]
+    if static:
+        lines += ["", "With a static cache (`StaticCache`, the same tokens fed), logits cosine against the same path's"
+                  f" dynamic cache, minimum over the prompt and {ACCURACY_STEPS} steps: {', '.join(static)}."]
     memory = extra["memory"]
     lines += ["", "Peak RSS of a fresh process that loads the checkpoint (int4: into a model built on the meta device) and"
               " decodes 4 tokens, above its RSS before the load:", ""]
