@@ -5,12 +5,14 @@ for the passes that fuse an LLM's float remainder (rms_norm.py, rotary.py)."""
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
 from qbackend.patterns.base import fake_value
+
+from .dead_code import eliminate_dead_code
 
 aten = torch.ops.aten
 
@@ -61,3 +63,20 @@ def operands(node: Node, name: str) -> Optional[tuple]:
 
 def single_user(node) -> bool:
     return isinstance(node, Node) and len(node.users) == 1
+
+
+def calls_in_place_of(gm: GraphModule, match: Callable[[Node], Optional[tuple]], function: Callable, what: str) -> Optional[str]:
+    """Each node for which ``match`` gives arguments becomes ``function(*arguments)`` (keeping
+    its recorded value, which later matches read); the report's note, or None."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        found = match(node)
+        if found is None:
+            continue
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_function(function, found)
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        rewritten += 1
+    eliminate_dead_code(gm)
+    return f"{rewritten} {what} in one pass" if rewritten else None

@@ -170,6 +170,18 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     return lib, None
 
 
+@functools.lru_cache(maxsize=None)
+def c_function(name: str, argtypes: tuple, restype=None):
+    """The own-kernel library's C function ``name`` declared with ``argtypes`` / ``restype``, or
+    None where the kernels are not built (for a kernel family's own module)."""
+    lib = _load()[0]
+    if lib is None:
+        return None
+    function = getattr(lib, name)
+    function.argtypes, function.restype = list(argtypes), restype
+    return function
+
+
 def _declare_gemm(function) -> None:
     """qb_conv_call's and qb_conv_call_vnni's signature: (threads, call, x, residual, y, yf) -> 0 /
     -1 (a scratch buffer could not be allocated)."""

@@ -11,7 +11,6 @@ that returns (sum, norm), the sum for the residual stream's later adds.
 from __future__ import annotations
 
 import ctypes
-import functools
 import operator
 from typing import NamedTuple, Optional
 
@@ -25,16 +24,13 @@ from .dead_code import eliminate_dead_code
 from .float_ops import float32, is_op, operands, single_user, through_noop_casts
 
 
-@functools.lru_cache(maxsize=None)
+# (csrc/rms_norm_f32.c: threads, rows, n, a, b, weight, eps, sum, out)
+_SIGNATURE = (ctypes.c_int, ctypes.c_long, ctypes.c_long) + (ctypes.c_void_p,) * 3 + (ctypes.c_float,) + (ctypes.c_void_p,) * 2
+
+
 def _kernel():
     """The C function, or None where the own kernels are not built."""
-    lib = native._load()[0]
-    if lib is None:
-        return None
-    kernel = lib.qb_rms_norm_f32
-    kernel.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 2
-    kernel.restype = None
-    return kernel
+    return native.c_function("qb_rms_norm_f32", _SIGNATURE)
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

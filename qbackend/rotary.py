@@ -11,7 +11,6 @@ attention, a KV cache's cat, through views) is rewritten.
 from __future__ import annotations
 
 import ctypes
-import functools
 import operator
 from typing import Optional
 
@@ -21,23 +20,18 @@ from torch.fx import GraphModule, Node
 from qbackend.patterns.base import fake_value
 
 from . import native
-from .dead_code import eliminate_dead_code
 from .attention_cleanup import reaches_only_strided_readers
-from .float_ops import float32, is_op, operands
+from .float_ops import calls_in_place_of, float32, is_op, operands
 
 aten = torch.ops.aten
 
 
-@functools.lru_cache(maxsize=None)
+_SIGNATURE = (ctypes.c_int,) + (ctypes.c_void_p,) * 5  # (csrc/rotary_f32.c: threads, geometry, q, cos, sin, out)
+
+
 def _kernel():
     """The C function, or None where the own kernels are not built."""
-    lib = native._load()[0]
-    if lib is None:
-        return None
-    kernel = lib.qb_rotary_f32
-    kernel.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5
-    kernel.restype = None
-    return kernel
+    return native.c_function("qb_rotary_f32", _SIGNATURE)
 
 
 def _reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -131,15 +125,9 @@ def rotaries_fused(gm: GraphModule) -> Optional[str]:
     """Rewrite each rotary embedding (see the module docstring) into one call."""
     if _kernel() is None:
         return None
-    fused = 0
-    for node in list(gm.graph.nodes):
+
+    def match(node: Node) -> Optional[tuple]:
         found = _rotary(node)
-        if found is None or not reaches_only_strided_readers(node.users):
-            continue
-        with gm.graph.inserting_before(node):
-            fused_node = gm.graph.call_function(rotary, found)
-        fused_node.meta = dict(node.meta)
-        node.replace_all_uses_with(fused_node)
-        fused += 1
-    eliminate_dead_code(gm)
-    return f"{fused} rotary embedding(s) in one pass" if fused else None
+        return found if found is not None and reaches_only_strided_readers(node.users) else None
+
+    return calls_in_place_of(gm, match, rotary, "rotary embedding(s)")

@@ -9,7 +9,6 @@ each ``silu(a) * b`` of two float32 tensors of one shape.
 from __future__ import annotations
 
 import ctypes
-import functools
 from typing import Optional
 
 import torch
@@ -18,21 +17,16 @@ from torch.fx import GraphModule, Node
 from qbackend.patterns.base import fake_value
 
 from . import native
-from .dead_code import eliminate_dead_code
-from .float_ops import float32, is_op, operands, single_user
+from .float_ops import calls_in_place_of, float32, is_op, operands, single_user
 
 
-@functools.lru_cache(maxsize=None)
+# (csrc/silu_mul_f32.c: threads, rows, n, a, a's row stride, b, b's row stride, out)
+_SIGNATURE = (ctypes.c_int, ctypes.c_long, ctypes.c_long) + (ctypes.c_void_p, ctypes.c_long) * 2 + (ctypes.c_void_p,)
+
+
 def _kernel():
     """The C function, or None where the own kernels are not built."""
-    lib = native._load()[0]
-    if lib is None:
-        return None
-    kernel = lib.qb_silu_mul_f32
-    kernel.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                       ctypes.c_long, ctypes.c_void_p]
-    kernel.restype = None
-    return kernel
+    return native.c_function("qb_silu_mul_f32", _SIGNATURE)
 
 
 def _row_stride(t: torch.Tensor) -> Optional[int]:
@@ -78,17 +72,4 @@ def _gated(node: Node) -> Optional[tuple[Node, Node]]:
 
 def silu_muls_fused(gm: GraphModule) -> Optional[str]:
     """Rewrite each ``silu(a) * b`` (see the module docstring) into one call."""
-    if _kernel() is None:
-        return None
-    fused = 0
-    for node in list(gm.graph.nodes):
-        found = _gated(node)
-        if found is None:
-            continue
-        with gm.graph.inserting_before(node):
-            call = gm.graph.call_function(silu_mul, found)
-        call.meta = dict(node.meta)
-        node.replace_all_uses_with(call)
-        fused += 1
-    eliminate_dead_code(gm)
-    return f"{fused} SiLU-and-multiply(s) in one pass" if fused else None
+    return None if _kernel() is None else calls_in_place_of(gm, _gated, silu_mul, "SiLU-and-multiply(s)")

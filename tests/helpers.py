@@ -140,6 +140,14 @@ def chain_lines(node, fmt) -> list:
     return lines + [f"{node.name} = kernel_chain({', '.join(fmt(a) for a in node.args)}) of {len(names)} steps -> ({leaving})"]
 
 
+def lowered_lines(module, inputs, *words: str):
+    """(compiled output, reference output, Captured, the lowered graph's ``short_graph`` lines
+    holding any of ``words``)."""
+    actual, expected, captured = compile_and_run(module, inputs)
+    lines = [line for line in short_graph(captured.lowered).splitlines() if any(word in line for word in words)]
+    return actual, expected, captured, "\n".join(lines)
+
+
 def short_graph(gm: GraphModule) -> str:
     """A stable, short printout for expecttest: op names without namespaces noise, constants
     as <const>, floats to 3 significant digits."""

@@ -9,7 +9,7 @@ import torch
 
 from qbackend import rms_norm
 
-from .helpers import Captured, needs_own_kernels, short_graph
+from .helpers import lowered_lines, needs_own_kernels
 from .tolerances import TOLERANCE, assert_outputs_close
 
 
@@ -86,20 +86,12 @@ class DecoderNorms(torch.nn.Module):
         return residual + self.proj(self.second(residual))
 
 
-def _compiled(module, x):
-    torch._dynamo.reset()
-    captured = Captured()
-    with torch.no_grad():
-        return torch.compile(module, backend=captured)(x), module(x), captured
-
-
 @needs_own_kernels
 class TestRMSNormGraph(expecttest.TestCase):
     def test_norms_and_the_residual_add_become_calls(self):
-        actual, expected, captured = _compiled(DecoderNorms(), torch.randn(1, 3, 32))
+        actual, expected, captured, lines = lowered_lines(DecoderNorms(), (torch.randn(1, 3, 32),), "norm", "getitem")
         assert_outputs_close(actual, expected)  # (a norm's 1-ulp differences pass through a linear)
-        lines = [line for line in short_graph(captured.lowered).splitlines() if "norm" in line or "getitem" in line]
-        self.assertExpectedInline("\n".join(lines), """\
+        self.assertExpectedInline(lines, """\
 rms_norm = rms_norm.rms_norm(l_x_, <const>, 1e-06)
 attended = _nn.linear(rms_norm, <const>, <const>)
 add_rms_norm = rms_norm.add_rms_norm(l_x_, attended, <const>, 1e-06)
@@ -114,6 +106,5 @@ add_3 = _operator.add(getitem, linear_1)""")
             def forward(self, hidden_states):
                 return self.weight * (hidden_states * torch.rsqrt(hidden_states.pow(2).mean(0, keepdim=True) + 1e-6))
 
-        actual, expected, captured = _compiled(OtherDim(32), torch.randn(4, 32))
-        assert torch.equal(actual, expected)
-        assert not any("rms_norm" in line for line in short_graph(captured.lowered).splitlines())
+        actual, expected, _, lines = lowered_lines(OtherDim(32), (torch.randn(4, 32),), "rms_norm")
+        assert torch.equal(actual, expected) and not lines

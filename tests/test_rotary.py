@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from qbackend import rotary
 
-from .helpers import Captured, needs_own_kernels, short_graph
+from .helpers import lowered_lines, needs_own_kernels
 from .tolerances import TOLERANCE
 
 
@@ -79,13 +79,7 @@ class RotaryAttention(torch.nn.Module):
 def _run(module):
     q, cos, sin = _geometry(1, 2, 5, 16)
     k, v = _geometry(1, 2, 5, 16, seed=1)[0], _geometry(1, 2, 5, 16, seed=2)[0]
-    torch._dynamo.reset()
-    captured = Captured()
-    with torch.no_grad():
-        actual = torch.compile(module, backend=captured)(q, k, v, cos[:, 0], sin[:, 0])
-        expected = module(q, k, v, cos[:, 0], sin[:, 0])
-    lines = [line for line in short_graph(captured.lowered).splitlines() if "rotary" in line or "cat" in line]
-    return actual, expected, captured, "\n".join(lines)
+    return lowered_lines(module, (q, k, v, cos[:, 0], sin[:, 0]), "rotary", "cat")
 
 
 @needs_own_kernels

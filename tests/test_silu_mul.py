@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from qbackend import silu_mul
 
-from .helpers import Captured, needs_own_kernels, short_graph
+from .helpers import lowered_lines, needs_own_kernels
 from .tolerances import TOLERANCE, assert_outputs_close
 
 
@@ -58,13 +58,7 @@ class GatedMLP(torch.nn.Module):
 
 
 def _compiled(module):
-    x = torch.randn(2, 5, 16)
-    torch._dynamo.reset()
-    captured = Captured()
-    with torch.no_grad():
-        actual, expected = torch.compile(module, backend=captured)(x), module(x)
-    lines = [line for line in short_graph(captured.lowered).splitlines() if "silu" in line or "mul" in line]
-    return actual, expected, captured, "\n".join(lines)
+    return lowered_lines(module, (torch.randn(2, 5, 16),), "silu", "mul")
 
 
 @needs_own_kernels
