@@ -19,10 +19,12 @@ from typing import Iterable, Optional
 import torch
 from torch.fx import GraphModule
 
+from qbackend.lowering.sibling_linears import MERGED
 from qbackend.patterns.base import constant_value
 
 from . import native
 from .dense_weight_only import WEIGHT_ONLY, kernel_or_dense
+from .freeze import set_constant
 
 HUGE_PAGE = 2 << 20
 MADV_COLLAPSE = 25  # (linux/mman.h: synchronous collapse into transparent huge pages, Linux 6.1+)
@@ -61,6 +63,23 @@ def collapse(tensors: Iterable[torch.Tensor]) -> int:
     return moved
 
 
+MADV_HUGEPAGE = 14
+
+
+def aligned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` starting on a 2 MB boundary, its pages asked for as huge pages before
+    the copy touches them (so all but the last come as 2 MB pages)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    buffer = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    offset = -buffer.data_ptr() % HUGE_PAGE
+    madvise = _madvise()
+    if madvise is not None:
+        madvise(buffer.data_ptr() + offset, (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE)
+    copy = buffer[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
+    copy.copy_(tensor)
+    return copy
+
+
 def _weight_only_calls():
     plain = {native.PLAIN[name] for name in WEIGHT_ONLY}
     return plain | {kernel_or_dense}
@@ -70,11 +89,18 @@ def streamed_weights_on_huge_pages(gm: GraphModule) -> Optional[str]:
     """The constants the graph's weight-only kernel calls read, on huge pages (see the module
     docstring)."""
     calls = _weight_only_calls()
-    tensors = [value for node in gm.graph.nodes if node.op == "call_function" and node.target in calls
-               for arg in node.args if (value := constant_value(gm, arg)) is not None]
-    if not tensors:
+    reads = {arg for node in gm.graph.nodes if node.op == "call_function" and node.target in calls
+             for arg in node.args if constant_value(gm, arg) is not None}
+    if not reads:
         return None
     start = time.perf_counter()
+    tensors = []
+    for read in reads:
+        value = constant_value(gm, read)
+        if read.target.startswith(f"_qb_{MERGED}_") and value.is_contiguous() and value.numel() * value.element_size() >= HUGE_PAGE // 2:
+            value = aligned_copy(value)  # (qbackend's own tensor: moved whole, its ends included)
+            set_constant(gm, read.target, value)
+        tensors.append(value)
     moved = collapse(tensors)
     if not moved:
         return None

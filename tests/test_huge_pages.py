@@ -60,3 +60,31 @@ def test_a_weight_only_linears_weights_move_with_its_values_unchanged():
     assert torch.equal(actual, expected)
     notes = [note for note in captured.report.notes if "2 MB pages" in note]
     assert len(notes) == (1 if _linux_collapses() else 0), captured.report.notes
+
+
+class Siblings(torch.nn.Module):
+    """Two linears reading one input: their weights run merged (lowering/sibling_linears.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(2048, 2048, bias=False), torch.nn.Linear(2048, 1024, bias=False)
+
+    def forward(self, x):
+        return self.q(x).relu(), self.k(x).relu()  # (an output the graph returns is not merged)
+
+
+@needs_own_kernels
+def test_merged_weights_move_whole_onto_aligned_pages():
+    torch.manual_seed(0)
+    model = quantize_weights(Siblings().eval(), bits=4, group_size=128)
+    x = torch.randn(1, 1, 2048)  # (a decode step's rows)
+    torch._dynamo.reset()
+    captured = Captured()
+    with torch.no_grad():
+        expected = model(x)
+        actual = torch.compile(model, backend=captured)(x)
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected))
+    lowered = captured.lowered
+    merged = [getattr(lowered, n.target) for n in lowered.graph.nodes if n.op == "get_attr" and "_merged_" in n.target]
+    big = [t for t in merged if t.numel() * t.element_size() >= huge_pages.HUGE_PAGE // 2]
+    assert big and all(t.data_ptr() % huge_pages.HUGE_PAGE == 0 for t in big), [t.data_ptr() % huge_pages.HUGE_PAGE for t in big]
