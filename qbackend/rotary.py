@@ -11,6 +11,7 @@ attention, a KV cache's cat, through views) is rewritten.
 from __future__ import annotations
 
 import ctypes
+import functools
 import operator
 from typing import Optional
 
@@ -39,31 +40,41 @@ def _reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
 
 
-def _expanded(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """cos and sin as views of q's shape when the kernel computes this call: plain float32 CPU
-    tensors (not fake ones under tracing), q 4-D with an even last dim, every last dim
-    contiguous; else None."""
-    tensors = (q, cos, sin)
-    if _kernel() is None or not all(type(t) is torch.Tensor and t.dtype == torch.float32 and t.device.type == "cpu"
-                                    for t in tensors):
+def _broadcast_strides(shape: tuple, size: tuple, stride: tuple) -> Optional[tuple]:
+    """The strides of a tensor of ``size`` / ``stride`` expanded to ``shape`` (0 where it
+    broadcasts), or None where it does not broadcast."""
+    if len(size) > len(shape):
         return None
-    if q.dim() != 4 or q.shape[-1] % 2 or q.numel() == 0 or cos.dim() > 4 or sin.dim() > 4:
+    size, stride = (1,) * (len(shape) - len(size)) + size, (0,) * (len(shape) - len(stride)) + stride
+    if any(s not in (1, n) for s, n in zip(size, shape)):
         return None
-    try:
-        views = cos.expand(q.shape), sin.expand(q.shape)
-    except RuntimeError:  # (not broadcastable: torch's ops raise it)
+    return tuple(0 if s == 1 and n != 1 else t for s, n, t in zip(size, shape, stride))
+
+
+@functools.lru_cache(maxsize=256)
+def _geometry(shape: tuple, q_stride: tuple, cos_size: tuple, cos_stride: tuple, sin_size: tuple, sin_stride: tuple):
+    """The kernel's geometry argument for one call site's sizes and strides (made once: ~10 us
+    of a decode call's ~16 were expand views and the ctypes array), or None where it does not
+    apply: q 4-D with an even last dim, cos and sin broadcasting to it, every last dim contiguous."""
+    if len(shape) != 4 or shape[-1] % 2 or 0 in shape:
         return None
-    return views if all(t.stride(-1) == 1 for t in (q, *views)) else None
+    strides = [q_stride, _broadcast_strides(shape, cos_size, cos_stride), _broadcast_strides(shape, sin_size, sin_stride)]
+    if None in strides or any(s[-1] != 1 for s in strides):
+        return None
+    return (ctypes.c_long * 16)(*shape, *strides[0], *strides[1], *strides[2])
 
 
 def rotary(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``q * cos + rotate_half(q) * sin``, dense; torch's ops where the kernel does not apply."""
-    views = _expanded(q, cos, sin)
-    if views is None:
+    """``q * cos + rotate_half(q) * sin``, dense; torch's ops where the kernel does not apply
+    (other dtypes or devices, fake tensors under tracing, shapes or layouts it does not take)."""
+    geometry = None
+    if _kernel() is not None and all(type(t) is torch.Tensor and t.dtype == torch.float32 and t.device.type == "cpu"
+                                     for t in (q, cos, sin)):
+        geometry = _geometry(tuple(q.shape), q.stride(), tuple(cos.shape), cos.stride(), tuple(sin.shape), sin.stride())
+    if geometry is None:
         return _reference(q, cos, sin)
     out = torch.empty(q.shape, dtype=torch.float32)
-    geometry = (ctypes.c_long * 16)(*q.shape, *q.stride(), *views[0].stride(), *views[1].stride())
-    _kernel()(torch.get_num_threads(), geometry, q.data_ptr(), views[0].data_ptr(), views[1].data_ptr(), out.data_ptr())
+    _kernel()(torch.get_num_threads(), geometry, q.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr())
     return out
 
 

@@ -9,6 +9,7 @@ each ``silu(a) * b`` of two float32 tensors of one shape.
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Optional
 
 import torch
@@ -29,28 +30,37 @@ def _kernel():
     return native.c_function("qb_silu_mul_f32", _SIGNATURE)
 
 
-def _row_stride(t: torch.Tensor) -> Optional[int]:
-    """The distance between t's rows (its last dim contiguous, the dims before it one evenly
-    strided run of rows), else None."""
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
+def _row_stride(shape: tuple, stride: tuple) -> Optional[int]:
+    """The distance between the rows of a tensor of ``shape`` / ``stride`` (its last dim
+    contiguous, the dims before it one evenly strided run of rows), else None."""
+    if stride[-1] != 1 and shape[-1] > 1:
         return None
-    if t.dim() == 1:
-        return t.shape[0]
-    for d in range(t.dim() - 2):
-        if t.shape[d] > 1 and t.stride(d) != t.stride(d + 1) * t.shape[d + 1]:
+    if len(shape) == 1:
+        return shape[0]
+    for d in range(len(shape) - 2):
+        if shape[d] > 1 and stride[d] != stride[d + 1] * shape[d + 1]:
             return None
-    return t.stride(-2)
+    return stride[-2]
+
+
+@functools.lru_cache(maxsize=256)
+def _row_strides(shape: tuple, a_stride: tuple, b_stride: tuple) -> Optional[tuple[int, int]]:
+    """Both operands' row strides for one call site (made once: half of a decode call's ~11 us),
+    or None where the kernel does not take them."""
+    if not shape or 0 in shape:
+        return None
+    strides = _row_stride(shape, a_stride), _row_stride(shape, b_stride)
+    return None if None in strides else strides
 
 
 def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``F.silu(a) * b``, dense; torch's ops where the kernel does not apply (other dtypes,
     shapes that broadcast, fake tensors under tracing, rows not evenly strided)."""
-    if (_kernel() is None or type(a) is not torch.Tensor or type(b) is not torch.Tensor or a.dtype != torch.float32
-            or b.dtype != torch.float32 or a.device.type != "cpu" or b.device.type != "cpu" or a.shape != b.shape
-            or a.dim() == 0 or a.numel() == 0):
-        return torch.nn.functional.silu(a) * b
-    strides = _row_stride(a), _row_stride(b)
-    if None in strides:
+    strides = None
+    if (_kernel() is not None and type(a) is torch.Tensor and type(b) is torch.Tensor and a.dtype == torch.float32
+            and b.dtype == torch.float32 and a.device.type == "cpu" and b.device.type == "cpu" and a.shape == b.shape):
+        strides = _row_strides(tuple(a.shape), a.stride(), b.stride())
+    if strides is None:
         return torch.nn.functional.silu(a) * b
     n = a.shape[-1]
     out = torch.empty(a.shape, dtype=torch.float32)
