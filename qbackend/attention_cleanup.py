@@ -47,19 +47,20 @@ _STRIDED_VIEWS = {aten.select.int, aten.reshape.default, aten.transpose.int, ate
                   aten.squeeze.dim, aten.slice.Tensor}
 # Readers whose result does not depend on their inputs' strides
 _ANY_STRIDES = {aten.scaled_dot_product_attention.default, torch._C._nn.scaled_dot_product_attention,
-                torch.nn.functional.scaled_dot_product_attention, torch.cat, aten.cat.default}
+                torch.nn.functional.scaled_dot_product_attention}
 
 
 def _reads_any_strides(target) -> bool:
     """torch's attention, or ours in any form (it passes strides to the kernel, copying only a
-    last dim that is not contiguous); a cat, or a function that says it (kv_append.append)."""
+    last dim that is not contiguous); or a function that says it (kv_append.append)."""
     return (target in _ANY_STRIDES or target in (native.attention_f32, native.attention_quantize)
             or getattr(target, "reads_any_strides", False)
             or str(target) in (f"{native.NAMESPACE}.attention_f32.default", f"{native.NAMESPACE}.attention_quantize.default"))
 
 
-def reaches_only_strided_readers(readers) -> bool:
-    """Each of ``readers``, and through views every reader after it, takes any strides."""
+def reaches_only_strided_readers(readers, values_only=frozenset()) -> bool:
+    """Each of ``readers``, and through views every reader after it, takes any strides; also
+    ``values_only`` targets where only the values matter, not the layout they give (a cat)."""
     pending = list(readers)
     while pending:
         user = pending.pop()
@@ -67,7 +68,7 @@ def reaches_only_strided_readers(readers) -> bool:
             return False
         if user.target in _STRIDED_VIEWS:
             pending.extend(user.users)
-        elif not _reads_any_strides(user.target):
+        elif not _reads_any_strides(user.target) and user.target not in values_only:
             return False
     return True
 

@@ -24,7 +24,7 @@ from torch.fx import GraphModule, Node
 from .attention_cleanup import reaches_only_strided_readers
 
 aten = torch.ops.aten
-_CATS = {torch.cat, aten.cat.default}
+CATS = frozenset({torch.cat, aten.cat.default})
 _FILLED = "_qbackend_kv_filled"  # a buffer's attribute: rows written along its dim
 
 
@@ -82,7 +82,7 @@ append.reads_any_strides = True  # (the values it appends, whatever their layout
 
 def _cat_of_graph_input(node: Node) -> Optional[tuple[Node, Node, int]]:
     """(past, new, dim) of ``cat([past, new], dim)`` whose ``past`` is a graph input."""
-    if node.op != "call_function" or node.target not in _CATS:
+    if node.op != "call_function" or node.target not in CATS:
         return None
     tensors = node.args[0] if node.args else node.kwargs.get("tensors")
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)

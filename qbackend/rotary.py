@@ -23,6 +23,7 @@ from qbackend.patterns.base import fake_value
 from . import native
 from .attention_cleanup import reaches_only_strided_readers
 from .float_ops import calls_in_place_of, float32, is_op, operands
+from .kv_append import CATS
 
 aten = torch.ops.aten
 
@@ -139,6 +140,7 @@ def rotaries_fused(gm: GraphModule) -> Optional[str]:
 
     def match(node: Node) -> Optional[tuple]:
         found = _rotary(node)
-        return found if found is not None and reaches_only_strided_readers(node.users) else None
+        # (a KV cache's cat left as it is reads only the rotated values)
+        return found if found is not None and reaches_only_strided_readers(node.users, CATS) else None
 
     return calls_in_place_of(gm, match, rotary, "rotary embedding(s)")
