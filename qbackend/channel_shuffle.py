@@ -26,18 +26,15 @@ aten = torch.ops.aten
 _VIEWS = (aten.reshape.default, aten.view.default)
 
 
+_PAIR = (ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p)
+_HALVES = _PAIR[:-1] + (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_float) + (ctypes.c_int,) * 3
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel():
     """The C functions (pair, halves), or None where the own kernels are not built."""
-    lib = native._load()[0]
-    if lib is None:
-        return None
-    pair, halves = lib.qb_shuffle_pair_f32, lib.qb_shuffle_halves_f32
-    pair.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                     ctypes.c_long, ctypes.c_void_p]
-    halves.argtypes = pair.argtypes[:-1] + [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_float] + [ctypes.c_int] * 3
-    pair.restype = halves.restype = None
-    return pair, halves
+    pair = native.c_function("qb_shuffle_pair_f32", _PAIR)
+    return None if pair is None else (pair, native.c_function("qb_shuffle_halves_f32", _HALVES))
 
 
 def _pixel_stride(x: torch.Tensor) -> Optional[int]:

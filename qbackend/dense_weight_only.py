@@ -44,14 +44,9 @@ MIN_ROWS = 8  # a graph whose rows are known to be fewer runs the kernel alone (
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """(int4, int8) C functions, or None where the own kernels are not built."""
-    lib = native._load()[0]
-    if lib is None:
-        return None
-    int4, int8 = lib.qb_int4_dequantize, lib.qb_int8_dequantize
-    int4.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p]
-    int8.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int, ctypes.c_void_p]
-    int4.restype = int8.restype = None
-    return int4, int8
+    int4 = native.c_function("qb_int4_dequantize", (ctypes.c_int,) * 4 + (ctypes.c_void_p,) * 3 + (ctypes.c_int, ctypes.c_void_p))
+    int8 = native.c_function("qb_int8_dequantize", (ctypes.c_int,) * 3 + (ctypes.c_void_p,) * 2 + (ctypes.c_int, ctypes.c_void_p))
+    return None if int4 is None else (int4, int8)
 
 
 def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple) -> None:
