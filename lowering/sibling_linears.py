@@ -26,6 +26,7 @@ import torch
 from torch.fx import Node
 
 from qbackend import native
+from qbackend.huge_pages import aligned_cat
 from qbackend.patterns.base import constant_value, fake_value
 from qbackend.patterns.inplace import schema_writes
 
@@ -34,7 +35,6 @@ from .base import EmitContext
 from .common import SIBLING, record_fake_value, static_shape
 
 aten = torch.ops.aten
-MERGED = "merged"  # (the hint of the concatenated weights' constant names: huge_pages.py moves them whole)
 
 
 def _hashable(value):
@@ -150,7 +150,7 @@ def _merge_weight_only(ctx: EmitContext, members: list[Node]) -> bool:
         return False
     widths = [v.shape[0] for v in values[1]]
     with graph.inserting_before(first):
-        constants = {i: ctx.constant(torch.cat(values[i]).contiguous(), f"{MERGED}_{i}") for i in tensors}
+        constants = {i: ctx.constant(aligned_cat(values[i]), f"merged_{i}") for i in tensors}  # (on 2 MB pages: streamed)
         merged = graph.call_function(first.target, tuple(constants.get(i, a) for i, a in enumerate(first.args)))
     outputs = [fake_value(m) for m in members]
     if all(v is not None for v in outputs):

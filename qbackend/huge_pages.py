@@ -5,8 +5,10 @@ A weight-only LLM decode step reads every weight once (a 4-layer Llama-architect
 ran 7-10% faster (paired) with their weights on 2 MB pages, at 4.2-4.4 ms, the machine's
 copy-bandwidth floor (Zen 4, 2 threads). ``streamed_weights_on_huge_pages`` asks Linux to
 move the weight-only kernels' constants onto transparent huge pages in place
-(``madvise(MADV_COLLAPSE)``, Linux 6.1+): the same addresses and bytes, no copy kept, so no
-memory beyond the pages' rounding. Where the kernel or its settings refuse, nothing changes.
+(``madvise(MADV_COLLAPSE)``, Linux 6.1+): the same addresses and bytes, no copy kept. That
+leaves each tensor's partial first and last 2 MB page; the tensors qbackend makes itself (the
+merged weights of sibling linears) are written from a 2 MB boundary instead (``aligned_cat``).
+Where the kernel or its settings refuse, nothing changes.
 """
 from __future__ import annotations
 
@@ -19,14 +21,12 @@ from typing import Iterable, Optional
 import torch
 from torch.fx import GraphModule
 
-from qbackend.lowering.sibling_linears import MERGED
 from qbackend.patterns.base import constant_value
 
 from . import native
-from .dense_weight_only import WEIGHT_ONLY, kernel_or_dense
-from .freeze import set_constant
 
 HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14  # (linux/mman.h: back this range with transparent huge pages when it is touched)
 MADV_COLLAPSE = 25  # (linux/mman.h: synchronous collapse into transparent huge pages, Linux 6.1+)
 
 
@@ -63,44 +63,37 @@ def collapse(tensors: Iterable[torch.Tensor]) -> int:
     return moved
 
 
-MADV_HUGEPAGE = 14
-
-
-def aligned_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tensor`` starting on a 2 MB boundary, its pages asked for as huge pages before
-    the copy touches them (so all but the last come as 2 MB pages)."""
-    nbytes = tensor.numel() * tensor.element_size()
+def aligned_cat(tensors: list) -> torch.Tensor:
+    """``torch.cat(tensors)`` (along dim 0, one dtype), written from a 2 MB boundary with huge
+    pages asked for before the cat touches them, when it is a CPU tensor of at least half a page."""
+    first = tensors[0]
+    nbytes = sum(t.numel() for t in tensors) * first.element_size()
+    if first.device.type != "cpu" or nbytes < HUGE_PAGE // 2:
+        return torch.cat(tensors).contiguous()
     buffer = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     offset = -buffer.data_ptr() % HUGE_PAGE
     madvise = _madvise()
     if madvise is not None:
         madvise(buffer.data_ptr() + offset, (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE)
-    copy = buffer[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape)
-    copy.copy_(tensor)
-    return copy
+    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+    return torch.cat(tensors, out=buffer[offset:offset + nbytes].view(first.dtype).view(shape))
 
 
 def _weight_only_calls():
-    plain = {native.PLAIN[name] for name in WEIGHT_ONLY}
-    return plain | {kernel_or_dense}
+    from .dense_weight_only import WEIGHT_ONLY, kernel_or_dense  # (it imports the lowering, which imports aligned_cat)
+
+    return {native.PLAIN[name] for name in WEIGHT_ONLY} | {kernel_or_dense}
 
 
 def streamed_weights_on_huge_pages(gm: GraphModule) -> Optional[str]:
     """The constants the graph's weight-only kernel calls read, on huge pages (see the module
     docstring)."""
     calls = _weight_only_calls()
-    reads = {arg for node in gm.graph.nodes if node.op == "call_function" and node.target in calls
-             for arg in node.args if constant_value(gm, arg) is not None}
-    if not reads:
+    tensors = [value for node in gm.graph.nodes if node.op == "call_function" and node.target in calls
+               for arg in node.args if (value := constant_value(gm, arg)) is not None]
+    if not tensors:
         return None
     start = time.perf_counter()
-    tensors = []
-    for read in reads:
-        value = constant_value(gm, read)
-        if read.target.startswith(f"_qb_{MERGED}_") and value.is_contiguous() and value.numel() * value.element_size() >= HUGE_PAGE // 2:
-            value = aligned_copy(value)  # (qbackend's own tensor: moved whole, its ends included)
-            set_constant(gm, read.target, value)
-        tensors.append(value)
     moved = collapse(tensors)
     if not moved:
         return None
