@@ -61,6 +61,11 @@ def operands(node: Node, name: str) -> Optional[tuple]:
     return tuple(node.args[:2]) if is_op(node, name) and len(node.args) == 2 and not node.kwargs else None
 
 
+def both_orders(pair: Optional[tuple]) -> list:
+    """A commutative op's two operands both ways round ([] for None, no match)."""
+    return [] if pair is None else [pair, pair[::-1]]
+
+
 def single_user(node) -> bool:
     return isinstance(node, Node) and len(node.users) == 1
 

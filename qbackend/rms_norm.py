@@ -21,7 +21,7 @@ from qbackend.patterns.base import constant_value, fake_value
 
 from . import native
 from .dead_code import eliminate_dead_code
-from .float_ops import float32, is_op, operands, single_user, through_noop_casts
+from .float_ops import both_orders, float32, is_op, operands, single_user, through_noop_casts
 
 
 # (csrc/rms_norm_f32.c: threads, rows, n, a, b, weight, eps, sum, out)
@@ -81,59 +81,49 @@ class _Norm(NamedTuple):
     x: Node  # the rows normalized
     weight: Node
     eps: float
-    chain: frozenset  # the nodes the call replaces
 
 
-def _both_orders(pair: Optional[tuple]) -> list:
-    return [] if pair is None else [pair, pair[::-1]]
-
-
-def _mean_of_squares(node, h: Node) -> Optional[Node]:
-    """The square, when ``node`` is ``h.pow(2).mean(-1, keepdim=True)``, each read only by the next."""
+def _mean_of_squares(node, h: Node) -> bool:
+    """``node`` is ``h.pow(2).mean(-1, keepdim=True)``, each read only by the next."""
     if not (is_op(node, "mean") and single_user(node)):
-        return None
+        return False
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     dims = list(dims) if isinstance(dims, (list, tuple)) else [dims]
     if keepdim is not True or len(dims) != 1 or dims[0] not in (-1, fake_value(h).dim() - 1):
-        return None
+        return False
     square = node.args[0]
-    if is_op(square, "pow") and single_user(square) and square.args[0] is h and tuple(square.args[1:]) == (2,) \
-            and not square.kwargs:
-        return square
-    return None
+    return is_op(square, "pow") and single_user(square) and square.args[0] is h and tuple(square.args[1:]) == (2,) \
+        and not square.kwargs
 
 
-def _inverse_rms(node, h: Node) -> Optional[tuple[float, list]]:
-    """(eps, the nodes from the square to ``node``), when ``node`` is
-    ``rsqrt(mean(h^2, -1) + eps)`` read only by the product."""
+def _inverse_rms(node, h: Node) -> Optional[float]:
+    """eps, when ``node`` is ``rsqrt(mean(h^2, -1) + eps)`` read only by the product."""
     if not (is_op(node, "rsqrt") and single_user(node) and len(node.args) == 1 and single_user(node.args[0])):
         return None
-    for variance, eps in _both_orders(operands(node.args[0], "add")):
-        square = _mean_of_squares(variance, h) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
-        if square is not None:
-            return float(eps), [square, variance, node.args[0], node]
+    for variance, eps in both_orders(operands(node.args[0], "add")):
+        if isinstance(eps, (int, float)) and not isinstance(eps, bool) and _mean_of_squares(variance, h):
+            return float(eps)
     return None
 
 
 def _norm(gm: GraphModule, node: Node) -> Optional[_Norm]:
     """``node`` as ``weight * (h * rsqrt(mean(h^2, -1) + eps))`` of a float32 h (casts to
     float32 around it allowed), with a 1-D float32 weight of h's last dim, else None."""
-    for weight, normed in _both_orders(operands(node, "mul")):
+    for weight, normed in both_orders(operands(node, "mul")):
         inner = through_noop_casts(normed)
         w = fake_value(weight) if fake_value(weight) is not None else constant_value(gm, weight)
         if w is None or w.dtype != torch.float32 or w.dim() != 1 or not single_user(inner) \
                 or (inner is not normed and not single_user(normed)):
             continue
-        for h, inverse in _both_orders(operands(inner, "mul")):
-            found = _inverse_rms(inverse, h) if isinstance(h, Node) and fake_value(h) is not None else None
+        for h, inverse in both_orders(operands(inner, "mul")):
+            eps = _inverse_rms(inverse, h) if isinstance(h, Node) and fake_value(h) is not None else None
             x = through_noop_casts(h)
-            if found is None or not float32(x) or fake_value(x).shape[-1] != w.shape[0]:
+            if eps is None or not float32(x) or fake_value(x).shape[-1] != w.shape[0]:
                 continue
             if h is not x and len(h.users) != 2:  # (the cast feeds the square and the product only)
                 continue
-            casts = {n for n in (normed, h) if n is not inner and n is not x}
-            return _Norm(x, weight, found[0], frozenset({node, inner, *found[1], *casts}))
+            return _Norm(x, weight, eps)
     return None
 
 

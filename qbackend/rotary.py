@@ -22,7 +22,7 @@ from qbackend.patterns.base import fake_value
 
 from . import native
 from .attention_cleanup import reaches_only_strided_readers
-from .float_ops import calls_in_place_of, float32, is_op, operands
+from .float_ops import both_orders, calls_in_place_of, float32, is_op, operands
 from .kv_append import CATS
 
 aten = torch.ops.aten
@@ -118,16 +118,16 @@ def _rotated(node, q: Node, half: int) -> bool:
 def _rotary(node: Node) -> Optional[tuple[Node, Node, Node]]:
     """(q, cos, sin) when ``node`` is ``q * cos + rotate_half(q) * sin`` on float32 4-D q."""
     terms = operands(node, "add")
-    for direct, turned in ([] if terms is None else [terms, terms[::-1]]):
+    for direct, turned in both_orders(terms):
         plain, rotated = operands(direct, "mul"), operands(turned, "mul")
         if plain is None or rotated is None or len(direct.users) != 1 or len(turned.users) != 1:
             continue
-        for q, cos in (plain, plain[::-1]):
+        for q, cos in both_orders(plain):
             value = fake_value(q)
             if not (isinstance(q, Node) and float32(q) and value.dim() == 4 and isinstance(value.shape[-1], int)
                     and value.shape[-1] % 2 == 0 and float32(cos) and float32(node)):
                 continue
-            for cat, sin in (rotated, rotated[::-1]):
+            for cat, sin in both_orders(rotated):
                 if _rotated(cat, q, value.shape[-1] // 2) and float32(sin) and fake_value(node).shape == value.shape:
                     return q, cos, sin
     return None

@@ -18,7 +18,7 @@ from torch.fx import GraphModule, Node
 from qbackend.patterns.base import fake_value
 
 from . import native
-from .float_ops import calls_in_place_of, float32, is_op, operands, single_user
+from .float_ops import both_orders, calls_in_place_of, float32, is_op, operands, single_user
 
 
 # (csrc/silu_mul_f32.c: threads, rows, n, a, a's row stride, b, b's row stride, out)
@@ -73,7 +73,7 @@ silu_mul.fresh_output = True  # (patterns/inplace.py: a later kernel may write i
 
 def _gated(node: Node) -> Optional[tuple[Node, Node]]:
     """(a, b) when ``node`` is ``silu(a) * b`` (either order) of float32 tensors of one shape."""
-    for gate, up in [] if operands(node, "mul") is None else [operands(node, "mul"), operands(node, "mul")[::-1]]:
+    for gate, up in both_orders(operands(node, "mul")):
         if is_op(gate, "silu") and single_user(gate) and len(gate.args) == 1 and not gate.kwargs.get("inplace", False) \
                 and float32(gate.args[0]) and float32(up) and fake_value(gate.args[0]).shape == fake_value(up).shape:
             return gate.args[0], up
