@@ -203,8 +203,8 @@ class _ConvCall(ctypes.Structure):
 @_once
 def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     """The AVX512-VNNI kernels' library (the GEMM's qb_conv_call_vnni, the depthwise
-    qb_dwconv_vnni_call, the stem conv's qb_stem_conv_vnni_call) where this CPU and
-    compiler can run it, else (None, why not)."""
+    qb_dwconv_vnni_call, the stem conv's qb_stem_conv_vnni_call, attention's AVX-512 build)
+    where this CPU and compiler can run it, else (None, why not)."""
     lib, reason = _load()
     if lib is None:
         return None, reason
@@ -221,9 +221,11 @@ def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     vnni.qb_vnni_zmm_speedup.argtypes, vnni.qb_vnni_zmm_speedup.restype = [ctypes.c_int], ctypes.c_double
     vnni.qb_dwconv_vnni_call.argtypes = vnni.qb_stem_conv_vnni_call.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3
     vnni.qb_grouped_conv_vnni.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3
+    vnni.qb_attention_f32.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6
     # -1: a thread's scratch could not be allocated (the depthwise conv; the stem conv with a fused
     # pool; the grouped conv's zero-point pixel)
     vnni.qb_dwconv_vnni_call.restype = vnni.qb_stem_conv_vnni_call.restype = vnni.qb_grouped_conv_vnni.restype = ctypes.c_int
+    vnni.qb_attention_f32.restype = ctypes.c_int  # (0; -1 when a thread could not allocate its scratch)
     return vnni, None
 
 
@@ -898,11 +900,11 @@ def _attention(lib, q, k, v, mask, scale, is_causal=False):
     (b, h, length, d), kv_heads = q.shape, k.shape[1]
     causal_rows = length if is_causal else 0  # (grouped: each query head's positions one after another)
     if kv_heads == h:
-        return _checked_attention(lib, q, k, v, mask, scale, causal_rows=causal_rows).transpose(1, 2)
+        return _checked_attention(q, k, v, mask, scale, causal_rows=causal_rows).transpose(1, 2)
     # grouped: each key / value head read once for all its query heads
     if mask is not None:  # (a view: refusal leaves one query row, or a mask the same for all heads and rows)
         mask = mask.expand(b, h, length, k.shape[2]).reshape(b, kv_heads, h // kv_heads * length, k.shape[2])
-    return _checked_attention(lib, _grouped(q, kv_heads), k, v, mask, scale,
+    return _checked_attention(_grouped(q, kv_heads), k, v, mask, scale,
                               causal_rows=causal_rows).transpose(1, 2).reshape(b, h, length, d)
 
 
@@ -918,7 +920,7 @@ def _attention_quantize(lib, q, k, v, mask, scale, out_scale, zero_point, qmin, 
     reason = attention_quantize_refusal(q, k, v, mask, out_scale, zero_point, qmin, qmax)
     if reason is not None:
         raise ValueError(f"qbackend::attention_quantize: {reason}")
-    return _checked_attention(lib, q, k, v, mask, scale, (out_scale, zero_point, qmin, qmax))
+    return _checked_attention(q, k, v, mask, scale, (out_scale, zero_point, qmin, qmax))
 
 
 @functools.lru_cache(maxsize=256)
@@ -931,16 +933,23 @@ def _attention_call(shape: tuple, s: int, strides: tuple, mask_stride: tuple, ou
                           1.0 / out_scale, zero_point, qmin, qmax, causal_rows)
 
 
-def _checked_attention(lib, q, k, v, mask, scale, quantize=None, causal_rows=0):
+@_once
+def _attention_function():
+    """attention_f32.c's entry: the AVX-512 build's where the AVX512-VNNI library loads (tiles
+    of 8 query rows; the same bits), else the AVX2 one."""
+    return (_vnni_library()[0] or _load()[0]).qb_attention_f32
+
+
+def _checked_attention(q, k, v, mask, scale, quantize=None, causal_rows=0):
     """The kernel on operands ``attention_refusal`` took, heads equal (a decode step's hot path:
     checked once): [B, L, H, D], float32, or uint8 on ``quantize``'s (scale, zero point, qmin,
     qmax) grid."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    return _attention_kernel(lib, tuple(q.shape), k.shape[2], (q.data_ptr(), k.data_ptr(), v.data_ptr()),
+    return _attention_kernel(tuple(q.shape), k.shape[2], (q.data_ptr(), k.data_ptr(), v.data_ptr()),
                              (q.stride()[:3], k.stride()[:3], v.stride()[:3]), mask, scale, quantize, causal_rows=causal_rows)
 
 
-def _attention_kernel(lib, shape: tuple, s: int, pointers: tuple, strides: tuple, mask, scale, quantize,
+def _attention_kernel(shape: tuple, s: int, pointers: tuple, strides: tuple, mask, scale, quantize,
                       length_first: bool = False, causal_rows: int = 0):
     """attention_f32.c on q / k / v at ``pointers``, [B, H, L or S, D] with ``strides`` for their first
     three dims (the last contiguous), all checked by the caller; the mask broadcasts. Returns
@@ -953,7 +962,7 @@ def _attention_kernel(lib, shape: tuple, s: int, pointers: tuple, strides: tuple
     dtype = torch.float32 if quantize is None else torch.uint8
     out = torch.empty(length, b, h, d, dtype=dtype).transpose(0, 1) if length_first else torch.empty(b, length, h, d, dtype=dtype)
     call = _attention_call(shape, s, strides, tuple(mask_stride), out.stride()[:2], scale, quantize, causal_rows)
-    if lib.qb_attention_f32(torch.get_num_threads(), ctypes.byref(call), *pointers, None if mask is None else mask.data_ptr(),
+    if _attention_function()(torch.get_num_threads(), ctypes.byref(call), *pointers, None if mask is None else mask.data_ptr(),
                             out.data_ptr()):
         raise MemoryError("qbackend attention: a thread could not allocate its packed keys and scores")
     return out
@@ -978,7 +987,7 @@ def attention_from_projection(projection, geometry: tuple, mask, scale, quantize
     # a length-major projection (MultiheadAttention's [L, B, 3E] rows) gets a length-major result:
     # its head merge (permute(2, 0, 1, 3).reshape(L * B, E)) is then a view, not a copy
     length_first = quantize is None and shape[0] > 1 and strides[0][2] > strides[0][0]
-    out = _attention_kernel(_load()[0], shape, s, tuple(base + 4 * offset for offset in offsets), strides, mask, scale, quantize,
+    out = _attention_kernel(shape, s, tuple(base + 4 * offset for offset in offsets), strides, mask, scale, quantize,
                             length_first)
     return out if quantize is not None else out.transpose(1, 2)
 

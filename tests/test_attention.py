@@ -105,6 +105,22 @@ def test_attention_quantize_writes_the_float_kernels_quantized_bytes(case):
             assert torch.equal(actual, expected)
 
 
+@pytest.mark.skipif(native._vnni_library()[0] is None, reason=f"no AVX-512 build here: {native._vnni_library()[1]}")
+@pytest.mark.parametrize("case", KERNEL_CASES + [(1, 4, 8, 300, 64, None)], ids=str)  # (+ a decode step's 8 grouped rows)
+def test_the_avx512_and_avx2_builds_give_the_same_bits(case, monkeypatch):
+    """Tiles of 8 rows of zmm or 6 of ymm pairs: each output element is the same chain of FMAs."""
+    batch, heads, length, keys, dim, mask_shape = case
+    q, k, v = _heads(batch, heads, length, dim, 0), _heads(batch, heads, keys, dim, 1), _heads(batch, heads, keys, dim, 2)
+    mask = None if mask_shape is None else torch.randn(mask_shape) * 4
+    results = []
+    for build in (native._vnni_library()[0], native._load()[0]):
+        monkeypatch.setattr(native, "_attention_function", lambda: build.qb_attention_f32)
+        results.append((native.attention_f32(q, k, v, mask, 0.3), native.attention_quantize(q, k, v, mask, 0.3, 0.02, 128, 0, 255),
+                        native.attention_f32(q, k, v, None, 0.3, is_causal=True)))
+    for avx512, avx2 in zip(*results):
+        assert torch.equal(avx512, avx2)
+
+
 @needs_own_kernels
 def test_attention_quantize_leaves_grouped_queries_to_the_float_kernel():
     """(its rows would come out in another order; tests/test_bad_arguments.py has the rest)"""
