@@ -18,6 +18,7 @@ from torch.fx import GraphModule
 
 from .cleanup import cleanup, drop_inference_dropout
 from .freeze import freeze
+from .kv_int8 import KV_CACHES
 from .lower import lower
 from .lowering.choice import mode as choice_mode
 from .remainder import MODES, compile_with_inductor
@@ -54,6 +55,9 @@ class Options:
     # warning and the graph run unlowered; None: QBACKEND_STRICT=1, else the opposite of
     # torch._dynamo.config.suppress_errors where the user set it, else False (see strict_mode)
     strict: Optional[bool] = None
+    # attention over a KV cache that grows by appends reads "float" keys and values (the
+    # reference's) or an "int8" copy of them, a quarter of the bytes at long contexts (kv_int8.py)
+    kv_cache: str = "float"
 
     @classmethod
     def parse(cls, options) -> "Options":
@@ -65,6 +69,8 @@ class Options:
         parsed = cls(**options)
         if parsed.remainder not in MODES:
             raise ValueError(f"qbackend: remainder={parsed.remainder!r}; valid: {', '.join(map(repr, MODES))}")
+        if parsed.kv_cache not in KV_CACHES:
+            raise ValueError(f"qbackend: kv_cache={parsed.kv_cache!r}; valid: {', '.join(map(repr, KV_CACHES))}")
         choice_mode(parsed.kernel_choice)  # (raises on an unknown mode)
         return parsed
 
@@ -107,7 +113,7 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
     report = lower(work, device, registry, options.weight_only_compute, options.weight_only_dense_rows,
                    options.need_meta or inductor, options.kernel_choice)
     report.notes.extend(cleanup(work, device, fast_boundary=not inductor, kernel_choice=options.kernel_choice,
-                                weight_only_compute=options.weight_only_compute))
+                                weight_only_compute=options.weight_only_compute, kv_cache=options.kv_cache))
     compiled = inductor and compile_with_inductor(work, [example_inputs[i] for i in runtime_inputs], report)
     return runnable(compiled or work, runtime_inputs, len(example_inputs)), report, work
 

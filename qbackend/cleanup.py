@@ -27,6 +27,7 @@ from .freeze import drop_unused_constants, set_constant
 from .huge_pages import streamed_weights_on_huge_pages
 from .kernel_chain import chain_own_kernels
 from .kv_append import kv_cache_appends
+from .kv_int8 import kv_cache_int8
 from .rms_norm import rms_norms_fused
 from .rotary import rotaries_fused
 from .silu_mul import silu_muls_fused
@@ -228,9 +229,10 @@ def views_as_tensor_methods(gm: GraphModule) -> None:
 
 
 def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, kernel_choice: Optional[str] = None,
-            weight_only_compute: str = "auto") -> list[str]:
+            weight_only_compute: str = "auto", kv_cache: str = "float") -> list[str]:
     """``fast_boundary=False`` keeps the reference q/dq ops (another compiler, Inductor, fuses
-    them); ``kernel_choice``: lowering/choice.py's mode. Returns notes for the report."""
+    them); ``kernel_choice``: lowering/choice.py's mode; ``kv_cache``: kv_int8.py's option.
+    Returns notes for the report."""
     eliminate_dead_code(gm)
     fold_constants(gm)
     eliminate_dead_code(gm)
@@ -242,6 +244,7 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
     notes = [float_linears(gm, device, kernel_choice) if fast_boundary else None, attention_masks_once(gm),
              attention_output_quantized(gm) if fast_boundary else None, attention_inputs_uncopied(gm),
              attention_reads_projection(gm) if fast_boundary else None, kv_cache_appends(gm) if fast_boundary else None,
+             kv_cache_int8(gm) if fast_boundary and kv_cache == "int8" else None,
              rotaries_fused(gm) if fast_boundary else None, rms_norms_fused(gm) if fast_boundary else None,
              silu_muls_fused(gm) if fast_boundary else None,
              shuffles_in_one_pass(gm) if fast_boundary else None,

@@ -857,7 +857,8 @@ class _AttentionCall(ctypes.Structure):
                 + [("mask_stride", ctypes.c_long * 4), ("out_stride", ctypes.c_long * 2), ("scale", ctypes.c_float),
                    ("quantized", ctypes.c_int),
                    ("out_inv_scale", ctypes.c_float)]
-                + [(name, ctypes.c_int) for name in ("out_zero_point", "out_qmin", "out_qmax", "causal_rows")])
+                + [(name, ctypes.c_int) for name in ("out_zero_point", "out_qmin", "out_qmax", "causal_rows")]
+                + [(name, ctypes.c_long * 2) for name in ("k_scale_stride", "v_scale_stride")])
 
 
 def attention_refusal(q, k, v, mask, mask_dtypes=(torch.float32,), is_causal=False) -> Optional[str]:
@@ -893,19 +894,22 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.reshape(b, kv_heads, h // kv_heads * length, d)
 
 
-def _attention(lib, q, k, v, mask, scale, is_causal=False):
+def _attention(lib, q, k, v, mask, scale, is_causal=False, kv_int8=None):
+    """(``lib``: the registration's; the kernel's build is ``_attention_function``'s.) ``kv_int8``:
+    (int8 keys, their row scales, int8 values, theirs) that ``k`` / ``v`` are the dequantized
+    values of, read instead (qbackend/kv_int8.py: shapes and layouts checked there)."""
     reason = attention_refusal(q, k, v, mask, is_causal=is_causal)
     if reason is not None:
         raise ValueError(f"qbackend::attention_f32: {reason}")
     (b, h, length, d), kv_heads = q.shape, k.shape[1]
     causal_rows = length if is_causal else 0  # (grouped: each query head's positions one after another)
     if kv_heads == h:
-        return _checked_attention(q, k, v, mask, scale, causal_rows=causal_rows).transpose(1, 2)
+        return _checked_attention(q, k, v, mask, scale, causal_rows=causal_rows, kv_int8=kv_int8).transpose(1, 2)
     # grouped: each key / value head read once for all its query heads
     if mask is not None:  # (a view: refusal leaves one query row, or a mask the same for all heads and rows)
         mask = mask.expand(b, h, length, k.shape[2]).reshape(b, kv_heads, h // kv_heads * length, k.shape[2])
     return _checked_attention(_grouped(q, kv_heads), k, v, mask, scale,
-                              causal_rows=causal_rows).transpose(1, 2).reshape(b, h, length, d)
+                              causal_rows=causal_rows, kv_int8=kv_int8).transpose(1, 2).reshape(b, h, length, d)
 
 
 def attention_quantize_refusal(q, k, v, mask, out_scale, zero_point, qmin, qmax) -> Optional[str]:
@@ -925,35 +929,44 @@ def _attention_quantize(lib, q, k, v, mask, scale, out_scale, zero_point, qmin, 
 
 @functools.lru_cache(maxsize=256)
 def _attention_call(shape: tuple, s: int, strides: tuple, mask_stride: tuple, out_stride: tuple, scale: float,
-                    quantize, causal_rows: int = 0) -> "_AttentionCall":
+                    quantize, causal_rows: int = 0, scale_strides=None) -> "_AttentionCall":
     """The kernel's arguments for one call site (made once: ~15 us of ctypes per call otherwise)."""
     out_scale, zero_point, qmin, qmax = quantize or (1.0, 0, 0, 0)
     return _AttentionCall(*shape[:3], s, shape[3], *((ctypes.c_long * 3)(*stride) for stride in strides),
                           (ctypes.c_long * 4)(*mask_stride), (ctypes.c_long * 2)(*out_stride), scale, quantize is not None,
-                          1.0 / out_scale, zero_point, qmin, qmax, causal_rows)
+                          1.0 / out_scale, zero_point, qmin, qmax, causal_rows,
+                          *((ctypes.c_long * 2)(*stride) for stride in scale_strides or ((0, 0), (0, 0))))
 
 
 @_once
 def _attention_function():
-    """attention_f32.c's entry: the AVX-512 build's where the AVX512-VNNI library loads (tiles
-    of 8 query rows; the same bits), else the AVX2 one."""
-    return (_vnni_library()[0] or _load()[0]).qb_attention_f32
+    """attention_f32.c's entries (float32 keys and values, int8 ones): the AVX-512 build's where
+    the AVX512-VNNI library loads (tiles of 8 query rows; the same bits), else the AVX2 one."""
+    lib = _vnni_library()[0] or _load()[0]
+    lib.qb_attention_kv_int8.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8
+    lib.qb_attention_kv_int8.restype = ctypes.c_int
+    return lib.qb_attention_f32, lib.qb_attention_kv_int8
 
 
-def _checked_attention(q, k, v, mask, scale, quantize=None, causal_rows=0):
+def _checked_attention(q, k, v, mask, scale, quantize=None, causal_rows=0, kv_int8=None):
     """The kernel on operands ``attention_refusal`` took, heads equal (a decode step's hot path:
     checked once): [B, L, H, D], float32, or uint8 on ``quantize``'s (scale, zero point, qmin,
-    qmax) grid."""
+    qmax) grid. ``kv_int8``: see ``_attention``."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if kv_int8 is not None:
+        k, k_scales, v, v_scales = kv_int8
+        kv_int8 = (k_scales.data_ptr(), v_scales.data_ptr(), k_scales.stride()[:2], v_scales.stride()[:2])
     return _attention_kernel(tuple(q.shape), k.shape[2], (q.data_ptr(), k.data_ptr(), v.data_ptr()),
-                             (q.stride()[:3], k.stride()[:3], v.stride()[:3]), mask, scale, quantize, causal_rows=causal_rows)
+                             (q.stride()[:3], k.stride()[:3], v.stride()[:3]), mask, scale, quantize, causal_rows=causal_rows,
+                             kv_int8=kv_int8)
 
 
 def _attention_kernel(shape: tuple, s: int, pointers: tuple, strides: tuple, mask, scale, quantize,
-                      length_first: bool = False, causal_rows: int = 0):
+                      length_first: bool = False, causal_rows: int = 0, kv_int8=None):
     """attention_f32.c on q / k / v at ``pointers``, [B, H, L or S, D] with ``strides`` for their first
     three dims (the last contiguous), all checked by the caller; the mask broadcasts. Returns
-    [B, L, H, D], in [L, B, H, D] memory where ``length_first``."""
+    [B, L, H, D], in [L, B, H, D] memory where ``length_first``. ``kv_int8``: k / v are int8,
+    (k scales' pointer, v scales', their batch and head strides)."""
     b, h, length, d = shape
     mask_stride = (0, 0, 0, 0)
     if mask is not None:
@@ -961,9 +974,12 @@ def _attention_kernel(shape: tuple, s: int, pointers: tuple, strides: tuple, mas
         mask_stride = mask.stride()
     dtype = torch.float32 if quantize is None else torch.uint8
     out = torch.empty(length, b, h, d, dtype=dtype).transpose(0, 1) if length_first else torch.empty(b, length, h, d, dtype=dtype)
-    call = _attention_call(shape, s, strides, tuple(mask_stride), out.stride()[:2], scale, quantize, causal_rows)
-    if _attention_function()(torch.get_num_threads(), ctypes.byref(call), *pointers, None if mask is None else mask.data_ptr(),
-                            out.data_ptr()):
+    call = _attention_call(shape, s, strides, tuple(mask_stride), out.stride()[:2], scale, quantize, causal_rows,
+                           kv_int8 and kv_int8[2:])
+    floats, int8 = _attention_function()
+    scales = () if kv_int8 is None else kv_int8[:2]
+    if (floats if kv_int8 is None else int8)(torch.get_num_threads(), ctypes.byref(call), *pointers, *scales,
+                                             None if mask is None else mask.data_ptr(), out.data_ptr()):
         raise MemoryError("qbackend attention: a thread could not allocate its packed keys and scores")
     return out
 

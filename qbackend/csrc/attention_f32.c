@@ -16,7 +16,12 @@
  * registers) and, in the AVX-512 library, with one zmm per 16 columns and tiles of 8 rows: a
  * decode step's 8 query rows per key / value head (grouped queries) in one tile instead of
  * 6 + 2 (4 layers at 2048 positions from L3: 0.83 -> 0.61 ms, Zen 4). Each output element
- * is the same chain of FMAs in both, so the two give the same bits. */
+ * is the same chain of FMAs in both, so the two give the same bits.
+ *
+ * ``qb_attention_kv_int8`` reads keys and values stored as int8 rows with a float32 scale
+ * each (qbackend/kv_int8.py, a KV cache option): each element is widened and multiplied by its
+ * row's scale as it is loaded, so the result is attention_f32's on those dequantized values,
+ * bit for bit, from a quarter of the bytes. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
@@ -45,7 +50,20 @@ typedef struct {
   int out_zero_point, out_qmin, out_qmax;
   int causal_rows; /* 0; else causal (torch's is_causal: row i sees keys j <= i), row r at position r % causal_rows
                       (grouped queries: each query head's positions one after another) */
+  long k_scale_stride[2], v_scale_stride[2]; /* batch, head (rows 1 apart): qb_attention_kv_int8's scales */
 } attention_call_t;
+
+/* Element ``offset`` of keys / values: float32, or int8 (kv_int8) */
+static inline __attribute__((always_inline)) const void* element(const void* p, long offset, int kv_int8) {
+  return kv_int8 ? (const void*)((const int8_t*)p + offset) : (const void*)((const float*)p + offset);
+}
+
+/* 8 keys / values from ``p``: float32, or int8 times the row's ``scale`` */
+static inline __attribute__((always_inline)) __m256 load8(const void* p, const float* scale, int kv_int8) {
+  if (!kv_int8) return _mm256_loadu_ps((const float*)p);
+  const __m256 widened = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  return _mm256_mul_ps(widened, _mm256_set1_ps(*scale));
+}
 
 /* r[i][j] <- r[j][i] */
 static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
@@ -68,22 +86,30 @@ static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
 
 /* Whole tiles by 8 x 8 transposes: a decode step's few query rows read each packed key once,
  * so packing element by element had cost more than the scores (2048 keys: 3/4 of the call). */
-static void pack_keys(const float* k, long row, int S, int D, int S16, float* kt) {
+static inline __attribute__((always_inline)) void pack_keys(const void* k, const float* k_scales, long row, int S, int D,
+                                                            int S16, float* kt, int kv_int8) {
   int j0 = 0;
   for (; j0 + KEYS <= S; j0 += KEYS) {
     for (int j = j0 + PREFETCH_KEYS; j < j0 + PREFETCH_KEYS + KEYS && j < S; j++)
-      for (int d = 0; d < D; d += 16) _mm_prefetch((const char*)(k + j * row + d), _MM_HINT_T0);
+      for (int d = 0; d < D; d += 16) _mm_prefetch((const char*)element(k, j * row + d, kv_int8), _MM_HINT_T0);
     for (int half = 0; half < KEYS; half += 8)
       for (int d0 = 0; d0 < D; d0 += 8) {
         __m256 r[8];
-        for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(k + (j0 + half + i) * row + d0);
+        for (int i = 0; i < 8; i++) {
+          const int j = j0 + half + i;
+          r[i] = load8(element(k, j * row + d0, kv_int8), k_scales + j, kv_int8);
+        }
         transpose8(r);
         for (int i = 0; i < 8; i++) _mm256_storeu_ps(kt + (size_t)j0 * D + (d0 + i) * KEYS + half, r[i]);
       }
   }
   for (; j0 < S16; j0 += KEYS)
     for (int d = 0; d < D; d++)
-      for (int j = 0; j < KEYS; j++) kt[((size_t)j0 * D) + d * KEYS + j] = j0 + j < S ? k[(j0 + j) * row + d] : 0.0f;
+      for (int j = 0; j < KEYS; j++) {
+        const long at = (long)(j0 + j) * row + d;
+        kt[((size_t)j0 * D) + d * KEYS + j] =
+            j0 + j >= S ? 0.0f : kv_int8 ? (float)((const int8_t*)k)[at] * k_scales[j0 + j] : ((const float*)k)[at];
+      }
 }
 
 /* 16 floats: one zmm, or two ymm */
@@ -92,6 +118,9 @@ static void pack_keys(const float* k, long row, int S, int D, int S16, float* kt
 #define MORE_ROW_CASES(CALL) case 6: CALL(6); break; case 7: CALL(7); break;
 typedef __m512 vec16;
 static inline __attribute__((always_inline)) vec16 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __attribute__((always_inline)) vec16 load16_int8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
 static inline __attribute__((always_inline)) vec16 zero16(void) { return _mm512_setzero_ps(); }
 static inline __attribute__((always_inline)) vec16 fmadd16(const float* x, vec16 a, vec16 acc) {
   return _mm512_fmadd_ps(_mm512_set1_ps(*x), a, acc);
@@ -110,6 +139,10 @@ typedef struct {
 } vec16;
 static inline __attribute__((always_inline)) vec16 load16(const float* p) {
   return (vec16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+}
+static inline __attribute__((always_inline)) vec16 load16_int8(const int8_t* p) {
+  return (vec16){_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))),
+                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8))))};
 }
 static inline __attribute__((always_inline)) vec16 zero16(void) { return (vec16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline __attribute__((always_inline)) vec16 fmadd16(const float* x, vec16 a, vec16 acc) {
@@ -142,14 +175,15 @@ static inline __attribute__((always_inline)) void score_tile(int rows, int D, co
 
 /* out[r][c .. c + 15] = sum over j < S of p[r][j] v[j][c ..] * inv_sum[r]; ``out`` is float32,
  * or uint8 where a->quantized */
-static inline __attribute__((always_inline)) void output_tile(int rows, int S, const float* p, int S16, const float* v,
-                                                              long v_row, const float* inv_sum, const attention_call_t* a,
-                                                              void* out, long out_row) {
+static inline __attribute__((always_inline)) void output_tile(int rows, int S, const float* p, int S16, const void* v,
+                                                              const float* v_scales, long v_row, const float* inv_sum,
+                                                              const attention_call_t* a, void* out, long out_row,
+                                                              int kv_int8) {
   vec16 acc[ROWS];
   for (int r = 0; r < rows; r++) acc[r] = zero16();
   for (int j = 0; j < S; j++) {
-    _mm_prefetch((const char*)(v + (j + PREFETCH_KEYS) * v_row), _MM_HINT_T0);
-    const vec16 values = load16(v + j * v_row);
+    _mm_prefetch((const char*)element(v, (j + PREFETCH_KEYS) * v_row, kv_int8), _MM_HINT_T0);
+    const vec16 values = kv_int8 ? mul16(load16_int8((const int8_t*)v + j * v_row), v_scales[j]) : load16((const float*)v + j * v_row);
     for (int r = 0; r < rows; r++) acc[r] = fmadd16(p + (size_t)r * S16 + j, values, acc[r]);
   }
   if (a->quantized) {
@@ -214,8 +248,10 @@ static float softmax_row(float* s, int S, int S16, const float* mask, long mask_
 
 /* 0, or -1 when a thread could not allocate its packed keys and scores (the output is then
  * incomplete: the caller raises) */
-int qb_attention_f32(int threads, const attention_call_t* a, const float* q, const float* k, const float* v,
-                     const float* mask, void* out) {
+static inline __attribute__((always_inline)) int attention(int threads, const attention_call_t* a, const float* q,
+                                                           const void* k, const void* v, const float* k_scales,
+                                                           const float* v_scales, const float* mask, void* out,
+                                                           int kv_int8) {
   const int S16 = (a->S + KEYS - 1) / KEYS * KEYS, blocks = (a->L + QUERY_BLOCK - 1) / QUERY_BLOCK;
   const long out_row = a->out_stride[1];
   const size_t out_bytes = a->quantized ? 1 : sizeof(float);
@@ -237,9 +273,12 @@ int qb_attention_f32(int threads, const attention_call_t* a, const float* q, con
         const int b = bh / a->H, h = bh % a->H, l0 = block * QUERY_BLOCK;
         const int n = a->L - l0 < QUERY_BLOCK ? a->L - l0 : QUERY_BLOCK;
         const float* qb = q + b * a->q_stride[0] + h * a->q_stride[1] + l0 * a->q_stride[2];
-        const float* vb = v + b * a->v_stride[0] + h * a->v_stride[1];
+        const void* vb = element(v, b * a->v_stride[0] + h * a->v_stride[1], kv_int8);
+        const float* vs = kv_int8 ? v_scales + b * a->v_scale_stride[0] + h * a->v_scale_stride[1] : NULL;
         if (packed != bh) {
-          pack_keys(k + b * a->k_stride[0] + h * a->k_stride[1], a->k_stride[2], a->S, a->D, S16, kt);
+          pack_keys(element(k, b * a->k_stride[0] + h * a->k_stride[1], kv_int8),
+                    kv_int8 ? k_scales + b * a->k_scale_stride[0] + h * a->k_scale_stride[1] : NULL, a->k_stride[2], a->S,
+                    a->D, S16, kt, kv_int8);
           packed = bh;
         }
         /* keys the block's rows see: all, or (causal) up to the furthest row's position; past a
@@ -264,7 +303,7 @@ int qb_attention_f32(int threads, const attention_call_t* a, const float* q, con
         char* ob = (char*)out + ((size_t)b * a->out_stride[0] + (size_t)l0 * out_row + h * a->D) * out_bytes;
         for (int c = 0; c < a->D; c += 16) /* (a 16-column slice of v stays in L1 across the row tiles) */
           for (int i = 0; i < n; i += ROWS) {
-#define OUTPUTS(R) output_tile(R, seen, scores + (size_t)i * S16, S16, vb + c, a->v_stride[2], inv_sum + i, a, ob + (i * out_row + c) * out_bytes, out_row)
+#define OUTPUTS(R) output_tile(R, seen, scores + (size_t)i * S16, S16, element(vb, c, kv_int8), vs, a->v_stride[2], inv_sum + i, a, ob + (i * out_row + c) * out_bytes, out_row, kv_int8)
             ROW_CASES(n - i, OUTPUTS)
           }
       }
@@ -272,4 +311,14 @@ int qb_attention_f32(int threads, const attention_call_t* a, const float* q, con
     free(scores);
   }
   return failed ? -1 : 0;
+}
+
+int qb_attention_f32(int threads, const attention_call_t* a, const float* q, const float* k, const float* v,
+                     const float* mask, void* out) {
+  return attention(threads, a, q, k, v, NULL, NULL, mask, out, 0);
+}
+
+int qb_attention_kv_int8(int threads, const attention_call_t* a, const float* q, const int8_t* k, const int8_t* v,
+                         const float* k_scales, const float* v_scales, const float* mask, void* out) {
+  return attention(threads, a, q, k, v, k_scales, v_scales, mask, out, 1);
 }
