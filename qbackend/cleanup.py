@@ -18,6 +18,7 @@ from qbackend.patterns.inplace import schema_writes
 from . import fast_qdq, native
 from .attention_cleanup import (attention_inputs_uncopied, attention_masks_once, attention_output_quantized,
                                 attention_reads_projection)
+from .batch_norm_quantize import batch_norms_quantized
 from .channel_shuffle import shuffles_in_one_pass
 from .dead_code import eliminate_dead_code
 from .dense_weight_only import dense_slices_pass
@@ -247,7 +248,7 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
              kv_cache_int8(gm) if fast_boundary and kv_cache == "int8" else None,
              rotaries_fused(gm) if fast_boundary else None, rms_norms_fused(gm) if fast_boundary else None,
              silu_muls_fused(gm) if fast_boundary else None,
-             shuffles_in_one_pass(gm) if fast_boundary else None,
+             shuffles_in_one_pass(gm) if fast_boundary else None, batch_norms_quantized(gm) if fast_boundary else None,
              depthwise_norms_fused(gm) if fast_boundary else None, chain_own_kernels(gm),
              dense_slices_pass(gm, kernel_choice, weight_only_compute) if fast_boundary and device == "cpu" else None,
              view_chains_collapsed(gm) if fast_boundary else None,
