@@ -19,7 +19,8 @@ from .tolerances import assert_int8_close
 # (batch, channels, size, groups, stride): 4 / 8 / 16 / 32 channels a group; rows of fewer than 8
 # output pixels and rows not a multiple of 8; borders at every side
 CASES = [(1, 64, 12, 16, 1), (2, 64, 9, 8, 2), (1, 64, 7, 4, 1), (1, 32, 5, 8, 2), (2, 128, 11, 4, 2), (1, 96, 6, 3, 1),
-         (1, 40, 7, 5, 1), (1, 24, 9, 6, 2)]  # (the last two: an odd number of 8-channel blocks)
+         (1, 40, 7, 5, 1), (1, 24, 9, 6, 2),  # (these two: an odd number of 8-channel blocks)
+         (1, 72, 9, 3, 2), (1, 80, 6, 2, 1)]  # (24 / 40 channels a group: a pair of blocks spans two groups; RegNetX's)
 
 
 def _case(batch, channels, size, groups, stride, seed=0):

@@ -6,7 +6,7 @@
  * Four input channels of one group are one vpdpbusd word: an output channel's sum is 9 taps x
  * (Cg / 4) dot products of 4 bytes. 8 output channels go in a ymm vector (Zen 4 runs zmm
  * vpdpbusd at a third of ymm's rate), a "block". With Cg >= 8 a block is one group's, so each
- * input word is broadcast; with Cg == 4 it spans two groups A and B, and one broadcast 8-byte
+ * input word is broadcast (two blocks share them unless they are two groups': 24 or 40 a group); with Cg == 4 it spans two groups A and B, and one broadcast 8-byte
  * load gives lanes A0 B0 A1 B1 ... their group's word (the lanes hold the channels in that
  * order: weights, mult and add are packed so, lowering/grouped.py, and the bytes go back to
  * channel order when stored; a vpermd per word had cost more than the vpdpbusd). Two blocks
@@ -102,8 +102,11 @@ static void pair_step(const grouped_call_t* c, const uint8_t* corner, size_t pix
     PAIR_SUMS(1, two_words(at), two_words(at + 8)) /* (the next block: the next two groups) */
   } else if (Cg == 8) {
     PAIR_SUMS(2, word(at), word(at + 8)) /* (the next block: the next group) */
-  } else {
+  } else if (block_channel(Cg, b + 1) == block_channel(Cg, b)) {
     PAIR_SUMS(quads, word(at), x0) /* (the next block: the same group, the same words) */
+  } else { /* (an odd number of blocks a group, 24 or 40 channels: the next block starts the next group) */
+    const size_t next = (size_t)(block_channel(Cg, b + 1) - block_channel(Cg, b));
+    PAIR_SUMS(quads, word(at), word(at + next))
   }
   store_block(c, acc0, b, pixels, out);
   store_block(c, acc1, b + 1, pixels, out);
