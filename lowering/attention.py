@@ -17,7 +17,7 @@ from qbackend.patterns.base import fake_value
 
 from . import own_conv
 from .base import EmitContext
-from .common import additive_mask
+from .common import additive_mask, attention_mask, attention_mask_value
 
 
 def refusal(ctx: EmitContext, match) -> Optional[str]:
@@ -26,8 +26,11 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
     if reason is not None:
         return reason
     q, k, v, mask, _, is_causal = match.op_args
-    values = [fake_value(n) for n in (q, k, v)] + [None if mask is None else fake_value(mask)]
-    if any(value is None for value in values[:3]) or (mask is not None and values[3] is None):
+    values = [fake_value(n) for n in (q, k, v)]
+    if any(value is None for value in values):
+        return "the operands have no example values (shapes unknown)"
+    values.append(attention_mask_value(q, k, mask))
+    if mask is not None and values[3] is None:
         return "the operands have no example values (shapes unknown)"
     return native.attention_refusal(*values, mask_dtypes=(torch.float32, torch.bool), is_causal=is_causal)
 
@@ -47,6 +50,7 @@ def _additive(ctx: EmitContext, mask):
 
 def emit(ctx: EmitContext, match):
     q, k, v, mask, scale, is_causal = match.op_args
+    mask = attention_mask(ctx.gm.graph, q, k, mask)
     if mask is not None and fake_value(mask).dtype == torch.bool:
         mask = _additive(ctx, mask)
         ctx.notes.append("bool mask as an additive one")

@@ -10,6 +10,7 @@ from torch.fx import Node
 
 from qbackend import fast_qdq
 from qbackend.ops import qconv_for_rank
+from qbackend.patterns.attention import WindowedMask, combined
 from qbackend.patterns.base import Match, PostOp, QuantizedValue, fake_value
 
 from . import capabilities
@@ -218,8 +219,30 @@ def emit_qavgpool(ctx: EmitContext, match: Match) -> Node:
     return ctx.call("int_repr", (pooled,))
 
 
+def _scores_shape(q, k) -> list:
+    return [*q.shape[:-1], k.shape[-2]]
+
+
+def attention_mask(graph, q: Node, k: Node, mask):
+    """The SDPA match's mask as one node (Swin's windowed pair as one sum, emitted at the graph's
+    insertion point), or as it is."""
+    if not isinstance(mask, WindowedMask):
+        return mask
+    make = lambda target, *args: record_fake_value(graph.call_function(target, args))  # noqa: E731
+    return combined(mask, _scores_shape(fake_value(q), fake_value(k)), make)
+
+
+def attention_mask_value(q: Node, k: Node, mask):
+    """``attention_mask``'s example value (None: no mask)."""
+    if not isinstance(mask, WindowedMask):
+        return None if mask is None else fake_value(mask)
+    make = lambda target, *args: target(*(fake_value(a) if isinstance(a, Node) else a for a in args))  # noqa: E731
+    return combined(mask, _scores_shape(fake_value(q), fake_value(k)), make)
+
+
 def emit_sdpa(ctx: EmitContext, match: Match) -> Node:
     q, k, v, mask, scale, is_causal = match.op_args
+    mask = attention_mask(ctx.gm.graph, q, k, mask)
     grouped = fake_value(q).shape[1] != fake_value(k).shape[1]  # (grouped-query: fewer key / value heads)
     return ctx.gm.graph.call_function(ctx.op("sdpa").op, (q, k, v), {"attn_mask": mask, "scale": scale,
                                                                       **({"is_causal": True} if is_causal else {}),

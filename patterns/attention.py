@@ -11,6 +11,7 @@ qbackend's (lowering/attention.py).
 from __future__ import annotations
 
 import numbers
+from typing import Callable, NamedTuple
 
 import torch
 from torch.fx import Node
@@ -27,6 +28,25 @@ ATTENTION_ANCHORS = ANY_SOFTMAX | FUSED_SDPA_OPS
 SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 MATMUL_OPS = {aten.matmul.default}
+VIEW_OPS = {aten.view.default, aten.reshape.default}
+
+
+class WindowedMask(NamedTuple):
+    """Swin's shifted-window attention adds two masks with a view between them:
+    ``view(view(scores + bias, windowed) + windows, scores' shape)``. As one additive mask of the
+    scores' shape (``combined``), each score gets ``bias + windows``: the same sums in another
+    order (exactly the same where ``windows`` is 0, as off its masked positions)."""
+
+    bias: Node  # broadcasts to the scores
+    windows: Node  # broadcasts to the windowed view
+    windowed: tuple  # the view's shape
+
+
+def combined(mask: WindowedMask, scores_shape, make: Callable):
+    """``mask`` as one tensor of ``scores_shape``, ``make(target, *args)`` making each step (a
+    graph node, or a value)."""
+    windowed = make(aten.reshape.default, make(aten.expand.default, mask.bias, list(scores_shape)), list(mask.windowed))
+    return make(aten.reshape.default, make(aten.add.Tensor, windowed, mask.windows), list(scores_shape))
 
 
 def _calls(node, targets) -> bool:
@@ -45,6 +65,31 @@ def _transposed_last_two(node) -> Node:
     return node.args[0]
 
 
+def _float_mask(mask, like: Node, what: str) -> None:
+    require(isinstance(mask, Node) and fake_value(mask) is not None, f"the {what} is not a tensor")
+    require(fake_value(mask).dtype == fake_value(like).dtype, f"the {what} is not an additive float mask")
+
+
+def _windowed_mask(view: Node, softmax: Node) -> tuple[Node, list, WindowedMask]:
+    """(the scores, the nodes from their add to ``view``, the mask) of
+    ``view(view(scores + bias, windowed) + windows, scores' shape)``."""
+    outer = view.args[0]
+    require(_calls(outer, {aten.add.Tensor}), "the viewed scores are not a masked view of the scores")
+    _only_feeds(view, softmax, "the masked scores")
+    _only_feeds(outer, view, "the masked scores")
+    windowed, windows = outer.args[:2] if _calls(outer.args[0], VIEW_OPS) else outer.args[1::-1]
+    require(_calls(windowed, VIEW_OPS) and _calls(windowed.args[0], {aten.add.Tensor}),
+            "the masked scores are not a view of masked scores")
+    inner = windowed.args[0]
+    _only_feeds(windowed, outer, "the masked scores")
+    _only_feeds(inner, windowed, "the masked scores")
+    scores, bias = inner.args[:2] if _calls(inner.args[0], MATMUL_OPS) else inner.args[1::-1]
+    for mask, what in ((bias, "added term"), (windows, "windows' added term")):
+        _float_mask(mask, softmax, what)
+    require(fake_value(view).shape == fake_value(inner).shape, "the masked scores are viewed back to another shape")
+    return scores, [inner, windowed, outer, view], WindowedMask(bias, windows, tuple(fake_value(windowed).shape))
+
+
 def select_sdpa(graph: GraphView, softmax: Node) -> Match:
     require(softmax.target in SOFTMAX_OPS, "softmax is not an ATen softmax call (not a PT2E graph)")
     scores, dim = softmax.args[:2]
@@ -56,12 +101,15 @@ def select_sdpa(graph: GraphView, softmax: Node) -> Match:
     require(_calls(out, MATMUL_OPS) and out.args[0] is softmax, "softmax output is not multiplied by values")
     nodes, mask, scale = [softmax, out], None, 1.0
     node, consumer = scores, softmax  # walk back from the softmax input
-    if _calls(node, {aten.add.Tensor}):
+    if _calls(node, VIEW_OPS):  # (Swin's shifted windows: a second mask added to a windowed view)
+        found = _windowed_mask(node, softmax)
+        nodes[:0] = found[1]
+        node, consumer, mask = found[0], found[1][0], found[2]
+    elif _calls(node, {aten.add.Tensor}):
         _only_feeds(node, consumer, "the masked scores")
         left, right = node.args[:2]
         inner, mask = (left, right) if _calls(left, {aten.div.Tensor, aten.mul.Tensor, *MATMUL_OPS}) else (right, left)
-        require(isinstance(mask, Node) and fake_value(mask) is not None, "the added term is not a tensor mask")
-        require(fake_value(mask).dtype == fake_value(softmax).dtype, "the mask is not an additive float mask")
+        _float_mask(mask, softmax, "added term")
         nodes.insert(0, node)
         node, consumer = inner, node
     if _calls(node, {aten.div.Tensor, aten.mul.Tensor}):
@@ -89,7 +137,7 @@ def select_sdpa(graph: GraphView, softmax: Node) -> Match:
 SDPA = Rule(
     name="sdpa",
     anchors="attention",
-    pattern="matmul(q, k^T) -> [/ c | * c] -> [+ mask] -> softmax(-1) -> matmul(., v)",
+    pattern="matmul(q, k^T) -> [/ c | * c] -> [+ mask | + bias, view, + windows, view] -> softmax(-1) -> matmul(., v)",
     doc="float attention => fused scaled-dot-product attention (no materialised score matrix)",
     select_fn=select_sdpa,
     priority=0,
