@@ -20,6 +20,7 @@ from .attention_cleanup import (attention_inputs_uncopied, attention_masks_once,
                                 attention_reads_projection)
 from .batch_norm_quantize import batch_norms_quantized
 from .channel_shuffle import shuffles_in_one_pass
+from .constant_fills import FRESH, fold_write, fresh_value, is_view
 from .dead_code import eliminate_dead_code
 from .dense_weight_only import dense_slices_pass
 from .depthwise_norm import depthwise_norms_fused
@@ -92,15 +93,22 @@ def _foldable(gm: GraphModule, node: Node) -> bool:
 def fold_constants(gm: GraphModule) -> int:
     """Evaluate ops whose inputs are all constants (e.g. the float weight of a conv that was
     not lowered: dequantize_per_channel of a frozen int8 weight) once, at compile time."""
-    folded = 0
+    folded, fresh = 0, set()  # (constants that view a fresh tensor whose writes are folded too: constant_fills.py)
     for node in list(gm.graph.nodes):
-        if not _foldable(gm, node):
+        if fold_write(gm, node, fresh):
+            folded += 1
             continue
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: getattr(gm, n.target))
-        value = node.target(*args, **kwargs)
+        value = fresh_value(gm, node)
+        if value is None:
+            if not _foldable(gm, node):
+                continue
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: getattr(gm, n.target))
+            value = node.target(*args, **kwargs)
         if not isinstance(value, torch.Tensor):
             continue
         name = f"_folded_{node.name}"
+        if node.target in FRESH or (is_view(node) and any(n.target in fresh for n in node.all_input_nodes)):
+            fresh.add(name)
         set_constant(gm, name, value)
         with gm.graph.inserting_before(node):
             constant = gm.graph.get_attr(name)
