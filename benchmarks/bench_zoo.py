@@ -313,7 +313,7 @@ NOTES = """- Latency: median ms per call, every path timed in interleaved rounds
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS + zoo_models.MORE_TORCHVISION)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--quick", action="store_true", help="fewer calibration batches and timed rounds")
     parser.add_argument("--profile", action="store_true", help="also write docs/profile_zoo.md")

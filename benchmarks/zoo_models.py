@@ -20,6 +20,9 @@ from qbackend import models as in_house
 
 TORCHVISION = ("resnet50", "resnext50_32x4d", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny",
                "shufflenet_v2_x1_0", "vit_b_16")
+# other architectures checked the same way (issue #19: they must hold too), on request: --models
+MORE_TORCHVISION = ("densenet121", "swin_t", "regnet_x_1_6gf", "regnet_y_800mf", "googlenet", "mnasnet1_0",
+                    "efficientnet_v2_s", "resnet18", "mobilenet_v2", "squeezenet1_1", "vgg11_bn")
 IN_HOUSE = ("resnet18_like", "mobilenet_v2_like", "bert_encoder_like")
 MINILM = "all-MiniLM-L6-v2"
 MINILM_SEQ = 128
@@ -106,7 +109,7 @@ def _minilm(batch: int, calibration: int) -> ZooModel:
 
 
 BUILDERS: dict[str, Callable[[int, int], ZooModel]] = {
-    **{name: (lambda b, c, name=name: _torchvision_model(name, b, c)) for name in TORCHVISION},
+    **{name: (lambda b, c, name=name: _torchvision_model(name, b, c)) for name in TORCHVISION + MORE_TORCHVISION},
     **{name: (lambda b, c, name=name: _in_house_model(name, b, c)) for name in IN_HOUSE},
     MINILM: _minilm,
 }

@@ -27,12 +27,10 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
         return reason
     q, k, v, mask, _, is_causal = match.op_args
     values = [fake_value(n) for n in (q, k, v)]
-    if any(value is None for value in values):
+    mask_value = attention_mask_value(q, k, mask) if all(value is not None for value in values) else None
+    if any(value is None for value in values) or (mask is not None and mask_value is None):
         return "the operands have no example values (shapes unknown)"
-    values.append(attention_mask_value(q, k, mask))
-    if mask is not None and values[3] is None:
-        return "the operands have no example values (shapes unknown)"
-    return native.attention_refusal(*values, mask_dtypes=(torch.float32, torch.bool), is_causal=is_causal)
+    return native.attention_refusal(*values, mask_value, mask_dtypes=(torch.float32, torch.bool), is_causal=is_causal)
 
 
 ADDITIVE = "qbackend_additive_mask"  # node meta of a bool mask: its additive form, once made
