@@ -103,6 +103,8 @@ def fuse_max_pool(ctx: EmitContext, report) -> None:
         if len(readers) != 1 or readers[0].target is not pool or readers[0].args[0] is not conv or len(conv.args) != UNPOOLED_ARGS:
             continue
         user = readers[0]
+        if user.args[5:6] == (True,):  # (ceil mode: a pool call of its own)
+            continue
         kernel, stride, padding, dilation = user.args[1:5]
         conv_hw = tuple(fake_value(conv).shape[2:])
         if tuple(dilation) != (1, 1) or native.stem_pool_refusal(conv_hw, kernel, stride, padding) is not None:

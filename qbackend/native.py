@@ -71,7 +71,7 @@ OPS = {
     "qconv_stem": "qconv_stem(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int[2] kernel_size, "
                   "int[2] stride, int[2] padding, float low, float high, float out_scale, int out_zero_point, int qmin, "
                   "int qmax, int[2] pool_kernel=[0, 0], int[2] pool_stride=[1, 1], int[2] pool_padding=[0, 0]) -> Tensor",
-    "max_pool_u8": "max_pool_u8(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation) -> Tensor",
+    "max_pool_u8": "max_pool_u8(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation, bool ceil_mode=False) -> Tensor",
     "global_avg_pool_u8": "global_avg_pool_u8(Tensor x, int zero_point, int qmin, int qmax) -> Tensor",
     "scale_quantize": "scale_quantize(Tensor x, Tensor factors, float scale, int zero_point, int qmin, int qmax) -> Tensor",
     "layer_norm_quantize": "layer_norm_quantize(Tensor x, Tensor weight, Tensor bias, float eps, float scale, int zero_point, "
@@ -355,13 +355,16 @@ def _check_constants(name: str, *expected) -> None:
                              f"got {tensor.dtype} {tuple(tensor.shape)}")
 
 
-def conv_output_size(size: int, stride: int, padding: int, kernel: int = 3, dilation: int = 1) -> int:
-    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+def conv_output_size(size: int, stride: int, padding: int, kernel: int = 3, dilation: int = 1, ceil_mode: bool = False) -> int:
+    """torch's: with ``ceil_mode`` (pools) a last, partial window too, unless it would start in the padding."""
+    span = size + 2 * padding - dilation * (kernel - 1) - 1
+    out = (span + (stride - 1 if ceil_mode else 0)) // stride + 1
+    return out - 1 if ceil_mode and (out - 1) * stride >= size + padding else out
 
 
-def _output_hw(h: int, w: int, kernel_size, stride, padding, dilation=(1, 1)) -> tuple[int, int]:
+def _output_hw(h: int, w: int, kernel_size, stride, padding, dilation=(1, 1), ceil_mode=False) -> tuple[int, int]:
     """A conv's / pool's output height and width (``conv_output_size`` per dim)."""
-    return tuple(conv_output_size(size, *args) for size, args in zip((h, w), zip(stride, padding, kernel_size, dilation)))
+    return tuple(conv_output_size(size, *args, ceil_mode) for size, args in zip((h, w), zip(stride, padding, kernel_size, dilation)))
 
 
 WINDOW_LIMIT = 1 << 15  # kernel sizes, strides, paddings and dilations the C kernels take (int arithmetic)
@@ -374,14 +377,14 @@ def _check_levels(name: str, x_zero_point: int, out_zero_point: int, qmin: int, 
                          "must lie within 0..255")
 
 
-def _window(name: str, h: int, w: int, kernel_size, stride, padding, dilation=(1, 1)) -> tuple[int, int]:
+def _window(name: str, h: int, w: int, kernel_size, stride, padding, dilation=(1, 1), ceil_mode=False) -> tuple[int, int]:
     """``_output_hw`` for a C kernel: each argument two ints in range (kernel, stride and
     dilation from 1, padding from 0), and an output of at least one pixel; else ValueError."""
     lowest = {"kernel_size": 1, "stride": 1, "padding": 0, "dilation": 1}
     for (what, low), value in zip(lowest.items(), (kernel_size, stride, padding, dilation)):
         if len(value) != 2 or not all(isinstance(v, int) and low <= v < WINDOW_LIMIT for v in value):
             raise ValueError(f"qbackend::{name}: {what} {list(value)}: two ints from {low} to {WINDOW_LIMIT - 1} expected")
-    oh, ow = _output_hw(h, w, kernel_size, stride, padding, dilation)
+    oh, ow = _output_hw(h, w, kernel_size, stride, padding, dilation, ceil_mode)
     if oh < 1 or ow < 1:
         raise ValueError(f"qbackend::{name}: kernel {list(kernel_size)}, stride {list(stride)}, padding {list(padding)}, "
                          f"dilation {list(dilation)} on a {h}x{w} input: no output")
@@ -790,27 +793,29 @@ class _MaxPoolCall(ctypes.Structure):
 
 
 @functools.lru_cache(maxsize=256)  # per input shape and pool geometry (the graph passes tuples)
-def _max_pool_prepared_for(lib, shape, kernel_size, stride, padding, dilation) -> Prepared:
+def _max_pool_prepared_for(lib, shape, kernel_size, stride, padding, dilation, ceil_mode=False) -> Prepared:
+    """(ceil_mode: the kernel clips each window to the image, so a last, partial one is as any other)"""
     n, c, h, w = shape
-    oh, ow = _window("max_pool_u8", h, w, kernel_size, stride, padding, dilation)
+    oh, ow = _window("max_pool_u8", h, w, kernel_size, stride, padding, dilation, bool(ceil_mode))
     if any(2 * p > k for p, k in zip(padding, kernel_size)):
         raise ValueError(f"qbackend::max_pool_u8: padding {list(padding)} over half the kernel {list(kernel_size)}")
     call = _MaxPoolCall(n, h, w, c, *kernel_size, *stride, *padding, *dilation, oh, ow)
     return _prepare(call, (n, c, oh, ow), torch.uint8, lib.qb_max_pool_u8_call, ())
 
 
-def _max_pool_prepared(lib, x, kernel_size, stride, padding, dilation, *, trusted=False) -> Prepared:
+def _max_pool_prepared(lib, x, kernel_size, stride, padding, dilation, ceil_mode=False, *, trusted=False) -> Prepared:
     _check_nchw_uint8(x, None, "max_pool_u8")
-    return _max_pool_prepared_for(lib, tuple(x.shape), *(tuple(a) for a in (kernel_size, stride, padding, dilation)))
+    return _max_pool_prepared_for(lib, tuple(x.shape), *(tuple(a) for a in (kernel_size, stride, padding, dilation)),
+                                  bool(ceil_mode))
 
 
 def _max_pool(lib, x, *args):
     return _x_to_y(_max_pool_prepared(lib, x, *args), x, "max_pool_u8")
 
 
-def _max_pool_fake(x, kernel_size, stride, padding, dilation):
+def _max_pool_fake(x, kernel_size, stride, padding, dilation, ceil_mode=False):
     n, c, h, w = x.shape
-    oh, ow = _output_hw(h, w, kernel_size, stride, padding, dilation)
+    oh, ow = _output_hw(h, w, kernel_size, stride, padding, dilation, ceil_mode)
     return _channels_last_like(x, (n, c, oh, ow), torch.uint8)
 
 
@@ -1254,9 +1259,9 @@ def attention_quantize(q, k, v, mask, scale, out_scale, zero_point, qmin, qmax):
     return _attention_quantize(_load()[0], q, k, v, mask, scale, out_scale, zero_point, qmin, qmax)
 
 
-def max_pool_u8(x, kernel_size, stride, padding, dilation):
+def max_pool_u8(x, kernel_size, stride, padding, dilation, ceil_mode=False):
     """``qbackend::max_pool_u8`` without the dispatcher round trip."""
-    return _max_pool(_load()[0], x, kernel_size, stride, padding, dilation)
+    return _max_pool(_load()[0], x, kernel_size, stride, padding, dilation, ceil_mode)
 
 
 def global_avg_pool_u8(x, zero_point, qmin, qmax):

@@ -1,7 +1,7 @@
 """qbackend's int8 pool kernels: the max pool (csrc/max_pool_uint8.c) gives torch's
 quantized::max_pool2d's bytes on every geometry the lowering hands it, the global average pool
-(csrc/global_avg_pool_uint8.c) the reference's integers within one step; both chosen on CPU,
-torch's kernels (with the reason) for ceil mode and other average pools."""
+(csrc/global_avg_pool_uint8.c) the reference's integers within one step; both chosen on CPU
+(max pools in ceil mode too), torch's kernels (with the reason) for other average pools."""
 import pytest
 import torch
 import torch.nn as nn
@@ -22,16 +22,18 @@ GEOMETRIES = [  # kernel, stride, padding, dilation
 ]
 
 
+@pytest.mark.parametrize("ceil_mode", [False, True], ids=["floor", "ceil"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
 @pytest.mark.parametrize("channels", [64, 40, 3], ids=["64 channels", "32 + 8 channels", "3 channels"])
-def test_kernel_gives_torchs_bytes(geometry, channels):
+def test_kernel_gives_torchs_bytes(geometry, channels, ceil_mode):
     torch.manual_seed(0)
-    x = torch.randint(0, 256, (2, channels, 11, 9), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
-    kernel_size, stride, padding, dilation = geometry
-    expected = torch.ops.quantized.max_pool2d(x, list(kernel_size), list(stride), list(padding), list(dilation), False)
-    for actual in (native.max_pool_u8(x, *geometry), native.op("max_pool_u8")(x, *geometry)):
-        assert actual.is_contiguous(memory_format=torch.channels_last)
-        assert torch.equal(actual, expected)
+    for height, width in ((11, 9), (14, 14), (7, 10)):  # (ceil mode: a last, partial window or none, by size)
+        x = torch.randint(0, 256, (2, channels, height, width), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+        kernel_size, stride, padding, dilation = geometry
+        expected = torch.ops.quantized.max_pool2d(x, list(kernel_size), list(stride), list(padding), list(dilation), ceil_mode)
+        for actual in (native.max_pool_u8(x, *geometry, ceil_mode), native.op("max_pool_u8")(x, *geometry, ceil_mode)):
+            assert actual.is_contiguous(memory_format=torch.channels_last)
+            assert torch.equal(actual, expected)
 
 
 def test_bad_inputs_get_a_clear_error():
@@ -50,15 +52,11 @@ def conv_pool_conv(ceil_mode):
 
 
 @pytest.mark.parametrize("ceil_mode", [False, True], ids=["floor", "ceil"])
-def test_int8_pool_runs_on_the_kernel_unless_ceil_mode(ceil_mode):
-    inputs = (torch.randn(2, 4, 15, 15),)
+def test_int8_pool_runs_on_the_kernel(ceil_mode):
+    inputs = (torch.randn(2, 4, 16, 16),)  # (ceil mode: 8x8 out, floor 7x7)
     report = assert_matches_reference(quantize(conv_pool_conv(ceil_mode), inputs), inputs).report
     pool = next(d for d in report.decisions if d.rule == "qmaxpool2d")
-    if ceil_mode:
-        assert pool.op == "quantized::max_pool2d", str(report)
-        assert "not qbackend's max pool kernel: ceil_mode: the kernel pools in floor mode" in pool.reason, str(report)
-    else:
-        assert pool.op == "qbackend::max_pool_u8.default", str(report)
+    assert pool.op == "qbackend::max_pool_u8.default", str(report)
 
 
 @pytest.mark.parametrize("zero_point", [0, 3, 128], ids=["zp 0", "odd zp", "zp 128"])
@@ -93,3 +91,12 @@ def test_global_average_pool_runs_on_the_kernel_other_pools_on_torchs(pool):
         assert decision.op == "qbackend::global_avg_pool_u8.default", str(report)
     else:
         assert decision.op == "aten::avg_pool2d (quantized tensor)", str(report)
+
+
+def test_a_ceil_mode_pool_after_a_stem_conv_stays_a_call_of_its_own():
+    """(the stem conv's fused pool is floor mode: GoogLeNet's stem pools in ceil mode)"""
+    inputs = (torch.randn(2, 3, 32, 32),)
+    stem = nn.Sequential(nn.Conv2d(3, 16, 7, 2, 3), nn.ReLU(), nn.MaxPool2d(3, 2, ceil_mode=True), nn.Conv2d(16, 16, 1))
+    report = assert_matches_reference(quantize(stem, inputs), inputs).report
+    pool = next(d for d in report.decisions if d.rule == "qmaxpool2d")
+    assert pool.op == "qbackend::max_pool_u8.default" and "stem conv" not in pool.reason, str(report)
