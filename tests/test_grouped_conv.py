@@ -21,6 +21,9 @@ from .tolerances import assert_int8_close
 CASES = [(1, 64, 12, 16, 1), (2, 64, 9, 8, 2), (1, 64, 7, 4, 1), (1, 32, 5, 8, 2), (2, 128, 11, 4, 2), (1, 96, 6, 3, 1),
          (1, 40, 7, 5, 1), (1, 24, 9, 6, 2),  # (these two: an odd number of 8-channel blocks)
          (1, 72, 9, 3, 2), (1, 80, 6, 2, 1)]  # (24 / 40 channels a group: a pair of blocks spans two groups; RegNetX's)
+# every group width the kernel takes up to 64, in 2 and 3 groups (odd and even block counts, pairs
+# of blocks within a group and across two)
+CASES += [(1, width * groups, 5, groups, 1) for width in (8, 16, 24, 32, 40, 48, 56, 64) for groups in (2, 3)]
 
 
 def _case(batch, channels, size, groups, stride, seed=0):
