@@ -17,7 +17,7 @@ from qbackend.patterns.base import fake_value
 
 from . import own_conv
 from .base import EmitContext
-from .common import additive_mask, attention_mask, attention_mask_value
+from .common import additive_mask, attention_operand_values, attention_operands
 
 
 def refusal(ctx: EmitContext, match) -> Optional[str]:
@@ -25,12 +25,11 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
     reason = native.available()
     if reason is not None:
         return reason
-    q, k, v, mask, _, is_causal = match.op_args
-    values = [fake_value(n) for n in (q, k, v)]
-    mask_value = attention_mask_value(q, k, mask) if all(value is not None for value in values) else None
-    if any(value is None for value in values) or (mask is not None and mask_value is None):
+    values = attention_operand_values(match)
+    if values is None or (match.op_args[3] is not None and values[3] is None):
         return "the operands have no example values (shapes unknown)"
-    return native.attention_refusal(*values, mask_value, mask_dtypes=(torch.float32, torch.bool), is_causal=is_causal)
+    q, k, v, mask, _, is_causal = values
+    return native.attention_refusal(q, k, v, mask, mask_dtypes=(torch.float32, torch.bool), is_causal=is_causal)
 
 
 ADDITIVE = "qbackend_additive_mask"  # node meta of a bool mask: its additive form, once made
@@ -47,8 +46,7 @@ def _additive(ctx: EmitContext, mask):
 
 
 def emit(ctx: EmitContext, match):
-    q, k, v, mask, scale, is_causal = match.op_args
-    mask = attention_mask(ctx.gm.graph, q, k, mask)
+    q, k, v, mask, scale, is_causal = attention_operands(ctx.gm.graph, match)
     if mask is not None and fake_value(mask).dtype == torch.bool:
         mask = _additive(ctx, mask)
         ctx.notes.append("bool mask as an additive one")

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.fx import Node
 
 from qbackend import fast_qdq
 from qbackend.ops import qconv_for_rank
-from qbackend.patterns.attention import WindowedMask, combined
+from qbackend.patterns.attention import ScaledQueries, WindowedMask, combined
 from qbackend.patterns.base import Match, PostOp, QuantizedValue, fake_value
 
 from . import capabilities
@@ -219,30 +219,35 @@ def emit_qavgpool(ctx: EmitContext, match: Match) -> Node:
     return ctx.call("int_repr", (pooled,))
 
 
-def _scores_shape(q, k) -> list:
-    return [*q.shape[:-1], k.shape[-2]]
+def _attention_operands(match: Match, make: Callable, value: Callable) -> tuple:
+    """The SDPA match's (q, k, v, mask, scale, is_causal) with the queries' per-head factor and
+    Swin's windowed mask pair made by ``make(target, *args)``; ``value(node)`` its example value."""
+    q, k, v, mask, scale, is_causal = match.op_args
+    if isinstance(q, ScaledQueries):
+        q = make(aten.mul.Tensor, q.queries, q.factor)
+    if isinstance(mask, WindowedMask):
+        queries, keys = value(q), value(k)
+        mask = combined(mask, [*queries.shape[:-1], keys.shape[-2]], make)
+    return q, k, v, mask, scale, is_causal
 
 
-def attention_mask(graph, q: Node, k: Node, mask):
-    """The SDPA match's mask as one node (Swin's windowed pair as one sum, emitted at the graph's
-    insertion point), or as it is."""
-    if not isinstance(mask, WindowedMask):
-        return mask
-    make = lambda target, *args: record_fake_value(graph.call_function(target, args))  # noqa: E731
-    return combined(mask, _scores_shape(fake_value(q), fake_value(k)), make)
+def attention_operands(graph, match: Match) -> tuple:
+    """``_attention_operands`` as graph nodes, emitted at the graph's insertion point."""
+    return _attention_operands(match, lambda target, *args: record_fake_value(graph.call_function(target, args)), fake_value)
 
 
-def attention_mask_value(q: Node, k: Node, mask):
-    """``attention_mask``'s example value (None: no mask)."""
-    if not isinstance(mask, WindowedMask):
-        return None if mask is None else fake_value(mask)
-    make = lambda target, *args: target(*(fake_value(a) if isinstance(a, Node) else a for a in args))  # noqa: E731
-    return combined(mask, _scores_shape(fake_value(q), fake_value(k)), make)
+def attention_operand_values(match: Match) -> Optional[tuple]:
+    """``_attention_operands``' example values (None where one is unknown)."""
+    value = lambda a: fake_value(a) if isinstance(a, Node) else a  # noqa: E731
+    q, k, v = match.op_args[:3]
+    if any(fake_value(n) is None for n in (q.queries if isinstance(q, ScaledQueries) else q, k, v)):
+        return None
+    q, k, v, mask, scale, is_causal = _attention_operands(match, lambda target, *args: target(*map(value, args)), value)
+    return value(q), value(k), value(v), value(mask), scale, is_causal
 
 
 def emit_sdpa(ctx: EmitContext, match: Match) -> Node:
-    q, k, v, mask, scale, is_causal = match.op_args
-    mask = attention_mask(ctx.gm.graph, q, k, mask)
+    q, k, v, mask, scale, is_causal = attention_operands(ctx.gm.graph, match)
     grouped = fake_value(q).shape[1] != fake_value(k).shape[1]  # (grouped-query: fewer key / value heads)
     return ctx.gm.graph.call_function(ctx.op("sdpa").op, (q, k, v), {"attn_mask": mask, "scale": scale,
                                                                       **({"is_causal": True} if is_causal else {}),

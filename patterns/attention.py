@@ -29,6 +29,7 @@ SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal
 SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 MATMUL_OPS = {aten.matmul.default}
 VIEW_OPS = {aten.view.default, aten.reshape.default}
+SCORE_OPS = {aten.div.Tensor, aten.mul.Tensor, *MATMUL_OPS}  # (the scores, maybe scaled)
 
 
 class WindowedMask(NamedTuple):
@@ -40,6 +41,15 @@ class WindowedMask(NamedTuple):
     bias: Node  # broadcasts to the scores
     windows: Node  # broadcasts to the windowed view
     windowed: tuple  # the view's shape
+
+
+class ScaledQueries(NamedTuple):
+    """Scores multiplied by a tensor of one value per batch / head (Swin V2's logit scale): the
+    queries multiplied by it instead, ``(q * factor) k^T`` for ``(q k^T) * factor`` (each score
+    rounded once more: ~1e-7 of its value)."""
+
+    queries: Node
+    factor: Node
 
 
 def combined(mask: WindowedMask, scores_shape, make: Callable):
@@ -83,7 +93,7 @@ def _windowed_mask(view: Node, softmax: Node) -> tuple[Node, list, WindowedMask]
     inner = windowed.args[0]
     _only_feeds(windowed, outer, "the masked scores")
     _only_feeds(inner, windowed, "the masked scores")
-    scores, bias = inner.args[:2] if _calls(inner.args[0], MATMUL_OPS) else inner.args[1::-1]
+    scores, bias = inner.args[:2] if _calls(inner.args[0], SCORE_OPS) else inner.args[1::-1]
     for mask, what in ((bias, "added term"), (windows, "windows' added term")):
         _float_mask(mask, softmax, what)
     require(fake_value(view).shape == fake_value(inner).shape, "the masked scores are viewed back to another shape")
@@ -108,17 +118,27 @@ def select_sdpa(graph: GraphView, softmax: Node) -> Match:
     elif _calls(node, {aten.add.Tensor}):
         _only_feeds(node, consumer, "the masked scores")
         left, right = node.args[:2]
-        inner, mask = (left, right) if _calls(left, {aten.div.Tensor, aten.mul.Tensor, *MATMUL_OPS}) else (right, left)
+        inner, mask = (left, right) if _calls(left, SCORE_OPS) else (right, left)
         _float_mask(mask, softmax, "added term")
         nodes.insert(0, node)
         node, consumer = inner, node
+    per_head = None
     if _calls(node, {aten.div.Tensor, aten.mul.Tensor}):
         _only_feeds(node, consumer, "the scaled scores")
-        factor = node.args[1]
-        require(isinstance(factor, numbers.Number) and factor != 0, "scores are scaled by a tensor, not a constant")
-        scale = 1.0 / factor if node.target is aten.div.Tensor else float(factor)
+        scaled, factor = node.args[:2]
+        if node.target is aten.mul.Tensor and isinstance(factor, Node) and _calls(factor, MATMUL_OPS):
+            scaled, factor = factor, scaled
+        if isinstance(factor, Node):  # (one factor per batch / head: Swin V2's logit scale)
+            require(node.target is aten.mul.Tensor, "scores are divided by a tensor")
+            value = fake_value(factor)
+            require(value is not None and value.dtype == fake_value(softmax).dtype and 0 < value.dim() <= 4
+                    and tuple(value.shape[-2:]) == (1, 1), "scores are scaled by a tensor of more than one value per head")
+            per_head = factor
+        else:
+            require(isinstance(factor, numbers.Number) and factor != 0, "scores are scaled by a tensor, not a constant")
+            scale = 1.0 / factor if node.target is aten.div.Tensor else float(factor)
         nodes.insert(0, node)
-        node, consumer = node.args[0], node
+        node, consumer = scaled, node
     require(_calls(node, MATMUL_OPS), "softmax input is not a matmul of queries and keys")
     _only_feeds(node, consumer, "the raw scores")
     nodes.insert(0, node)
@@ -131,13 +151,15 @@ def select_sdpa(graph: GraphView, softmax: Node) -> Match:
     require(shapes[0].shape[-1] == shapes[1].shape[-1] and shapes[1].shape[-2] == shapes[2].shape[-2],
             "queries, keys and values do not line up as attention")
     require(shapes[0].dtype in (torch.float32, torch.bfloat16, torch.float16), "attention is not in float")
+    if per_head is not None:
+        q = ScaledQueries(q, per_head)
     return Match(None, softmax, tuple(nodes), op_args=(q, k, v, mask, scale, False), float_dtype=shapes[0].dtype)
 
 
 SDPA = Rule(
     name="sdpa",
     anchors="attention",
-    pattern="matmul(q, k^T) -> [/ c | * c] -> [+ mask | + bias, view, + windows, view] -> softmax(-1) -> matmul(., v)",
+    pattern="matmul(q, k^T) -> [/ c | * c | * per-head t] -> [+ mask | + bias, view, + windows, view] -> softmax(-1) -> matmul(., v)",
     doc="float attention => fused scaled-dot-product attention (no materialised score matrix)",
     select_fn=select_sdpa,
     priority=0,

@@ -8,6 +8,7 @@ import expecttest
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from qbackend import fast_qdq, native
 
@@ -465,12 +466,14 @@ def test_a_causal_fused_attention_call_runs_on_the_kernel():
 class ShiftedWindowAttention(nn.Module):
     """torchvision Swin's shifted-window attention over ``windows`` windows of 16 tokens: the
     scores plus a relative position bias, viewed per window, plus the shift's window mask,
-    viewed back (``shifted_window_attention``)."""
+    viewed back (``shifted_window_attention``); ``cosine``: Swin V2's, normalized queries and
+    keys, the scores times a logit scale per head."""
 
-    def __init__(self, heads=2, head_dim=16, windows=4):
+    def __init__(self, heads=2, head_dim=16, windows=4, cosine=False):
         super().__init__()
         generator = torch.Generator().manual_seed(5)
-        self.heads, self.head_dim, self.windows = heads, head_dim, windows
+        self.heads, self.head_dim, self.windows, self.cosine = heads, head_dim, windows, cosine
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.rand(heads, 1, 1, generator=generator) + 1))
         self.qkv, self.out = nn.Linear(heads * head_dim, 3 * heads * head_dim), nn.Linear(heads * head_dim, heads * head_dim)
         self.bias = nn.Parameter(torch.randn(1, heads, 16, 16, generator=generator))
         mask = torch.zeros(windows, 16, 16)
@@ -480,16 +483,22 @@ class ShiftedWindowAttention(nn.Module):
     def forward(self, x):
         b, length, _ = x.shape
         q, k, v = self.qkv(x).reshape(b, length, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        scores = (q * self.head_dim ** -0.5).matmul(k.transpose(-2, -1)) + self.bias
+        if self.cosine:
+            scores = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+            scores = scores * torch.clamp(self.logit_scale, max=4.6).exp() + self.bias
+        else:
+            scores = (q * self.head_dim ** -0.5).matmul(k.transpose(-2, -1)) + self.bias
         scores = scores.view(b // self.windows, self.windows, self.heads, length, length) + self.window_mask.unsqueeze(1).unsqueeze(0)
         probs = torch.softmax(scores.view(-1, self.heads, length, length), dim=-1)
         return self.out(probs.matmul(v).transpose(1, 2).reshape(b, length, -1))
 
 
+@pytest.mark.parametrize("cosine", [False, True], ids=["Swin", "Swin V2: a logit scale per head"])
 @pytest.mark.parametrize("head_dim, op", [(16, "qbackend::attention_f32.default"), (8, "aten::scaled_dot_product_attention")])
-def test_shifted_window_attention_is_fused_with_its_two_masks_as_one(head_dim, op):
+def test_shifted_window_attention_is_fused_with_its_two_masks_as_one(head_dim, op, cosine):
     inputs = (torch.randn(8, 16, 2 * head_dim, generator=torch.Generator().manual_seed(0)),)
-    captured = assert_matches_reference(quantize(ShiftedWindowAttention(head_dim=head_dim).eval(), inputs), inputs)
+    model = ShiftedWindowAttention(head_dim=head_dim, cosine=cosine).eval()
+    captured = assert_matches_reference(quantize(model, inputs), inputs)
     [(rule, fused, _)] = _attention_decisions(captured.report)
     assert (rule, fused) == ("sdpa", op), str(captured.report)
     assert not any("softmax" in str(n.target) for n in captured.lowered.graph.nodes)
