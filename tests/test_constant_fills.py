@@ -60,3 +60,27 @@ def test_what_may_change_between_calls_keeps_the_graphs_ops(module):
     for seed in range(2):
         x = torch.randn(2, 64, 64, generator=torch.Generator().manual_seed(seed))
         assert "new_zeros" in _ops(assert_matches_reference(model, (x,)))
+
+
+class ConstantMLPBias(nn.Module):
+    """Swin V2's continuous position bias: an MLP of a constant table, added to the scores (here
+    to a linear's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.randn(16, 8, generator=torch.Generator().manual_seed(1)))
+        self.mlp = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.linear(x) + 16 * torch.sigmoid(self.mlp(self.table))
+
+
+def test_own_kernel_calls_on_constants_fold_with_what_reads_them():
+    from qbackend import native
+
+    x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0))
+    captured = assert_matches_reference(_converted(ConstantMLPBias(), x), (x,))
+    kernels = [n for n in captured.lowered.graph.nodes if n.target in native.PLAIN.values()
+               or "qlinear" in str(n.target) or "sigmoid" in str(n.target)]
+    assert len(kernels) == 1, short_graph(captured.lowered)  # (the linear of x alone)
