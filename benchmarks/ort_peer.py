@@ -3,6 +3,7 @@ statically in QDQ form (uint8 activations, int8 per-channel weights, the same ca
 batches PT2E sees), run by ORT's CPU execution provider. Benchmark-only: needs the `bench`
 extra (`pip install -e ".[bench]"`)."""
 
+import contextlib
 import os
 import tempfile
 
@@ -30,7 +31,8 @@ def int8_session(model, inputs, calibration, threads: int, reduce_range: bool = 
         # The TorchScript exporter: the CNNs have no control flow, and it needs no onnxscript.
         torch.onnx.export(model, tuple(inputs), fp32, input_names=names, output_names=["output"],
                           opset_version=17, dynamo=False)
-        quant_pre_process(fp32, prepared)  # shape inference + graph optimisation, as ORT recommends
+        with contextlib.chdir(folder):  # (its symbolic shape inference writes scratch files to the working directory)
+            quant_pre_process(fp32, prepared)  # shape inference + graph optimisation, as ORT recommends
         quantize_static(prepared, int8, Batches(), quant_format=QuantFormat.QDQ, per_channel=True,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, reduce_range=reduce_range)
         options = ort.SessionOptions()
