@@ -19,7 +19,7 @@ from torch.fx import GraphModule, Node
 from qbackend.patterns.base import constant_value, fake_value
 
 from . import fast_qdq, native
-from .channel_shuffle import _pixel_stride
+from .channel_shuffle import pixel_stride
 from .freeze import set_constant
 
 aten = torch.ops.aten
@@ -60,7 +60,7 @@ def _strides(pieces, channels: int) -> Optional[list[int]]:
     first = pieces[0].shape
     if any(p.shape[0] != first[0] or p.shape[2:] != first[2:] for p in pieces) or sum(p.shape[1] for p in pieces) != channels:
         return None
-    strides = [_pixel_stride(p) for p in pieces]
+    strides = [pixel_stride(p) for p in pieces]
     return None if None in strides else strides
 
 

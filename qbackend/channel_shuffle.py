@@ -37,7 +37,7 @@ def _kernel():
     return None if pair is None else (pair, native.c_function("qb_shuffle_halves_f32", _HALVES))
 
 
-def _pixel_stride(x: torch.Tensor) -> Optional[int]:
+def pixel_stride(x: torch.Tensor) -> Optional[int]:
     """The distance between x's pixel rows when each holds its channels contiguously and the
     rows lie on an [N, H, W] grid (channels-last, or a channel slice of it); else None."""
     n, c, h, w = x.shape
@@ -62,7 +62,7 @@ def _strides(a: torch.Tensor, b: torch.Tensor) -> Optional[tuple[int, int]]:
             or a.shape != b.shape or a.dtype != torch.float32 or b.dtype != torch.float32
             or a.device.type != "cpu" or b.device.type != "cpu"):
         return None
-    a_stride, b_stride = _pixel_stride(a), _pixel_stride(b)
+    a_stride, b_stride = pixel_stride(a), pixel_stride(b)
     return None if a_stride is None or b_stride is None else (a_stride, b_stride)
 
 

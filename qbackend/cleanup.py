@@ -60,10 +60,9 @@ _FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, at
 FACTORY_MAX_ELEMENTS = 1 << 20  # (a bigger constant costs more memory than the op costs time)
 
 
-def _pure_kernels() -> frozenset:
-    """qbackend's own kernels as the lowered graph calls them (plain functions) that only read
-    their inputs and return new tensors: every form but the in-place ``add_quantize_``."""
-    return frozenset(function for name, function in native.PLAIN.items() if not name.endswith("_"))
+# qbackend's own kernels as the lowered graph calls them (plain functions) that only read their
+# inputs and return new tensors: every form but the in-place ``add_quantize_``
+_PURE_KERNELS = frozenset(function for name, function in native.PLAIN.items() if not name.endswith("_"))
 
 
 def _written_later(node: Node) -> bool:
@@ -73,17 +72,17 @@ def _written_later(node: Node) -> bool:
     while pending:
         value = pending.pop()
         for user in value.users:
-            if user.op == "output" or user.target in _pure_kernels():
+            if user.op == "output" or user.target in _PURE_KERNELS:
                 continue
             if not isinstance(user.target, torch._ops.OpOverload) or schema_writes(user, value) or user.target._schema.is_mutable:
                 return True
-            if any(ret.alias_info is not None for ret in user.target._schema.returns):
+            if is_view(user):
                 pending.append(user)
     return False
 
 
 def _foldable(gm: GraphModule, node: Node) -> bool:
-    if node.op == "call_function" and node.target in _pure_kernels():  # (Swin V2's position-bias MLP: two linears)
+    if node.op == "call_function" and node.target in _PURE_KERNELS:  # (Swin V2's position-bias MLP: two linears)
         return all(constant_value(gm, n) is not None for n in node.all_input_nodes) and not _written_later(node)
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False

@@ -91,7 +91,8 @@ static inline __attribute__((always_inline)) void pack_keys(const void* k, const
   int j0 = 0;
   for (; j0 + KEYS <= S; j0 += KEYS) {
     for (int j = j0 + PREFETCH_KEYS; j < j0 + PREFETCH_KEYS + KEYS && j < S; j++)
-      for (int d = 0; d < D; d += 16) _mm_prefetch((const char*)element(k, j * row + d, kv_int8), _MM_HINT_T0);
+      for (int d = 0; d < D; d += kv_int8 ? 64 : 16) /* (one prefetch a 64-byte line) */
+        _mm_prefetch((const char*)element(k, j * row + d, kv_int8), _MM_HINT_T0);
     for (int half = 0; half < KEYS; half += 8)
       for (int d0 = 0; d0 < D; d0 += 8) {
         __m256 r[8];
