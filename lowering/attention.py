@@ -17,7 +17,27 @@ from qbackend.patterns.base import fake_value
 
 from . import own_conv
 from .base import EmitContext
-from .common import additive_mask, attention_operand_values, attention_operands
+from .common import additive_mask, attention_operand_values, attention_operands, record_fake_value
+
+aten = torch.ops.aten
+
+
+def _heads_batched(q, k, v, mask, make, value) -> tuple:
+    """Operands of rank above 4 (MaxViT: [batch, grid, heads, length, dim]) with their leading
+    dims as one batch dim, the mask to match: the kernel takes [batch, heads, length, dim]. As
+    they are otherwise, or where a size is symbolic. ``make(target, *args)`` makes each step
+    (a graph node, or a value); ``value`` gives an operand's example value."""
+    queries = value(q)
+    if queries.dim() <= 4 or not all(isinstance(n, int) for n in queries.shape):
+        return q, k, v, mask
+    flat = lambda t: make(aten.reshape.default, t, [-1, *value(t).shape[-3:]])  # noqa: E731
+    if mask is not None and value(mask).dim() > 3:
+        scores = value(mask)
+        if all(n == 1 for n in scores.shape[:-3]):
+            mask = make(aten.reshape.default, mask, list(scores.shape[-3:]))
+        else:
+            mask = flat(make(aten.expand.default, mask, [*queries.shape[:-3], *scores.shape[-3:]]))
+    return flat(q), flat(k), flat(v), mask
 
 
 def refusal(ctx: EmitContext, match) -> Optional[str]:
@@ -29,6 +49,7 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
     if values is None or (match.op_args[3] is not None and values[3] is None):
         return "the operands have no example values (shapes unknown)"
     q, k, v, mask, _, is_causal = values
+    q, k, v, mask = _heads_batched(q, k, v, mask, lambda target, *args: target(*args), lambda t: t)
     return native.attention_refusal(q, k, v, mask, mask_dtypes=(torch.float32, torch.bool), is_causal=is_causal)
 
 
@@ -47,6 +68,9 @@ def _additive(ctx: EmitContext, mask):
 
 def emit(ctx: EmitContext, match):
     q, k, v, mask, scale, is_causal = attention_operands(ctx.gm.graph, match)
+    leading = fake_value(q).shape[:-3]
+    q, k, v, mask = _heads_batched(q, k, v, mask, lambda target, *args: record_fake_value(ctx.gm.graph.call_function(target, args)),
+                                   fake_value)
     if mask is not None and fake_value(mask).dtype == torch.bool:
         mask = _additive(ctx, mask)
         ctx.notes.append("bool mask as an additive one")
@@ -54,7 +78,11 @@ def emit(ctx: EmitContext, match):
     ctx.notes.append("qbackend's float32 attention kernel")
     if is_causal:
         ctx.notes.append("causal: each block of query rows reads the keys up to its last position")
-    return own_conv.call_kernel(ctx, "attention_f32", (q, k, v, mask, scale) + ((True,) if is_causal else ()))
+    out = own_conv.call_kernel(ctx, "attention_f32", (q, k, v, mask, scale) + ((True,) if is_causal else ()))
+    if len(leading) > 1:
+        ctx.notes.append(f"its {len(leading)} leading dims as one batch dim")
+        out = record_fake_value(ctx.gm.graph.call_function(aten.reshape.default, (out, [*leading, *fake_value(out).shape[-3:]])))
+    return out
 
 
 KERNEL = own_conv.OwnKernel("attention", lambda match: True, refusal, emit)

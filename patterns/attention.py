@@ -80,6 +80,19 @@ def _float_mask(mask, like: Node, what: str) -> None:
     require(fake_value(mask).dtype == fake_value(like).dtype, f"the {what} is not an additive float mask")
 
 
+def _unscaled(operand, reader: Node) -> tuple:
+    """``(x, c)`` for an operand ``x * c`` (a number) that only ``reader`` reads, else
+    ``(operand, 1.0)``: the factor joins the attention's scale, ``(q k^T) c`` for ``q (k c)^T``
+    (each score rounded once more: ~1e-7 of its value). MaxViT scales its keys."""
+    if _calls(operand, {aten.mul.Tensor}) and single_user(operand) is reader:
+        x, factor = operand.args[:2]
+        if isinstance(factor, Node):
+            x, factor = factor, x
+        if isinstance(x, Node) and isinstance(factor, numbers.Real) and not isinstance(factor, bool) and factor != 0:
+            return x, float(factor)
+    return operand, 1.0
+
+
 def _windowed_mask(view: Node, softmax: Node) -> tuple[Node, list, WindowedMask]:
     """(the scores, the nodes from their add to ``view``, the mask) of
     ``view(view(scores + bias, windowed) + windows, scores' shape)``."""
@@ -145,6 +158,8 @@ def select_sdpa(graph: GraphView, softmax: Node) -> Match:
     scores = node
     q, v = scores.args[0], out.args[1]
     k = _transposed_last_two(scores.args[1])
+    (q, q_factor), (k, k_factor) = _unscaled(q, scores), _unscaled(k, scores.args[1])
+    scale *= q_factor * k_factor
     shapes = [fake_value(t) for t in (q, k, v)]
     require(all(s is not None and s.dim() >= 3 for s in shapes), "queries, keys or values are not batched matrices")
     require(len({s.dim() for s in shapes}) == 1, "queries, keys and values differ in rank")
@@ -159,7 +174,7 @@ def select_sdpa(graph: GraphView, softmax: Node) -> Match:
 SDPA = Rule(
     name="sdpa",
     anchors="attention",
-    pattern="matmul(q, k^T) -> [/ c | * c | * per-head t] -> [+ mask | + bias, view, + windows, view] -> softmax(-1) -> matmul(., v)",
+    pattern="matmul(q [* c], (k [* c])^T) -> [/ c | * c | * per-head t] -> [+ mask | + bias, view, + windows, view] -> softmax(-1) -> matmul(., v)",
     doc="float attention => fused scaled-dot-product attention (no materialised score matrix)",
     select_fn=select_sdpa,
     priority=0,

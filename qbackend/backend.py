@@ -17,6 +17,7 @@ import torch
 from torch.fx import GraphModule
 
 from .cleanup import cleanup, drop_inference_dropout
+from .einsum import einsums_as_matmuls
 from .freeze import freeze
 from .kv_int8 import KV_CACHES
 from .lower import lower
@@ -109,6 +110,7 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
     work = GraphModule(gm, copy.deepcopy(gm.graph))
     runtime_inputs = freeze(work, example_inputs)
     drop_inference_dropout(work)
+    einsums_as_matmuls(work)
     inductor = options.remainder == "inductor"  # (Inductor traces the graph: ops with Meta kernels, its own q/dq)
     report = lower(work, device, registry, options.weight_only_compute, options.weight_only_dense_rows,
                    options.need_meta or inductor, options.kernel_choice)

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qbackend import fast_qdq, native
+from qbackend import einsum, fast_qdq, native
 
 from .helpers import assert_matches_reference, compile_and_run, quantize, short_graph, needs_own_kernels
 from .tolerances import TOLERANCE
@@ -502,3 +502,45 @@ def test_shifted_window_attention_is_fused_with_its_two_masks_as_one(head_dim, o
     [(rule, fused, _)] = _attention_decisions(captured.report)
     assert (rule, fused) == ("sdpa", op), str(captured.report)
     assert not any("softmax" in str(n.target) for n in captured.lowered.graph.nodes)
+
+
+class GridAttention(nn.Module):
+    """torchvision MaxViT's attention: [batch, grid, heads, length, dim] operands, the keys
+    scaled, two einsums around a softmax of the scores plus a relative position bias per head."""
+
+    def __init__(self, heads=2, head_dim=16):
+        super().__init__()
+        generator = torch.Generator().manual_seed(3)
+        self.heads, self.head_dim = heads, head_dim
+        self.qkv, self.merge = nn.Linear(heads * head_dim, 3 * heads * head_dim), nn.Linear(heads * head_dim, heads * head_dim)
+        self.bias = nn.Parameter(torch.randn(heads, 16, 16, generator=generator))
+
+    def forward(self, x):
+        b, g, p, d = x.shape
+        q, k, v = (t.reshape(b, g, p, self.heads, self.head_dim).permute(0, 1, 3, 2, 4) for t in self.qkv(x).chunk(3, dim=-1))
+        k = k * self.head_dim ** -0.5
+        scores = torch.einsum("B G H I D, B G H J D -> B G H I J", q, k)
+        probs = F.softmax(scores + self.bias.unsqueeze(0), dim=-1)
+        out = torch.einsum("B G H I J, B G H J D -> B G H I D", probs, v)
+        return self.merge(out.permute(0, 1, 3, 2, 4).reshape(b, g, p, d))
+
+
+@pytest.mark.parametrize("head_dim, op", [(16, "qbackend::attention_f32.default"), (8, "aten::scaled_dot_product_attention")])
+def test_grid_attention_of_einsums_is_fused_with_the_key_scale_in_its_scale(head_dim, op):
+    inputs = (torch.randn(2, 3, 16, 2 * head_dim, generator=torch.Generator().manual_seed(0)),)
+    captured = assert_matches_reference(quantize(GridAttention(head_dim=head_dim).eval(), inputs), inputs)
+    [(rule, fused, _)] = _attention_decisions(captured.report)
+    assert (rule, fused) == ("sdpa", op), str(captured.report)
+    targets = [str(n.target) for n in captured.lowered.graph.nodes if n.op == "call_function"]
+    assert not any(name in t for t in targets for name in ("einsum", "softmax", "aten.mul")), targets
+    [call] = [n for n in captured.lowered.graph.nodes if n.op == "call_function" and "attention" in str(n.target)]
+    assert head_dim ** -0.5 in (*call.args, *call.kwargs.values())
+
+
+@pytest.mark.parametrize("equation, form", [
+    ("bghid,bghjd->bghij", True), ("B G H I J, B G H J D -> B G H I D", False), ("ik,jk->ij", True),
+    ("bij,jk->bik", None),  # (the second operand without the batch label: a broadcast)
+    ("bik,bjk->bji", None), ("bii,bjk->bij", None), ("...ik,...kj->...ij", None), ("bik,bkj,bjl->bil", None),
+    ("bik,bkj", None), ("bik,bkj->bi", None)])
+def test_only_einsums_that_are_matrix_products_become_matmuls(equation, form):
+    assert einsum.matmul_form(equation) is form
