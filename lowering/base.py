@@ -31,6 +31,9 @@ class Lowering:
     needs: tuple[str, ...]  # logical ops (qbackend.ops) the emitter calls; all must resolve
     limits: Optional[Callable] = None
     needs_for: Optional[Callable] = None  # match -> logical ops that depend on it (a conv's rank)
+    # (ctx, match) -> True where the emitter runs the whole match although ``limits`` refuse it
+    # (one of qbackend's own kernels fuses a post-op oneDNN's cannot)
+    runs_anyway: Optional[Callable] = None
 
     def needs_of(self, match) -> tuple[str, ...]:
         return self.needs + (tuple(self.needs_for(match)) if self.needs_for is not None else ())

@@ -89,11 +89,33 @@ def _own_kernel_or(onednn_emit, *kernels, fallback="oneDNN"):
     return emit
 
 
-TABLE["qconv"] = dataclasses.replace(TABLE["qconv"], emit=_own_kernel_or(emit_qconv, depthwise.KERNEL, stem.KERNEL,
-                                                                                          grouped.KERNEL, gemm.CONV_KERNEL))
-TABLE["qconv_add"] = dataclasses.replace(TABLE["qconv_add"], emit=_own_kernel_or(emit_qconv_add, gemm.CONV_KERNEL))
-TABLE["qlinear"] = dataclasses.replace(TABLE["qlinear"], emit=_own_kernel_or(emit_qlinear, gemm.LINEAR_KERNEL))
-TABLE["qlinear_add"] = dataclasses.replace(TABLE["qlinear_add"], emit=_own_kernel_or(emit_qlinear_add, gemm.LINEAR_KERNEL))
+def _conv_linear_row(row: str, onednn_emit, *kernels) -> Lowering:
+    """A conv / linear row: ``_own_kernel_or``, and a match whose post-op alone oneDNN refuses
+    (GELU after a conv: MaxViT) runs on the first own kernel that fuses it, unmeasured."""
+    def taker(ctx, match):
+        return next((k for k in kernels if k.applies(match) and k.refusal(ctx, match) is None), None)
+
+    def runs_anyway(ctx, match) -> bool:
+        return _post_op(match) is not None and not (_uint8_activations(match) or _exact_int8_products(match)) \
+            and taker(ctx, match) is not None
+
+    either = _own_kernel_or(onednn_emit, *kernels)
+
+    def emit(ctx, match):
+        refused = _post_op(match)
+        if refused is None:
+            return either(ctx, match)
+        kernel = taker(ctx, match)  # (lower.py emits such a match only where runs_anyway found one)
+        ctx.notes.append(f"qbackend's {kernel.name} kernel (oneDNN refuses the post-op: {refused})")
+        return kernel.emit(ctx, match)
+
+    return dataclasses.replace(TABLE[row], emit=emit, runs_anyway=runs_anyway)
+
+
+TABLE["qconv"] = _conv_linear_row("qconv", emit_qconv, depthwise.KERNEL, stem.KERNEL, grouped.KERNEL, gemm.CONV_KERNEL)
+TABLE["qconv_add"] = _conv_linear_row("qconv_add", emit_qconv_add, gemm.CONV_KERNEL)
+TABLE["qlinear"] = _conv_linear_row("qlinear", emit_qlinear, gemm.LINEAR_KERNEL)
+TABLE["qlinear_add"] = _conv_linear_row("qlinear_add", emit_qlinear_add, gemm.LINEAR_KERNEL)
 TABLE["qmaxpool2d"] = dataclasses.replace(TABLE["qmaxpool2d"], emit=_own_kernel_or(emit_qmaxpool2d, pools.MAX_POOL,
                                                                                   fallback="quantized::max_pool2d"))
 _ATTENTION = _own_kernel_or(emit_sdpa, attention.KERNEL, fallback="torch's fused attention")

@@ -51,19 +51,11 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
     if match.output_quant is None and match.float_dtype != torch.float32:
         return f"the kernel writes uint8 or float32, not {match.float_dtype}"
     return own_conv.refusal(ctx, match, (match.x.qparams,) + ((match.output_quant,) if match.output_quant else ()),
-                            _ACTIVATIONS)
-
-
-# post-ops the kernels run before their clamp
-_ACTIVATIONS = tuple(a for a in native.DEPTHWISE_ACTIVATIONS if a != "none")
+                            tuple(own_conv.ACTIVATIONS))
 
 
 def vnni_built() -> bool:
     return native.int8_build() == "avx512_vnni"
-
-
-def _activation(post) -> str:
-    return post.name if post is not None and post.name in _ACTIVATIONS else "none"
 
 
 def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, vnni: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -106,7 +98,7 @@ def pack_vnni(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tu
 
 def emit(ctx: EmitContext, match):
     p, out = match.conv, match.output_quant
-    activation = _activation(match.post_op)
+    activation = own_conv.activation(match.post_op)
     low, high = own_conv.clamp_bounds(None if activation != "none" else match.post_op)
     weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match), vnni_built())
     ctx.kernel = f"{native.NAMESPACE}::qconv_depthwise.default"

@@ -65,18 +65,6 @@ LIMITS = {"avx2": Limits(max_rows=256, max_conv_pixels=8192), "avx512_vnni": Lim
 def limits() -> Limits:
     return LIMITS[native.gemm_build()]
 
-# Post-ops the kernel's epilogue runs besides its clamp (GELU by an AVX2 erf / tanh, SiLU by an
-# AVX2 exp, error < 2e-7; hardswish in torch's order of operations): post-op -> the kernel's
-# activation (native.ACTIVATIONS). EfficientNet's expand convs end in SiLU, MobileNetV3's in
-# hardswish: without them those convs stayed on oneDNN.
-ACTIVATIONS = {"swish": lambda post: "swish", "hardswish": lambda post: "hardswish",
-               "gelu": lambda post: {"none": "gelu", "tanh": "gelu_tanh"}[post.algorithm]}
-
-
-def _activation(post) -> str:
-    return ACTIVATIONS[post.name](post) if post is not None and post.name in ACTIVATIONS else "none"
-
-
 def _conv_output_shape(match) -> Optional[list[int]]:
     shape, p = static_shape(match.x.node), match.conv
     if shape is None:
@@ -145,7 +133,7 @@ def _gemm_refusal(ctx: EmitContext, match) -> Optional[str]:
         if bound > INT16_MAX:
             return f"its int16 pair sums could reach {bound} > {INT16_MAX} (8-bit weights; no AVX512-VNNI here)"
     int8_values = (match.x.qparams,) + tuple(q for q in (match.output_quant, match.accum and match.accum.qparams) if q)
-    return own_conv.refusal(ctx, match, int8_values, activations=tuple(ACTIVATIONS))
+    return own_conv.refusal(ctx, match, int8_values, activations=tuple(own_conv.ACTIVATIONS))
 
 
 def refusal(ctx: EmitContext, match) -> Optional[str]:
@@ -188,7 +176,7 @@ def _call(ctx: EmitContext, match, x: Node, residual: Optional[Node] = None, res
     """The kernel call; ``shift`` is what a residual's zero point adds to every output;
     ``geometry``: a conv's kernel size, stride, padding, dilation and input zero point."""
     out, post = match.output_quant, match.post_op
-    activation = _activation(post)
+    activation = own_conv.activation(post)
     low, high = own_conv.clamp_bounds(None if activation != "none" else post)
     mult, add = own_conv.requantize_constants(ctx, match, shift)
     ctx.kernel = f"{native.NAMESPACE}::qconv.default"

@@ -31,6 +31,18 @@ class OwnKernel:
     prior: Optional[Callable] = None
 
 
+# Post-ops the kernels' epilogues run besides their clamp (vec_math.h: GELU by an erf / tanh,
+# SiLU by an exp, error < 2e-7; hardswish in torch's order of operations): post-op -> the
+# kernel's activation (native.ACTIVATIONS). EfficientNet's expand convs end in SiLU,
+# MobileNetV3's in hardswish, MaxViT's in GELU (which oneDNN's conv does not fuse).
+ACTIVATIONS = {"swish": lambda post: "swish", "hardswish": lambda post: "hardswish",
+               "gelu": lambda post: {"none": "gelu", "tanh": "gelu_tanh"}[post.algorithm]}
+
+
+def activation(post) -> str:
+    return ACTIVATIONS[post.name](post) if post is not None and post.name in ACTIVATIONS else "none"
+
+
 # post-op -> the clamp the kernels apply to the float result (hardtanh: its own bounds)
 CLAMPS = {"none": (-math.inf, math.inf), "relu": (0.0, math.inf)}
 

@@ -28,7 +28,10 @@ def _unavailable(ctx: EmitContext, entry, match) -> Optional[str]:
         resolved = ctx.op(logical)
         if not resolved:
             return resolved.reason
-    return entry.limits(match) if entry.limits is not None else None
+    reason = entry.limits(match) if entry.limits is not None else None
+    if reason is not None and entry.runs_anyway is not None and entry.runs_anyway(ctx, match):
+        return None
+    return reason
 
 
 def _runnable(ctx: EmitContext, entry, match):

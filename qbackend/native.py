@@ -456,8 +456,6 @@ class _DepthwiseCall(ctypes.Structure):
                    ("norm_eps", ctypes.c_float)])  # (the LayerNorm: the VNNI kernel's only)
 
 
-# the depthwise kernels' unary post-ops besides their clamp (vec_math.h ``enum activation``)
-DEPTHWISE_ACTIVATIONS = ("none", "swish", "hardswish")
 DEPTHWISE_WINDOWS = (3, 5, 7)  # square windows the kernels take
 DEPTHWISE_STRIDES = (1, 2)
 
@@ -468,8 +466,8 @@ def _prepare_dwconv(lib, x, x_zero_point, weight, mult, add, stride, padding, lo
     _check_nchw_uint8(x, None, "qconv_depthwise")
     n, c, h, w = x.shape
     packed = -(-c // 16) * 16  # (the packing pads the channels with zeros)
-    if activation not in DEPTHWISE_ACTIVATIONS:
-        raise ValueError(f"qbackend::qconv_depthwise: activation {activation!r} is not one of {list(DEPTHWISE_ACTIVATIONS)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"qbackend::qconv_depthwise: activation {activation!r} is not one of {list(ACTIVATIONS)}")
     if window not in DEPTHWISE_WINDOWS:
         raise ValueError(f"qbackend::qconv_depthwise: a {window}x{window} window; the kernel takes {DEPTHWISE_WINDOWS}")
     if weight.dtype == torch.int8:

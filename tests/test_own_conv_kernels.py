@@ -74,7 +74,8 @@ def test_larger_windows_give_the_reference_integers(post, stride, padding, chann
     assert_int8_close(run(), expected, f"{window}x{window} {post} stride {stride} padding {padding}")
 
 
-ACTIVATIONS = {"none": lambda t: t, "swish": nn.functional.silu, "hardswish": nn.functional.hardswish}
+ACTIVATIONS = {"none": lambda t: t, "swish": nn.functional.silu, "hardswish": nn.functional.hardswish,
+               "gelu": nn.functional.gelu, "gelu_tanh": lambda t: nn.functional.gelu(t, approximate="tanh")}
 
 
 @needs_own_kernels
@@ -82,9 +83,9 @@ ACTIVATIONS = {"none": lambda t: t, "swish": nn.functional.silu, "hardswish": nn
 @pytest.mark.parametrize("float_out", [False, True], ids=["uint8 out", "float32 out"])
 @pytest.mark.parametrize("channels", [48, 58], ids=["48 channels", "58: padded to 64"])
 @pytest.mark.parametrize("window", [3, 5, 7])
-def test_kernels_run_silu_and_hardswish_and_write_float32(activation, float_out, channels, window, int8_build):
-    """EfficientNet's depthwise convs end in SiLU, MobileNetV3's in hardswish, and both feed a
-    squeeze-excitation block that reads them as float32: float out within 2e-6 of the float64
+def test_kernels_run_activations_and_write_float32(activation, float_out, channels, window, int8_build):
+    """EfficientNet's depthwise convs end in SiLU, MobileNetV3's in hardswish, MaxViT's in GELU,
+    and each feeds a squeeze-excitation block that reads them as float32: float out within 2e-6 of the float64
     reference (dequantize, conv, activation, ReLU6 clamp), uint8 out its integers."""
     torch.manual_seed(0)
     x_scale, x_zp, out_scale, out_zp = 0.03, 7, 0.05, 60
@@ -109,8 +110,8 @@ def test_kernels_run_silu_and_hardswish_and_write_float32(activation, float_out,
 def test_an_unknown_depthwise_activation_is_refused():
     x = torch.zeros(1, 16, 4, 4, dtype=torch.uint8)
     packed = (torch.zeros(160, dtype=torch.int16), torch.zeros(16), torch.zeros(16))
-    with pytest.raises(ValueError, match=r"activation 'gelu' is not one of \['none', 'swish', 'hardswish'\]"):
-        native.op("qconv_depthwise")(x, 0, *packed, [1, 1], [1, 1], 0.0, 6.0, 1.0, 0, 0, 255, False, "gelu")
+    with pytest.raises(ValueError, match=r"activation 'mish' is not one of \['none', 'gelu', 'gelu_tanh', 'swish', 'hardswish'\]"):
+        native.op("qconv_depthwise")(x, 0, *packed, [1, 1], [1, 1], 0.0, 6.0, 1.0, 0, 0, 255, False, "mish")
 
 
 @pytest.mark.parametrize("post", sorted(CLAMPS))

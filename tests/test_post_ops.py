@@ -1,9 +1,11 @@
 """Every unary post-op on conv1d/2d/3d and linear, int8 and float output: folded where the
-kernel accepts it (asked of the kernel), left in the graph with the kernel's reason where not,
-and numerics equal to the reference either way."""
+kernel accepts it (asked of the kernel) or one of qbackend's own kernels fuses it, left in the
+graph with the kernel's reason where not, and numerics equal to the reference either way."""
 import pytest
 import torch
 
+from qbackend import native
+from qbackend.lowering import own_conv
 from qbackend.lowering.capabilities import conv_post_op_refusal, linear_post_op_refusal
 from qbackend.patterns.examples import POST_OP_CALLS, HandQuantized, post_op_of
 
@@ -31,6 +33,9 @@ def test_post_op(rank, name, quantized):
     out = "quantize(torch.uint8)" if quantized else "torch.float32 out"
     if refusal is None:
         assert decision.post_ops == [attr, out]
+    elif rank == 2 and attr in own_conv.ACTIVATIONS and native.available() is None:  # (GELU: MaxViT's convs)
+        assert decision.post_ops == [attr, out]
+        assert decision.reason.startswith(f"qbackend's conv kernel (oneDNN refuses the post-op: {refusal})"), decision.reason
     else:
         assert decision.post_ops == ["torch.float32 out"]
         assert decision.reason.startswith(f"{attr}{', ' + out if quantized else ''} not fused: {refusal}"), decision.reason

@@ -1,5 +1,5 @@
 /* Depthwise 3x3, 5x5 and 7x7 int8 convolution (uint8 NHWC activations, per-channel int8 weights), with
- * bias, a post-op (SiLU or hardswish, then a clamp: none / relu / relu6 / hardtanh) and
+ * bias, a post-op (GELU, SiLU or hardswish, then a clamp: none / relu / relu6 / hardtanh) and
  * requantization to uint8, or a float32 output (EfficientNet's and MobileNetV3's
  * squeeze-excitation blocks multiply it in float), for AVX2.
  *
@@ -28,11 +28,6 @@
 #define LANES 16
 #define PIXEL_BLOCK 8 /* output pixels of a row per step */
 
-/* The post-op on a group's two vectors, in lockstep (vec_math.h). */
-static inline void activate_pair(__m256 f[2], int activation) {
-  if (activation == SWISH) swish_lanes(f, 2);
-  else if (activation == HARDSWISH) f[0] = hardswish(f[0]), f[1] = hardswish(f[1]);
-}
 
 /* weight: [pairs][C/16][2 (lo, hi)][16] int16, pairs = (K * K + 1) / 2; mult, add: [C/16][2][8] float.
  * f = clamp(activation(acc * mult + add), lo, hi); y = f / out_scale + out_zp, rounded and
@@ -80,7 +75,7 @@ static int dwconv(int threads, int N, int H, int W, int C, int K, int stride_h, 
           const float* c = add + (size_t)g * LANES;
           __m256 f[2] = {_mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_lo), _mm256_loadu_ps(m), _mm256_loadu_ps(c)),
                          _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_hi), _mm256_loadu_ps(m + 8), _mm256_loadu_ps(c + 8))};
-          if (activation != CLAMP_ONLY) activate_pair(f, activation);
+          if (activation != CLAMP_ONLY) activate_lanes(activation, f, 2); /* (a group's two vectors in lockstep) */
           __m256 f_lo = f[0], f_hi = f[1];
           /* (max_ps / min_ps return their second operand for a NaN: this order keeps one, as the reference's clamp) */
           f_lo = _mm256_min_ps(vhi, _mm256_max_ps(vlo, f_lo));

@@ -1,5 +1,5 @@
 /* Depthwise 3x3, 5x5 and 7x7 int8 convolution for CPUs with AVX512-VNNI: what
- * depthwise_conv_int8.c does (bias, SiLU / hardswish, a clamp, uint8 or float32 out), with
+ * depthwise_conv_int8.c does (bias, GELU / SiLU / hardswish, a clamp, uint8 or float32 out), with
  * vpdpbusd (4 uint8 x int8 products added into each int32 lane) on ymm registers.
  *
  * Why: the AVX2 kernel spends ~40 instructions per 16 channels and output pixel widening bytes
@@ -119,9 +119,7 @@ static inline __attribute__((always_inline)) void finish_pixel(const epilogue_t*
                                                                 uint8_t* y, float* yf) {
   __m256 f[4];
   for (int v = 0; v < 4; v++) f[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[v]), e->mult[v], e->add[v]);
-  if (e->activation == SWISH) swish_lanes(f, 4);
-  else if (e->activation == HARDSWISH)
-    for (int v = 0; v < 4; v++) f[v] = hardswish(f[v]);
+  activate_lanes(e->activation, f, 4);
   if (yf) { /* vector v: channels 4v.. in its low half, 16 + 4v.. in its high half */
     for (int v = 0; v < 4; v++) f[v] = _mm256_min_ps(e->hi, _mm256_max_ps(e->lo, f[v]));
     _mm256_storeu_ps(yf, _mm256_permute2f128_ps(f[0], f[1], 0x20));

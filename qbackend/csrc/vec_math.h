@@ -49,7 +49,7 @@ static inline __m256 reciprocal(__m256 d) {
 }
 
 /* The unary post-ops the int8 kernels' epilogues apply before their clamp (qbackend/native.py
- * ACTIVATIONS; the depthwise kernel takes CLAMP_ONLY, SWISH and HARDSWISH). */
+ * ACTIVATIONS). */
 enum activation { CLAMP_ONLY = 0, GELU_ERF = 1, GELU_TANH = 2, SWISH = 3, HARDSWISH = 4 };
 
 /* x / (1 + e^-x), torch's SiLU, by a reciprocal (a division cost a fifth more on a 16 -> 96 1x1
@@ -74,6 +74,44 @@ static inline __m256 swish(__m256 x) {
 static inline __m256 hardswish(__m256 x) {
   const __m256 gate = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(x, _mm256_set1_ps(3.0f)), _mm256_setzero_ps()), _mm256_set1_ps(6.0f));
   return _mm256_mul_ps(_mm256_mul_ps(x, gate), _mm256_set1_ps(1.0f / 6.0f));
+}
+
+/* x * Phi(x) = x * (1 + erf(x / sqrt 2)) / 2, with erfc(z) = 1 / P(z)^16 for z >= 0
+ * (Abramowitz & Stegun 7.1.28, absolute error < 3e-7): 1 + erf(z) is erfc(-z) for x < 0,
+ * which keeps the negative tail accurate, and 2 - erfc(z) otherwise. |z| is capped at 10,
+ * where erf is 1 in float and P^16 (~1e31) is still finite. */
+static inline __attribute__((always_inline)) void gelu_erf_lanes(__m256* x, int n) {
+  static const float P[] = {0.0002765672f, 0.0001520143f, 0.0092705272f, 0.0422820123f, 0.0705230784f, 1.0f};
+  __m256 z[ACTIVATION_LANES], p[ACTIVATION_LANES];
+  EACH_LANE(j) {
+    z[j] = _mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x[j]), _mm256_set1_ps(0.70710678f));
+    z[j] = _mm256_min_ps(z[j], _mm256_set1_ps(10.0f));
+    p[j] = _mm256_set1_ps(0.0000430638f);
+  }
+  for (int c = 0; c < 6; c++) EACH_LANE(j) p[j] = _mm256_fmadd_ps(p[j], z[j], _mm256_set1_ps(P[c]));
+  for (int square = 0; square < 4; square++) EACH_LANE(j) p[j] = _mm256_mul_ps(p[j], p[j]);
+  EACH_LANE(j) {
+    const __m256 erfc = reciprocal(p[j]);
+    const __m256 negative = _mm256_cmp_ps(x[j], _mm256_setzero_ps(), _CMP_LT_OQ);
+    const __m256 one_plus_erf = _mm256_blendv_ps(_mm256_sub_ps(_mm256_set1_ps(2.0f), erfc), erfc, negative);
+    x[j] = _mm256_mul_ps(_mm256_mul_ps(x[j], _mm256_set1_ps(0.5f)), one_plus_erf);
+  }
+}
+
+/* x (1 + tanh u) / 2 = x / (1 + e^(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3). */
+static inline __attribute__((always_inline)) void gelu_tanh_lanes(__m256* x, int n) {
+  __m256 u[ACTIVATION_LANES];
+  EACH_LANE(j) u[j] = _mm256_mul_ps(_mm256_fmadd_ps(_mm256_mul_ps(_mm256_mul_ps(x[j], x[j]), x[j]), _mm256_set1_ps(0.044715f), x[j]),
+                                    _mm256_set1_ps(-1.59576912f)); /* -2 sqrt(2 / pi) */
+  exp_lanes(u, n);
+  EACH_LANE(j) x[j] = _mm256_mul_ps(x[j], reciprocal(_mm256_add_ps(_mm256_set1_ps(1.0f), u[j])));
+}
+
+static inline __attribute__((always_inline)) void activate_lanes(int activation, __m256* f, int n) {
+  if (activation == GELU_ERF) gelu_erf_lanes(f, n);
+  else if (activation == GELU_TANH) gelu_tanh_lanes(f, n);
+  else if (activation == SWISH) swish_lanes(f, n);
+  else if (activation == HARDSWISH) EACH_LANE(j) f[j] = hardswish(f[j]);
 }
 
 /* The quantized byte of a value already divided by its scale: round half to even (as torch),
