@@ -22,7 +22,7 @@ TORCHVISION = ("resnet50", "resnext50_32x4d", "mobilenet_v3_large", "efficientne
                "shufflenet_v2_x1_0", "vit_b_16")
 # other architectures checked the same way (issue #19: they must hold too), on request: --models
 MORE_TORCHVISION = ("densenet121", "swin_t", "regnet_x_1_6gf", "regnet_y_800mf", "googlenet", "mnasnet1_0",
-                    "efficientnet_v2_s", "resnet18", "mobilenet_v2", "squeezenet1_1", "vgg11_bn")
+                    "efficientnet_v2_s", "resnet18", "mobilenet_v2", "squeezenet1_1", "vgg11_bn", "maxvit_t", "swin_v2_t")
 IN_HOUSE = ("resnet18_like", "mobilenet_v2_like", "bert_encoder_like")
 MINILM = "all-MiniLM-L6-v2"
 MINILM_SEQ = 128

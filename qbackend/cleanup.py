@@ -27,6 +27,7 @@ from .depthwise_norm import depthwise_norms_fused
 from .float_linear import float_linears
 from .freeze import drop_unused_constants, set_constant
 from .huge_pages import streamed_weights_on_huge_pages
+from .l2_normalize import l2_normalizes_fused
 from .kernel_chain import chain_own_kernels
 from .kv_append import kv_cache_appends
 from .kv_int8 import kv_cache_int8
@@ -262,7 +263,7 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
              attention_reads_projection(gm) if fast_boundary else None, kv_cache_appends(gm) if fast_boundary else None,
              kv_cache_int8(gm) if fast_boundary and kv_cache == "int8" else None,
              rotaries_fused(gm) if fast_boundary else None, rms_norms_fused(gm) if fast_boundary else None,
-             silu_muls_fused(gm) if fast_boundary else None,
+             silu_muls_fused(gm) if fast_boundary else None, l2_normalizes_fused(gm) if fast_boundary else None,
              shuffles_in_one_pass(gm) if fast_boundary else None, batch_norms_quantized(gm) if fast_boundary else None,
              depthwise_norms_fused(gm) if fast_boundary else None, chain_own_kernels(gm),
              dense_slices_pass(gm, kernel_choice, weight_only_compute) if fast_boundary and device == "cpu" else None,
