@@ -181,7 +181,9 @@ class TestDepthwiseLowering(expecttest.TestCase):
 
     @needs_own_kernels
     def test_squeeze_excitation_blocks_run_their_activations_on_qbackends_kernels(self):
-        for act in (nn.SiLU, nn.Hardswish):
+        """SiLU (EfficientNet), hardswish (MobileNetV3) and GELU (MaxViT: oneDNN's conv has no
+        GELU post-op, so the own kernels alone fuse it)."""
+        for act in (nn.SiLU, nn.Hardswish, nn.GELU):
             torch.manual_seed(0)
             x = torch.randn(2, 8, 14, 14)
             model = quantize(SqueezeExcitationBlock(act).eval(), (x,))
@@ -191,7 +193,9 @@ class TestDepthwiseLowering(expecttest.TestCase):
             assert [by_layer[f"{name}.0"].op for name in ("expand", "depthwise")] == [GEMM_OP, DEPTHWISE_OP], str(captured.report)
             graph = short_graph(captured.lowered)
             call = [line for line in graph.splitlines() if "qconv_depthwise" in line][0]
-            assert call.endswith(f", -inf, inf, 1, 0, 0, 255, True, '{'swish' if act is nn.SiLU else 'hardswish'}')"), call
+            activation = {nn.SiLU: "swish", nn.Hardswish: "hardswish", nn.GELU: "gelu"}[act]
+            assert call.endswith(f", -inf, inf, 1, 0, 0, 255, True, '{activation}')"), call
+            assert not any(f"aten.{name}" in line for line in graph.splitlines() for name in ("silu", "hardswish", "gelu")), graph
 
     @needs_own_kernels
     def test_5x5_depthwise_convs_run_on_qbackends_kernel(self):
