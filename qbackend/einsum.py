@@ -41,9 +41,16 @@ def matmul_form(equation: str) -> Optional[bool]:
     return {j + k: True, k + j: False}.get(b[-2:])
 
 
+def _same_static_batch(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal batch sizes, every one a plain int (a symbolic size would add a shape guard here,
+    after Dynamo's trace)."""
+    batch = (*a.shape[:-2], *b.shape[:-2])
+    return all(isinstance(n, int) for n in batch) and a.shape[:-2] == b.shape[:-2]
+
+
 def einsums_as_matmuls(gm: GraphModule) -> int:
     """Rewrites every matrix-product einsum of two float tensors whose batch sizes agree (no
-    broadcast); the number rewritten."""
+    broadcast, none symbolic); the number rewritten."""
     rewritten = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.einsum.default or node.kwargs or len(node.args) != 2:
@@ -52,7 +59,7 @@ def einsums_as_matmuls(gm: GraphModule) -> int:
         transposed = matmul_form(equation) if isinstance(equation, str) and len(operands) == 2 else None
         values = [fake_value(operand) for operand in operands]
         if transposed is None or any(v is None or not v.is_floating_point() for v in values) \
-                or values[0].dtype != values[1].dtype or values[0].shape[:-2] != values[1].shape[:-2]:
+                or values[0].dtype != values[1].dtype or not _same_static_batch(*values):
             continue
         a, b = operands
         with gm.graph.inserting_before(node):
