@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from qbackend.patterns.base import fake_value
+
 from . import native
 from .float_ops import calls_in_place_of, float32, single_user
 
@@ -71,13 +73,11 @@ def _normalized(node: Node) -> Optional[tuple]:
     if not (_called(divisor, aten.clamp_min.default) and single_user(divisor) and len(divisor.args) == 2):
         return None
     norm, eps = divisor.args
-    if not (_called(norm, aten.linalg_vector_norm.default) and single_user(norm) and not norm.kwargs) or not float32(x):
+    if not (_called(norm, aten.linalg_vector_norm.default) and single_user(norm) and not norm.kwargs and len(norm.args) == 4
+            and norm.args[0] is x and float32(x)) or not isinstance(eps, numbers.Real) or isinstance(eps, bool):
         return None
-    rank = x.meta.get("val", x.meta.get("example_value")).dim()
-    if norm.args[0] is not x or norm.args[1:] not in ((2, [-1], True), (2.0, [-1], True), (2, [rank - 1], True),
-                                                      (2.0, [rank - 1], True)):
-        return None
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
+    order, dims, keepdim = norm.args[1:]
+    if order != 2 or keepdim is not True or not isinstance(dims, (list, tuple)) or list(dims) not in ([-1], [fake_value(x).dim() - 1]):
         return None
     return x, float(eps)
 

@@ -48,3 +48,21 @@ def test_swin_v2_queries_and_keys_are_normalized_by_one_call_each():
     expected_calls = 2 if l2_normalize._kernel() is not None else 0
     assert targets.count(l2_normalize.l2_normalize) == expected_calls, targets
     assert not expected_calls or torch.ops.aten.linalg_vector_norm.default not in targets, targets
+
+
+class NormalizedLinear(torch.nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc, self.dim = torch.nn.Linear(32, 32), dim
+
+    def forward(self, x):
+        return F.normalize(self.fc(x), dim=self.dim)
+
+
+@pytest.mark.parametrize("dim, fused", [(-1, True), (1, False)], ids=["over the last dim", "over another dim: left alone"])
+def test_only_a_normalization_over_the_last_dim_is_rewritten(dim, fused):
+    inputs = (torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(1)),)
+    captured = assert_matches_reference(quantize(NormalizedLinear(dim).eval(), inputs), inputs)
+    targets = [n.target for n in captured.lowered.graph.nodes if n.op == "call_function"]
+    assert (l2_normalize.l2_normalize in targets) == (fused and l2_normalize._kernel() is not None), targets
+    assert (torch.ops.aten.linalg_vector_norm.default in targets) == (not fused or l2_normalize._kernel() is None), targets
