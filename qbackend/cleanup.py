@@ -27,10 +27,10 @@ from .depthwise_norm import depthwise_norms_fused
 from .float_linear import float_linears
 from .freeze import drop_unused_constants, set_constant
 from .huge_pages import streamed_weights_on_huge_pages
-from .l2_normalize import l2_normalizes_fused
 from .kernel_chain import chain_own_kernels
 from .kv_append import kv_cache_appends
 from .kv_int8 import kv_cache_int8
+from .l2_normalize import l2_normalizes_fused
 from .rms_norm import rms_norms_fused
 from .rotary import rotaries_fused
 from .silu_mul import silu_muls_fused

@@ -28,7 +28,6 @@
 #define LANES 16
 #define PIXEL_BLOCK 8 /* output pixels of a row per step */
 
-
 /* weight: [pairs][C/16][2 (lo, hi)][16] int16, pairs = (K * K + 1) / 2; mult, add: [C/16][2][8] float.
  * f = clamp(activation(acc * mult + add), lo, hi); y = f / out_scale + out_zp, rounded and
  * clamped to [qmin, qmax], or yf = f when yf is not NULL. */

@@ -1,7 +1,7 @@
 /* F.normalize(x, p=2, dim=-1, eps): each row of n floats divided by max(||row||, eps), in one
  * pass (qbackend/l2_normalize.py). Swin V2's cosine attention normalizes its queries and keys
  * this way; ATen ran it as a norm, a clamp, an expand and a division (two passes and four
- * dispatches), 24 a call of swin_t v2, ~2 ms of ~30.
+ * dispatches), 24 a call of swin_v2_t, ~2 ms of ~30.
  *
  * Rows are indexed by up to three leading dims with their own strides (a head split of a merged
  * projection: [B, H, L] rows, none evenly strided), the last dim contiguous; the output is
