@@ -20,7 +20,7 @@ from .attention_cleanup import (attention_inputs_uncopied, attention_masks_once,
                                 attention_reads_projection)
 from .batch_norm_quantize import batch_norms_quantized
 from .channel_shuffle import shuffles_in_one_pass
-from .constant_fills import FRESH, fold_write, fresh_value, is_view
+from .constant_fills import FRESH, MAX_ELEMENTS, fold_write, fresh_value, is_view
 from .dead_code import eliminate_dead_code
 from .dense_weight_only import dense_slices_pass
 from .depthwise_norm import depthwise_norms_fused
@@ -58,7 +58,6 @@ def drop_inference_dropout(gm: GraphModule) -> int:
 # (all-MiniLM-L6-v2's ~20 mask-building ops per call fold with them: 6.02 -> 5.88 ms at batch 1)
 _FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
               aten.full.default, aten.scalar_tensor.default}
-FACTORY_MAX_ELEMENTS = 1 << 20  # (a bigger constant costs more memory than the op costs time)
 
 
 # qbackend's own kernels as the lowered graph calls them (plain functions) that only read their
@@ -93,7 +92,7 @@ def _foldable(gm: GraphModule, node: Node) -> bool:
     inputs = node.all_input_nodes
     if not inputs:
         value = fake_value(node)
-        return node.target in _FACTORIES and value is not None and value.numel() <= FACTORY_MAX_ELEMENTS \
+        return node.target in _FACTORIES and value is not None and value.numel() <= MAX_ELEMENTS \
             and not _written_later(node)
     return all(constant_value(gm, n) is not None for n in inputs)
 

@@ -21,7 +21,9 @@ from qbackend.patterns.inplace import schema_writes
 
 aten = torch.ops.aten
 FRESH = frozenset({aten.new_zeros.default, aten.new_ones.default, aten.new_full.default})
-MAX_ELEMENTS = 1 << 20  # (a bigger constant costs more memory than its ops cost time)
+# the largest constant a factory or a fresh tensor folds into (cleanup.py's and this module's):
+# a bigger one costs more memory than its ops cost time
+MAX_ELEMENTS = 1 << 20
 
 
 def is_view(node: Node) -> bool:
