@@ -17,6 +17,7 @@ import torch
 from torch.fx import GraphModule
 
 from .cleanup import cleanup, drop_inference_dropout
+from .batch_major import linears_in_row_order
 from .einsum import einsums_as_matmuls
 from .freeze import freeze
 from .kv_int8 import KV_CACHES
@@ -111,9 +112,12 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
     runtime_inputs = freeze(work, example_inputs)
     drop_inference_dropout(work)
     einsums_as_matmuls(work)
+    row_order = linears_in_row_order(work)
     inductor = options.remainder == "inductor"  # (Inductor traces the graph: ops with Meta kernels, its own q/dq)
     report = lower(work, device, registry, options.weight_only_compute, options.weight_only_dense_rows,
                    options.need_meta or inductor, options.kernel_choice)
+    if row_order:
+        report.notes.append(row_order)
     report.notes.extend(cleanup(work, device, fast_boundary=not inductor, kernel_choice=options.kernel_choice,
                                 weight_only_compute=options.weight_only_compute, kv_cache=options.kv_cache))
     compiled = inductor and compile_with_inductor(work, [example_inputs[i] for i in runtime_inputs], report)

@@ -317,10 +317,10 @@ class TorchMultiheadAttention(nn.Module):
     residual; ``returned_copy`` also returns a contiguous copy of a transpose (kept: the caller
     sees its strides)."""
 
-    def __init__(self, returned_copy=False):
+    def __init__(self, returned_copy=False, batch_first=True):
         super().__init__()
         self.ln, self.fc, self.returned_copy = nn.LayerNorm(32), nn.Linear(32, 32), returned_copy
-        self.attention = nn.MultiheadAttention(32, 2, batch_first=True)
+        self.attention = nn.MultiheadAttention(32, 2, batch_first=batch_first)
 
     def forward(self, x):
         h = self.ln(x)
@@ -342,20 +342,24 @@ def test_multihead_attentions_projection_is_not_copied_before_attention(returned
 
 
 @needs_own_kernels
-def test_multihead_attention_of_a_batch_reads_its_projection_in_place():
+@pytest.mark.parametrize("batch_first", [True, False], ids=["batch first", "length first"])
+def test_multihead_attention_of_a_batch_reads_its_projection_in_place(batch_first):
     """Splitting a batch's projection into heads copies (``view(L, B * H, D)`` of [L, B, 3E]
-    rows): the attention reads the heads where the projection wrote them instead."""
+    rows): the attention reads the heads where the projection wrote them instead, in the
+    rows' order (batch first: [B, L, 3E], the in-projection reading its input untransposed,
+    qbackend/batch_major.py), and writes them in that order: the head merge is a view."""
     torch.manual_seed(0)
-    inputs = (torch.randn(3, 10, 32),)
-    captured = assert_matches_reference(quantize(TorchMultiheadAttention().eval(), inputs), inputs)
+    inputs = (torch.randn(3, 10, 32) if batch_first else torch.randn(10, 3, 32),)
+    captured = assert_matches_reference(quantize(TorchMultiheadAttention(batch_first=batch_first).eval(), inputs), inputs)
     [attention] = [n for n in captured.lowered.graph.nodes if n.target is native.attention_from_projection]
     projection, geometry = attention.args[:2]
     assert list(projection.users) == [attention], captured.lowered.graph  # (no views, no copies of it)
-    # [L, B, 3E] rows of 3 x 2 heads of 16; q[b, h, l, d] at l * 288 + b * 96 + h * 16 + d
-    assert geometry == ((10, 3, 96), (3, 2, 10, 16), 10, (0, 32, 64), ((96, 16, 288),) * 3)
-    # written length-major as the projection: the heads merge back into [L * B, E] rows as a view
-    heads = native.attention_from_projection(torch.randn(10, 3, 96), geometry, None, 0.25)
-    merged = heads.permute(2, 0, 1, 3).reshape(30, 32)
+    # 3 x 2 heads of 16 a row; q[b, h, l, d] at b * 960 + l * 96 + h * 16 + d ([B, L, 3E] rows),
+    # or at l * 288 + b * 96 + h * 16 + d ([L, B, 3E])
+    rows, strides = ((3, 10, 96), (960, 16, 96)) if batch_first else ((10, 3, 96), (96, 16, 288))
+    assert geometry == (rows, (3, 2, 10, 16), 10, (0, 32, 64), (strides,) * 3)
+    heads = native.attention_from_projection(torch.randn(rows), geometry, None, 0.25)
+    merged = heads.transpose(1, 2).reshape(30, 32) if batch_first else heads.permute(2, 0, 1, 3).reshape(30, 32)
     assert merged.data_ptr() == heads.data_ptr() and merged.is_contiguous()
 
 

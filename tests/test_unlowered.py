@@ -182,6 +182,15 @@ def test_float_linears_with_constant_weights_run_on_a_packed_gemm():
     assert "2 float linear(s) on MKL's sgemm, weight packed once" in captured.report.notes
 
 
+class TransposedRows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.fc(x.transpose(0, 1))
+
+
 def test_without_a_packed_gemm_a_float_linear_of_a_transposed_input_reads_it_contiguous(monkeypatch):
     """(else ATen runs it as a bmm against the weight expanded per row)"""
     from qbackend import float_linear
@@ -189,9 +198,10 @@ def test_without_a_packed_gemm_a_float_linear_of_a_transposed_input_reads_it_con
 
     monkeypatch.setattr(float_linear, "resolve", lambda logical, device: Resolved(logical, device, None, None, "no GEMM"))
     inputs = (torch.randn(3, 10, 32),)
-    captured = assert_matches_reference(quantize(BatchFirstAttention().eval(), inputs), inputs)
+    captured = assert_matches_reference(quantize(TransposedRows().eval(), inputs, keep_float=["fc"]), inputs)
     readers = [n.args[0] for n in _float_linears(captured)]
-    assert [r.target for r in readers] == [torch.ops.aten.contiguous.default, "reshape"], captured.lowered.graph
+    assert [r.target for r in readers] == [torch.ops.aten.contiguous.default], captured.lowered.graph
+    assert readers[0].args[0].target == "transpose", captured.lowered.graph
 
 
 def _failing_lowering(monkeypatch):
