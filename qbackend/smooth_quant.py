@@ -106,6 +106,7 @@ class _Editor:
     def constant(self, value: torch.Tensor, hint: str, like: Node) -> Node:
         name = f"_smoothquant_{hint}_{self.count}"
         self.count += 1
+        value = value.detach()  # (a constant: no autograd history from the weight it was scaled from)
         self.gm.register_buffer(name, value)
         node = self.gm.graph.get_attr(name)
         node.meta["val"] = self._fake(like, value)
