@@ -220,6 +220,19 @@ def accuracy_report(model_fp32: torch.nn.Module, quantized: GraphModule, batches
     return AccuracyReport(layers, LayerError("output", "model", output.sqnr_db, output.cosine), len(bound), sorted(unmatched))
 
 
+def output_cosine(model_fp32: torch.nn.Module, quantized: GraphModule, batches: Iterable) -> float:
+    """The cosine of ``quantized``'s outputs against ``model_fp32``'s over ``batches`` (all
+    output tensors of all batches as one vector), without the per-layer comparison."""
+    output = _Agreement()
+    model_fp32.eval()
+    with torch.no_grad():
+        for args, kwargs, placeholders in _bound(quantized, batches):
+            actual = quantized.graph.process_outputs(Interpreter(quantized).run(*placeholders))
+            for a, r in zip(_flat_tensors(actual), _flat_tensors(model_fp32(*args, **kwargs))):
+                output.add(a, r)
+    return output.cosine
+
+
 def input_sensitivity(model_fp32: torch.nn.Module, quantized: GraphModule, batches: Iterable) -> dict[str, float]:
     """Layer path -> the model's output cosine vs fp32 when that layer reads its float input
     (its quantize skipped, its weights still int8), over ``batches``: how much the layer's input

@@ -7,6 +7,7 @@ quantization passes globally, which must not happen as a side effect of
 importing this module.
 """
 
+import copy
 import fnmatch
 import math
 
@@ -106,13 +107,13 @@ def quantize_xpu(model, example_inputs, calibration, **flow):
     only annotates the graph): on CPU the result lowers through the CPU table, whose kernels
     read the signed activations as unsigned ones (exact, see ``lowering/signed_int8.py``).
     ``flow``: the export and calibration keywords of ``quantize_x86`` (``dynamic_batch``,
-    ``dynamic_shapes``, ``strict``, ``num_batches``, ``progress``)."""
+    ``dynamic_shapes``, ``strict``, ``num_batches``, ``progress``, ``activation_ranges``)."""
     return _convert(model, example_inputs, calibration, _xpu_quantizer(), is_qat=False, **flow)
 
 
 def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic=False, reduce_range=None, smooth=None,
                  keep_float=(), every_linear=False, dynamic_batch=False, dynamic_shapes=None, strict=True, num_batches=None,
-                 progress=None, target_cosine=None):
+                 progress=None, target_cosine=None, activation_ranges="auto"):
     """Export, prepare, calibrate and convert ``model`` with X86InductorQuantizer.
 
     Args:
@@ -164,6 +165,13 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
         every_linear: also quantize the linears X86InductorQuantizer leaves float although
             their weight is a constant (nn.MultiheadAttention's in / out projections: ViT's 24
             of 50), as OpenVINO's recipe does; accuracy and speed: docs/benchmarks_zoo.md.
+        activation_ranges: "histogram": the quantizer's HistogramObserver ranges (each
+            tensor's range of least error on the calibration data); "min_max": each
+            activation's min / max over the calibration batches; "auto" (default): the one
+            whose output is nearer the float model's on a calibration batch the ranges were
+            not fitted to (a probe calibrated on the others of the first ``ACCURACY_BATCHES``),
+            named with both cosines in ``result.meta["activation_ranges"]``
+            (qbackend/activation_ranges.py); histogram with fewer than 2 batches.
 
     Returns:
         The converted ``torch.fx.GraphModule`` with quantize/dequantize ops
@@ -183,7 +191,8 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
     _annotate_conv2d_binary_unary``). Strict export records one source
     per call, each ReLU partition has a single output, and the flow works.
     """
-    flow = dict(dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes, strict=strict, progress=progress)
+    flow = dict(dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes, strict=strict, progress=progress,
+                activation_ranges=activation_ranges)
     keep_float = module_paths(model, keep_float)
     if target_cosine is None:
         quantizer = _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float, every_linear)
@@ -195,7 +204,7 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
                                                             is_qat, smooth, **flow))
 
 
-ACCURACY_BATCHES = 4  # calibration batches target_cosine checks the output on
+ACCURACY_BATCHES = 4  # calibration batches target_cosine and "auto" activation ranges check the output on
 MAX_KEPT_FLOAT = 8  # layers target_cosine may keep float
 
 
@@ -324,15 +333,26 @@ def _batch_norms_off_shared_convs(gm) -> int:
     return kept
 
 
-def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None, *, dynamic_batch=False,
-             dynamic_shapes=None, strict=True, num_batches=None, progress=None):
-    from torchao.quantization.pt2e import move_exported_model_to_eval
-    from torchao.quantization.pt2e.quantize_pt2e import (
-        convert_pt2e,
-        prepare_pt2e,
-        prepare_qat_pt2e,
-    )
+def _calibrate(prepared, calibration) -> list:
+    """Runs every calibration batch through ``prepared``; returns the first ``ACCURACY_BATCHES``."""
+    first = []
+    with torch.no_grad():
+        for batch in calibration:
+            first += [batch][:ACCURACY_BATCHES - len(first)]
+            args, kwargs = positional_and_keyword(batch)
+            prepared(*args, **kwargs)
+    return first
 
+
+def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None, *, dynamic_batch=False,
+             dynamic_shapes=None, strict=True, num_batches=None, progress=None, activation_ranges="auto"):
+    from torchao.quantization.pt2e import move_exported_model_to_eval
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e, prepare_qat_pt2e
+
+    from . import activation_ranges as ranges
+
+    if activation_ranges not in ranges.CHOICES:
+        raise ValueError(f"activation_ranges must be one of {ranges.CHOICES}, got {activation_ranges!r}")
     model.train(is_qat)
     exported = _export(model, example_inputs, dynamic_batch, dynamic_shapes, strict)
     model.eval()
@@ -345,15 +365,24 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
         calibration = [positional_and_keyword(batch)[0] for batch in calibration]  # (SmoothQuant runs positional batches)
         weight = quantizer.global_config.weight  # the search simulates the weights' real range
         smooth_report = smooth_quant(exported, calibration, **{"weight_range": (weight.quant_min, weight.quant_max), **smooth})
+    probing = activation_ranges == "auto" and not is_qat
+    unprepared = copy.deepcopy(exported) if probing else None  # (prepare_pt2e rewrites the graph it gets)
     prepare = prepare_qat_pt2e if is_qat else prepare_pt2e
     prepared = prepare(exported, quantizer)
     if is_qat:
         move_exported_model_to_eval(prepared)
-    with torch.no_grad():
-        for batch in calibration:
-            args, kwargs = positional_and_keyword(batch)
-            prepared(*args, **kwargs)
-    converted = convert_pt2e(prepared)
+    checked = _calibrate(prepared, calibration)
+    cosines = {}
+    if probing:
+        def probe(batches):
+            probed = prepare(unprepared, quantizer)
+            _calibrate(probed, batches)
+            return probed
+
+        activation_ranges, cosines = ranges.chosen(model, probe, checked)
+    converted = ranges.converted(prepared, "histogram" if activation_ranges == "auto" else activation_ranges)
+    if cosines:
+        converted.meta["activation_ranges"] = (activation_ranges, cosines)
     setattr(converted, EXPORT_RANGES, getattr(exported, EXPORT_RANGES, None))  # (convert drops them; batch 1's lowering needs them)
     if smooth_report is not None:
         converted.meta["smooth_quant"] = smooth_report
