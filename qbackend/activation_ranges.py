@@ -29,17 +29,20 @@ def min_max_ranges(prepared: torch.fx.GraphModule) -> Optional[torch.fx.GraphMod
     everything they saw; None when it has none (QAT's fake quantizers, dynamic quantization)."""
     from torchao.quantization.pt2e.observer import HistogramObserver, MinMaxObserver
 
-    names = [name for name, module in prepared.named_modules() if type(module) is HistogramObserver]
-    if not names:
+    if not any(type(module) is HistogramObserver for module in prepared.modules()):
         return None
     result = copy.deepcopy(prepared)
-    for name in names:
-        histogram = result.get_submodule(name)
-        plain = MinMaxObserver(dtype=histogram.dtype, qscheme=histogram.qscheme, quant_min=histogram.quant_min,
-                               quant_max=histogram.quant_max, eps=float(histogram.eps))
-        plain.min_val, plain.max_val = histogram.min_val.clone(), histogram.max_val.clone()
+    replaced = {}  # one observer under several names (a shared qspec: a pool's output, a cat's inputs) stays one
+    for name, histogram in list(result.named_modules(remove_duplicate=False)):
+        if type(histogram) is not HistogramObserver:
+            continue
+        if id(histogram) not in replaced:
+            plain = MinMaxObserver(dtype=histogram.dtype, qscheme=histogram.qscheme, quant_min=histogram.quant_min,
+                                   quant_max=histogram.quant_max, eps=float(histogram.eps))
+            plain.min_val, plain.max_val = histogram.min_val.clone(), histogram.max_val.clone()
+            replaced[id(histogram)] = plain
         parent, _, attribute = name.rpartition(".")
-        setattr(result.get_submodule(parent), attribute, plain)
+        setattr(result.get_submodule(parent), attribute, replaced[id(histogram)])
     return result
 
 

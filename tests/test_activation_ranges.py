@@ -44,6 +44,28 @@ def test_min_max_ranges_cover_every_calibration_value():
     assert "activation_ranges" not in converted.meta  # (chosen by the caller, not measured)
 
 
+class ConvPool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.fc = nn.Conv2d(3, 8, 3), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.conv(x), 1), 1))
+
+
+def test_min_max_ranges_keep_an_observer_shared_by_two_tensors_shared():
+    """X86InductorQuantizer gives a pool's output its input's observer (one module under two
+    names): both keep one grid, and the pool stays a pure int8 pool."""
+    generator = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(2, 3, 12, 12, generator=generator),) for _ in range(2)]
+    converted = quantize_x86(ConvPool().eval(), batches[0], batches, activation_ranges="min_max", reduce_range=False)
+    [pool] = [n for n in converted.graph.nodes if n.target is torch.ops.aten.adaptive_avg_pool2d.default]
+    [quantize] = pool.users
+    assert is_op(pool.args[0], "dequantize_per_tensor") and is_op(quantize, "quantize_per_tensor")
+    assert pool.args[0].args[1:3] == quantize.args[1:3]
+
+
 @pytest.mark.parametrize("batches, kept", [
     (_batches(1.0, 1.0, 1.0, 3.0), "min_max"),
     (_batches(1.0, 1.0, 1.0, 1.0, outlier=400.0), "histogram"),
