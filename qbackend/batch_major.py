@@ -25,13 +25,13 @@ import torch
 from torch.fx import GraphModule, Node
 
 from qbackend.lowering.common import static_shape
+from qbackend.patterns.attention import FUSED_SDPA_OPS
 from qbackend.patterns.base import fake_value
 from qbackend.patterns.qdq import is_op
 
 from .view_chains import VIEWS, is_view, positions, replayed, view_chain
 
 aten = torch.ops.aten
-_ATTENTION = {aten.scaled_dot_product_attention.default, torch.nn.functional.scaled_dot_product_attention}
 # what lies between a projection and the attention reading it (MultiheadAttention's head split)
 _HEAD_SPLIT = VIEWS | {aten.select.int, aten.slice.Tensor, aten.contiguous.default}
 _LEADING_PERMUTES = {aten.transpose.int, aten.permute.default}
@@ -91,7 +91,7 @@ def _reaches_attention(node: Node) -> list[Node]:
             if user in seen:
                 continue
             seen.add(user)
-            if user.op == "call_function" and user.target in _ATTENTION:
+            if user.op == "call_function" and user.target in FUSED_SDPA_OPS:
                 continue
             if not is_view(user, _HEAD_SPLIT):
                 return []
@@ -102,18 +102,14 @@ def _reaches_attention(node: Node) -> list[Node]:
 
 
 def _keeps_last_dim(view: Node) -> bool:
+    """A transpose / permute that leaves the last dim where it is: it moves whole rows."""
     value = fake_value(view.args[0])
     if value is None or view.target not in _LEADING_PERMUTES:
         return False
     last = value.dim() - 1
-    dims = view.args[1:] if view.target is aten.transpose.int else view.args[1]
-    order = list(range(value.dim()))
     if view.target is aten.transpose.int:
-        a, b = (d % value.dim() for d in dims)
-        order[a], order[b] = order[b], order[a]
-    else:
-        order = [d % value.dim() for d in dims]
-    return order[last] == last
+        return all(d % value.dim() != last for d in view.args[1:3])
+    return view.args[1][-1] % value.dim() == last
 
 
 def _projection_before_transpose(gm: GraphModule, linear: Node) -> bool:
