@@ -201,9 +201,8 @@ def assert_fused_into_quantize(example, kernel: str, replaced: str, report_phras
     return captured
 
 
-def lower_without_running(module, inputs, registry=None, **options):
-    """(lowered GraphModule, report) for the graph Dynamo captures, without running the
-    lowered graph: for devices this machine lacks (XPU), checked at graph level."""
+def dynamo_graph(module, inputs) -> tuple:
+    """(the one graph Dynamo captures of ``module`` on ``inputs``, its example inputs)."""
     graphs = []
 
     def capture(gm, example_inputs):
@@ -214,7 +213,13 @@ def lower_without_running(module, inputs, registry=None, **options):
     with torch.no_grad():
         torch.compile(module, backend=capture)(*inputs)
     assert len(graphs) == 1, f"expected one graph, got {len(graphs)}"
-    _, report, lowered = compile_graph(*graphs[0], Options(**options), registry)
+    return graphs[0]
+
+
+def lower_without_running(module, inputs, registry=None, **options):
+    """(lowered GraphModule, report) for the graph Dynamo captures, without running the
+    lowered graph: for devices this machine lacks (XPU), checked at graph level."""
+    _, report, lowered = compile_graph(*dynamo_graph(module, inputs), Options(**options), registry)
     return lowered, report
 
 

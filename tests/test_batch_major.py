@@ -10,27 +10,13 @@ from torch import nn
 
 from qbackend.batch_major import linears_in_row_order
 
-from .helpers import assert_matches_reference, quantize, short_graph
+from .helpers import assert_matches_reference, dynamo_graph, quantize, short_graph
 from .test_attention import TorchMultiheadAttention
-
-
-def _dynamo_graph(module, inputs):
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append((gm, list(example_inputs)))
-        return gm.forward
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(module, backend=capture)(*inputs)
-    [(gm, example_inputs)] = graphs
-    return gm, example_inputs
 
 
 def _rewritten(module, inputs):
     """(note, the rewritten graph, its output, the Dynamo graph's output)"""
-    gm, example_inputs = _dynamo_graph(module, inputs)
+    gm, example_inputs = dynamo_graph(module, inputs)
     work = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     note = linears_in_row_order(work)
     work.recompile()
@@ -114,7 +100,7 @@ class RowsKeptInOrder(nn.Module):
 def test_near_misses_are_left_as_they_are(example):
     torch.manual_seed(0)
     module, inputs = example()
-    gm, _ = _dynamo_graph(quantize(module.eval(), inputs, every_linear=True), inputs)
+    gm, _ = dynamo_graph(quantize(module.eval(), inputs, every_linear=True), inputs)
     work = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     assert linears_in_row_order(work) is None
     assert short_graph(work) == short_graph(gm)
