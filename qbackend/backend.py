@@ -16,8 +16,8 @@ from typing import Callable, Optional
 import torch
 from torch.fx import GraphModule
 
-from .cleanup import cleanup, drop_inference_dropout
 from .batch_major import linears_in_row_order
+from .cleanup import cleanup, drop_inference_dropout
 from .einsum import einsums_as_matmuls
 from .freeze import freeze
 from .kv_int8 import KV_CACHES
