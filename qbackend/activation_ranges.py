@@ -68,7 +68,8 @@ def chosen(model: torch.nn.Module, probe: Callable[[list], torch.fx.GraphModule]
 
 
 def converted(prepared: torch.fx.GraphModule, ranges: str) -> torch.fx.GraphModule:
-    """``prepared`` (calibrated) converted with "histogram" or "min_max" activation ranges."""
+    """``prepared`` (calibrated) converted with "min_max" activation ranges, or else (also an
+    "auto" that probed nothing: QAT) the histogram observers' own."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
     plain = min_max_ranges(prepared) if ranges == "min_max" else None

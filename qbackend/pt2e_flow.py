@@ -380,7 +380,7 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
             return probed
 
         activation_ranges, cosines = ranges.chosen(model, probe, checked)
-    converted = ranges.converted(prepared, "histogram" if activation_ranges == "auto" else activation_ranges)
+    converted = ranges.converted(prepared, activation_ranges)
     if cosines:
         converted.meta["activation_ranges"] = (activation_ranges, cosines)
     setattr(converted, EXPORT_RANGES, getattr(exported, EXPORT_RANGES, None))  # (convert drops them; batch 1's lowering needs them)
