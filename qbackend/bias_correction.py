@@ -17,6 +17,7 @@ it is). convert_pt2e then quantizes the unchanged weights with the unchanged sca
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -26,30 +27,45 @@ LINEAR = torch.ops.aten.linear.default
 
 
 class InputMeans:
-    """The mean of the tensors recorded under each key: over dim 0 for a conv's input (a mean
-    image, [C, *spatial]: the conv of it is the mean of the convs, borders included), over
-    every dim but the last for a linear's ([C]). A key whose sizes changed between batches has
-    no mean."""
+    """The mean of the tensors recorded under each key: a conv's input over dim 0 (a mean
+    image, [C, *spatial]: the conv of it is the mean of the convs, borders included; above
+    ``PER_POSITION_LIMIT`` values per image, the channel means spread over the image, where
+    borders are a small part), a linear's over every dim but the last ([C]). A key whose sizes
+    changed between batches has no mean."""
+
+    PER_POSITION_LIMIT = 1 << 22  # values of one mean image (16 MB of float32)
 
     def __init__(self):
         self.sums: dict[str, Optional[torch.Tensor]] = {}
         self.counts: dict[str, int] = {}
+        self.spatial: dict[str, tuple] = {}
 
     def record(self, x: torch.Tensor, key: str, conv: bool) -> torch.Tensor:
         if x.dim() < 2 or not x.is_floating_point():
             self.sums[key] = None
             return x
-        rows = x.detach().double() if conv else x.detach().reshape(-1, x.shape[-1]).double()
-        total = rows.sum(0)
+        values = x.detach().float()
+        if not conv:
+            total, count = values.reshape(-1, x.shape[-1]).sum(0), x.numel() // x.shape[-1]
+        elif x[0].numel() <= self.PER_POSITION_LIMIT:
+            total, count = values.sum(0), x.shape[0]
+        else:
+            total, count = values.sum([0, *range(2, x.dim())]), x.numel() // x.shape[1]
         previous = self.sums.get(key, 0)
-        self.sums[key] = None if previous is None or (
-            isinstance(previous, torch.Tensor) and previous.shape != total.shape) else previous + total
-        self.counts[key] = self.counts.get(key, 0) + rows.shape[0]
+        same = not isinstance(previous, torch.Tensor) or previous.shape == total.shape
+        self.sums[key] = previous + total if previous is not None and same else None
+        self.counts[key] = self.counts.get(key, 0) + count
+        self.spatial[key] = tuple(x.shape[2:]) if conv else ()
         return x
 
     def mean(self, key: str) -> Optional[torch.Tensor]:
         total = self.sums.get(key)
-        return None if total is None else (total / self.counts[key]).float()
+        if total is None:
+            return None
+        mean, spatial = total / self.counts[key], self.spatial[key]
+        if spatial and mean.dim() == 1:
+            mean = mean.view(-1, *([1] * len(spatial))).expand(-1, *spatial)
+        return mean
 
 
 def _weight_observer(prepared, layer) -> Optional[torch.nn.Module]:
@@ -115,15 +131,12 @@ def correct(prepared: torch.fx.GraphModule, means: InputMeans) -> int:
     changed = 0
     for layer in layers(prepared):
         mean = means.mean(layer.name)
-        weight_node = layer.args[1].args[0]
-        weight = prepared.get_parameter(weight_node.target) if _is_parameter(prepared, weight_node.target) \
-            else prepared.get_buffer(weight_node.target)
+        weight = functools.reduce(getattr, layer.args[1].args[0].target.split("."), prepared)
         groups = layer.args[6] if layer.target in CONVS and len(layer.args) > 6 else 1
         if mean is None or mean.shape[0 if layer.target in CONVS else -1] != weight.shape[1] * groups:
             continue
         with torch.no_grad():
-            shift = _shift(layer, _rounding_error(_weight_observer(prepared, layer), weight.detach().float()),
-                           mean)
+            shift = _shift(layer, _rounding_error(_weight_observer(prepared, layer), weight.detach().float()), mean)
         _set_bias(prepared, layer, shift)
         changed += 1
     if changed:
@@ -131,16 +144,11 @@ def correct(prepared: torch.fx.GraphModule, means: InputMeans) -> int:
     return changed
 
 
-def _is_parameter(module: torch.nn.Module, target: str) -> bool:
-    owner, _, name = target.rpartition(".")
-    return name in (module.get_submodule(owner) if owner else module)._parameters
-
-
 def _set_bias(prepared, layer, shift: torch.Tensor) -> None:
     bias = layer.args[2] if len(layer.args) > 2 else layer.kwargs.get("bias")
     if bias is None:
         target = f"_qb_corrected_bias_{layer.name}"
-        prepared.register_buffer(target, shift.detach().clone())
+        prepared.register_buffer(target, shift)
         with prepared.graph.inserting_before(layer):
             node = prepared.graph.get_attr(target)
         node.meta["val"] = shift
@@ -150,7 +158,7 @@ def _set_bias(prepared, layer, shift: torch.Tensor) -> None:
     owner, _, name = bias.target.rpartition(".")
     holder = prepared.get_submodule(owner) if owner else prepared
     old = getattr(holder, name)
-    new = (old.detach() + shift.to(old.dtype)).clone()
+    new = old.detach() + shift.to(old.dtype)
     if name in holder._parameters:
         holder._parameters[name] = torch.nn.Parameter(new, requires_grad=False)
     else:

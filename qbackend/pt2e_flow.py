@@ -94,22 +94,24 @@ def module_paths(model: torch.nn.Module, names) -> tuple:
     return tuple(chosen)
 
 
-def _xpu_quantizer():
+def _xpu_quantizer(every_linear=True):
     import torchao.quantization.pt2e.quantizer.xpu_inductor_quantizer as xpuiq
 
-    return xpuiq.XPUInductorQuantizer().set_global(xpuiq.get_default_xpu_inductor_quantization_config())
+    config = xpuiq.get_default_xpu_inductor_quantization_config()
+    quantizer = xpuiq.XPUInductorQuantizer().set_global(config)
+    return _with_every_linear(quantizer, config, ()) if every_linear else quantizer
 
 
-def quantize_xpu(model, example_inputs, calibration, **flow):
+def quantize_xpu(model, example_inputs, calibration, *, every_linear=True, **flow):
     """Export, prepare, calibrate and convert ``model`` with torchao's XPUInductorQuantizer:
     signed int8 activations, per-channel symmetric int8 weights, max_pool2d left float; the
     quantizer has no QAT or dynamic options. The model may live on any device (the quantizer
     only annotates the graph): on CPU the result lowers through the CPU table, whose kernels
     read the signed activations as unsigned ones (exact, see ``lowering/signed_int8.py``).
-    ``flow``: the export and calibration keywords of ``quantize_x86`` (``dynamic_batch``,
-    ``dynamic_shapes``, ``strict``, ``num_batches``, ``progress``, ``activation_ranges``,
-    ``bias_correction``)."""
-    return _convert(model, example_inputs, calibration, _xpu_quantizer(), is_qat=False, **flow)
+    ``every_linear`` as ``quantize_x86`` takes it; ``flow``: the export and calibration
+    keywords of ``quantize_x86`` (``dynamic_batch``, ``dynamic_shapes``, ``strict``,
+    ``num_batches``, ``progress``, ``activation_ranges``, ``bias_correction``)."""
+    return _convert(model, example_inputs, calibration, _xpu_quantizer(every_linear), is_qat=False, **flow)
 
 
 def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic=False, reduce_range=None, smooth=None,

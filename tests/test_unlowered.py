@@ -145,6 +145,17 @@ def test_every_linear_quantizes_the_attention_projections_the_quantizer_leaves_f
     assert [d.source for d in captured.report.lowered if d.kind == "linear"] == lowered, str(captured.report)
 
 
+def test_the_xpu_flow_quantizes_the_attention_projections_too():
+    from qbackend.pt2e_flow import quantize_xpu
+
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 6, 32),)
+    for every_linear, lowered in ((True, ["mha", "mha", "fc"]), (False, ["fc"])):
+        captured = assert_matches_reference(quantize_xpu(AttentionBlock().eval(), inputs, [inputs], every_linear=every_linear),
+                                            inputs)
+        assert [d.source for d in captured.report.lowered if d.kind == "linear"] == lowered, str(captured.report)
+
+
 def test_keep_float_takes_patterns_and_refuses_a_name_matching_no_module():
     inputs = (torch.randn(4, 16),)
     captured = assert_matches_reference(quantize(TwoLinears(), inputs, keep_float=["*2"]), inputs)
