@@ -119,3 +119,15 @@ def test_correction_moves_only_biases():
     changed = sorted(name for name, value in plain_constants.items() if not torch.equal(value, corrected_constants[name]))
     assert changed == ["conv_bias", "depthwise_bias"]
     assert scales(plain) == scales(corrected)
+
+
+def test_calibration_batches_of_any_size_with_a_variable_batch():
+    """Each batch adds its rows to the sums: batches of 3 and 16 weigh by their rows."""
+    model = ConvStack().eval()
+    batches = [(b[0][:size],) for b, size in zip(_batches(), (3, 16, 7, 16))]
+    converted = quantize_x86(model, batches[0], batches, dynamic_batch=True, activation_ranges="min_max")
+    assert converted.meta["bias_correction"] == 3
+    error = _layer_output_error(converted, model, batches, "conv").abs().mean()
+    plain = quantize_x86(model, batches[0], batches, dynamic_batch=True, activation_ranges="min_max",
+                         bias_correction=False)
+    assert error < 0.35 * _layer_output_error(plain, model, batches, "conv").abs().mean()
