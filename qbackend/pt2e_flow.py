@@ -32,7 +32,7 @@ REDUCE_RANGE_CHOICES = (False, True, "activations", "weights")
 SEVEN_BIT_WEIGHTS = (-64, 63)
 
 
-def _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float=(), every_linear=False):
+def _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float, every_linear):
     import dataclasses
 
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
@@ -371,6 +371,8 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
 
     if activation_ranges not in ranges.CHOICES:
         raise ValueError(f"activation_ranges must be one of {ranges.CHOICES}, got {activation_ranges!r}")
+    if bias_correction not in (True, False):
+        raise ValueError(f"bias_correction must be True or False, got {bias_correction!r}")
     model.train(is_qat)
     exported = _export(model, example_inputs, dynamic_batch, dynamic_shapes, strict)
     model.eval()
@@ -381,8 +383,8 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
         from .smooth_quant import smooth_quant
 
         calibration = [positional_and_keyword(batch)[0] for batch in calibration]  # (SmoothQuant runs positional batches)
-        weight = getattr(quantizer, "quantizers", [quantizer])[0].global_config.weight  # (the search simulates
-        # the weights' real range; every_linear composes X86InductorQuantizer first)
+        # (the search simulates the weights' real range; every_linear composes X86InductorQuantizer first)
+        weight = getattr(quantizer, "quantizers", [quantizer])[0].global_config.weight
         smooth_report = smooth_quant(exported, calibration, **{"weight_range": (weight.quant_min, weight.quant_max), **smooth})
     probing = activation_ranges == "auto" and not is_qat
     unprepared = copy.deepcopy(exported) if probing else None  # (prepare_pt2e rewrites the graph it gets)
@@ -390,8 +392,6 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
     prepared = prepare(exported, quantizer)
     if is_qat:
         move_exported_model_to_eval(prepared)
-    if bias_correction not in (True, False):
-        raise ValueError(f"bias_correction must be True or False, got {bias_correction!r}")
     bias_correction = bias_correction and not is_qat  # (QAT trained its biases with the rounding in place)
     checked, corrected = _calibrate(prepared, calibration, bias_correction)
     cosines = {}
