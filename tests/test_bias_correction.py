@@ -131,3 +131,18 @@ def test_calibration_batches_of_any_size_with_a_variable_batch():
     plain = quantize_x86(model, batches[0], batches, dynamic_batch=True, activation_ranges="min_max",
                          bias_correction=False)
     assert error < 0.35 * _layer_output_error(plain, model, batches, "conv").abs().mean()
+
+
+def test_dynamic_quantization_is_corrected_and_lowers_as_the_reference_runs():
+    """Dynamic activations: the weights round as in the static flow, so their shift is the same."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    batches = [(torch.rand(16, 32) + 1,) for _ in range(4)]
+    with torch.no_grad():
+        fp32 = model(*batches[0])
+        plain = quantize_x86(model, batches[0], batches, is_dynamic=True, bias_correction=False)(*batches[0]) - fp32
+        converted = quantize_x86(model, batches[0], batches, is_dynamic=True)
+        corrected = converted(*batches[0]) - fp32
+    assert converted.meta["bias_correction"] == 2
+    assert corrected.mean(0).abs().mean() < 0.35 * plain.mean(0).abs().mean()
+    assert_matches_reference(converted, batches[0])
