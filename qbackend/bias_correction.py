@@ -69,12 +69,17 @@ class InputMeans:
         return mean
 
 
+def _bias(layer) -> Optional[torch.fx.Node]:
+    return layer.args[2] if len(layer.args) > 2 else layer.kwargs.get("bias")
+
+
 def _weight_observer(prepared, layer) -> Optional[torch.nn.Module]:
+    """The per-channel (dim 0) observer of ``layer``'s weight; None for a layer left float."""
     weight = layer.args[1]
     if weight.op != "call_module" or weight.args[0].op != "get_attr":
-        return None  # (a layer left float: its weight has no observer)
+        return None
     observer = prepared.get_submodule(weight.target)
-    return observer if hasattr(observer, "calculate_qparams") and hasattr(observer, "ch_axis") else None
+    return observer if hasattr(observer, "calculate_qparams") and getattr(observer, "ch_axis", None) == 0 else None
 
 
 def layers(prepared: torch.fx.GraphModule) -> list:
@@ -84,9 +89,8 @@ def layers(prepared: torch.fx.GraphModule) -> list:
     for node in prepared.graph.nodes:
         if node.op != "call_function" or node.target not in CONVS + (LINEAR,):
             continue
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        observer = _weight_observer(prepared, node)
-        if observer is None or getattr(observer, "ch_axis", None) != 0:
+        bias = _bias(node)
+        if _weight_observer(prepared, node) is None:
             continue
         if bias is not None and (not isinstance(bias, torch.fx.Node) or bias.op != "get_attr" or len(bias.users) > 1):
             continue
@@ -146,7 +150,7 @@ def correct(prepared: torch.fx.GraphModule, means: InputMeans) -> int:
 
 
 def _set_bias(prepared, layer, shift: torch.Tensor) -> None:
-    bias = layer.args[2] if len(layer.args) > 2 else layer.kwargs.get("bias")
+    bias = _bias(layer)
     if bias is None:
         target = f"_qb_corrected_bias_{layer.name}"
         prepared.register_buffer(target, shift)
