@@ -264,12 +264,13 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
              rotaries_fused(gm) if fast_boundary else None, rms_norms_fused(gm) if fast_boundary else None,
              silu_muls_fused(gm) if fast_boundary else None, l2_normalizes_fused(gm) if fast_boundary else None,
              shuffles_in_one_pass(gm) if fast_boundary else None, batch_norms_quantized(gm) if fast_boundary else None,
-             depthwise_norms_fused(gm) if fast_boundary else None, chain_own_kernels(gm),
+             depthwise_norms_fused(gm) if fast_boundary else None,
              dense_slices_pass(gm, kernel_choice, weight_only_compute) if fast_boundary and device == "cpu" else None,
              view_chains_collapsed(gm) if fast_boundary else None,
              streamed_weights_on_huge_pages(gm) if device == "cpu" else None]
-    if fast_boundary:  # (last: the passes above read the view ops' targets)
+    if fast_boundary:  # (the passes above read the view ops' targets)
         views_as_tensor_methods(gm)
+    notes.append(chain_own_kernels(gm))  # (last: the runs it replaces are the graph's final calls)
     eliminate_dead_code(gm)
     gm.graph.lint()
     gm.recompile()

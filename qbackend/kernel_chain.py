@@ -1,38 +1,75 @@
-"""Runs of qbackend's own int8 kernels (GEMM, depthwise, stem conv, pools) as one call (``csrc/kernel_chain.c``).
+"""Runs of qbackend's own kernels, with the views between them, as one call (``csrc/kernel_chain.c``).
 
-Each own-kernel call from the graph costs ~4 us of Python besides its kernel (arguments,
+Each own-kernel call from the graph costs ~4-20 us of Python besides its kernel (arguments,
 the prepared-call lookup, the output's allocation, ctypes): on a MobileNetV2 image, 46 calls
-of which most compute for 15-60 us. ``chain_own_kernels`` replaces every run of consecutive
-own-kernel calls in a lowered graph (constants aside) by one call of a ``KernelChain``:
-its steps are prepared once per input shape (the first call runs them one by one, as the
-graph did, and keeps their prepared calls), its intermediates share one arena laid out by
-their lifetimes, and later calls are one ctypes call. Values that leave the run are fresh
-tensors, so nothing the caller sees is ever reused.
+of which most compute for 15-60 us; in a Llama decode step, ~70 calls (weight-only matmuls,
+RMSNorm, rotary, SiLU-multiply) with ~100 views between them, most computing for under 5 us.
+``chain_own_kernels`` replaces every run of consecutive own-kernel calls in a lowered graph
+(constants aside, views of their values and of the run's inputs between them) by one call of a
+``KernelChain``: its steps are prepared once per input signature (the first call runs the nodes
+one by one, as the graph did, keeps their prepared calls and finds where each operand lives: a
+chain input, a step's output, at an offset), its intermediates and the steps' scratch share one
+arena laid out by their lifetimes, and later calls are one ctypes call. Values that leave the
+run are fresh tensors, so nothing the caller sees is ever reused; a view read after the run
+stays a graph node on them. Where a call cannot be a C step (a kernel fell back to torch's ops,
+a view copied), that signature's calls run the nodes one by one.
 """
 from __future__ import annotations
 
 import ctypes
 import operator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.node import map_aggregate, map_arg
 
-from . import native
+from qbackend.lowering.weight_only import unflatten_rows
+
+from . import native, rms_norm, rotary, silu_mul
+from .chain_step import FOUR, X_TO_Y, StepCall
+
+aten = torch.ops.aten
 
 ALIGN = 64  # bytes: intermediates start on cache lines
-KINDS = {"qconv": 0, "qconv_depthwise": 1, "qconv_stem": 1, "max_pool_u8": 1, "global_avg_pool_u8": 1}  # kernel_chain.c ``enum kind``
 MIN_STEPS = 2  # a single call gains nothing from a chain
+CONVS = {"qconv": FOUR, "qconv_depthwise": X_TO_Y, "qconv_stem": X_TO_Y, "max_pool_u8": X_TO_Y, "global_avg_pool_u8": X_TO_Y}
+# views a run may hold: they cost a step nothing (an operand's offset and strides, fixed per signature)
+VIEW_METHODS = frozenset({"view", "reshape", "transpose", "unsqueeze", "squeeze", "contiguous", "permute", "flatten"})
+VIEW_FUNCTIONS = frozenset({unflatten_rows, aten.slice.Tensor, aten.view.default, aten.reshape.default, aten.transpose.int,
+                            aten.unsqueeze.default, aten.squeeze.dim})
+
+
+def _conv_call(kernel: str) -> Callable:
+    def prepare(args: tuple, y: torch.Tensor) -> StepCall:
+        call = native.PREPARED_CALLS[kernel](native._load()[0], *args, trusted=True)
+        if CONVS[kernel] == X_TO_Y:
+            operands = (args[0], y)
+        else:  # (x, residual, uint8 y, float32 y: the call knows its output's dtype)
+            float_out = call.dtype == torch.float32
+            operands = (args[0], args[4], None if float_out else y, y if float_out else None)
+        return StepCall(CONVS[kernel], ctypes.cast(call.function, ctypes.c_void_p).value, call.address, operands, call)
+    return prepare
+
+
+def kernels() -> dict:
+    """name -> (the plain function graphs call, its chain step: (args, result) -> StepCall or None)."""
+    table = {name: (native.PLAIN[name], _conv_call(name)) for name in CONVS}
+    table.update({name: (native.PLAIN[name], native.weight_only_chain_call) for name in ("int4_mm_int16", "int8_mm_int16")})
+    table.update({"rms_norm": (rms_norm.rms_norm, rms_norm.chain_call), "add_rms_norm": (rms_norm.add_rms_norm, rms_norm.chain_call),
+                  "rotary": (rotary.rotary, rotary.chain_call), "silu_mul": (silu_mul.silu_mul, silu_mul.chain_call)})
+    return table
 
 
 class _Operand(ctypes.Structure):
     _fields_ = [("base", ctypes.c_int), ("offset", ctypes.c_long)]
 
 
-class _Step(ctypes.Structure):
+class _Step(ctypes.Structure):  # kernel_chain.c chain_step_t
     _fields_ = [("kind", ctypes.c_int), ("function", ctypes.c_void_p), ("call", ctypes.c_void_p),
-                ("x", _Operand), ("residual", _Operand), ("y", _Operand), ("yf", _Operand)]
+                ("a", _Operand), ("b", _Operand), ("c", _Operand), ("d", _Operand)]
+
 
 
 NONE = _Operand(-1, 0)
@@ -40,7 +77,7 @@ NONE = _Operand(-1, 0)
 
 @dataclass(frozen=True)
 class Ref:
-    """A tensor operand of a step: the chain's input ``index`` ("input") or step ``index``'s output ("step")."""
+    """A tensor operand of a step: the chain's input ``index`` ("input") or step ``index``'s value ("step")."""
 
     source: str
     index: int
@@ -48,31 +85,37 @@ class Ref:
 
 @dataclass
 class Step:
-    kernel: str  # a KINDS key
-    args: tuple  # the plain function's arguments, tensor operands as Ref, constants as tensors
+    kernel: Optional[str]  # a kernels() key; None: a view (``view``) or a pick of a step's outputs (operator.getitem)
+    args: tuple  # the call's arguments, tensor operands as Ref, constants as tensors
     name: str  # of the graph node it replaced (for listings)
+    view: Any = None  # a view: its method's name (a str) or its function
+
+
+class _NotAStep(Exception):
+    """A call the chain's C steps cannot run for this signature."""
 
 
 class _Program:
-    """A chain prepared for one set of input shapes: the C steps, the arena's size, the outputs'."""
+    """A chain prepared for one input signature: the C steps, the arena's size, the outputs'."""
 
-    def __init__(self, steps: list, arena_bytes: int, outputs: list, prepared: list, input_count: int):
+    def __init__(self, steps: list, arena_bytes: int, outputs: list, picks: list, prepared: list, input_count: int):
         self.steps = (_Step * len(steps))(*steps)
         self.arena_bytes = arena_bytes
-        self.outputs = outputs  # (shape, strides, dtype) per chain output
+        self.outputs = outputs  # (shape, strides, dtype) per output buffer
+        self.picks = picks  # per leaving value: its output buffer
         self.prepared = prepared  # holds the structs the steps point to
         self.bases_type = ctypes.c_void_p * (1 + input_count + len(outputs))
 
     def run(self, inputs: list) -> tuple:
         first = inputs[0]
         arena = first.new_empty(self.arena_bytes, dtype=torch.uint8)
-        outputs = tuple(first.new_empty_strided(shape, strides, dtype=dtype) for shape, strides, dtype in self.outputs)
+        outputs = [first.new_empty_strided(shape, strides, dtype=dtype) for shape, strides, dtype in self.outputs]
         # (made per call: ctypes lets go of the GIL, so another thread may run this program meanwhile)
         bases = self.bases_type(arena.data_ptr(), *(t.data_ptr() for t in inputs), *(y.data_ptr() for y in outputs))
         failed = native._load()[0].qb_run_chain(torch.get_num_threads(), len(self.steps), self.steps, bases)
         if failed:
             raise MemoryError(f"qbackend kernel chain: step {failed - 1} could not allocate its scratch")
-        return outputs
+        return tuple(outputs[i] for i in self.picks)
 
 
 def _plan(sizes: list, lifetimes: list) -> tuple[list, int]:
@@ -94,6 +137,13 @@ def _plan(sizes: list, lifetimes: list) -> tuple[list, int]:
     return offsets, total
 
 
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from t's first element to past its last."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))) * t.element_size()
+
+
 class KernelChain:
     """What a chain node calls: ``chain(*inputs)`` gives the tuple of its outputs."""
 
@@ -101,118 +151,226 @@ class KernelChain:
         self.steps = steps
         self.input_count = input_count
         self.outputs = outputs  # step indices whose values leave the chain
+        self.channels_last = any(step.kernel in CONVS for step in steps)  # (the int8 conv kernels' layout)
         self._programs: dict = {}
 
     def __getstate__(self):  # (prepared ctypes structs are per process: copies prepare again)
         return {**self.__dict__, "_programs": {}}
 
     def listing(self) -> list:
-        """The steps as (node name, kernel, arguments) with operands named: what the graph held."""
-        return [(step.name, step.kernel, step.args) for step in self.steps]
+        """The kernel steps as (node name, kernel, arguments) with operands named: what the graph held."""
+        return [(step.name, step.kernel, step.args) for step in self.steps if step.kernel is not None]
 
     def __call__(self, *inputs) -> tuple:
-        inputs = [x.contiguous(memory_format=torch.channels_last) for x in inputs]
-        key = tuple((x.shape, x.dtype, x.device) for x in inputs)
-        program = self._programs.get(key)
-        if program is None:
-            outputs, self._programs[key] = self._first_run(inputs)
-            return outputs
-        return program.run(inputs)
+        if self.channels_last:  # (views between steps may make an input of another rank)
+            inputs = [x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x for x in inputs]
+        key = tuple((x.shape, x.stride(), x.dtype, x.device) for x in inputs)
+        if key in self._programs:
+            program = self._programs[key]
+            return program.run(inputs) if program is not None else self._stepwise(inputs)[0]
+        outputs, values = self._stepwise(inputs)
+        try:
+            self._programs[key] = self._program(inputs, values)
+        except _NotAStep:
+            self._programs[key] = None
+        return outputs
 
-    def _first_run(self, inputs: list) -> tuple[tuple, _Program]:
-        """Runs the steps one by one (checking every argument as the graph's calls did) and
-        prepares the program for these input shapes from their prepared calls."""
-        lib = native._load()[0]
-        values, prepared = [], []
+    def _stepwise(self, inputs) -> tuple[tuple, list]:
+        """The steps run as the graph ran its nodes: (the leaving values, every step's value)."""
+        table, values = kernels(), []
+
+        def value(a):
+            return (inputs if a.source == "input" else values)[a.index] if isinstance(a, Ref) else a
+
         for step in self.steps:
-            args = [(inputs if a.source == "input" else values)[a.index] if isinstance(a, Ref) else a for a in step.args]
-            values.append(native.PLAIN[step.kernel](*args))
-            prepared.append(native.PREPARED_CALLS[step.kernel](lib, *args, trusted=True))
-        return tuple(values[i] for i in self.outputs), self._program(values, prepared)
+            args = map_aggregate(step.args, value)
+            if step.kernel is not None:
+                values.append(table[step.kernel][0](*args))
+            elif isinstance(step.view, str):
+                values.append(getattr(args[0], step.view)(*args[1:]))
+            else:
+                values.append(step.view(*args))
+        return tuple(values[i] for i in self.outputs), values
 
-    def _program(self, values: list, prepared: list) -> _Program:
-        leaving = {step: k for k, step in enumerate(self.outputs)}
-        inner = [i for i in range(len(self.steps)) if i not in leaving]
-        last_use = {i: i for i in inner}
-        for j, step in enumerate(self.steps):
-            for a in step.args:
-                if isinstance(a, Ref) and a.source == "step" and a.index in last_use:
-                    last_use[a.index] = j
-        sizes = [values[i].numel() * values[i].element_size() for i in inner]
-        offsets, arena_bytes = _plan(sizes, [(i, last_use[i]) for i in inner])
+    def _program(self, inputs: list, values: list) -> _Program:
+        """The C program for these inputs from the first run's ``values``: each kernel step's
+        call, each operand placed (in an input, an output or the arena, at a byte offset)."""
+        table = kernels()
+        buffers: list = []  # every kernel step's output tensors: (tensor, the C step writing it)
+        origins: list = []  # per step: ("input", k), ("buffer", b) or ("tuple", buffer indices)
+        calls: list = []
+        for i, step in enumerate(self.steps):
+            if step.kernel is not None:
+                results = values[i] if isinstance(values[i], tuple) else (values[i],)
+                indices = tuple(range(len(buffers), len(buffers) + len(results)))
+                buffers.extend((t, len(calls)) for t in results)
+                origins.append(("tuple", indices) if isinstance(values[i], tuple) else ("buffer", indices[0]))
+                args = map_aggregate(step.args, lambda a: (inputs if a.source == "input" else values)[a.index]
+                                     if isinstance(a, Ref) else a)
+                call = table[step.kernel][1](args, values[i])
+                if call is None:
+                    raise _NotAStep(step.name)
+                calls.append(call)
+            elif step.view is operator.getitem:
+                origins.append(("buffer", origins[step.args[0].index][1][step.args[1]]))
+            else:
+                base = step.args[0]
+                origins.append(("input", base.index) if base.source == "input" else origins[base.index])
+        where = {id(values[i]): origin for i, origin in enumerate(origins) if origin[0] != "tuple"}
+        where.update({id(t): ("buffer", b) for b, (t, _) in enumerate(buffers)})  # (outputs no getitem reads too)
+        where.update({id(t): ("input", k) for k, t in enumerate(inputs)})
+        leaving = list(dict.fromkeys(origins[i][1] for i in self.outputs))  # (leaving values are kernel outputs)
+        last_read = [step for _, step in buffers]
+
+        def located(t: torch.Tensor) -> tuple:
+            """(origin, byte offset) of operand ``t``: a view of an input or of a buffer that did not copy."""
+            origin = where.get(id(t))
+            if origin is None:
+                raise _NotAStep("an operand that is neither an input nor a step's value")
+            base = inputs[origin[1]] if origin[0] == "input" else buffers[origin[1]][0]
+            offset = t.data_ptr() - base.data_ptr()
+            if (t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() or offset < 0
+                    or offset + _extent(t) > _extent(base)):
+                raise _NotAStep("a view that copied")
+            return origin, offset
+
+        placed = []
+        for position, call in enumerate(calls):
+            operands = []
+            for t in call.operands:
+                if isinstance(t, torch.Tensor):
+                    t = located(t)
+                    if t[0][0] == "buffer":
+                        last_read[t[0][1]] = max(last_read[t[0][1]], position)
+                operands.append(t)
+            placed.append(operands)
+        inner = [b for b in range(len(buffers)) if b not in leaving]
+        offsets, arena_bytes = _plan([buffers[b][0].numel() * buffers[b][0].element_size() for b in inner],
+                                     [(buffers[b][1], last_read[b]) for b in inner])
         place = dict(zip(inner, offsets))
-        first_output = 1 + self.input_count
+        scratch_at = -(-arena_bytes // ALIGN) * ALIGN
+        arena_bytes = scratch_at + max((call.scratch for call in calls), default=0)
 
-        def operand(a) -> _Operand:
-            if not isinstance(a, Ref):
+        def operand(o) -> _Operand:
+            if o is None:
                 return NONE
-            if a.source == "input":
-                return _Operand(1 + a.index, 0)
-            if a.index in leaving:
-                return _Operand(first_output + leaving[a.index], 0)
-            return _Operand(0, place[a.index])
+            if isinstance(o, str):  # SCRATCH
+                return _Operand(0, scratch_at)
+            (kind, k), offset = o
+            if kind == "input":
+                return _Operand(1 + k, offset)
+            if k in leaving:
+                return _Operand(1 + self.input_count + leaving.index(k), offset)
+            return _Operand(0, place[k] + offset)
 
-        steps = []
-        for i, (step, call) in enumerate(zip(self.steps, prepared)):
-            out = operand(Ref("step", i))
-            float_out = step.kernel == "qconv" and call.dtype == torch.float32  # (an X_TO_Y call knows its output's dtype)
-            residual = step.args[4] if step.kernel == "qconv" else None
-            steps.append(_Step(KINDS[step.kernel], ctypes.cast(call.function, ctypes.c_void_p).value, call.address,
-                               operand(step.args[0]), operand(residual), NONE if float_out else out, out if float_out else NONE))
-        outputs = [(values[i].shape, values[i].stride(), values[i].dtype) for i in self.outputs]
-        return _Program(steps, arena_bytes, outputs, prepared, self.input_count)
+        steps = [_Step(call.kind, call.function, call.call, *(operand(o) for o in operands), *[NONE] * (4 - len(operands)))
+                 for call, operands in zip(calls, placed)]
+        outputs = [(buffers[b][0].shape, buffers[b][0].stride(), buffers[b][0].dtype) for b in leaving]
+        picks = [leaving.index(origins[i][1]) for i in self.outputs]
+        return _Program(steps, arena_bytes, outputs, picks, calls, self.input_count)
 
 
-def _runs(gm: GraphModule, kernels: dict) -> list[list[Node]]:
-    """Maximal runs of own-kernel calls (``kernels``: plain function -> name) in graph order,
-    constants between them aside."""
+def _member(node: Node, kernel_targets: dict, run: set) -> bool:
+    """Whether ``node`` may join a run (``run``: its nodes so far)."""
+    if node.op not in ("call_function", "call_method") or node.kwargs:  # (steps keep positional args)
+        return False
+    if node.op == "call_function" and node.target in kernel_targets:  # (a tuple is read through its getitems only)
+        return node.target not in KERNEL_TUPLES or all(user.target is operator.getitem for user in node.users)
+    if node.op == "call_function" and node.target is operator.getitem:
+        return node.args[0] in run and isinstance(node.args[1], int)
+    is_view = node.target in VIEW_METHODS if node.op == "call_method" else node.target in VIEW_FUNCTIONS
+    return is_view and isinstance(node.args[0], Node) and node.args[0].op != "get_attr"
+
+
+def _runs(gm: GraphModule, kernel_targets: dict) -> list[list[Node]]:
+    """Maximal runs of own-kernel calls (``kernel_targets``: plain function -> name) and views
+    in graph order, constants between them aside, without the views that end a run."""
     runs, current = [], []
+
+    def close():
+        while current and current[-1].target not in kernel_targets and current[-1].target is not operator.getitem:
+            current.pop()
+        if sum(node.target in kernel_targets for node in current) >= MIN_STEPS:
+            runs.append(list(current))
+        current.clear()
+
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             continue
-        if node.op == "call_function" and node.target in kernels and not node.kwargs:  # (steps keep positional args)
+        if _member(node, kernel_targets, set(current)) and _tensor_operands(node):
             current.append(node)
             continue
-        if len(current) >= MIN_STEPS:
-            runs.append(current)
-        current = []
+        close()
+    close()
     return runs
+
+
+def _tensor_operands(node: Node) -> bool:
+    """No node the call reads holds a size or a number (a chain's inputs are tensors; nodes the
+    lowering made carry no value, and are tensors)."""
+    found = []
+    map_arg((node.args, node.kwargs), found.append)
+    return not any(isinstance(a.meta.get("val"), (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool))
+                   for a in found)
+
+
+KERNEL_TUPLES = frozenset({rms_norm.add_rms_norm})  # kernels returning several tensors (read through getitem)
 
 
 def chain_own_kernels(gm: GraphModule) -> Optional[str]:
     """Replace each run of own-kernel calls by one chain call; a note for the report (None: no chain)."""
-    kernels = {native.PLAIN[name]: name for name in KINDS}
-    runs = _runs(gm, kernels)  # (before anything loads the kernels: most graphs have no run)
+    kernel_targets = {plain: name for name, (plain, _) in kernels().items()}
+    runs = _runs(gm, kernel_targets)  # (before anything loads the kernels: most graphs have no run)
     if not runs or native.available() is not None:
         return None
     for number, run_nodes in enumerate(runs):
-        index = {node: i for i, node in enumerate(run_nodes)}
-        inputs: list[Node] = []
-
-        def ref(a):
-            if not isinstance(a, Node):
-                return a
-            if a in index:
-                return Ref("step", index[a])
-            if a.op == "get_attr":
-                return operator.attrgetter(a.target)(gm)
-            if a not in inputs:
-                inputs.append(a)
-            return Ref("input", inputs.index(a))
-
-        steps = [Step(kernels[node.target], tuple(ref(a) for a in node.args), node.name) for node in run_nodes]
-        leaving = [node for node in run_nodes if any(user not in index for user in node.users)]
-        chain = KernelChain(steps, len(inputs), [index[node] for node in leaving])
-        chain.__name__ = f"kernel_chain_{number}"  # (what the generated code calls it)
-        with gm.graph.inserting_after(run_nodes[-1]):
-            call = gm.graph.call_function(chain, tuple(inputs))
-        previous = call
-        for k, node in enumerate(leaving):
-            with gm.graph.inserting_after(previous):
-                previous = gm.graph.call_function(operator.getitem, (call, k))
-            previous.meta.update(node.meta)
-            node.replace_all_uses_with(previous, delete_user_cb=lambda user: user not in index)
-        for node in reversed(run_nodes):
-            gm.graph.erase_node(node)
-    steps = sum(map(len, runs))
+        _replace(gm, run_nodes, kernel_targets, number)
+    steps = sum(node.target in kernel_targets for run_nodes in runs for node in run_nodes)
     return f"{steps} own-kernel calls run as {len(runs)} chain{'s' * (len(runs) != 1)} (one C call each)"
+
+
+def _replace(gm: GraphModule, run_nodes: list, kernel_targets: dict, number: int) -> None:
+    index = {node: i for i, node in enumerate(run_nodes)}
+    erased: set = set()  # run nodes the chain replaces; views read after the run stay graph nodes
+    for node in reversed(run_nodes):
+        if node.target in kernel_targets or node.target is operator.getitem or all(u in erased for u in node.users):
+            erased.add(node)
+    kept = [node for node in run_nodes if node not in erased]
+    inputs: list[Node] = []
+
+    def ref(a):
+        if not isinstance(a, Node):
+            return a
+        if a in index:
+            return Ref("step", index[a])
+        if a.op == "get_attr":
+            return operator.attrgetter(a.target)(gm)
+        if a not in inputs:
+            inputs.append(a)
+        return Ref("input", inputs.index(a))
+
+    steps = []
+    for node in run_nodes:
+        args = map_aggregate(node.args, ref)
+        if node.target in kernel_targets:
+            steps.append(Step(kernel_targets[node.target], args, node.name))
+        else:
+            steps.append(Step(None, args, node.name, node.target))
+    leaving = [node for node in run_nodes if node in erased and not isinstance(node.meta.get("val"), tuple)
+               and node.target not in KERNEL_TUPLES and any(user not in erased for user in node.users)]
+    chain = KernelChain(steps, len(inputs), [index[node] for node in leaving])
+    chain.__name__ = f"kernel_chain_{number}"  # (what the generated code calls it)
+    with gm.graph.inserting_after(run_nodes[-1]):
+        call = gm.graph.call_function(chain, tuple(inputs))
+    previous = call
+    for k, node in enumerate(leaving):
+        with gm.graph.inserting_after(previous):
+            previous = gm.graph.call_function(operator.getitem, (call, k))
+        previous.meta.update(node.meta)
+        node.replace_all_uses_with(previous, delete_user_cb=lambda user: user not in erased)
+    for node in kept:  # (after the values they view)
+        previous.append(node)
+        previous = node
+    for node in reversed(run_nodes):
+        if node in erased:
+            gm.graph.erase_node(node)

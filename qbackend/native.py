@@ -40,6 +40,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import kernel_build
+from .chain_step import SCRATCH, dense, plain_float32, step_call
 
 MAX_TAPS = 9  # kernel positions qconv takes (conv_gemm_int8.c MAX_TAPS): up to 3x3
 BLOCK = 64  # columns per weight block (the kernel's unit: K must be a multiple)
@@ -182,6 +183,11 @@ def c_function(name: str, argtypes: tuple, restype=None):
     return function
 
 
+def c_address(name: str) -> int:
+    """The address of the own-kernel library's C function ``name`` (a kernel chain step's entry)."""
+    return ctypes.cast(getattr(_load()[0], name), ctypes.c_void_p).value
+
+
 def _declare_gemm(function) -> None:
     """qb_conv_call's and qb_conv_call_vnni's signature: (threads, call, x, residual, y, yf) -> 0 /
     -1 (a scratch buffer could not be allocated)."""
@@ -303,12 +309,39 @@ def _weight_only_mm(kernel, name: str, x: torch.Tensor, n: int, k: int, weights:
     if not trusted:
         _check_constants(name, *weights)
     x, m = x.contiguous(), x.shape[0]
-    # scratch: int16 activations, then their per-group scales and sums (groups of 32 or more)
-    xq_bytes, groups = (2 * m * k + 63) // 64 * 64, m * (k // 32)
-    scratch, y = _scratch(xq_bytes + 8 * groups), torch.empty(m, n)
+    scales_at, sums_at, scratch_bytes = _weight_only_scratch(m, k)
+    scratch, y = _scratch(scratch_bytes), torch.empty(m, n)
     kernel(torch.get_num_threads(), m, n, k, *sizes, x.data_ptr(), *(w.data_ptr() for w, _, _ in weights),
-           scratch, scratch + xq_bytes, scratch + xq_bytes + 4 * groups, y.data_ptr())
+           scratch, scratch + scales_at, scratch + sums_at, y.data_ptr())
     return y
+
+
+def _weight_only_scratch(m: int, k: int) -> tuple[int, int, int]:
+    """The kernels' scratch for ``m`` rows of ``k``: int16 activations, then their per-group
+    scales and sums (groups of 32 or more): (scales' byte offset, sums', total bytes)."""
+    xq_bytes, groups = (2 * m * k + 63) // 64 * 64, m * (k // 32)
+    return xq_bytes, xq_bytes + 4 * groups, xq_bytes + 8 * groups
+
+
+class _WeightOnlyCall(ctypes.Structure):  # csrc/weight_only_int16.c weight_only_call_t
+    _fields_ = ([(name, ctypes.c_int) for name in ("bits", "M", "N", "K", "group")]
+                + [(name, ctypes.c_void_p) for name in ("w", "scale", "offset")]
+                + [("scales_at", ctypes.c_long), ("sums_at", ctypes.c_long)])
+
+
+def weight_only_chain_call(args: tuple, y: torch.Tensor):
+    """``int4_mm_int16`` / ``int8_mm_int16`` (the lowering's own packing: checked when the graph
+    was built) as a kernel chain step, where x is dense float32 [M, K] as the call took it."""
+    x, weight, scale, *rest = args
+    bits = 4 if rest else 8
+    k = weight.shape[1] * 2 if bits == 4 else weight.shape[1]
+    if not plain_float32(x) or x.dim() != 2 or x.shape[1] != k or not dense(x, y):
+        return None
+    scales_at, sums_at, scratch_bytes = _weight_only_scratch(x.shape[0], k)
+    offset, group = (rest[0].data_ptr(), rest[1]) if bits == 4 else (None, k)
+    struct = _WeightOnlyCall(bits, x.shape[0], weight.shape[0], k, group, weight.data_ptr(), scale.data_ptr(), offset,
+                             scales_at, sums_at)
+    return step_call(c_address("qb_weight_only_call"), struct, (x, SCRATCH, y, None), args[1:], scratch_bytes)
 
 
 _SCRATCH = threading.local()

@@ -20,6 +20,7 @@ from torch.fx import GraphModule, Node
 from qbackend.patterns.base import constant_value, fake_value
 
 from . import native
+from .chain_step import StepCall, dense, step_call
 from .dead_code import eliminate_dead_code
 from .float_ops import both_orders, float32, is_op, operands, single_user, through_noop_casts
 
@@ -72,6 +73,22 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
         total = a + b
         return total, _reference(total, weight, eps)
     return _run(weight, eps, a, b)
+
+
+class _Call(ctypes.Structure):  # csrc/rms_norm_f32.c rms_norm_call_t
+    _fields_ = [("rows", ctypes.c_long), ("n", ctypes.c_long), ("w", ctypes.c_void_p), ("eps", ctypes.c_float)]
+
+
+def chain_call(args: tuple, result) -> Optional[StepCall]:
+    """``rms_norm`` / ``add_rms_norm`` as a kernel chain step: where the kernel computed it
+    and its operands are dense (the step reads them in place)."""
+    add = len(args) == 4
+    (a, b, weight, eps), (total, out) = (args if add else (args[0], None, *args[1:])), (result if add else (None, result))
+    if not (_applies(weight, a, *([b] if add else [])) and dense(a, b, weight, total, out)):
+        return None
+    n = weight.numel()
+    struct = _Call(a.numel() // n, n, weight.data_ptr(), eps)
+    return step_call(native.c_address("qb_rms_norm_call"), struct, (a, b, total, out), weight)
 
 
 rms_norm.fresh_output = add_rms_norm.fresh_output = True  # (patterns/inplace.py: a later kernel may write into them)

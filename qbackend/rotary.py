@@ -21,6 +21,7 @@ from torch.fx import GraphModule, Node
 from qbackend.patterns.base import fake_value
 
 from . import native
+from .chain_step import StepCall, plain_float32, step_call
 from .attention_cleanup import reaches_only_strided_readers
 from .float_ops import both_orders, calls_in_place_of, float32, is_op, operands
 from .kv_append import CATS
@@ -77,6 +78,17 @@ def rotary(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     out = torch.empty(q.shape, dtype=torch.float32)
     _kernel()(torch.get_num_threads(), geometry, q.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr())
     return out
+
+
+def chain_call(args: tuple, out: torch.Tensor) -> Optional[StepCall]:
+    """``rotary`` as a kernel chain step, where the kernel computed it (the call is its geometry)."""
+    q, cos, sin = args
+    if _kernel() is None or not plain_float32(q, cos, sin) or not out.is_contiguous():
+        return None
+    geometry = _geometry(tuple(q.shape), q.stride(), tuple(cos.shape), cos.stride(), tuple(sin.shape), sin.stride())
+    if geometry is None:
+        return None
+    return step_call(native.c_address("qb_rotary_call"), geometry, (q, cos, sin, out))
 
 
 rotary.fresh_output = True  # (patterns/inplace.py: a later kernel may write into it)

@@ -18,6 +18,7 @@ from torch.fx import GraphModule, Node
 from qbackend.patterns.base import fake_value
 
 from . import native
+from .chain_step import StepCall, plain_float32, step_call
 from .float_ops import both_orders, calls_in_place_of, float32, is_op, operands, single_user
 
 
@@ -66,6 +67,22 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty(a.shape, dtype=torch.float32)
     _kernel()(torch.get_num_threads(), a.numel() // n, n, a.data_ptr(), strides[0], b.data_ptr(), strides[1], out.data_ptr())
     return out
+
+
+class _Call(ctypes.Structure):  # csrc/silu_mul_f32.c silu_mul_call_t
+    _fields_ = [(name, ctypes.c_long) for name in ("rows", "n", "a_row", "b_row")]
+
+
+def chain_call(args: tuple, out: torch.Tensor) -> Optional[StepCall]:
+    """``silu_mul`` as a kernel chain step, where the kernel computed it."""
+    a, b = args
+    if _kernel() is None or not plain_float32(a, b) or a.shape != b.shape or not out.is_contiguous():
+        return None
+    strides = _row_strides(tuple(a.shape), a.stride(), b.stride())
+    if strides is None:
+        return None
+    n = a.shape[-1]
+    return step_call(native.c_address("qb_silu_mul_call"), _Call(a.numel() // n, n, *strides), (a, b, out, None))
 
 
 silu_mul.fresh_output = True  # (patterns/inplace.py: a later kernel may write into it)

@@ -1,6 +1,8 @@
 """Shared test helpers: PT2E conversion, capturing what the backend does, a stable graph printer."""
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.fx import GraphModule, Interpreter
 
@@ -9,7 +11,7 @@ import pytest
 from qbackend import native
 from qbackend.backend import Options, compile_graph
 from qbackend.direct import CompiledGraphModule
-from qbackend.kernel_chain import KernelChain, Ref
+from qbackend.kernel_chain import KernelChain, Ref, kernels
 from qbackend.pt2e_flow import quantize_x86
 
 from .tolerances import assert_int8_close, assert_outputs_close
@@ -124,6 +126,15 @@ def chained_convs(gm: GraphModule) -> list:
             if step.kernel in ("qconv", "qconv_depthwise", "qconv_stem")]
 
 
+def op_name(target) -> str:
+    """An op's short name: ``aten.reshape``, ``native.qconv``."""
+    if isinstance(target, torch._ops.OpOverload):
+        ns, name = target._schema.name.split("::")
+        overload = target._overloadname
+        return f"{ns}.{name}" + ("" if overload == "default" else f".{overload}")
+    return f"{target.__module__.split('.')[-1]}.{target.__name__}"
+
+
 def chain_lines(node, fmt) -> list:
     """A kernel chain's steps, as the graph held them before (their values named as the nodes
     were), then the chain call and the steps whose values leave it."""
@@ -135,7 +146,17 @@ def chain_lines(node, fmt) -> list:
             return fmt(node.args[a.index]) if a.source == "input" else names[a.index]
         return "<const>" if isinstance(a, torch.Tensor) else fmt(a)
 
-    lines = [f"{step.name} = native.{step.kernel}({', '.join(operand(a) for a in step.args)})" for step in chain.steps]
+    def line(step) -> str:
+        args = [operand(a) for a in step.args]
+        if step.kernel is not None:
+            return f"{step.name} = {op_name(kernels()[step.kernel][0])}({', '.join(args)})"
+        if step.view is operator.getitem:
+            return f"{step.name} = {args[0]}[{args[1]}]"
+        if isinstance(step.view, str):
+            return f"{step.name} = {args[0]}.{step.view}({', '.join(args[1:])})"
+        return f"{step.name} = {op_name(step.view)}({', '.join(args)})"
+
+    lines = [line(step) for step in chain.steps]
     leaving = ", ".join(names[i] for i in chain.outputs)
     return lines + [f"{node.name} = kernel_chain({', '.join(fmt(a) for a in node.args)}) of {len(names)} steps -> ({leaving})"]
 
@@ -163,13 +184,6 @@ def short_graph(gm: GraphModule) -> str:
         if isinstance(arg, torch.dtype):
             return str(arg).replace("torch.", "")
         return repr(arg)
-
-    def op_name(target):
-        if isinstance(target, torch._ops.OpOverload):
-            ns, name = target._schema.name.split("::")
-            overload = target._overloadname
-            return f"{ns}.{name}" + ("" if overload == "default" else f".{overload}")
-        return f"{target.__module__.split('.')[-1]}.{target.__name__}"
 
     lines = []
     for node in gm.graph.nodes:

@@ -74,9 +74,13 @@ l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0474, 61, 0, 127, uint8)
 reshape_default = quantize_per_tensor_default.reshape([15, 16, 1, 1])
 qconv = native.qconv(reshape_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0109, 0, 0, 127, False, 'none')
+reshape_default_1 = qconv.reshape([3, 5, 24])
 reshape_default_4 = qconv.reshape([15, 24, 1, 1])
+reshape_default_2 = reshape_default_1.reshape([15, 24, 1, 1])
 qconv_1 = native.qconv(reshape_default_4, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
-reshape_default_3 = qconv_1.reshape([3, 5, 8])
+kernel_chain_0 = kernel_chain(quantize_per_tensor_default) of 6 steps -> (qconv_1)
+getitem = _operator.getitem(kernel_chain_0, 0)
+reshape_default_3 = getitem.reshape([3, 5, 8])
 return (reshape_default_3)""")
 
     def test_conv3d_relu_left_unfused_by_the_kernel(self):

@@ -79,7 +79,7 @@ class RotaryAttention(torch.nn.Module):
 def _run(module):
     q, cos, sin = _geometry(1, 2, 5, 16)
     k, v = _geometry(1, 2, 5, 16, seed=1)[0], _geometry(1, 2, 5, 16, seed=2)[0]
-    return lowered_lines(module, (q, k, v, cos[:, 0], sin[:, 0]), "rotary", "cat")
+    return lowered_lines(module, (q, k, v, cos[:, 0], sin[:, 0]), "rotary", "cat", "attention")
 
 
 @needs_own_kernels
@@ -90,7 +90,9 @@ class TestRotaryGraph(expecttest.TestCase):
         self.assertExpectedInline(lines, """\
 rotary = rotary.rotary(l_q_, cos, sin)
 rotary_1 = rotary.rotary(l_k_, cos, sin)
-attention_f32 = native.attention_f32(rotary, rotary_1, l_v_, None, 0.25)""")
+kernel_chain_0 = kernel_chain(l_cos_, l_sin_, l_q_, l_k_) of 4 steps -> (rotary, rotary_1)
+attention_f32 = native.attention_f32(getitem, getitem_1, l_v_, None, 0.25)
+return (attention_f32)""")
         assert "2 rotary embedding(s) in one pass" in captured.report.notes
 
     def test_a_returned_result_keeps_the_graphs_layout(self):
@@ -100,4 +102,5 @@ attention_f32 = native.attention_f32(rotary, rotary_1, l_v_, None, 0.25)""")
 rotary = rotary.rotary(l_q_, cos, sin)
 cat_1 = torch.cat((neg_1, x1_1), dim=-1)
 mul_3 = _operator.mul(cat_1, sin)
-attention_f32 = native.attention_f32(rotary, k_embed, l_v_, None, 0.25)""")
+attention_f32 = native.attention_f32(rotary, k_embed, l_v_, None, 0.25)
+return (attention_f32, k_embed)""")

@@ -1,8 +1,8 @@
-/* Runs a chain of qbackend's own int8 kernels (qbackend/kernel_chain.py) in one call.
+/* Runs a chain of qbackend's own kernels (qbackend/kernel_chain.py) in one call.
  *
  * Why: each kernel call from Python costs ~4 us besides the kernel (argument handling, the
  * output's allocation, ctypes), and a MobileNetV2 image makes 46 of them, most computing for
- * 15-60 us. A chain's steps are prepared once per input shape; its intermediates live in one
+ * 15-60 us; a Llama decode step makes ~70 small float and weight-only calls with views between. A chain's steps are prepared once per input shape; its intermediates live in one
  * arena laid out by the planner, so a call is one ctypes call with the arena's, inputs' and
  * outputs' addresses.
  */
@@ -14,17 +14,19 @@ typedef struct {
   long offset; /* bytes from it */
 } operand_t;
 
-enum kind { GEMM_CONV = 0, X_TO_Y = 1 }; /* X_TO_Y: (threads, call, x, y) -> 0 or failure */
+/* FOUR: (threads, call, a, b, c, d) -> 0 or failure; X_TO_Y: (threads, call, x, y) -> 0 or failure */
+enum kind { FOUR = 0, X_TO_Y = 1 };
 
 typedef struct {
   int kind;
-  const void* function; /* qb_conv_call(_vnni); X_TO_Y: qb_dwconv(_vnni)_call, qb_stem_conv_vnni_call, the pools */
+  const void* function; /* FOUR: qb_conv_call(_vnni) (x, residual, y, float y), qb_weight_only_call, qb_rms_norm_call,
+                           qb_rotary_call, qb_silu_mul_call; X_TO_Y: qb_dwconv(_vnni)_call, qb_stem_conv_vnni_call, the pools */
   const void* call;     /* its prepared arguments */
-  operand_t x, residual, y, yf; /* yf: a float32 output (GEMM_CONV only; an X_TO_Y call says its y's dtype) */
+  operand_t a, b, c, d; /* X_TO_Y: x = a, y = b */
 } chain_step_t;
 
-typedef int (*gemm_conv_fn)(int, const void*, const uint8_t*, const void*, uint8_t*, float*);
-typedef int (*x_to_y_fn)(int, const void*, const uint8_t*, void*);
+typedef int (*four_fn)(int, const void*, void*, void*, void*, void*);
+typedef int (*x_to_y_fn)(int, const void*, const void*, void*);
 
 static void* address(void* const* bases, operand_t o) { return o.base < 0 ? NULL : (char*)bases[o.base] + o.offset; }
 
@@ -32,10 +34,10 @@ static void* address(void* const* bases, operand_t o) { return o.base < 0 ? NULL
 int qb_run_chain(int threads, int count, const chain_step_t* steps, void* const* bases) {
   for (int i = 0; i < count; i++) {
     const chain_step_t* s = &steps[i];
-    const int failed = s->kind == GEMM_CONV
-                           ? ((gemm_conv_fn)s->function)(threads, s->call, address(bases, s->x), address(bases, s->residual),
-                                                         address(bases, s->y), address(bases, s->yf))
-                           : ((x_to_y_fn)s->function)(threads, s->call, address(bases, s->x), address(bases, s->y));
+    const int failed = s->kind == FOUR
+                           ? ((four_fn)s->function)(threads, s->call, address(bases, s->a), address(bases, s->b),
+                                                    address(bases, s->c), address(bases, s->d))
+                           : ((x_to_y_fn)s->function)(threads, s->call, address(bases, s->a), address(bases, s->b));
     if (failed) return i + 1;
   }
   return 0;

@@ -37,3 +37,9 @@ void qb_rotary_f32(int threads, const long* geometry, const float* q, const floa
     }
   }
 }
+
+/* As a step of a kernel chain (qbackend/kernel_chain.py): the call is the geometry. */
+int qb_rotary_call(int threads, const long* geometry, const float* q, const float* c, const float* s, float* out) {
+  qb_rotary_f32(threads, geometry, q, c, s, out);
+  return 0;
+}

@@ -1,0 +1,41 @@
+"""What one kernel call becomes as a step of a kernel chain (kernel_chain.py, csrc/kernel_chain.c).
+
+Each own-kernel family says, for one call's actual arguments and result, which C entry runs it
+and with which prepared arguments, or that this call cannot be a step (then the chain runs its
+steps one by one, as the graph did). The operands are the call's own tensors: the chain finds
+where each lives (a chain input, a step's output, a view of either) from the first run.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+FOUR, X_TO_Y = 0, 1  # kernel_chain.c ``enum kind``: (threads, call, a, b, c, d) / (threads, call, x, y)
+SCRATCH = "scratch"  # an operand: the chain's scratch region (shared by its steps, which run one after another)
+
+
+@dataclass(frozen=True)
+class StepCall:
+    kind: int  # FOUR or X_TO_Y
+    function: int  # address of the C entry
+    call: int  # address of its prepared arguments
+    operands: tuple  # 4 (FOUR) or 2 (X_TO_Y): tensors of this call, SCRATCH or None
+    keep: object  # what ``call`` is and points into (held while the chain lives)
+    scratch: int = 0  # bytes of scratch the step needs
+
+
+def step_call(function: int, struct, operands: tuple, keep: object = None, scratch: int = 0, kind: int = FOUR) -> StepCall:
+    """A StepCall of the C entry at ``function`` with ``struct`` (a ctypes object) as its call."""
+    return StepCall(kind, function, ctypes.addressof(struct), operands, (struct, keep), scratch)
+
+
+def plain_float32(*tensors: Optional[torch.Tensor]) -> bool:
+    """Plain (not fake, not subclassed) float32 CPU tensors, None allowed."""
+    return all(t is None or (type(t) is torch.Tensor and t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)
+
+
+def dense(*tensors: Optional[torch.Tensor]) -> bool:
+    return all(t is None or t.is_contiguous() for t in tensors)
