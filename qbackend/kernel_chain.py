@@ -10,9 +10,9 @@ RMSNorm, rotary, SiLU-multiply) with ~100 views between them, most computing for
 one by one, as the graph did, keeps their prepared calls and finds where each operand lives: a
 chain input, a step's output, at an offset), its intermediates and the steps' scratch share one
 arena laid out by their lifetimes, and later calls are one ctypes call. Values that leave the
-run are fresh tensors, so nothing the caller sees is ever reused; a view read after the run
-stays a graph node on them. Where a call cannot be a C step (a kernel fell back to torch's ops,
-a view copied), that signature's calls run the nodes one by one.
+run are fresh tensors (a leaving view, a view of one, made again per call), so nothing the
+caller sees is ever reused. Where a call cannot be a C step (a kernel fell back to torch's ops,
+a view copied: a prompt's head merge), that signature's calls run the nodes one by one.
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ class _Program:
         self.steps = (_Step * len(steps))(*steps)
         self.arena_bytes = arena_bytes
         self.outputs = outputs  # (shape, strides, dtype) per output buffer
-        self.picks = picks  # per leaving value: its output buffer
+        self.picks = picks  # per leaving value: (from an input?, its index, None or a view's (shape, strides, offset))
         self.prepared = prepared  # holds the structs the steps point to
         self.bases_type = ctypes.c_void_p * (1 + input_count + len(outputs))
 
@@ -115,7 +115,12 @@ class _Program:
         failed = native._load()[0].qb_run_chain(torch.get_num_threads(), len(self.steps), self.steps, bases)
         if failed:
             raise MemoryError(f"qbackend kernel chain: step {failed - 1} could not allocate its scratch")
-        return tuple(outputs[i] for i in self.picks)
+        return tuple(_viewed((inputs if from_input else outputs)[k], view) for from_input, k, view in self.picks)
+
+
+def _viewed(base: torch.Tensor, view: Optional[tuple]) -> torch.Tensor:
+    """``base`` itself, or the view of it a leaving value is: (shape, strides, element offset)."""
+    return base if view is None else base.as_strided(view[0], view[1], base.storage_offset() + view[2])
 
 
 def _plan(sizes: list, lifetimes: list) -> tuple[list, int]:
@@ -211,7 +216,7 @@ class KernelChain:
                 if call is None:
                     raise _NotAStep(step.name)
                 calls.append(call)
-            elif step.view is operator.getitem:
+            elif step.view is operator.getitem and step.args[0].source == "step" and origins[step.args[0].index][0] == "tuple":
                 origins.append(("buffer", origins[step.args[0].index][1][step.args[1]]))
             else:
                 base = step.args[0]
@@ -219,7 +224,7 @@ class KernelChain:
         where = {id(values[i]): origin for i, origin in enumerate(origins) if origin[0] != "tuple"}
         where.update({id(t): ("buffer", b) for b, (t, _) in enumerate(buffers)})  # (outputs no getitem reads too)
         where.update({id(t): ("input", k) for k, t in enumerate(inputs)})
-        leaving = list(dict.fromkeys(origins[i][1] for i in self.outputs))  # (leaving values are kernel outputs)
+        leaving = list(dict.fromkeys(origins[i][1] for i in self.outputs if origins[i][0] == "buffer"))
         last_read = [step for _, step in buffers]
 
         def located(t: torch.Tensor) -> tuple:
@@ -266,7 +271,13 @@ class KernelChain:
         steps = [_Step(call.kind, call.function, call.call, *(operand(o) for o in operands), *[NONE] * (4 - len(operands)))
                  for call, operands in zip(calls, placed)]
         outputs = [(buffers[b][0].shape, buffers[b][0].stride(), buffers[b][0].dtype) for b in leaving]
-        picks = [leaving.index(origins[i][1]) for i in self.outputs]
+        picks = []
+        for i in self.outputs:  # (a leaving view: made again on its base, input or output)
+            (kind, k), t = origins[i], values[i]
+            base = inputs[k] if kind == "input" else buffers[k][0]
+            same = t.shape == base.shape and t.stride() == base.stride() and t.data_ptr() == base.data_ptr()
+            view = None if same else (tuple(t.shape), t.stride(), located(t)[1] // t.element_size())
+            picks.append((kind == "input", k if kind == "input" else leaving.index(k), view))
         return _Program(steps, arena_bytes, outputs, picks, calls, self.input_count)
 
 
@@ -276,10 +287,22 @@ def _member(node: Node, kernel_targets: dict, run: set) -> bool:
         return False
     if node.op == "call_function" and node.target in kernel_targets:  # (a tuple is read through its getitems only)
         return node.target not in KERNEL_TUPLES or all(user.target is operator.getitem for user in node.users)
-    if node.op == "call_function" and node.target is operator.getitem:
-        return node.args[0] in run and isinstance(node.args[1], int)
+    if node.op == "call_function" and node.target is operator.getitem:  # a kernel's output, or a basic index (a view)
+        if isinstance(node.args[0], Node) and node.args[0].target in KERNEL_TUPLES:
+            return node.args[0] in run and isinstance(node.args[1], int)
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        base = node.args[0]
+        tensor = isinstance(base, Node) and (base in run or isinstance(base.meta.get("val"), torch.Tensor))
+        return tensor and base.op != "get_attr" and all(
+            i is None or i is Ellipsis or type(i) is int or (type(i) is slice and all(
+                type(v) in (int, type(None)) for v in (i.start, i.stop, i.step))) for i in index)
     is_view = node.target in VIEW_METHODS if node.op == "call_method" else node.target in VIEW_FUNCTIONS
     return is_view and isinstance(node.args[0], Node) and node.args[0].op != "get_attr"
+
+
+def _pick(node: Node) -> bool:
+    """``node`` picks one output of a kernel returning several."""
+    return node.target is operator.getitem and isinstance(node.args[0], Node) and node.args[0].target in KERNEL_TUPLES
 
 
 def _runs(gm: GraphModule, kernel_targets: dict) -> list[list[Node]]:
@@ -288,7 +311,7 @@ def _runs(gm: GraphModule, kernel_targets: dict) -> list[list[Node]]:
     runs, current = [], []
 
     def close():
-        while current and current[-1].target not in kernel_targets and current[-1].target is not operator.getitem:
+        while current and current[-1].target not in kernel_targets and not _pick(current[-1]):
             current.pop()
         if sum(node.target in kernel_targets for node in current) >= MIN_STEPS:
             runs.append(list(current))
@@ -331,11 +354,6 @@ def chain_own_kernels(gm: GraphModule) -> Optional[str]:
 
 def _replace(gm: GraphModule, run_nodes: list, kernel_targets: dict, number: int) -> None:
     index = {node: i for i, node in enumerate(run_nodes)}
-    erased: set = set()  # run nodes the chain replaces; views read after the run stay graph nodes
-    for node in reversed(run_nodes):
-        if node.target in kernel_targets or node.target is operator.getitem or all(u in erased for u in node.users):
-            erased.add(node)
-    kept = [node for node in run_nodes if node not in erased]
     inputs: list[Node] = []
 
     def ref(a):
@@ -356,8 +374,7 @@ def _replace(gm: GraphModule, run_nodes: list, kernel_targets: dict, number: int
             steps.append(Step(kernel_targets[node.target], args, node.name))
         else:
             steps.append(Step(None, args, node.name, node.target))
-    leaving = [node for node in run_nodes if node in erased and not isinstance(node.meta.get("val"), tuple)
-               and node.target not in KERNEL_TUPLES and any(user not in erased for user in node.users)]
+    leaving = [node for node in run_nodes if node.target not in KERNEL_TUPLES and any(user not in index for user in node.users)]
     chain = KernelChain(steps, len(inputs), [index[node] for node in leaving])
     chain.__name__ = f"kernel_chain_{number}"  # (what the generated code calls it)
     with gm.graph.inserting_after(run_nodes[-1]):
@@ -367,10 +384,6 @@ def _replace(gm: GraphModule, run_nodes: list, kernel_targets: dict, number: int
         with gm.graph.inserting_after(previous):
             previous = gm.graph.call_function(operator.getitem, (call, k))
         previous.meta.update(node.meta)
-        node.replace_all_uses_with(previous, delete_user_cb=lambda user: user not in erased)
-    for node in kept:  # (after the values they view)
-        previous.append(node)
-        previous = node
+        node.replace_all_uses_with(previous, delete_user_cb=lambda user: user not in index)
     for node in reversed(run_nodes):
-        if node in erased:
-            gm.graph.erase_node(node)
+        gm.graph.erase_node(node)

@@ -1,0 +1,211 @@
+"""A Llama decode step's own-kernel calls (weight-only matmuls, RMSNorm, rotary, SiLU-multiply)
+and the views between them as kernel chains (qbackend/kernel_chain.py): the bytes of the
+separate calls on every step, C programs where the operands stay in place, the nodes one by one
+where a view copies, views that leave a chain."""
+import operator
+
+import expecttest
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import qbackend
+from qbackend import cleanup, rms_norm
+from qbackend.kernel_chain import KernelChain, chain_own_kernels
+
+from .helpers import Captured, needs_own_kernels, short_graph
+
+pytestmark = needs_own_kernels
+
+
+class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm, op for op."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(width))
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + 1e-6))
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Layer(nn.Module):
+    """A Llama decoder layer as transformers writes it: grouped-query attention over a KV cache
+    that grows by torch.cat, a SiLU-gated MLP, residual adds."""
+
+    def __init__(self, hidden, heads, kv_heads, intermediate):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.input_norm, self.post_norm = RMSNorm(hidden), RMSNorm(hidden)
+        self.q = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.k = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(heads * self.head_dim, hidden, bias=False)
+        self.gate, self.up = nn.Linear(hidden, intermediate, bias=False), nn.Linear(hidden, intermediate, bias=False)
+        self.down = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x, cos, sin, cache):
+        b, length, _ = x.shape
+        h = self.input_norm(x)
+        q = self.q(h).view(b, length, -1, self.head_dim).transpose(1, 2)
+        k = self.k(h).view(b, length, -1, self.head_dim).transpose(1, 2)
+        v = self.v(h).view(b, length, -1, self.head_dim).transpose(1, 2)
+        q = q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
+        k = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
+        cache["k"] = torch.cat([cache["k"], k], dim=-2)
+        cache["v"] = torch.cat([cache["v"], v], dim=-2)
+        a = F.scaled_dot_product_attention(q, cache["k"], cache["v"], is_causal=length > 1, enable_gqa=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, length, -1))
+        h = self.post_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, hidden=128, heads=4, kv_heads=2, intermediate=256, layers=2, vocab=96):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(Layer(hidden, heads, kv_heads, intermediate) for _ in range(layers))
+        self.norm, self.head = RMSNorm(hidden), nn.Linear(hidden, vocab, bias=False)
+        head_dim = hidden // heads
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+
+    def forward(self, tokens, start, caches):
+        positions = torch.arange(tokens.shape[1]) + start
+        freqs = positions[None, :, None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        x = self.embed(tokens)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cos, sin, cache)
+        return self.head(self.norm(x)[:, -1:, :])
+
+
+def _decode(model, backend, steps=6):
+    """The logits of a 5-token prompt and ``steps`` greedy decode steps, and the caches."""
+    torch._dynamo.reset()
+    run = torch.compile(model, backend=backend)
+    caches = [{"k": torch.zeros(1, 2, 0, 32), "v": torch.zeros(1, 2, 0, 32)} for _ in model.layers]
+    tokens, start, logits = torch.arange(5)[None] * 7 % 96, 0, []
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            logits.append(run(tokens, start, caches))
+            start += tokens.shape[1]
+            tokens = logits[-1].argmax(-1)
+    return logits, caches
+
+
+def _model(bits):
+    torch.manual_seed(0)
+    return qbackend.quantize_weights(TinyLlama().eval(), bits=bits, group_size=64 if bits == 4 else None)
+
+
+def _chains(graph) -> list:
+    return [node.target for node in graph.graph.nodes if isinstance(node.target, KernelChain)]
+
+
+def _compiled(chains) -> list:
+    """Per chain, whether its calls run as one C program (a view that copies makes them run the nodes)."""
+    return [program is not None for chain in chains for program in chain._programs.values()]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_decode_steps_give_the_bytes_of_the_separate_calls(bits, monkeypatch):
+    model = _model(bits)
+    chained = Captured()
+    logits, caches = _decode(model, chained)
+    with monkeypatch.context() as patch:
+        patch.setattr(cleanup, "chain_own_kernels", lambda gm: None)
+        separate = Captured()
+        expected, expected_caches = _decode(model, separate)
+    assert all(torch.equal(a, b) for a, b in zip(logits, expected))
+    assert all(torch.equal(a[key], b[key]) for a, b in zip(caches, expected_caches) for key in "kv")
+    (prompt, _, prompt_chained, _), (_, _, decode, _) = chained.graphs
+    assert not any(_chains(graph[2]) for graph in separate.graphs)
+    # the prompt's head merge (5 rows: transpose, reshape) copies, so the chains after attention run their nodes
+    assert _compiled(_chains(prompt_chained)) == [True, False, False]
+    assert _compiled(_chains(decode)) == [True, True, True]
+
+
+class TestDecodeGraph(expecttest.TestCase):
+    def test_each_layer_is_a_chain_between_its_cache_appends_and_attention(self):
+        captured = Captured()
+        _decode(_model(4), captured, steps=2)
+        decode = captured.graphs[-1][2]
+        lines = [line for line in short_graph(decode).splitlines()
+                 if "kernel_chain(" in line or "append(" in line or "attention" in line]
+        self.assertExpectedInline("\n".join(lines), """\
+kernel_chain_0 = kernel_chain(x, cos, sin) of 21 steps -> (v, rotary, rotary_1)
+cat_3 = kv_append.append(l_caches_0_k_, getitem_20, -2)
+cat_4 = kv_append.append(l_caches_0_v_, getitem_18, -2)
+attention_f32 = native.attention_f32(getitem_19, cat_3, cat_4, None, 0.177)
+transpose_3 = attention_f32.transpose(1, 2)
+kernel_chain_1 = kernel_chain(attention_f32, x, cos, sin) of 41 steps -> (getitem_12, v_1, rotary_2, rotary_3)
+cat_7 = kv_append.append(l_caches_1_k_, getitem_24, -2)
+cat_8 = kv_append.append(l_caches_1_v_, getitem_22, -2)
+attention_f32_1 = native.attention_f32(getitem_23, cat_7, cat_8, None, 0.177)
+transpose_7 = attention_f32_1.transpose(1, 2)
+kernel_chain_2 = kernel_chain(attention_f32_1, getitem_21) of 23 steps -> (getitem_9, int4_mm_int16_14)""")
+
+
+def _graph(build) -> torch.fx.GraphModule:
+    """A graph of own-kernel calls and views: ``build(graph, x, constant)`` returns its outputs."""
+    root, graph = nn.Module(), torch.fx.Graph()
+    x = graph.placeholder("x")
+
+    def constant(name, tensor):
+        root.register_buffer(name, tensor)
+        return graph.get_attr(name)
+
+    graph.output(build(graph, x, constant))
+    return torch.fx.GraphModule(root, graph)
+
+
+def _chained_and_separate(build, x):
+    """(the chained graph's outputs, the graph's own, the chain)."""
+    gm = _graph(build)
+    expected = gm(x)
+    assert chain_own_kernels(gm) is not None
+    gm.recompile()
+    (chain,) = [node.target for node in gm.graph.nodes if isinstance(node.target, KernelChain)]
+    first, again = gm(x), gm(x)  # (the first call runs the nodes and prepares the program)
+    for actual in (first, again):
+        assert all(torch.equal(a, e) and a.shape == e.shape and a.stride() == e.stride() for a, e in zip(actual, expected))
+    return chain
+
+
+def test_a_view_between_steps_is_an_offset_and_a_leaving_view_is_made_again():
+    def build(graph, x, constant):
+        normed = graph.call_function(rms_norm.rms_norm, (x, constant("w1", torch.randn(32)), 1e-6))
+        rows = graph.call_method("view", (normed, 3, 64))
+        total, out = (graph.call_function(operator.getitem, (graph.call_function(
+            rms_norm.add_rms_norm, (rows, rows, constant("w2", torch.randn(64)), 1e-6)), k)) for k in range(2))
+        return (graph.call_method("transpose", (out, 0, 1)), graph.call_method("view", (normed, 2, 96)))
+
+    chain = _chained_and_separate(build, torch.randn(6, 32))
+    assert list(chain._programs.values())[0] is not None
+
+
+def test_a_view_that_copies_runs_the_nodes_one_by_one():
+    def build(graph, x, constant):
+        normed = graph.call_function(rms_norm.rms_norm, (x, constant("w1", torch.randn(32)), 1e-6))
+        copied = graph.call_method("reshape", (graph.call_method("transpose", (normed, 0, 1)), 16, 12))
+        return (graph.call_function(rms_norm.rms_norm, (copied, constant("w2", torch.randn(12)), 1e-6)),)
+
+    chain = _chained_and_separate(build, torch.randn(6, 32))
+    assert list(chain._programs.values()) == [None]
+
+
+def test_a_strided_input_the_kernel_copies_runs_the_nodes_one_by_one():
+    def build(graph, x, constant):
+        normed = graph.call_function(rms_norm.rms_norm, (x, constant("w1", torch.randn(6)), 1e-6))
+        return (graph.call_function(rms_norm.rms_norm, (normed, constant("w2", torch.randn(6)), 1e-6)),)
+
+    chain = _chained_and_separate(build, torch.randn(6, 32).t())
+    assert list(chain._programs.values()) == [None]
