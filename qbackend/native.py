@@ -964,11 +964,12 @@ def _attention_quantize(lib, q, k, v, mask, scale, out_scale, zero_point, qmin, 
 
 
 @functools.lru_cache(maxsize=256)
-def _attention_call(shape: tuple, s: int, strides: tuple, mask_stride: tuple, out_stride: tuple, scale: float,
+def _attention_call(shape: tuple, strides: tuple, mask_stride: tuple, out_stride: tuple, scale: float,
                     quantize, causal_rows: int = 0, scale_strides=None) -> "_AttentionCall":
-    """The kernel's arguments for one call site (made once: ~15 us of ctypes per call otherwise)."""
+    """The kernel's arguments for one call site, but the key length (made once: ~15 us of
+    ctypes per call otherwise; a decode step's key length is new at every step)."""
     out_scale, zero_point, qmin, qmax = quantize or (1.0, 0, 0, 0)
-    return _AttentionCall(*shape[:3], s, shape[3], *((ctypes.c_long * 3)(*stride) for stride in strides),
+    return _AttentionCall(*shape[:3], 0, shape[3], *((ctypes.c_long * 3)(*stride) for stride in strides),
                           (ctypes.c_long * 4)(*mask_stride), (ctypes.c_long * 2)(*out_stride), scale, quantize is not None,
                           1.0 / out_scale, zero_point, qmin, qmax, causal_rows,
                           *((ctypes.c_long * 2)(*stride) for stride in scale_strides or ((0, 0), (0, 0))))
@@ -1010,8 +1011,9 @@ def _attention_kernel(shape: tuple, s: int, pointers: tuple, strides: tuple, mas
         mask_stride = mask.stride()
     dtype = torch.float32 if quantize is None else torch.uint8
     out = torch.empty(length, b, h, d, dtype=dtype).transpose(0, 1) if length_first else torch.empty(b, length, h, d, dtype=dtype)
-    call = _attention_call(shape, s, strides, tuple(mask_stride), out.stride()[:2], scale, quantize, causal_rows,
-                           kv_int8 and kv_int8[2:])
+    call = _AttentionCall.from_buffer_copy(_attention_call(shape, strides, tuple(mask_stride), out.stride()[:2], scale,
+                                                           quantize, causal_rows, kv_int8 and kv_int8[2:]))
+    call.S = s  # (on a copy: another thread may run the same call site meanwhile)
     floats, int8 = _attention_function()
     scales = () if kv_int8 is None else kv_int8[:2]
     if (floats if kv_int8 is None else int8)(torch.get_num_threads(), ctypes.byref(call), *pointers, *scales,
