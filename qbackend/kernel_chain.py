@@ -34,6 +34,7 @@ aten = torch.ops.aten
 
 ALIGN = 64  # bytes: intermediates start on cache lines
 MIN_STEPS = 2  # a single call gains nothing from a chain
+MAX_PROGRAMS = 16  # input signatures a chain keeps prepared
 CONVS = {"qconv": FOUR, "qconv_depthwise": X_TO_Y, "qconv_stem": X_TO_Y, "max_pool_u8": X_TO_Y, "global_avg_pool_u8": X_TO_Y}
 # views a run may hold: they cost a step nothing (an operand's offset and strides, fixed per signature)
 VIEW_METHODS = frozenset({"view", "reshape", "transpose", "unsqueeze", "squeeze", "contiguous", "permute", "flatten"})
@@ -107,11 +108,12 @@ class _Program:
         self.bases_type = ctypes.c_void_p * (1 + input_count + len(outputs))
 
     def run(self, inputs: list) -> tuple:
-        first = inputs[0]
+        first = next(t for t in inputs if isinstance(t, torch.Tensor))  # (new_empty: faster than torch.empty)
         arena = first.new_empty(self.arena_bytes, dtype=torch.uint8)
         outputs = [first.new_empty_strided(shape, strides, dtype=dtype) for shape, strides, dtype in self.outputs]
         # (made per call: ctypes lets go of the GIL, so another thread may run this program meanwhile)
-        bases = self.bases_type(arena.data_ptr(), *(t.data_ptr() for t in inputs), *(y.data_ptr() for y in outputs))
+        bases = self.bases_type(arena.data_ptr(), *(t.data_ptr() if isinstance(t, torch.Tensor) else None for t in inputs),
+                                *(y.data_ptr() for y in outputs))
         failed = native._load()[0].qb_run_chain(torch.get_num_threads(), len(self.steps), self.steps, bases)
         if failed:
             raise MemoryError(f"qbackend kernel chain: step {failed - 1} could not allocate its scratch")
@@ -168,12 +170,16 @@ class KernelChain:
 
     def __call__(self, *inputs) -> tuple:
         if self.channels_last:  # (views between steps may make an input of another rank)
-            inputs = [x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x for x in inputs]
-        key = tuple((x.shape, x.stride(), x.dtype, x.device) for x in inputs)
+            inputs = [x.contiguous(memory_format=torch.channels_last) if isinstance(x, torch.Tensor) and x.dim() == 4 else x
+                      for x in inputs]
+        # (a size the lowering computed may be an input: part of the key by value)
+        key = tuple((x.shape, x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor) else (type(x), x) for x in inputs)
         if key in self._programs:
             program = self._programs[key]
             return program.run(inputs) if program is not None else self._stepwise(inputs)[0]
         outputs, values = self._stepwise(inputs)
+        if len(self._programs) >= MAX_PROGRAMS:  # (prompts of ever new lengths: keep the newest)
+            del self._programs[next(iter(self._programs))]
         try:
             self._programs[key] = self._program(inputs, values)
         except _NotAStep:
@@ -223,7 +229,7 @@ class KernelChain:
                 origins.append(("input", base.index) if base.source == "input" else origins[base.index])
         where = {id(values[i]): origin for i, origin in enumerate(origins) if origin[0] != "tuple"}
         where.update({id(t): ("buffer", b) for b, (t, _) in enumerate(buffers)})  # (outputs no getitem reads too)
-        where.update({id(t): ("input", k) for k, t in enumerate(inputs)})
+        where.update({id(t): ("input", k) for k, t in enumerate(inputs) if isinstance(t, torch.Tensor)})
         leaving = list(dict.fromkeys(origins[i][1] for i in self.outputs if origins[i][0] == "buffer"))
         last_read = [step for _, step in buffers]
 

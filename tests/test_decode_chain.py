@@ -209,3 +209,24 @@ def test_a_strided_input_the_kernel_copies_runs_the_nodes_one_by_one():
 
     chain = _chained_and_separate(build, torch.randn(6, 32).t())
     assert list(chain._programs.values()) == [None]
+
+
+def test_a_size_among_the_inputs_prepares_a_program_per_value():
+    """Dynamo passes a prompt's symbolic length as a graph input (a SymInt placeholder), which a
+    view inside a run may read: the chain's key holds its value."""
+    root, graph = nn.Module(), torch.fx.Graph()
+    x, rows = graph.placeholder("x"), graph.placeholder("rows")
+    root.register_buffer("w", torch.randn(32))
+    normed = graph.call_function(rms_norm.rms_norm, (x, graph.get_attr("w"), 1e-6))
+    viewed = graph.call_method("view", (normed, rows, -1, 32))
+    graph.output((graph.call_function(rms_norm.rms_norm, (viewed, graph.get_attr("w"), 1e-6)),))
+    gm = torch.fx.GraphModule(root, graph)
+    x = torch.randn(6, 32)
+    expected = {n: gm(x, n)[0] for n in (2, 3)}
+    assert chain_own_kernels(gm) is not None
+    gm.recompile()
+    (chain,) = [node.target for node in gm.graph.nodes if isinstance(node.target, KernelChain)]
+    for n in (2, 3, 2, 3):
+        actual = gm(x, n)[0]
+        assert torch.equal(actual, expected[n]) and actual.shape == expected[n].shape
+    assert len(chain._programs) == 2 and all(program is not None for program in chain._programs.values())
