@@ -49,7 +49,7 @@ import qbackend  # noqa: E402
 from qbackend.quantized_tensor import QuantizedLinearWeight  # noqa: E402
 
 from common import (NUM_THREADS, cosine, cpu_key, fmt, log, machine_description, measure_bandwidth,  # noqa: E402
-                    peak_rss_bytes, reset_peak_rss, rss_bytes, short_error, write_section)
+                    peak_rss_bytes, reset_peak_rss, rss_bytes, short_error, wait_for_parallel_speedup, write_section)
 
 # (transformers imports torchvision where it is installed; its CUDA-built C ops do not load: zoo_models.py)
 sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
@@ -107,18 +107,31 @@ def filled_cache(length: int, dtype: torch.dtype):
     return cache
 
 
+DECODE_BLOCK = 6  # consecutive steps a path times per turn, after DECODE_WARMUP untimed ones
+DECODE_WARMUP = 6  # (measured: after two fp32 steps an int4 step takes 6.5, 5.9, 6.2, 5.9, 5.8, 5.7, 5.5 ms, 5.5 alone)
+PROBES: list = []  # two-thread speedups measured before each round of decode turns and each prefill call
+
+
 def decode_ms(paths: list, context: int, steps: int) -> list:
-    """Median ms per decode step of each path, the paths taking turns step by step (this
-    machine's speed drifts by 20-40% over minutes: each path sees the same drift)."""
+    """Median ms per decode step of each path. The paths take turns (this machine's speed drifts
+    by 20-40% over minutes: each path sees the same drift), a block of consecutive steps each, as
+    a decode loop runs them; the first steps of a turn are not timed: after another path's steps,
+    which stream up to 1 GB of weights (fp32), a step runs up to 1.2x slower, for about 6 steps.
+    Each round of turns waits for the two vCPUs to run side by side (common.parallel_speedup);
+    the probes go to ``PROBES``."""
     state = [(torch.tensor([[7]]), filled_cache(context, path.dtype)) for path in paths]
     for i, path in enumerate(paths):  # the first step after a new cache length may compile
         state[i] = step(path, *state[i])[:2]
     times = [[] for _ in paths]
-    for _ in range(steps):
+    for _ in range(-(-steps // DECODE_BLOCK)):
+        PROBES.append(wait_for_parallel_speedup())
         for i, path in enumerate(paths):
-            start = time.perf_counter()
-            state[i] = step(path, *state[i])[:2]
-            times[i].append(time.perf_counter() - start)
+            for _ in range(DECODE_WARMUP):
+                state[i] = step(path, *state[i])[:2]
+            for _ in range(DECODE_BLOCK):
+                start = time.perf_counter()
+                state[i] = step(path, *state[i])[:2]
+                times[i].append(time.perf_counter() - start)
     return [statistics.median(t) * 1e3 for t in times]
 
 
@@ -126,6 +139,7 @@ def prefill_ms(path: Runner, calls: int) -> float:
     tokens = torch.randint(0, CONFIG["vocab_size"], (1, PREFILL), generator=torch.Generator().manual_seed(3))
     times = []
     for _ in range(calls + 1):  # (the first call of a new prompt length may compile)
+        PROBES.append(wait_for_parallel_speedup())
         start = time.perf_counter()
         step(path, tokens, DynamicCache(), logits_to_keep=1)
         times.append(time.perf_counter() - start)
@@ -305,7 +319,12 @@ def report(rows: list, extra: dict, contexts: list, command: str) -> str:
         f" it reads / that bandwidth: int4 g{GROUP} {extra['int4_bytes'] / 1e6:.0f} MB -> {floor[4]:.2f} ms,"
         f" int8 {extra['int8_bytes'] / 1e6:.0f} MB -> {floor[8]:.2f} ms.",
         "- Decode: median ms per token over the steps after a KV cache of that many positions, the paths taking"
-        " turns step by step; `x floor` for the quantized paths; speedups against fp32 / bf16 eager at context 32. Prefill: best of the calls, 512 tokens.",
+        f" turns, each timing {DECODE_BLOCK} consecutive steps after {DECODE_WARMUP} untimed ones (a decode loop's steady"
+        " state: a step right after another path's is up to 1.2x slower); `x floor`"
+        " for the quantized paths; speedups against fp32 / bf16 eager at context 32. Prefill: best of the calls, 512 tokens.",
+        f"- Two-thread speedup (one thread's time over two threads' for a small add; ~1.4 when the host runs"
+        f" the two vCPUs side by side, ~1.0 when it runs them as one), probed before each round of decode turns and"
+        f" each prefill call, waiting up to 60 s for 1.2: median {statistics.median(PROBES):.2f}, lowest {min(PROBES):.2f}.",
         "- First calls: the prompt and two decode steps from cold (compile included); `graphs`: graphs Dynamo"
         " compiled for them; `recompiles`: graphs compiled over the next 8 steps.",
         "- cos: the minimum over the prompt's logits and 32 decoded steps (every path fed the fp32 model's tokens),"
@@ -351,7 +370,7 @@ def main():
     torch.set_num_threads(NUM_THREADS)
     if args.memory_child:
         return memory_child(args.memory_child[0], int(args.memory_child[1]))
-    rows, extra = run(args.contexts, steps=6 if args.quick else 16, prefill_calls=1 if args.quick else 3)
+    rows, extra = run(args.contexts, steps=8 if args.quick else 24, prefill_calls=1 if args.quick else 3)
     command = "python benchmarks/bench_llm.py " + " ".join(sys.argv[1:])
     body = report(rows, extra, args.contexts, command.strip())
     write_section(args.docs / "benchmarks_llm.md", "LLM decode on CPU: Llama-architecture, weight-only int4 / int8", cpu_key(), body)
