@@ -64,17 +64,19 @@ def test_bad_arguments_are_refused_before_the_kernel():
         dense_weight_only.dense_slices(torch.randn(4, 128), 4, torch.float32, storage, scale, offset, group)
 
 
+@pytest.mark.parametrize("rows", [20, 300], ids=["32-row slices", "64-row slices"])  # (more rows: larger slices)
 @pytest.mark.parametrize("bits", [4, 8])
-def test_dense_slices_match_the_float_linear_on_the_dequantized_weight(bits, monkeypatch):
+def test_dense_slices_match_the_float_linear_on_the_dequantized_weight(bits, rows, monkeypatch):
     monkeypatch.setattr(dense_weight_only, "CHUNK_BYTES", 40 * 256 * 4)  # 32-row slices: 96 rows in three
+    monkeypatch.setattr(dense_weight_only, "CHUNK_GROWTH_ROWS", 150)  # 300 rows: 64-row slices, 96 rows in two
     weight, args = packed(bits)
-    x = torch.randn(20, 256)
+    x = torch.randn(rows, 256)
     expected = x @ weight.dequantize(torch.float32).t()
     kernel = native.PLAIN[f"int{bits}_mm_int16"]
     assert_weight_only_close(dense_weight_only.dense_slices(x, bits, torch.float32, *args), expected, "fp32", "weight_only_int16")
     assert_weight_only_close(dense_weight_only.dense_slices(x, bits, torch.bfloat16, *args), expected, "bf16")
-    assert torch.equal(dense_weight_only.kernel_or_dense(x, 21, torch.bfloat16, bits, *args), kernel(x, *args))
-    assert torch.equal(dense_weight_only.kernel_or_dense(x, 20, torch.bfloat16, bits, *args),
+    assert torch.equal(dense_weight_only.kernel_or_dense(x, rows + 1, torch.bfloat16, bits, *args), kernel(x, *args))
+    assert torch.equal(dense_weight_only.kernel_or_dense(x, rows, torch.bfloat16, bits, *args),
                        dense_weight_only.dense_slices(x, bits, torch.bfloat16, *args))
 
 
