@@ -38,4 +38,5 @@ def plain_float32(*tensors: Optional[torch.Tensor]) -> bool:
 
 
 def dense(*tensors: Optional[torch.Tensor]) -> bool:
+    """Contiguous (a step reads its operands' rows back to back), None allowed."""
     return all(t is None or t.is_contiguous() for t in tensors)

@@ -34,12 +34,13 @@ aten = torch.ops.aten
 
 ALIGN = 64  # bytes: intermediates start on cache lines
 MIN_STEPS = 2  # a single call gains nothing from a chain
-MAX_PROGRAMS = 16  # input signatures a chain keeps prepared
+MAX_PROGRAMS = 16  # input signatures a chain prepares; any other runs its nodes one by one
 CONVS = {"qconv": FOUR, "qconv_depthwise": X_TO_Y, "qconv_stem": X_TO_Y, "max_pool_u8": X_TO_Y, "global_avg_pool_u8": X_TO_Y}
 # views a run may hold: they cost a step nothing (an operand's offset and strides, fixed per signature)
 VIEW_METHODS = frozenset({"view", "reshape", "transpose", "unsqueeze", "squeeze", "contiguous", "permute", "flatten"})
 VIEW_FUNCTIONS = frozenset({unflatten_rows, aten.slice.Tensor, aten.view.default, aten.reshape.default, aten.transpose.int,
                             aten.unsqueeze.default, aten.squeeze.dim})
+KERNEL_TUPLES = frozenset({rms_norm.add_rms_norm})  # kernels returning several tensors (read through getitem)
 
 
 def _conv_call(kernel: str) -> Callable:
@@ -70,7 +71,6 @@ class _Operand(ctypes.Structure):
 class _Step(ctypes.Structure):  # kernel_chain.c chain_step_t
     _fields_ = [("kind", ctypes.c_int), ("function", ctypes.c_void_p), ("call", ctypes.c_void_p),
                 ("a", _Operand), ("b", _Operand), ("c", _Operand), ("d", _Operand)]
-
 
 
 NONE = _Operand(-1, 0)
@@ -160,9 +160,10 @@ class KernelChain:
         self.outputs = outputs  # step indices whose values leave the chain
         self.channels_last = any(step.kernel in CONVS for step in steps)  # (the int8 conv kernels' layout)
         self._programs: dict = {}
+        self._prepares = 0
 
     def __getstate__(self):  # (prepared ctypes structs are per process: copies prepare again)
-        return {**self.__dict__, "_programs": {}}
+        return {**self.__dict__, "_programs": {}, "_prepares": 0}
 
     def listing(self) -> list:
         """The kernel steps as (node name, kernel, arguments) with operands named: what the graph held."""
@@ -178,8 +179,9 @@ class KernelChain:
             program = self._programs[key]
             return program.run(inputs) if program is not None else self._stepwise(inputs)[0]
         outputs, values = self._stepwise(inputs)
-        if len(self._programs) >= MAX_PROGRAMS:  # (prompts of ever new lengths: keep the newest)
-            del self._programs[next(iter(self._programs))]
+        if self._prepares >= MAX_PROGRAMS:  # (a signature new at every call: preparing would cost more than it saves)
+            return outputs
+        self._prepares += 1
         try:
             self._programs[key] = self._program(inputs, values)
         except _NotAStep:
@@ -314,7 +316,7 @@ def _pick(node: Node) -> bool:
 def _runs(gm: GraphModule, kernel_targets: dict) -> list[list[Node]]:
     """Maximal runs of own-kernel calls (``kernel_targets``: plain function -> name) and views
     in graph order, constants between them aside, without the views that end a run."""
-    runs, current = [], []
+    runs, current, members = [], [], set()
 
     def close():
         while current and current[-1].target not in kernel_targets and not _pick(current[-1]):
@@ -322,12 +324,14 @@ def _runs(gm: GraphModule, kernel_targets: dict) -> list[list[Node]]:
         if sum(node.target in kernel_targets for node in current) >= MIN_STEPS:
             runs.append(list(current))
         current.clear()
+        members.clear()
 
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             continue
-        if _member(node, kernel_targets, set(current)) and _tensor_operands(node):
+        if _member(node, kernel_targets, members) and _tensor_operands(node):
             current.append(node)
+            members.add(node)
             continue
         close()
     close()
@@ -335,15 +339,13 @@ def _runs(gm: GraphModule, kernel_targets: dict) -> list[list[Node]]:
 
 
 def _tensor_operands(node: Node) -> bool:
-    """No node the call reads holds a size or a number (a chain's inputs are tensors; nodes the
-    lowering made carry no value, and are tensors)."""
+    """No node the call reads is known to hold a size or a number (Dynamo's placeholders keep
+    theirs under example_value; nodes the lowering made carry none: KernelChain keys such
+    inputs by value)."""
     found = []
     map_arg((node.args, node.kwargs), found.append)
-    return not any(isinstance(a.meta.get("val"), (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool))
-                   for a in found)
-
-
-KERNEL_TUPLES = frozenset({rms_norm.add_rms_norm})  # kernels returning several tensors (read through getitem)
+    return not any(isinstance(a.meta.get("val", a.meta.get("example_value")),
+                              (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)) for a in found)
 
 
 def chain_own_kernels(gm: GraphModule) -> Optional[str]:

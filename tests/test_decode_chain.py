@@ -230,3 +230,25 @@ def test_a_size_among_the_inputs_prepares_a_program_per_value():
         actual = gm(x, n)[0]
         assert torch.equal(actual, expected[n]) and actual.shape == expected[n].shape
     assert len(chain._programs) == 2 and all(program is not None for program in chain._programs.values())
+
+
+def test_signatures_past_the_prepared_ones_run_the_nodes(monkeypatch):
+    """A chain prepares at most MAX_PROGRAMS signatures: one new at every call would otherwise
+    pay the preparing (a first run and a layout) each time."""
+    from qbackend import kernel_chain
+
+    monkeypatch.setattr(kernel_chain, "MAX_PROGRAMS", 3)
+
+    def build(graph, x, constant):
+        normed = graph.call_function(rms_norm.rms_norm, (x, constant("w1", torch.randn(32)), 1e-6))
+        return (graph.call_function(rms_norm.rms_norm, (normed, constant("w2", torch.randn(32)), 1e-6)),)
+
+    gm = _graph(build)
+    inputs = [torch.randn(rows, 32) for rows in range(1, 7)]
+    expected = [gm(x)[0] for x in inputs]
+    chain_own_kernels(gm)
+    gm.recompile()
+    (chain,) = [node.target for node in gm.graph.nodes if isinstance(node.target, KernelChain)]
+    for _ in range(2):
+        assert all(torch.equal(gm(x)[0], e) for x, e in zip(inputs, expected))
+    assert len(chain._programs) == 3 and all(program is not None for program in chain._programs.values())

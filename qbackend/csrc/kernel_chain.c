@@ -2,7 +2,8 @@
  *
  * Why: each kernel call from Python costs ~4 us besides the kernel (argument handling, the
  * output's allocation, ctypes), and a MobileNetV2 image makes 46 of them, most computing for
- * 15-60 us; a Llama decode step makes ~70 small float and weight-only calls with views between. A chain's steps are prepared once per input shape; its intermediates live in one
+ * 15-60 us; a Llama decode step makes ~70 small float and weight-only calls with views between.
+ * A chain's steps are prepared once per input shape; its intermediates live in one
  * arena laid out by the planner, so a call is one ctypes call with the arena's, inputs' and
  * outputs' addresses.
  */
