@@ -15,6 +15,7 @@ from qbackend import cleanup, rms_norm
 from qbackend.kernel_chain import KernelChain, chain_own_kernels
 
 from .helpers import Captured, needs_own_kernels, short_graph
+from .tolerances import assert_weight_only_close
 
 pytestmark = needs_own_kernels
 
@@ -88,9 +89,10 @@ class TinyLlama(nn.Module):
 
 
 def _decode(model, backend, steps=6):
-    """The logits of a 5-token prompt and ``steps`` greedy decode steps, and the caches."""
+    """The logits of a 5-token prompt and ``steps`` greedy decode steps, and the caches
+    (``backend`` None: the model run eagerly)."""
     torch._dynamo.reset()
-    run = torch.compile(model, backend=backend)
+    run = model if backend is None else torch.compile(model, backend=backend)
     caches = [{"k": torch.zeros(1, 2, 0, 32), "v": torch.zeros(1, 2, 0, 32)} for _ in model.layers]
     tokens, start, logits = torch.arange(5)[None] * 7 % 96, 0, []
     with torch.no_grad():
@@ -126,6 +128,8 @@ def test_decode_steps_give_the_bytes_of_the_separate_calls(bits, monkeypatch):
         expected, expected_caches = _decode(model, separate)
     assert all(torch.equal(a, b) for a, b in zip(logits, expected))
     assert all(torch.equal(a[key], b[key]) for a, b in zip(caches, expected_caches) for key in "kv")
+    for step, (a, reference) in enumerate(zip(logits, _decode(model, None)[0])):
+        assert_weight_only_close(a, reference, f"step {step}", "weight_only_int16")
     (prompt, _, prompt_chained, _), (_, _, decode, _) = chained.graphs
     assert not any(_chains(graph[2]) for graph in separate.graphs)
     # the prompt's head merge (5 rows: transpose, reshape) copies, so the chains after attention run their nodes
