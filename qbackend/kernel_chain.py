@@ -17,6 +17,7 @@ a view copied: a prompt's head merge), that signature's calls run the nodes one 
 from __future__ import annotations
 
 import ctypes
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -55,6 +56,7 @@ def _conv_call(kernel: str) -> Callable:
     return prepare
 
 
+@functools.cache
 def kernels() -> dict:
     """name -> (the plain function graphs call, its chain step: (args, result) -> StepCall or None)."""
     table = {name: (native.PLAIN[name], _conv_call(name)) for name in CONVS}
@@ -99,16 +101,17 @@ class _NotAStep(Exception):
 class _Program:
     """A chain prepared for one input signature: the C steps, the arena's size, the outputs'."""
 
-    def __init__(self, steps: list, arena_bytes: int, outputs: list, picks: list, prepared: list, input_count: int):
+    def __init__(self, steps: list, arena_bytes: int, outputs: list, picks: list, prepared: list, inputs: list):
         self.steps = (_Step * len(steps))(*steps)
+        self.like = next(k for k, t in enumerate(inputs) if isinstance(t, torch.Tensor))  # (new_empty: faster than torch.empty)
         self.arena_bytes = arena_bytes
         self.outputs = outputs  # (shape, strides, dtype) per output buffer
         self.picks = picks  # per leaving value: (from an input?, its index, None or a view's (shape, strides, offset))
         self.prepared = prepared  # holds the structs the steps point to
-        self.bases_type = ctypes.c_void_p * (1 + input_count + len(outputs))
+        self.bases_type = ctypes.c_void_p * (1 + len(inputs) + len(outputs))
 
     def run(self, inputs: list) -> tuple:
-        first = next(t for t in inputs if isinstance(t, torch.Tensor))  # (new_empty: faster than torch.empty)
+        first = inputs[self.like]
         arena = first.new_empty(self.arena_bytes, dtype=torch.uint8)
         outputs = [first.new_empty_strided(shape, strides, dtype=dtype) for shape, strides, dtype in self.outputs]
         # (made per call: ctypes lets go of the GIL, so another thread may run this program meanwhile)
@@ -118,6 +121,11 @@ class _Program:
         if failed:
             raise MemoryError(f"qbackend kernel chain: step {failed - 1} could not allocate its scratch")
         return tuple(_viewed((inputs if from_input else outputs)[k], view) for from_input, k, view in self.picks)
+
+
+def _resolved(args: tuple, inputs: list, values: list) -> tuple:
+    """A step's arguments with its Refs replaced by the chain's inputs and the steps' values."""
+    return map_aggregate(args, lambda a: (inputs if a.source == "input" else values)[a.index] if isinstance(a, Ref) else a)
 
 
 def _viewed(base: torch.Tensor, view: Optional[tuple]) -> torch.Tensor:
@@ -191,12 +199,8 @@ class KernelChain:
     def _stepwise(self, inputs) -> tuple[tuple, list]:
         """The steps run as the graph ran its nodes: (the leaving values, every step's value)."""
         table, values = kernels(), []
-
-        def value(a):
-            return (inputs if a.source == "input" else values)[a.index] if isinstance(a, Ref) else a
-
         for step in self.steps:
-            args = map_aggregate(step.args, value)
+            args = _resolved(step.args, inputs, values)
             if step.kernel is not None:
                 values.append(table[step.kernel][0](*args))
             elif isinstance(step.view, str):
@@ -218,9 +222,7 @@ class KernelChain:
                 indices = tuple(range(len(buffers), len(buffers) + len(results)))
                 buffers.extend((t, len(calls)) for t in results)
                 origins.append(("tuple", indices) if isinstance(values[i], tuple) else ("buffer", indices[0]))
-                args = map_aggregate(step.args, lambda a: (inputs if a.source == "input" else values)[a.index]
-                                     if isinstance(a, Ref) else a)
-                call = table[step.kernel][1](args, values[i])
+                call = table[step.kernel][1](_resolved(step.args, inputs, values), values[i])
                 if call is None:
                     raise _NotAStep(step.name)
                 calls.append(call)
@@ -286,7 +288,7 @@ class KernelChain:
             same = t.shape == base.shape and t.stride() == base.stride() and t.data_ptr() == base.data_ptr()
             view = None if same else (tuple(t.shape), t.stride(), located(t)[1] // t.element_size())
             picks.append((kind == "input", k if kind == "input" else leaving.index(k), view))
-        return _Program(steps, arena_bytes, outputs, picks, calls, self.input_count)
+        return _Program(steps, arena_bytes, outputs, picks, calls, inputs)
 
 
 def _member(node: Node, kernel_targets: dict, run: set) -> bool:

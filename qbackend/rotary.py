@@ -66,13 +66,17 @@ def _geometry(shape: tuple, q_stride: tuple, cos_size: tuple, cos_stride: tuple,
     return (ctypes.c_long * 16)(*shape, *strides[0], *strides[1], *strides[2])
 
 
+def _kernel_geometry(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """The kernel's geometry for these operands, or None where the kernel does not apply (other
+    dtypes or devices, fake tensors under tracing, shapes or layouts it does not take)."""
+    if _kernel() is None or not plain_float32(q, cos, sin):
+        return None
+    return _geometry(tuple(q.shape), q.stride(), tuple(cos.shape), cos.stride(), tuple(sin.shape), sin.stride())
+
+
 def rotary(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``q * cos + rotate_half(q) * sin``, dense; torch's ops where the kernel does not apply
-    (other dtypes or devices, fake tensors under tracing, shapes or layouts it does not take)."""
-    geometry = None
-    if _kernel() is not None and all(type(t) is torch.Tensor and t.dtype == torch.float32 and t.device.type == "cpu"
-                                     for t in (q, cos, sin)):
-        geometry = _geometry(tuple(q.shape), q.stride(), tuple(cos.shape), cos.stride(), tuple(sin.shape), sin.stride())
+    """``q * cos + rotate_half(q) * sin``, dense; torch's ops where the kernel does not apply."""
+    geometry = _kernel_geometry(q, cos, sin)
     if geometry is None:
         return _reference(q, cos, sin)
     out = torch.empty(q.shape, dtype=torch.float32)
@@ -82,13 +86,10 @@ def rotary(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def chain_call(args: tuple, out: torch.Tensor) -> Optional[StepCall]:
     """``rotary`` as a kernel chain step, where the kernel computed it (the call is its geometry)."""
-    q, cos, sin = args
-    if _kernel() is None or not plain_float32(q, cos, sin) or not out.is_contiguous():
+    geometry = _kernel_geometry(*args)
+    if geometry is None or not out.is_contiguous():
         return None
-    geometry = _geometry(tuple(q.shape), q.stride(), tuple(cos.shape), cos.stride(), tuple(sin.shape), sin.stride())
-    if geometry is None:
-        return None
-    return step_call(native.c_address("qb_rotary_call"), geometry, (q, cos, sin, out))
+    return step_call(native.c_address("qb_rotary_call"), geometry, (*args, out))
 
 
 rotary.fresh_output = True  # (patterns/inplace.py: a later kernel may write into it)

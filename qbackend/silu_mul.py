@@ -54,13 +54,17 @@ def _row_strides(shape: tuple, a_stride: tuple, b_stride: tuple) -> Optional[tup
     return None if None in strides else strides
 
 
-def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``F.silu(a) * b``, dense; torch's ops where the kernel does not apply (other dtypes,
+def _kernel_strides(a: torch.Tensor, b: torch.Tensor) -> Optional[tuple[int, int]]:
+    """Both operands' row strides, or None where the kernel does not apply (other dtypes,
     shapes that broadcast, fake tensors under tracing, rows not evenly strided)."""
-    strides = None
-    if (_kernel() is not None and type(a) is torch.Tensor and type(b) is torch.Tensor and a.dtype == torch.float32
-            and b.dtype == torch.float32 and a.device.type == "cpu" and b.device.type == "cpu" and a.shape == b.shape):
-        strides = _row_strides(tuple(a.shape), a.stride(), b.stride())
+    if _kernel() is None or not plain_float32(a, b) or a.shape != b.shape:
+        return None
+    return _row_strides(tuple(a.shape), a.stride(), b.stride())
+
+
+def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``F.silu(a) * b``, dense; torch's ops where the kernel does not apply."""
+    strides = _kernel_strides(a, b)
     if strides is None:
         return torch.nn.functional.silu(a) * b
     n = a.shape[-1]
@@ -76,10 +80,8 @@ class _Call(ctypes.Structure):  # csrc/silu_mul_f32.c silu_mul_call_t
 def chain_call(args: tuple, out: torch.Tensor) -> Optional[StepCall]:
     """``silu_mul`` as a kernel chain step, where the kernel computed it."""
     a, b = args
-    if _kernel() is None or not plain_float32(a, b) or a.shape != b.shape or not out.is_contiguous():
-        return None
-    strides = _row_strides(tuple(a.shape), a.stride(), b.stride())
-    if strides is None:
+    strides = _kernel_strides(a, b)
+    if strides is None or not out.is_contiguous():
         return None
     n = a.shape[-1]
     return step_call(native.c_address("qb_silu_mul_call"), _Call(a.numel() // n, n, *strides), (a, b, out, None))
