@@ -13,8 +13,16 @@ from typing import Optional
 
 import torch
 
-FOUR, X_TO_Y = 0, 1  # kernel_chain.c ``enum kind``: (threads, call, a, b, c, d) / (threads, call, x, y)
+FOUR, X_TO_Y, SIX = 0, 1, 2  # kernel_chain.c ``enum kind``: (threads, call, a, b, c, d) / (threads, call, x, y) / a .. f
 SCRATCH = "scratch"  # an operand: the chain's scratch region (shared by its steps, which run one after another)
+
+
+@dataclass(frozen=True, eq=False)
+class KeyLength:
+    """An operand: ``keys``' length (dim 2) as a number, given per call where the keys are a
+    KV cache append's (it grows every decode step), else fixed by the program."""
+
+    keys: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -22,7 +30,7 @@ class StepCall:
     kind: int  # FOUR or X_TO_Y
     function: int  # address of the C entry
     call: int  # address of its prepared arguments
-    operands: tuple  # 4 (FOUR) or 2 (X_TO_Y): tensors of this call, SCRATCH or None
+    operands: tuple  # 4 (FOUR), 2 (X_TO_Y) or 6 (SIX): tensors of this call, SCRATCH, KeyLength or None
     keep: object  # what ``call`` is and points into (held while the chain lives)
     scratch: int = 0  # bytes of scratch the step needs
 

@@ -13,6 +13,10 @@ arena laid out by their lifetimes, and later calls are one ctypes call. Values t
 run are fresh tensors (a leaving view, a view of one, made again per call), so nothing the
 caller sees is ever reused. Where a call cannot be a C step (a kernel fell back to torch's ops,
 a view copied: a prompt's head merge), that signature's calls run the nodes one by one.
+
+A decode step's KV cache appends and attention are steps too. The cache's length is then no
+part of the signature: each call checks the caches' room and passes their lengths as numbers
+(KeyLength operands), so one program serves every step until a cache is reallocated.
 """
 from __future__ import annotations
 
@@ -28,14 +32,17 @@ from torch.fx.node import map_aggregate, map_arg
 
 from qbackend.lowering.weight_only import unflatten_rows
 
-from . import native, rms_norm, rotary, silu_mul
-from .chain_step import FOUR, X_TO_Y, StepCall
+from . import kv_append, native, rms_norm, rotary, silu_mul
+from .chain_step import FOUR, X_TO_Y, KeyLength, StepCall
 
 aten = torch.ops.aten
 
 ALIGN = 64  # bytes: intermediates start on cache lines
 MIN_STEPS = 2  # a single call gains nothing from a chain
-MAX_PROGRAMS = 16  # input signatures a chain prepares; any other runs its nodes one by one
+MAX_PROGRAMS = 16  # input signatures a chain keeps prepared
+PREPARE_EVERY = 64  # calls between two prepares once MAX_PROGRAMS are kept (the oldest then goes; a signature
+# new at every call, e.g. a mask growing with the cache, would cost a prepare a call: more than it saves)
+GROWS = 2  # the dim along which an append's cache grows: [batch, heads, rows, head dim]
 CONVS = {"qconv": FOUR, "qconv_depthwise": X_TO_Y, "qconv_stem": X_TO_Y, "max_pool_u8": X_TO_Y, "global_avg_pool_u8": X_TO_Y}
 # views a run may hold: they cost a step nothing (an operand's offset and strides, fixed per signature)
 VIEW_METHODS = frozenset({"view", "reshape", "transpose", "unsqueeze", "squeeze", "contiguous", "permute", "flatten"})
@@ -62,7 +69,9 @@ def kernels() -> dict:
     table = {name: (native.PLAIN[name], _conv_call(name)) for name in CONVS}
     table.update({name: (native.PLAIN[name], native.weight_only_chain_call) for name in ("int4_mm_int16", "int8_mm_int16")})
     table.update({"rms_norm": (rms_norm.rms_norm, rms_norm.chain_call), "add_rms_norm": (rms_norm.add_rms_norm, rms_norm.chain_call),
-                  "rotary": (rotary.rotary, rotary.chain_call), "silu_mul": (silu_mul.silu_mul, silu_mul.chain_call)})
+                  "rotary": (rotary.rotary, rotary.chain_call), "silu_mul": (silu_mul.silu_mul, silu_mul.chain_call),
+                  "attention_f32": (native.attention_f32, native.attention_chain_call),
+                  "kv_append": (kv_append.append, kv_append.chain_call)})
     return table
 
 
@@ -71,8 +80,8 @@ class _Operand(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):  # kernel_chain.c chain_step_t
-    _fields_ = [("kind", ctypes.c_int), ("function", ctypes.c_void_p), ("call", ctypes.c_void_p),
-                ("a", _Operand), ("b", _Operand), ("c", _Operand), ("d", _Operand)]
+    _fields_ = [("kind", ctypes.c_int), ("function", ctypes.c_void_p), ("call", ctypes.c_void_p)] + [
+        (name, _Operand) for name in "abcdef"]
 
 
 NONE = _Operand(-1, 0)
@@ -98,29 +107,42 @@ class _NotAStep(Exception):
     """A call the chain's C steps cannot run for this signature."""
 
 
+class _Reallocated(_NotAStep):
+    """A KV cache append that moved the cache to a new buffer: the signature of a cache's first
+    fill or a full buffer, not seen again (the next call's cache has other strides)."""
+
+
 class _Program:
     """A chain prepared for one input signature: the C steps, the arena's size, the outputs'."""
 
-    def __init__(self, steps: list, arena_bytes: int, outputs: list, picks: list, prepared: list, inputs: list):
+    def __init__(self, steps: list, arena_bytes: int, outputs: list, picks: list, prepared: list, inputs: list, appends: list):
         self.steps = (_Step * len(steps))(*steps)
         self.like = next(k for k, t in enumerate(inputs) if isinstance(t, torch.Tensor))  # (new_empty: faster than torch.empty)
         self.arena_bytes = arena_bytes
         self.outputs = outputs  # (shape, strides, dtype) per output buffer
-        self.picks = picks  # per leaving value: (from an input?, its index, None or a view's (shape, strides, offset))
+        self.picks = picks  # per leaving value: ("input" / "output" / "append", its index, None or a view's (shape, strides, offset))
         self.prepared = prepared  # holds the structs the steps point to
-        self.bases_type = ctypes.c_void_p * (1 + len(inputs) + len(outputs))
+        self.appends = appends  # per KV cache append: (the cache's input index, rows it adds)
+        self.bases_type = ctypes.c_void_p * (1 + len(inputs) + len(outputs) + len(appends))
 
-    def run(self, inputs: list) -> tuple:
+    def run(self, inputs: list) -> Optional[tuple]:
+        """The leaving values; None where a cache has no room for its rows (or two share one):
+        the caller then runs the nodes, which reallocate it."""
+        caches = [kv_append.room(inputs[k], added, GROWS) for k, added in self.appends]
+        if None in caches or len(set(map(id, caches))) < len(caches):
+            return None
         first = inputs[self.like]
         arena = first.new_empty(self.arena_bytes, dtype=torch.uint8)
         outputs = [first.new_empty_strided(shape, strides, dtype=dtype) for shape, strides, dtype in self.outputs]
         # (made per call: ctypes lets go of the GIL, so another thread may run this program meanwhile)
         bases = self.bases_type(arena.data_ptr(), *(t.data_ptr() if isinstance(t, torch.Tensor) else None for t in inputs),
-                                *(y.data_ptr() for y in outputs))
+                                *(y.data_ptr() for y in outputs), *(inputs[k].shape[GROWS] for k, _ in self.appends))
         failed = native._load()[0].qb_run_chain(torch.get_num_threads(), len(self.steps), self.steps, bases)
         if failed:
             raise MemoryError(f"qbackend kernel chain: step {failed - 1} could not allocate its scratch")
-        return tuple(_viewed((inputs if from_input else outputs)[k], view) for from_input, k, view in self.picks)
+        grown = [kv_append.appended(cache, inputs[k], added, GROWS) for cache, (k, added) in zip(caches, self.appends)]
+        sources = {"input": inputs, "output": outputs, "append": grown}
+        return tuple(_viewed(sources[source][k], view) for source, k, view in self.picks)
 
 
 def _resolved(args: tuple, inputs: list, values: list) -> tuple:
@@ -167,11 +189,13 @@ class KernelChain:
         self.input_count = input_count
         self.outputs = outputs  # step indices whose values leave the chain
         self.channels_last = any(step.kernel in CONVS for step in steps)  # (the int8 conv kernels' layout)
-        self._programs: dict = {}
-        self._prepares = 0
+        # inputs that are KV caches an append grows: their length is no part of a signature
+        self.caches = frozenset(step.args[0].index for step in steps if step.kernel == "kv_append" and step.args[0].source == "input")
+        self._programs: dict = {}  # signature -> _Program, or None: run the nodes one by one
+        self._calls = self._next_prepare = 0
 
     def __getstate__(self):  # (prepared ctypes structs are per process: copies prepare again)
-        return {**self.__dict__, "_programs": {}, "_prepares": 0}
+        return {**self.__dict__, "_programs": {}, "_calls": 0, "_next_prepare": 0}
 
     def listing(self) -> list:
         """The kernel steps as (node name, kernel, arguments) with operands named: what the graph held."""
@@ -181,19 +205,28 @@ class KernelChain:
         if self.channels_last:  # (views between steps may make an input of another rank)
             inputs = [x.contiguous(memory_format=torch.channels_last) if isinstance(x, torch.Tensor) and x.dim() == 4 else x
                       for x in inputs]
-        # (a size the lowering computed may be an input: part of the key by value)
-        key = tuple((x.shape, x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor) else (type(x), x) for x in inputs)
-        if key in self._programs:
-            program = self._programs[key]
-            return program.run(inputs) if program is not None else self._stepwise(inputs)[0]
+        key = tuple(_signature(x, k in self.caches) for k, x in enumerate(inputs))
+        self._calls += 1
+        program = self._programs.get(key, False)
+        if program:
+            outputs = program.run(inputs)
+            if outputs is not None:
+                return outputs
+        if program is not False:  # (a known signature: run stepwise, or its caches are full this call)
+            return self._stepwise(inputs)[0]
         outputs, values = self._stepwise(inputs)
-        if self._prepares >= MAX_PROGRAMS:  # (a signature new at every call: preparing would cost more than it saves)
-            return outputs
-        self._prepares += 1
+        if len(self._programs) >= MAX_PROGRAMS:
+            if self._calls < self._next_prepare:
+                return outputs
+            del self._programs[next(iter(self._programs))]
         try:
-            self._programs[key] = self._program(inputs, values)
+            program = self._program(inputs, values)
+        except _Reallocated:
+            return outputs
         except _NotAStep:
-            self._programs[key] = None
+            program = None
+        self._programs[key] = program
+        self._next_prepare = self._calls + PREPARE_EVERY
         return outputs
 
     def _stepwise(self, inputs) -> tuple[tuple, list]:
@@ -214,10 +247,21 @@ class KernelChain:
         call, each operand placed (in an input, an output or the arena, at a byte offset)."""
         table = kernels()
         buffers: list = []  # every kernel step's output tensors: (tensor, the C step writing it)
-        origins: list = []  # per step: ("input", k), ("buffer", b) or ("tuple", buffer indices)
+        origins: list = []  # per step: ("input", k), ("buffer", b), ("tuple", buffer indices) or ("append", a)
         calls: list = []
+        appends: list = []  # per KV cache append: (the cache's input index, rows it adds)
         for i, step in enumerate(self.steps):
-            if step.kernel is not None:
+            if step.kernel == "kv_append":  # (its value is the cache, longer: in place, its length given per call)
+                cache = inputs[step.args[0].index]
+                if values[i].untyped_storage().data_ptr() != cache.untyped_storage().data_ptr():
+                    raise _Reallocated(step.name)
+                call = table[step.kernel][1](_resolved(step.args, inputs, values), values[i])
+                if call is None:
+                    raise _NotAStep(step.name)
+                origins.append(("append", len(appends)))
+                appends.append((step.args[0].index, values[i].shape[GROWS] - cache.shape[GROWS]))
+                calls.append(call)
+            elif step.kernel is not None:
                 results = values[i] if isinstance(values[i], tuple) else (values[i],)
                 indices = tuple(range(len(buffers), len(buffers) + len(results)))
                 buffers.extend((t, len(calls)) for t in results)
@@ -231,6 +275,8 @@ class KernelChain:
             else:
                 base = step.args[0]
                 origins.append(("input", base.index) if base.source == "input" else origins[base.index])
+                if origins[-1][0] == "append" or base.source == "input" and base.index in self.caches:
+                    raise _NotAStep("a view of a growing KV cache")  # (its shape would be fixed)
         where = {id(values[i]): origin for i, origin in enumerate(origins) if origin[0] != "tuple"}
         where.update({id(t): ("buffer", b) for b, (t, _) in enumerate(buffers)})  # (outputs no getitem reads too)
         where.update({id(t): ("input", k) for k, t in enumerate(inputs) if isinstance(t, torch.Tensor)})
@@ -242,6 +288,8 @@ class KernelChain:
             origin = where.get(id(t))
             if origin is None:
                 raise _NotAStep("an operand that is neither an input nor a step's value")
+            if origin[0] == "append":  # (the cache itself, longer: at its input's address)
+                return ("input", appends[origin[1]][0]), 0
             base = inputs[origin[1]] if origin[0] == "input" else buffers[origin[1]][0]
             offset = t.data_ptr() - base.data_ptr()
             if (t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() or offset < 0
@@ -253,7 +301,9 @@ class KernelChain:
         for position, call in enumerate(calls):
             operands = []
             for t in call.operands:
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, KeyLength):
+                    t = ("length", where.get(id(t.keys)), t.keys.shape[GROWS])
+                elif isinstance(t, torch.Tensor):
                     t = located(t)
                     if t[0][0] == "buffer":
                         last_read[t[0][1]] = max(last_read[t[0][1]], position)
@@ -266,11 +316,21 @@ class KernelChain:
         scratch_at = -(-arena_bytes // ALIGN) * ALIGN
         arena_bytes = scratch_at + max((call.scratch for call in calls), default=0)
 
+        sizes_at = 1 + self.input_count + len(leaving)  # (bases: the arena, inputs, outputs, then each append's cache length)
+        growing = {k: a for a, (k, _) in enumerate(appends)}
+
         def operand(o) -> _Operand:
             if o is None:
                 return NONE
             if isinstance(o, str):  # SCRATCH
                 return _Operand(0, scratch_at)
+            if o[0] == "length":  # a cache's length per call (an append's value: plus the rows it adds), else fixed
+                _, origin, fixed = o
+                if origin is not None and origin[0] == "append":
+                    return _Operand(sizes_at + origin[1], appends[origin[1]][1])
+                if origin is not None and origin[0] == "input" and origin[1] in growing:
+                    return _Operand(sizes_at + growing[origin[1]], 0)
+                return _Operand(-1, fixed)
             (kind, k), offset = o
             if kind == "input":
                 return _Operand(1 + k, offset)
@@ -278,17 +338,42 @@ class KernelChain:
                 return _Operand(1 + self.input_count + leaving.index(k), offset)
             return _Operand(0, place[k] + offset)
 
-        steps = [_Step(call.kind, call.function, call.call, *(operand(o) for o in operands), *[NONE] * (4 - len(operands)))
+        steps = [_Step(call.kind, call.function, call.call, *(operand(o) for o in operands), *[NONE] * (6 - len(operands)))
                  for call, operands in zip(calls, placed)]
         outputs = [(buffers[b][0].shape, buffers[b][0].stride(), buffers[b][0].dtype) for b in leaving]
         picks = []
         for i in self.outputs:  # (a leaving view: made again on its base, input or output)
             (kind, k), t = origins[i], values[i]
+            if kind == "append":
+                picks.append(("append", k, None))
+                continue
             base = inputs[k] if kind == "input" else buffers[k][0]
             same = t.shape == base.shape and t.stride() == base.stride() and t.data_ptr() == base.data_ptr()
             view = None if same else (tuple(t.shape), t.stride(), located(t)[1] // t.element_size())
-            picks.append((kind == "input", k if kind == "input" else leaving.index(k), view))
-        return _Program(steps, arena_bytes, outputs, picks, calls, inputs)
+            picks.append(("input", k, view) if kind == "input" else ("output", leaving.index(k), view))
+        return _Program(steps, arena_bytes, outputs, picks, calls, inputs, appends)
+
+
+def _signature(x, cache: bool) -> tuple:
+    """What a program is prepared for: a tensor's shape (a KV cache's without its length), strides,
+    dtype and device; a number by value (a size the lowering computed may be an input)."""
+    if not isinstance(x, torch.Tensor):
+        return type(x), x
+    return (tuple(x.shape[:GROWS]) + (-1,) + tuple(x.shape[GROWS + 1:]) if cache else x.shape), x.stride(), x.dtype, x.device
+
+
+def _joins(node: Node, kernel: str) -> bool:
+    """Whether this call of ``kernel`` may be a step: attention without a mask (a mask's length
+    grows with the cache: a signature per step), an append whose cache only it reads and whose
+    value only attention's keys / values and the graph's output do (its length is given per call)."""
+    if kernel == "attention_f32":
+        return len(node.args) > 3 and node.args[3] is None
+    if kernel == "kv_append":
+        cache = node.args[0]
+        return isinstance(cache, Node) and cache.op == "placeholder" and len(cache.users) == 1 and all(
+            user.op == "output" or (user.target is native.attention_f32 and node not in (user.args[0], *user.args[3:]))
+            for user in node.users)
+    return True
 
 
 def _member(node: Node, kernel_targets: dict, run: set) -> bool:
@@ -296,7 +381,8 @@ def _member(node: Node, kernel_targets: dict, run: set) -> bool:
     if node.op not in ("call_function", "call_method") or node.kwargs:  # (steps keep positional args)
         return False
     if node.op == "call_function" and node.target in kernel_targets:  # (a tuple is read through its getitems only)
-        return node.target not in KERNEL_TUPLES or all(user.target is operator.getitem for user in node.users)
+        return _joins(node, kernel_targets[node.target]) and (
+            node.target not in KERNEL_TUPLES or all(user.target is operator.getitem for user in node.users))
     if node.op == "call_function" and node.target is operator.getitem:  # a kernel's output, or a basic index (a view)
         if isinstance(node.args[0], Node) and node.args[0].target in KERNEL_TUPLES:
             return node.args[0] in run and isinstance(node.args[1], int)

@@ -13,15 +13,23 @@ storage with the input view (rows the input shows are never written again), so a
 write into the old cache tensor would show in the new one. A buffer records how far it is
 filled; a view that does not end there (a cropped cache, a second branch from one cache
 state) gets a new buffer, so no two live views are ever extended into the same rows.
+
+In a kernel chain (kernel_chain.py) an append whose value only attention and the graph's output
+read is a C step (``chain_call``): the chain checks the room before its call (``room``), passes
+the cached rows as a number (the program stays one while the cache grows) and does the
+bookkeeping after it (``appended``).
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Optional
 
 import torch
 from torch.fx import GraphModule, Node
 
+from . import native
 from .attention_cleanup import reaches_only_strided_readers
+from .chain_step import KeyLength, StepCall, step_call
 
 aten = torch.ops.aten
 CATS = frozenset({torch.cat, aten.cat.default})
@@ -34,22 +42,29 @@ def room_after(rows: int) -> int:
     return max(256, rows // 4)
 
 
-def _extends(past: torch.Tensor, new: torch.Tensor, dim: int) -> Optional[torch.Tensor]:
-    """The buffer ``past`` is a view of, when ``new`` fits into its room right after ``past``'s
-    rows, and nothing else was written there."""
+def room(past: torch.Tensor, added: int, dim: int) -> Optional[torch.Tensor]:
+    """The buffer ``past`` is a view of, when ``added`` rows fit into its room right after
+    ``past``'s rows, and nothing else was written there."""
     base = past._base
-    if base is None or getattr(base, _FILLED, None) is None or base.dtype != past.dtype or past.dim() != base.dim():
+    filled = getattr(base, _FILLED, None)
+    if filled is None or base.dtype != past.dtype or past.dim() != base.dim():
         return None
-    filled = getattr(base, _FILLED)
     stride = base.stride(dim)
     if past.stride() != base.stride() or past.storage_offset() % stride:
         return None
     start = past.storage_offset() // stride
-    if start + past.size(dim) != filled or filled + new.size(dim) > base.size(dim):
+    if start + past.size(dim) != filled or filled + added > base.size(dim):
         return None
     if any(past.size(d) != base.size(d) for d in range(past.dim()) if d != dim):
         return None
     return base
+
+
+def appended(base: torch.Tensor, past: torch.Tensor, added: int, dim: int) -> torch.Tensor:
+    """The longer view, once ``added`` rows were written into ``base``'s room after ``past``."""
+    start = past.storage_offset() // base.stride(dim)
+    setattr(base, _FILLED, start + past.size(dim) + added)
+    return base.narrow(dim, start, past.size(dim) + added)
 
 
 def append(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
@@ -63,21 +78,37 @@ def append(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
     if d is None or past.dim() != new.dim() or any(past.size(i) != new.size(i) for i in range(new.dim()) if i != d):
         return torch.cat([past, new], dim)
     rows, added = past.size(d), new.size(d)
-    base = _extends(past, new, d)
+    base = room(past, added, d)
     if base is None:
         shape = list(new.shape)
         shape[d] = rows + added + room_after(rows + added)
         base = torch.empty(shape, dtype=new.dtype, device=new.device)
-        base.narrow(d, 0, rows).copy_(past)
-        start = 0
-    else:
-        start = past.storage_offset() // base.stride(d)
-    base.narrow(d, start + rows, added).copy_(new)
-    setattr(base, _FILLED, start + rows + added)
-    return base.narrow(d, start, rows + added)
+        past = base.narrow(d, 0, rows).copy_(past)
+    base.narrow(d, past.storage_offset() // base.stride(d) + rows, added).copy_(new)
+    return appended(base, past, added, d)
 
 
 append.reads_any_strides = True  # (the values it appends, whatever their layout)
+
+
+class _Call(ctypes.Structure):  # csrc/kv_append.c kv_append_call_t
+    _fields_ = ([(name, ctypes.c_long) for name in ("batch", "heads", "added", "row_bytes")]
+                + [(name, ctypes.c_long * 3) for name in ("new_stride", "past_stride")])
+
+
+def chain_call(args: tuple, out: torch.Tensor) -> Optional[StepCall]:
+    """``append`` of [B, H, rows, D] rows (the last dim dense) into ``past``'s room along dim 2
+    as a kernel chain step (qb_kv_append_call). Operands: the new rows, the cache, its rows (a
+    number per call)."""
+    past, new, dim = args
+    if past.dim() != 4 or dim % 4 != 2 or out.data_ptr() != past.data_ptr() or new.dtype != past.dtype \
+            or new.shape[:2] != past.shape[:2] or new.shape[3] != past.shape[3] or new.shape[2] == 0 \
+            or new.stride(3) != 1 or past.stride(3) != 1:
+        return None
+    size = new.element_size()
+    call = _Call(*new.shape[:3], new.shape[3] * size, (ctypes.c_long * 3)(*(size * s for s in new.stride()[:3])),
+                 (ctypes.c_long * 3)(*(size * s for s in past.stride()[:3])))
+    return step_call(native.c_address("qb_kv_append_call"), call, (new, past, KeyLength(past), None))
 
 
 def _cat_of_graph_input(node: Node) -> Optional[tuple[Node, Node, int]]:

@@ -40,7 +40,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import kernel_build
-from .chain_step import SCRATCH, dense, plain_float32, step_call
+from .chain_step import SCRATCH, SIX, KeyLength, dense, plain_float32, step_call
 
 MAX_TAPS = 9  # kernel positions qconv takes (conv_gemm_int8.c MAX_TAPS): up to 3x3
 BLOCK = 64  # columns per weight block (the kernel's unit: K must be a multiple)
@@ -890,7 +890,7 @@ class _AttentionCall(ctypes.Structure):
 
     _fields_ = ([(name, ctypes.c_int) for name in ("B", "H", "L", "S", "D")]
                 + [(name, ctypes.c_long * 3) for name in ("q_stride", "k_stride", "v_stride")]
-                + [("mask_stride", ctypes.c_long * 4), ("out_stride", ctypes.c_long * 2), ("scale", ctypes.c_float),
+                + [("mask_stride", ctypes.c_long * 4), ("out_stride", ctypes.c_long * 3), ("scale", ctypes.c_float),
                    ("quantized", ctypes.c_int),
                    ("out_inv_scale", ctypes.c_float)]
                 + [(name, ctypes.c_int) for name in ("out_zero_point", "out_qmin", "out_qmax", "causal_rows")]
@@ -941,11 +941,13 @@ def _attention(lib, q, k, v, mask, scale, is_causal=False, kv_int8=None):
     causal_rows = length if is_causal else 0  # (grouped: each query head's positions one after another)
     if kv_heads == h:
         return _checked_attention(q, k, v, mask, scale, causal_rows=causal_rows, kv_int8=kv_int8).transpose(1, 2)
-    # grouped: each key / value head read once for all its query heads
+    # grouped: each key / value head read once for all its query heads, whose rows go straight to their place
     if mask is not None:  # (a view: refusal leaves one query row, or a mask the same for all heads and rows)
         mask = mask.expand(b, h, length, k.shape[2]).reshape(b, kv_heads, h // kv_heads * length, k.shape[2])
-    return _checked_attention(_grouped(q, kv_heads), k, v, mask, scale,
-                              causal_rows=causal_rows, kv_int8=kv_int8).transpose(1, 2).reshape(b, h, length, d)
+    out = torch.empty(b, h, length, d)
+    _checked_attention(_grouped(q, kv_heads), k, v, mask, scale, causal_rows=causal_rows, kv_int8=kv_int8,
+                       out=_grouped(out, kv_heads).transpose(1, 2))
+    return out
 
 
 def attention_quantize_refusal(q, k, v, mask, out_scale, zero_point, qmin, qmax) -> Optional[str]:
@@ -967,54 +969,75 @@ def _attention_quantize(lib, q, k, v, mask, scale, out_scale, zero_point, qmin, 
 def _attention_call(shape: tuple, strides: tuple, mask_stride: tuple, out_stride: tuple, scale: float,
                     quantize, causal_rows: int = 0, scale_strides=None) -> "_AttentionCall":
     """The kernel's arguments for one call site, but the key length (made once: ~15 us of
-    ctypes per call otherwise; a decode step's key length is new at every step)."""
+    ctypes per call otherwise; a decode step's key length is new at every step). ``out_stride``:
+    the output's batch, row and head strides."""
     out_scale, zero_point, qmin, qmax = quantize or (1.0, 0, 0, 0)
     return _AttentionCall(*shape[:3], 0, shape[3], *((ctypes.c_long * 3)(*stride) for stride in strides),
-                          (ctypes.c_long * 4)(*mask_stride), (ctypes.c_long * 2)(*out_stride), scale, quantize is not None,
+                          (ctypes.c_long * 4)(*mask_stride), (ctypes.c_long * 3)(*out_stride), scale, quantize is not None,
                           1.0 / out_scale, zero_point, qmin, qmax, causal_rows,
                           *((ctypes.c_long * 2)(*stride) for stride in scale_strides or ((0, 0), (0, 0))))
 
 
 @_once
 def _attention_function():
-    """attention_f32.c's entries (float32 keys and values, int8 ones): the AVX-512 build's where
-    the AVX512-VNNI library loads (tiles of 8 query rows; the same bits), else the AVX2 one."""
+    """attention_f32.c's entries (float32 keys and values, int8 ones, the chain step's address):
+    the AVX-512 build's where the AVX512-VNNI library loads (tiles of 8 query rows; the same
+    bits), else the AVX2 one."""
     lib = _vnni_library()[0] or _load()[0]
     lib.qb_attention_kv_int8.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8
     lib.qb_attention_kv_int8.restype = ctypes.c_int
-    return lib.qb_attention_f32, lib.qb_attention_kv_int8
+    return lib.qb_attention_f32, lib.qb_attention_kv_int8, ctypes.cast(lib.qb_attention_call, ctypes.c_void_p).value
 
 
-def _checked_attention(q, k, v, mask, scale, quantize=None, causal_rows=0, kv_int8=None):
+def attention_chain_call(args: tuple, out: torch.Tensor):
+    """``attention_f32`` without a mask as a kernel chain step (qb_attention_call): the key
+    length is an operand (KeyLength), so a decode step's growing KV cache keeps one program."""
+    q, k, v, mask, scale, *causal = args
+    if mask is not None or not plain_float32(q, k, v, out) or attention_refusal(q, k, v, None) is not None \
+            or q.shape != out.shape or any(t.stride(-1) != 1 for t in (q, k, v, out)):
+        return None
+    kv_heads = k.shape[1]
+    rows, out_rows = _grouped(q, kv_heads), _grouped(out, kv_heads)  # (the kernel's heads and rows: views, or refused)
+    if any(t.untyped_storage().data_ptr() != u.untyped_storage().data_ptr() for t, u in ((q, rows), (out, out_rows))):
+        return None
+    causal_rows = q.shape[2] if causal and causal[0] else 0
+    call = _attention_call(tuple(rows.shape), (rows.stride()[:3], k.stride()[:3], v.stride()[:3]), (0, 0, 0, 0),
+                           out_rows.transpose(1, 2).stride()[:3], scale, None, causal_rows)
+    return step_call(_attention_function()[2], call, (q, k, v, None, out, KeyLength(k)), kind=SIX)
+
+
+def _checked_attention(q, k, v, mask, scale, quantize=None, causal_rows=0, kv_int8=None, out=None):
     """The kernel on operands ``attention_refusal`` took, heads equal (a decode step's hot path:
     checked once): [B, L, H, D], float32, or uint8 on ``quantize``'s (scale, zero point, qmin,
-    qmax) grid. ``kv_int8``: see ``_attention``."""
+    qmax) grid. ``kv_int8``: see ``_attention``. ``out``: see ``_attention_kernel``."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if kv_int8 is not None:
         k, k_scales, v, v_scales = kv_int8
         kv_int8 = (k_scales.data_ptr(), v_scales.data_ptr(), k_scales.stride()[:2], v_scales.stride()[:2])
     return _attention_kernel(tuple(q.shape), k.shape[2], (q.data_ptr(), k.data_ptr(), v.data_ptr()),
                              (q.stride()[:3], k.stride()[:3], v.stride()[:3]), mask, scale, quantize, causal_rows=causal_rows,
-                             kv_int8=kv_int8)
+                             kv_int8=kv_int8, out=out)
 
 
 def _attention_kernel(shape: tuple, s: int, pointers: tuple, strides: tuple, mask, scale, quantize,
-                      length_first: bool = False, causal_rows: int = 0, kv_int8=None):
+                      length_first: bool = False, causal_rows: int = 0, kv_int8=None, out=None):
     """attention_f32.c on q / k / v at ``pointers``, [B, H, L or S, D] with ``strides`` for their first
     three dims (the last contiguous), all checked by the caller; the mask broadcasts. Returns
-    [B, L, H, D], in [L, B, H, D] memory where ``length_first``. ``kv_int8``: k / v are int8,
-    (k scales' pointer, v scales', their batch and head strides)."""
+    [B, L, H, D], in [L, B, H, D] memory where ``length_first``; or writes ``out``, a float32
+    [B, L, H, D] view the caller made (grouped queries: rows in their query heads' places).
+    ``kv_int8``: k / v are int8, (k scales' pointer, v scales', their batch and head strides)."""
     b, h, length, d = shape
     mask_stride = (0, 0, 0, 0)
     if mask is not None:
         mask = mask.expand(b, h, length, s)
         mask_stride = mask.stride()
     dtype = torch.float32 if quantize is None else torch.uint8
-    out = torch.empty(length, b, h, d, dtype=dtype).transpose(0, 1) if length_first else torch.empty(b, length, h, d, dtype=dtype)
-    call = _AttentionCall.from_buffer_copy(_attention_call(shape, strides, tuple(mask_stride), out.stride()[:2], scale,
+    if out is None:
+        out = torch.empty(length, b, h, d, dtype=dtype).transpose(0, 1) if length_first else torch.empty(b, length, h, d, dtype=dtype)
+    call = _AttentionCall.from_buffer_copy(_attention_call(shape, strides, tuple(mask_stride), out.stride()[:3], scale,
                                                            quantize, causal_rows, kv_int8 and kv_int8[2:]))
     call.S = s  # (on a copy: another thread may run the same call site meanwhile)
-    floats, int8 = _attention_function()
+    floats, int8, _ = _attention_function()
     scales = () if kv_int8 is None else kv_int8[:2]
     if (floats if kv_int8 is None else int8)(torch.get_num_threads(), ctypes.byref(call), *pointers, *scales,
                                              None if mask is None else mask.data_ptr(), out.data_ptr()):

@@ -115,7 +115,7 @@ def test_the_avx512_and_avx2_builds_give_the_same_bits(case, monkeypatch):
     mask = None if mask_shape is None else torch.randn(mask_shape) * 4
     results = []
     for build in (native._vnni_library()[0], native._load()[0]):
-        monkeypatch.setattr(native, "_attention_function", lambda: (build.qb_attention_f32, None))
+        monkeypatch.setattr(native, "_attention_function", lambda: (build.qb_attention_f32, None, None))
         results.append((native.attention_f32(q, k, v, mask, 0.3), native.attention_quantize(q, k, v, mask, 0.3, 0.02, 128, 0, 255),
                         native.attention_f32(q, k, v, None, 0.3, is_causal=True)))
     for avx512, avx2 in zip(*results):

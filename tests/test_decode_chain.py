@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import qbackend
-from qbackend import cleanup, rms_norm
+from qbackend import cleanup, kv_append, native, rms_norm
 from qbackend.kernel_chain import KernelChain, chain_own_kernels
 
 from .helpers import Captured, needs_own_kernels, short_graph
@@ -132,30 +132,29 @@ def test_decode_steps_give_the_bytes_of_the_separate_calls(bits, monkeypatch):
         assert_weight_only_close(a, reference, f"step {step}", "weight_only_int16")
     (prompt, _, prompt_chained, _), (_, _, decode, _) = chained.graphs
     assert not any(_chains(graph[2]) for graph in separate.graphs)
-    # the prompt's head merge (5 rows: transpose, reshape) copies, so the chains after attention run their nodes
-    assert _compiled(_chains(prompt_chained)) == [True, False, False]
-    assert _compiled(_chains(decode)) == [True, True, True]
+    # a step is one chain, KV cache appends and attention inside; the prompt's fills its caches
+    # for the first time (new buffers: no program for that signature), every decode step runs
+    # the one program prepared at the first (the caches' lengths are given per call)
+    assert [_compiled(_chains(graph)) for graph in (prompt_chained, decode)] == [[], [True]]
 
 
 class TestDecodeGraph(expecttest.TestCase):
-    def test_each_layer_is_a_chain_between_its_cache_appends_and_attention(self):
+    def test_a_decode_step_is_one_chain_with_its_cache_appends_and_attention(self):
         captured = Captured()
         _decode(_model(4), captured, steps=2)
         decode = captured.graphs[-1][2]
         lines = [line for line in short_graph(decode).splitlines()
                  if "kernel_chain(" in line or "append(" in line or "attention" in line]
         self.assertExpectedInline("\n".join(lines), """\
-kernel_chain_0 = kernel_chain(x, cos, sin) of 21 steps -> (v, rotary, rotary_1)
-cat_3 = kv_append.append(l_caches_0_k_, getitem_20, -2)
-cat_4 = kv_append.append(l_caches_0_v_, getitem_18, -2)
-attention_f32 = native.attention_f32(getitem_19, cat_3, cat_4, None, 0.177)
+cat_3 = kv_append.append(l_caches_0_k_, rotary_1, -2)
+cat_4 = kv_append.append(l_caches_0_v_, v, -2)
+attention_f32 = native.attention_f32(rotary, cat_3, cat_4, None, 0.177)
 transpose_3 = attention_f32.transpose(1, 2)
-kernel_chain_1 = kernel_chain(attention_f32, x, cos, sin) of 41 steps -> (getitem_12, v_1, rotary_2, rotary_3)
-cat_7 = kv_append.append(l_caches_1_k_, getitem_24, -2)
-cat_8 = kv_append.append(l_caches_1_v_, getitem_22, -2)
-attention_f32_1 = native.attention_f32(getitem_23, cat_7, cat_8, None, 0.177)
+cat_7 = kv_append.append(l_caches_1_k_, rotary_3, -2)
+cat_8 = kv_append.append(l_caches_1_v_, v_1, -2)
+attention_f32_1 = native.attention_f32(rotary_2, cat_7, cat_8, None, 0.177)
 transpose_7 = attention_f32_1.transpose(1, 2)
-kernel_chain_2 = kernel_chain(attention_f32_1, getitem_21) of 23 steps -> (getitem_9, int4_mm_int16_14)""")
+kernel_chain_0 = kernel_chain(x, cos, sin, l_caches_0_k_, l_caches_0_v_, l_caches_1_k_, l_caches_1_v_) of 91 steps -> (cat_3, cat_4, cat_7, cat_8, getitem_9, int4_mm_int16_14)""")
 
 
 def _graph(build) -> torch.fx.GraphModule:
@@ -237,8 +236,9 @@ def test_a_size_among_the_inputs_prepares_a_program_per_value():
 
 
 def test_signatures_past_the_prepared_ones_run_the_nodes(monkeypatch):
-    """A chain prepares at most MAX_PROGRAMS signatures: one new at every call would otherwise
-    pay the preparing (a first run and a layout) each time."""
+    """A chain keeps at most MAX_PROGRAMS signatures, and past them prepares once every
+    PREPARE_EVERY calls: one new at every call would otherwise pay the preparing (a first run
+    and a layout) each time."""
     from qbackend import kernel_chain
 
     monkeypatch.setattr(kernel_chain, "MAX_PROGRAMS", 3)
@@ -256,3 +256,81 @@ def test_signatures_past_the_prepared_ones_run_the_nodes(monkeypatch):
     for _ in range(2):
         assert all(torch.equal(gm(x)[0], e) for x, e in zip(inputs, expected))
     assert len(chain._programs) == 3 and all(program is not None for program in chain._programs.values())
+
+
+def _attention_over_appends():
+    """cache_k / cache_v grown by the new rows, then grouped-query attention over them: the graph
+    kv_cache_appends leaves of a decode step's attention (8 query heads, 2 key / value heads)."""
+    root, graph = nn.Module(), torch.fx.Graph()
+    q, k, v, cache_k, cache_v = (graph.placeholder(name) for name in ("q", "k", "v", "cache_k", "cache_v"))
+    keys = graph.call_function(kv_append.append, (cache_k, k, -2))
+    values = graph.call_function(kv_append.append, (cache_v, v, -2))
+    graph.output((graph.call_function(native.attention_f32, (q, keys, values, None, 0.25)), keys, values))
+    return torch.fx.GraphModule(root, graph)
+
+
+def _decoded(gm, caches, steps, seed=0):
+    """Per step of one new key / value row: the graph's outputs (the attention, the longer caches)."""
+    generator, results = torch.Generator().manual_seed(seed), []
+    for _ in range(steps):
+        q, k, v = (torch.randn(1, heads, 1, 16, generator=generator) for heads in (8, 2, 2))
+        results.append(gm(q, k, v, *caches))
+        caches = results[-1][1:]
+    return results
+
+
+def test_a_cache_reallocated_mid_decode_runs_the_nodes_once_then_a_new_program(monkeypatch):
+    """The caches' lengths are no part of a signature: one program runs every step while their
+    buffers have room. A full buffer makes that call run the nodes (which reallocate it); the
+    next call's caches have other strides, so a new program, kept next to the old one."""
+    monkeypatch.setattr(kv_append, "room_after", lambda rows: 3)
+    first = [kv_append.append(torch.tensor([]), torch.randn(1, 2, 5, 16), -2) for _ in "kv"]
+    expected = _decoded(_attention_over_appends(), first, 10)
+    chained = _attention_over_appends()
+    assert chain_own_kernels(chained) == "3 own-kernel calls run as 1 chain (one C call each)"
+    chained.recompile()
+    (chain,) = _chains(chained)
+    for step, (actual, wanted) in enumerate(zip(_decoded(chained, first, 10), expected)):
+        assert all(torch.equal(a, w) and a.shape == w.shape for a, w in zip(actual, wanted)), f"step {step}"
+    # buffers of 5 + 3 rows, 9 + 3, 13 + 3: a program each (made at its first call), and the call
+    # that found it full ran the nodes
+    assert chain._calls == 10 and _compiled([chain]) == [True, True, True]
+
+
+def test_two_caches_in_one_buffer_run_the_nodes():
+    """Two inputs ending where one buffer is filled (a cache passed as both keys and values):
+    the program would write both appends into the same room; the nodes reallocate the second."""
+    cache = kv_append.append(torch.tensor([]), torch.randn(1, 2, 5, 16), -2)
+    expected = _decoded(_attention_over_appends(), [cache.clone(), cache.clone()], 3)
+    chained = _attention_over_appends()
+    chain_own_kernels(chained)
+    chained.recompile()
+    separate = [kv_append.append(torch.tensor([]), cache.clone(), -2) for _ in "kv"]
+    _decoded(chained, separate, 2)  # (a program for these caches' signature)
+    assert _compiled(_chains(chained)) == [True]
+    shared = kv_append.append(torch.tensor([]), cache.clone(), -2)
+    for actual, wanted in zip(_decoded(chained, [shared, shared], 3), expected):
+        assert all(torch.equal(a, w) for a, w in zip(actual, wanted))
+
+
+def test_past_the_kept_programs_the_oldest_goes_every_prepare_every_calls(monkeypatch):
+    from qbackend import kernel_chain
+
+    monkeypatch.setattr(kernel_chain, "MAX_PROGRAMS", 2)
+    monkeypatch.setattr(kernel_chain, "PREPARE_EVERY", 3)
+
+    def build(graph, x, constant):
+        normed = graph.call_function(rms_norm.rms_norm, (x, constant("w1", torch.randn(32)), 1e-6))
+        return (graph.call_function(rms_norm.rms_norm, (normed, constant("w2", torch.randn(32)), 1e-6)),)
+
+    gm = _graph(build)
+    inputs = {rows: torch.randn(rows, 32) for rows in range(1, 5)}
+    expected = {rows: gm(x)[0] for rows, x in inputs.items()}
+    chain_own_kernels(gm)
+    gm.recompile()
+    (chain,) = _chains(gm)
+    kept = []
+    for rows in (1, 2, 3, 3, 3, 4, 1):  # 1, 2 prepared; 3 waits three calls after 2's, then takes 1's place
+        assert torch.equal(gm(inputs[rows])[0], expected[rows])
+        kept.append(sorted(key[0][0][0] for key in chain._programs))
+    assert kept == [[1], [1, 2], [1, 2], [1, 2], [2, 3], [2, 3], [2, 3]]

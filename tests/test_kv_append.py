@@ -122,7 +122,7 @@ class TestDecodeGraph(expecttest.TestCase):
 cat = kv_append.append(l_cache_k_, l_k_, -2)
 cat_1 = kv_append.append(l_cache_v_, l_v_, -2)
 attention_f32 = native.attention_f32(l_q_, cat, cat_1, None, 0.25)
-return (attention_f32, cat, cat_1)""")
+kernel_chain_0 = kernel_chain(l_cache_k_, l_k_, l_cache_v_, l_v_, l_q_) of 3 steps -> (cat, cat_1, attention_f32)""")
 
     def test_a_cat_read_by_another_op_stays_a_cat(self):
         torch._dynamo.reset()
@@ -136,5 +136,6 @@ return (attention_f32, cat, cat_1)""")
 cat = torch.cat([l_cache_k_, l_k_], dim=-2)
 cat_1 = kv_append.append(l_cache_v_, l_v_, -2)
 attention_f32 = native.attention_f32(l_q_, cat, cat_1, None, 0.25)
+kernel_chain_0 = kernel_chain(l_cache_v_, l_v_, l_q_, cat) of 2 steps -> (cat_1, attention_f32)
 view = cat.view(-1)
-return (attention_f32, mul, cat, cat_1)""")
+return (getitem_1, mul, cat, getitem)""")

@@ -8,7 +8,8 @@
  * softmax in place (max, e^(s - max), their sum), and the output rows are
  * sum_j p[j] v[j] / sum, a tile of rows x 16 head-dim columns at a time. Written as
  * [B][L][H][D] (or [L][B][H][D], out_stride): the layout the head merge after attention
- * (transpose(1, 2).reshape) reads as a view. D % 16 == 0. The output is float32, or
+ * (transpose(1, 2).reshape) reads as a view; grouped queries' rows go straight to their
+ * query head's place (no copy to reorder them). D % 16 == 0. The output is float32, or
  * uint8 quantized as the reference's quantize of that float32 value (the out-projection's
  * input: one pass less over the output, and no float copy of it).
  *
@@ -24,6 +25,7 @@
  * bit for bit, from a quarter of the bytes. */
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -43,7 +45,7 @@ typedef struct {
   int B, H, L, S, D;
   long q_stride[3], k_stride[3], v_stride[3]; /* batch, head, row */
   long mask_stride[4];                        /* batch, head, row, column */
-  long out_stride[2];                         /* batch, row: H * D apart, the heads of a row side by side */
+  long out_stride[3];                         /* batch, row, head (grouped queries: the query heads' layout) */
   float scale;
   int quantized;       /* 0: float32 out; 1: uint8 out, round_half_even(o * out_inv_scale) + zero point, clamped */
   float out_inv_scale; /* (a NaN lands on qmin: the caller asks for qmin == the reference's NaN byte, 0) */
@@ -301,7 +303,7 @@ static inline __attribute__((always_inline)) int attention(int threads, const at
           const int row_seen = a->causal_rows && (l0 + i) % a->causal_rows + 1 < seen ? (l0 + i) % a->causal_rows + 1 : seen;
           inv_sum[i] = softmax_row(scores + (size_t)i * S16, row_seen, seen16, m, a->mask_stride[3]);
         }
-        char* ob = (char*)out + ((size_t)b * a->out_stride[0] + (size_t)l0 * out_row + h * a->D) * out_bytes;
+        char* ob = (char*)out + ((size_t)b * a->out_stride[0] + (size_t)l0 * out_row + (size_t)h * a->out_stride[2]) * out_bytes;
         for (int c = 0; c < a->D; c += 16) /* (a 16-column slice of v stays in L1 across the row tiles) */
           for (int i = 0; i < n; i += ROWS) {
 #define OUTPUTS(R) output_tile(R, seen, scores + (size_t)i * S16, S16, element(vb, c, kv_int8), vs, a->v_stride[2], inv_sum + i, a, ob + (i * out_row + c) * out_bytes, out_row, kv_int8)
@@ -317,6 +319,15 @@ static inline __attribute__((always_inline)) int attention(int threads, const at
 int qb_attention_f32(int threads, const attention_call_t* a, const float* q, const float* k, const float* v,
                      const float* mask, void* out) {
   return attention(threads, a, q, k, v, NULL, NULL, mask, out, 0);
+}
+
+/* As a step of a kernel chain (qbackend/kernel_chain.py): ``s`` is the key length, given per
+ * call (a decode step's keys grow by one row a step; the call fixes all else). */
+int qb_attention_call(int threads, const attention_call_t* call, const float* q, const float* k, const float* v,
+                      const float* mask, void* out, const void* s) {
+  attention_call_t a = *call;
+  a.S = (int)(intptr_t)s;
+  return attention(threads, &a, q, k, v, NULL, NULL, mask, out, 0);
 }
 
 int qb_attention_kv_int8(int threads, const attention_call_t* a, const float* q, const int8_t* k, const int8_t* v,

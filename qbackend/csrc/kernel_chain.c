@@ -10,35 +10,41 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* An address: bases[base] + offset bytes. A size, given per call (a decode step's KV cache
+ * length), sits in bases as a number: the operand is then that size + offset. With base -1 the
+ * operand is offset itself (0: no operand; else a size the program fixed). */
 typedef struct {
-  int base;    /* index into bases (the arena, the chain's inputs, its outputs); -1: no operand */
-  long offset; /* bytes from it */
+  int base;    /* index into bases (the arena, the chain's inputs, its outputs, the call's sizes); -1: none */
+  long offset; /* bytes from it (a size: added to it) */
 } operand_t;
 
-/* FOUR: (threads, call, a, b, c, d) -> 0 or failure; X_TO_Y: (threads, call, x, y) -> 0 or failure */
-enum kind { FOUR = 0, X_TO_Y = 1 };
+/* FOUR: (threads, call, a, b, c, d) -> 0 or failure; X_TO_Y: (threads, call, x, y); SIX: (threads, call, a .. f) */
+enum kind { FOUR = 0, X_TO_Y = 1, SIX = 2 };
 
 typedef struct {
   int kind;
   const void* function; /* FOUR: qb_conv_call(_vnni) (x, residual, y, float y), qb_weight_only_call, qb_rms_norm_call,
-                           qb_rotary_call, qb_silu_mul_call; X_TO_Y: qb_dwconv(_vnni)_call, qb_stem_conv_vnni_call, the pools */
-  const void* call;     /* its prepared arguments */
-  operand_t a, b, c, d; /* X_TO_Y: x = a, y = b */
+                           qb_rotary_call, qb_silu_mul_call, qb_kv_append_call; X_TO_Y: qb_dwconv(_vnni)_call,
+                           qb_stem_conv_vnni_call, the pools; SIX: qb_attention_call */
+  const void* call;           /* its prepared arguments */
+  operand_t a, b, c, d, e, f; /* X_TO_Y: x = a, y = b */
 } chain_step_t;
 
 typedef int (*four_fn)(int, const void*, void*, void*, void*, void*);
 typedef int (*x_to_y_fn)(int, const void*, const void*, void*);
+typedef int (*six_fn)(int, const void*, void*, void*, void*, void*, void*, void*);
 
-static void* address(void* const* bases, operand_t o) { return o.base < 0 ? NULL : (char*)bases[o.base] + o.offset; }
+static void* address(void* const* bases, operand_t o) { return o.base < 0 ? (void*)o.offset : (char*)bases[o.base] + o.offset; }
 
 /* 0, or the 1-based index of the step that failed (a kernel could not allocate its scratch). */
 int qb_run_chain(int threads, int count, const chain_step_t* steps, void* const* bases) {
   for (int i = 0; i < count; i++) {
     const chain_step_t* s = &steps[i];
-    const int failed = s->kind == FOUR
-                           ? ((four_fn)s->function)(threads, s->call, address(bases, s->a), address(bases, s->b),
-                                                    address(bases, s->c), address(bases, s->d))
-                           : ((x_to_y_fn)s->function)(threads, s->call, address(bases, s->a), address(bases, s->b));
+    void *a = address(bases, s->a), *b = address(bases, s->b);
+    const int failed = s->kind == X_TO_Y ? ((x_to_y_fn)s->function)(threads, s->call, a, b)
+                       : s->kind == FOUR ? ((four_fn)s->function)(threads, s->call, a, b, address(bases, s->c), address(bases, s->d))
+                                         : ((six_fn)s->function)(threads, s->call, a, b, address(bases, s->c), address(bases, s->d),
+                                                                 address(bases, s->e), address(bases, s->f));
     if (failed) return i + 1;
   }
   return 0;
