@@ -90,9 +90,8 @@ class TestRotaryGraph(expecttest.TestCase):
         self.assertExpectedInline(lines, """\
 rotary = rotary.rotary(l_q_, cos, sin)
 rotary_1 = rotary.rotary(l_k_, cos, sin)
-kernel_chain_0 = kernel_chain(l_cos_, l_sin_, l_q_, l_k_) of 4 steps -> (rotary, rotary_1)
-attention_f32 = native.attention_f32(getitem, getitem_1, l_v_, None, 0.25)
-return (attention_f32)""")
+attention_f32 = native.attention_f32(rotary, rotary_1, l_v_, None, 0.25)
+kernel_chain_0 = kernel_chain(l_cos_, l_sin_, l_q_, l_k_, l_v_) of 5 steps -> (attention_f32)""")
         assert "2 rotary embedding(s) in one pass" in captured.report.notes
 
     def test_a_returned_result_keeps_the_graphs_layout(self):
