@@ -3,6 +3,7 @@ quantized by the kernel itself, its inputs read where the projection wrote them 
 copy)."""
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -12,7 +13,7 @@ from qbackend.lowering.common import additive_mask
 from qbackend.patterns.base import fake_value
 
 from . import fast_qdq, native
-from .view_chains import positions, replayed, view_chain
+from .view_chains import positions, replayed, view_chain, writes
 
 aten = torch.ops.aten
 
@@ -209,3 +210,74 @@ def attention_reads_projection(gm: GraphModule) -> Optional[str]:
         gm.graph.erase_node(node)
         rewritten += 1
     return f"{rewritten} attention call(s) read q / k / v inside their projection" if rewritten else None
+
+
+# views repeat_kv is made of (transformers: x[:, :, None].expand(b, kv, n, s, d).reshape(b, kv * n, s, d))
+_REPEAT_METHODS = frozenset({"expand", "reshape", "view", "unsqueeze"})
+_REPEAT_FUNCTIONS = frozenset({aten.expand.default, aten.reshape.default, aten.view.default, aten.unsqueeze.default})
+
+
+def _repeat_step(node) -> bool:
+    """``node`` is a view repeat_kv may use, its other arguments constants."""
+    if not isinstance(node, Node) or node.op not in ("call_method", "call_function") or node.kwargs or not node.args \
+            or not isinstance(node.args[0], Node) or any(isinstance(a, Node) for a in node.args[1:]):
+        return False
+    if node.op == "call_method":
+        return node.target in _REPEAT_METHODS
+    return node.op == "call_function" and (node.target in _REPEAT_FUNCTIONS or node.target is operator.getitem)
+
+
+def _repeated_heads(node: Node) -> Optional[tuple[Node, list]]:
+    """(x, the views) when ``node`` is x [B, kv, S, D] with each head repeated n times in a row,
+    [B, kv * n, S, D] (a grouped-query model's keys / values repeated for torch's attention):
+    decided by replaying the views on the integers 0 .. n - 1 in x's static shape."""
+    chain = []
+    while _repeat_step(node):
+        chain.insert(0, node)
+        node = node.args[0]
+    start = positions(node)
+    if len(chain) < 2 or start is None or start.dim() != 4:
+        return None
+    value = start
+    try:
+        for step in chain:
+            value = (getattr(value, step.target)(*step.args[1:]) if step.op == "call_method"
+                     else step.target(value, *step.args[1:]))
+    except (RuntimeError, IndexError, TypeError):
+        return None
+    if value.dim() != 4 or value.shape[1] % start.shape[1] or value.shape[1] == start.shape[1]:
+        return None
+    repeats = value.shape[1] // start.shape[1]
+    return (node, chain) if torch.equal(value, start.repeat_interleave(repeats, dim=1)) else None
+
+
+def repeated_kv_read_once(gm: GraphModule) -> Optional[str]:
+    """Keys and values that a grouped-query model repeats for each query head (transformers'
+    repeat_kv, where it does not pass enable_gqa: with a mask, so a static cache's every decode
+    step) go to the own attention kernel unrepeated: it reads each key / value head once for its
+    group of query heads. The repeat was a copy of the whole cache, twice per layer and step.
+    Where nothing writes into the cache between the repeat and the attention."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    replaced = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not native.attention_f32 or node.kwargs or len(node.args) < 5:
+            continue
+        found = [_repeated_heads(node.args[i]) for i in (1, 2)]
+        if None in found:
+            continue
+        (keys, k_chain), (values, v_chain) = found
+        q, mask = fake_value(node.args[0]), fake_value(node.args[3])
+        k, v = fake_value(keys), fake_value(values)
+        if any(t is None for t in (q, k, v)) or (node.args[3] is not None and mask is None):
+            continue
+        is_causal = bool(node.args[5]) if len(node.args) > 5 else False
+        if native.attention_refusal(q, k, v, mask, is_causal=is_causal) is not None:
+            continue
+        first = min(order[k_chain[0]], order[v_chain[0]])
+        if any(first < order[user] < order[node] and writes(user) for root in (keys, values) for user in root.users):
+            continue
+        node.update_arg(1, keys)
+        node.update_arg(2, values)
+        replaced += 1
+    return f"{replaced} attention call(s) read grouped keys / values unrepeated" if replaced else None
+

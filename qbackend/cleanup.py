@@ -17,7 +17,7 @@ from qbackend.patterns.inplace import schema_writes
 
 from . import fast_qdq, native
 from .attention_cleanup import (attention_inputs_uncopied, attention_masks_once, attention_output_quantized,
-                                attention_reads_projection)
+                                attention_reads_projection, repeated_kv_read_once)
 from .batch_norm_quantize import batch_norms_quantized
 from .channel_shuffle import shuffles_in_one_pass
 from .constant_fills import FRESH, MAX_ELEMENTS, fold_write, fresh_value, is_view
@@ -259,6 +259,7 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
         contiguous_copies_dropped(gm)
     notes = [float_linears(gm, device, kernel_choice) if fast_boundary else None, attention_masks_once(gm),
              attention_output_quantized(gm) if fast_boundary else None, attention_inputs_uncopied(gm),
+             repeated_kv_read_once(gm) if fast_boundary else None,
              attention_reads_projection(gm) if fast_boundary else None, kv_cache_appends(gm) if fast_boundary else None,
              kv_cache_int8(gm) if fast_boundary and kv_cache == "int8" else None,
              rotaries_fused(gm) if fast_boundary else None, rms_norms_fused(gm) if fast_boundary else None,

@@ -60,7 +60,7 @@ def replayed(chain: list[Node], value: torch.Tensor) -> Optional[torch.Tensor]:
     return value
 
 
-def _writes(user: Node) -> bool:
+def writes(user: Node) -> bool:
     """The user may write into its inputs: a mutable op schema, or an in-place name (``add_``,
     ``add_quantize_``)."""
     if isinstance(user.target, torch._ops.OpOverload):
@@ -85,7 +85,7 @@ def view_chains_collapsed(gm: GraphModule) -> Optional[str]:
         if not is_view(end) or all(is_view(user) for user in end.users):
             continue
         root, chain = view_chain(end)
-        if len(chain) < 2 or any(_writes(user) for node in (root, *chain) for user in node.users):
+        if len(chain) < 2 or any(writes(user) for node in (root, *chain) for user in node.users):
             continue
         shape = _reorders_back(root, chain)
         if shape is None:

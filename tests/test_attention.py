@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from qbackend import einsum, fast_qdq, native
 
-from .helpers import assert_matches_reference, compile_and_run, quantize, short_graph, needs_own_kernels
+from .helpers import Captured, assert_matches_reference, compile_and_run, quantize, short_graph, needs_own_kernels
 from .tolerances import TOLERANCE
 
 
@@ -549,3 +549,58 @@ def test_grid_attention_of_einsums_is_fused_with_the_key_scale_in_its_scale(head
     ("bik,bkj", None), ("bik,bkj->bi", None)])
 def test_only_einsums_that_are_matrix_products_become_matmuls(equation, form):
     assert einsum.matmul_form(equation) is form
+
+
+
+class RepeatedKeysAttention(nn.Module):
+    """A static KV cache's decode step as transformers runs it with a mask: repeat_kv (each of
+    2 key / value heads repeated for its 4 query heads: a copy of the cache) before attention.
+    ``tiled``: heads repeated as a whole instead (h -> kv head h % 2: not repeat_kv's order);
+    ``write``: the keys' cache written after the repeat (the attention reads the copy's values)."""
+
+    def __init__(self, tiled=False, write=False):
+        super().__init__()
+        self.tiled, self.write = tiled, write
+
+    def repeated(self, x):
+        if self.tiled:
+            return x.repeat(1, 4, 1, 1)
+        b, heads, length, dim = x.shape
+        return x[:, :, None, :, :].expand(b, heads, 4, length, dim).reshape(b, heads * 4, length, dim)
+
+    def forward(self, q, k_cache, v_cache, mask):
+        k, v = self.repeated(k_cache), self.repeated(v_cache)
+        if self.write:
+            k_cache.mul_(2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+
+
+def _repeated_keys_run(module):
+    """(compiled, eager, Captured) on fresh copies of one static-cache decode step's inputs."""
+    inputs = _decode_step(1, 48, (1, 1, 1, 48))
+
+    def fresh():
+        return [t.clone() for t in inputs]
+
+    with torch.no_grad():
+        expected = module(*fresh())
+    torch._dynamo.reset()
+    captured = Captured()
+    with torch.no_grad():
+        actual = torch.compile(module, backend=captured)(*fresh())
+    return actual, expected, captured
+
+
+@needs_own_kernels
+@pytest.mark.parametrize("tiled, write, unrepeated", [(False, False, True), (True, False, False), (False, True, False)],
+                         ids=["repeat_kv", "tiled: another head order", "a write after the repeat"])
+def test_repeated_keys_and_values_go_to_the_kernel_unrepeated(tiled, write, unrepeated):
+    """The kernel reads each key / value head once for its group of query heads: the repeat's
+    copy of the cache goes, where the order is repeat_kv's and nothing writes the cache after it."""
+    actual, expected, captured = _repeated_keys_run(RepeatedKeysAttention(tiled, write))
+    torch.testing.assert_close(actual, expected, **TOLERANCE["attention_f32"])
+    lowered = captured.graphs[0][2]
+    [attention] = [node for node in lowered.graph.nodes if node.target is native.attention_f32]
+    assert all((arg.op == "placeholder") == unrepeated for arg in attention.args[1:3]), short_graph(lowered)
+    notes = " ".join(captured.report.notes)
+    assert ("1 attention call(s) read grouped keys / values unrepeated" in notes) == unrepeated, notes
