@@ -86,6 +86,7 @@ class Runner:
     compiled: bool = False
     bits: Optional[int] = None  # of the quantized weights (None: a float path)
     kv_cache: str = "float"  # qbackend's option
+    cache: str = "dynamic"  # transformers' cache in the decode turns: DynamicCache, or "static" (StaticCache)
     results: dict = field(default_factory=dict)
 
 
@@ -95,10 +96,13 @@ def step(path: Runner, tokens: torch.Tensor, cache, **kwargs):
     return out.logits[:, -1:].argmax(-1), _cache_of(out), out.logits
 
 
-def filled_cache(length: int, dtype: torch.dtype):
+def filled_cache(length: int, dtype: torch.dtype, static_room: Optional[int] = None):
     """A KV cache holding ``length`` positions (random keys / values: a decode step's time does
-    not depend on them, and filling it by a prefill of 2048 tokens costs minutes in bf16 on AVX2)."""
-    cache, cfg = DynamicCache(), config()
+    not depend on them, and filling it by a prefill of 2048 tokens costs minutes in bf16 on AVX2):
+    a DynamicCache, or a StaticCache with ``static_room`` positions more (its attention reads them
+    all, masked)."""
+    cfg = config()
+    cache = DynamicCache() if static_room is None else StaticCache(config=cfg, max_cache_len=length + static_room)
     generator = torch.Generator().manual_seed(5)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     for layer in range(cfg.num_hidden_layers):
@@ -119,11 +123,14 @@ def decode_ms(paths: list, context: int, steps: int) -> list:
     which stream up to 1 GB of weights (fp32), a step runs up to 1.2x slower, for about 6 steps.
     Each round of turns waits for the two vCPUs to run side by side (common.parallel_speedup);
     the probes go to ``PROBES``."""
-    state = [(torch.tensor([[7]]), filled_cache(context, path.dtype)) for path in paths]
+    rounds = -(-steps // DECODE_BLOCK)
+    room = 1 + rounds * (DECODE_WARMUP + DECODE_BLOCK)  # (a static cache's positions past the context: every step's)
+    state = [(torch.tensor([[7]]), filled_cache(context, path.dtype, room if path.cache == "static" else None))
+             for path in paths]
     for i, path in enumerate(paths):  # the first step after a new cache length may compile
         state[i] = step(path, *state[i])[:2]
     times = [[] for _ in paths]
-    for _ in range(-(-steps // DECODE_BLOCK)):
+    for _ in range(rounds):
         PROBES.append(wait_for_parallel_speedup())
         for i, path in enumerate(paths):
             for _ in range(DECODE_WARMUP):
@@ -254,6 +261,8 @@ def paths(fp32, bf16, int4, int8) -> list[Runner]:
         Runner("Inductor bf16", torch.compile(bf16.forward), torch.bfloat16, compiled=True),
         Runner("qbackend int4 eager", int4.forward, torch.float32, bits=4),
         Runner("qbackend int4", torch.compile(int4.forward, backend="qbackend"), torch.float32, compiled=True, bits=4),
+        Runner("qbackend int4, static cache", torch.compile(lambda **inputs: int4(**inputs), backend="qbackend"), torch.float32,
+               compiled=True, bits=4, cache="static"),
         # (a wrapper of its own: Dynamo keeps these graphs apart from the previous path's, on the same model)
         Runner("qbackend int4, int8 KV cache", torch.compile(lambda **inputs: int4(**inputs), backend="qbackend",
                                                              options={"kv_cache": "int8"}),
@@ -276,6 +285,8 @@ def run(contexts: list, steps: int, prefill_calls: int) -> tuple[list, dict]:
     extra = {"bandwidth": measure_bandwidth(), "int4_bytes": decode_bytes(int4), "int8_bytes": decode_bytes(int8)}
     rows = paths(fp32, bf16, int4, int8)
     for path in rows:
+        if path.cache == "static":  # (decode turns only: its logits are the int4 path's, cos_static below)
+            continue
         log(f"{path.name}: first calls")
         try:
             if path.compiled:
@@ -321,7 +332,9 @@ def report(rows: list, extra: dict, contexts: list, command: str) -> str:
         "- Decode: median ms per token over the steps after a KV cache of that many positions, the paths taking"
         f" turns, each timing {DECODE_BLOCK} consecutive steps after {DECODE_WARMUP} untimed ones (a decode loop's steady"
         " state: a step right after another path's is up to 1.2x slower); `x floor`"
-        " for the quantized paths; speedups against fp32 / bf16 eager at context 32. Prefill: best of the calls, 512 tokens.",
+        " for the quantized paths; speedups against fp32 / bf16 eager at context 32. Prefill: best of the calls, 512 tokens."
+        " `static cache`: transformers' StaticCache instead, of the context plus every position the turns add (its"
+        " attention reads them all, masked).",
         f"- Two-thread speedup (one thread's time over two threads' for a small add; ~1.4 when the host runs"
         f" the two vCPUs side by side, ~1.0 when it runs them as one), probed before each round of decode turns and"
         f" each prefill call, waiting up to 60 s for 1.2: median {statistics.median(PROBES):.2f}, lowest {min(PROBES):.2f}.",
