@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from qbackend.lowering.common import additive_mask
 from qbackend.patterns.base import fake_value
@@ -212,43 +213,53 @@ def attention_reads_projection(gm: GraphModule) -> Optional[str]:
     return f"{rewritten} attention call(s) read q / k / v inside their projection" if rewritten else None
 
 
-# views repeat_kv is made of (transformers: x[:, :, None].expand(b, kv, n, s, d).reshape(b, kv * n, s, d))
-_REPEAT_METHODS = frozenset({"expand", "reshape", "view", "unsqueeze"})
-_REPEAT_FUNCTIONS = frozenset({aten.expand.default, aten.reshape.default, aten.view.default, aten.unsqueeze.default})
+# repeat_kv's three views (transformers: x[:, :, None].expand(b, kv, n, s, d).reshape(b, kv * n, s, d))
+_EXPANDS = frozenset({"expand", aten.expand.default})
+_MERGES = frozenset({"reshape", "view", aten.reshape.default, aten.view.default})
+_UNSQUEEZES = frozenset({"unsqueeze", aten.unsqueeze.default})
+_NEW_HEAD_AXIS = (slice(None), slice(None), None)  # x[:, :, None] (also with ", :, :" or "..." after)
 
 
-def _repeat_step(node) -> bool:
-    """``node`` is a view repeat_kv may use, its other arguments constants."""
-    if not isinstance(node, Node) or node.op not in ("call_method", "call_function") or node.kwargs or not node.args \
-            or not isinstance(node.args[0], Node) or any(isinstance(a, Node) for a in node.args[1:]):
-        return False
-    if node.op == "call_method":
-        return node.target in _REPEAT_METHODS
-    return node.op == "call_function" and (node.target in _REPEAT_FUNCTIONS or node.target is operator.getitem)
-
-
-def _repeated_heads(node: Node) -> Optional[tuple[Node, list]]:
-    """(x, the views) when ``node`` is x [B, kv, S, D] with each head repeated n times in a row,
-    [B, kv * n, S, D] (a grouped-query model's keys / values repeated for torch's attention):
-    decided by replaying the views on the integers 0 .. n - 1 in x's static shape."""
-    chain = []
-    while _repeat_step(node):
-        chain.insert(0, node)
-        node = node.args[0]
-    start = positions(node)
-    if len(chain) < 2 or start is None or start.dim() != 4:
+def _view_of(node, targets) -> Optional[Node]:
+    """The tensor ``node`` views when it is a call of one of ``targets`` on it, else None."""
+    if not isinstance(node, Node) or node.op not in ("call_method", "call_function") or node.kwargs or not node.args:
         return None
-    value = start
-    try:
-        for step in chain:
-            value = (getattr(value, step.target)(*step.args[1:]) if step.op == "call_method"
-                     else step.target(value, *step.args[1:]))
-    except (RuntimeError, IndexError, TypeError):
+    return node.args[0] if node.target in targets and isinstance(node.args[0], Node) else None
+
+
+def _new_axis_at_2(node: Node) -> bool:
+    """``node`` is x[:, :, None] (any trailing ``:`` or ``...``) or x.unsqueeze(2) of a 4-D x."""
+    if node.target is operator.getitem:
+        index = node.args[1]
+        return isinstance(index, tuple) and index[:3] == _NEW_HEAD_AXIS and all(
+            i == slice(None) or i is Ellipsis for i in index[3:])
+    return len(node.args) == 2 and node.args[1] in (2, -3)
+
+
+def _same(a, b) -> bool:
+    """Sizes known equal (symbolic ones too, without adding a guard)."""
+    return statically_known_true(a == b)
+
+
+def _repeated_heads(node: Node) -> Optional[Node]:
+    """x, when ``node`` is repeat_kv of x [B, kv, S, D]: each head repeated n times in a row,
+    [B, kv * n, S, D] (a grouped-query model's keys / values repeated for torch's attention). By
+    the views and their recorded shapes, which may be symbolic (a cache length Dynamo made
+    dynamic)."""
+    expanded = _view_of(node, _MERGES)
+    added = _view_of(expanded, _EXPANDS)
+    x = _view_of(added, _UNSQUEEZES | {operator.getitem})
+    if x is None or not _new_axis_at_2(added):
         return None
-    if value.dim() != 4 or value.shape[1] % start.shape[1] or value.shape[1] == start.shape[1]:
+    shapes = [getattr(fake_value(n), "shape", None) for n in (x, expanded, node)]
+    if any(shape is None for shape in shapes):
         return None
-    repeats = value.shape[1] // start.shape[1]
-    return (node, chain) if torch.equal(value, start.repeat_interleave(repeats, dim=1)) else None
+    (b, kv, s, d), wide, out = shapes
+    n = wide[2] if len(wide) == 5 else None
+    if not isinstance(n, int) or n < 2 or len(out) != 4:
+        return None
+    return x if all(_same(u, w) for u, w in zip((*wide[:2], *wide[3:]), (b, kv, s, d))) and all(
+        _same(u, w) for u, w in zip(out, (b, kv * n, s, d))) else None
 
 
 def repeated_kv_read_once(gm: GraphModule) -> Optional[str]:
@@ -262,10 +273,9 @@ def repeated_kv_read_once(gm: GraphModule) -> Optional[str]:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not native.attention_f32 or node.kwargs or len(node.args) < 5:
             continue
-        found = [_repeated_heads(node.args[i]) for i in (1, 2)]
-        if None in found:
+        keys, values = _repeated_heads(node.args[1]), _repeated_heads(node.args[2])
+        if keys is None or values is None:
             continue
-        (keys, k_chain), (values, v_chain) = found
         q, mask = fake_value(node.args[0]), fake_value(node.args[3])
         k, v = fake_value(keys), fake_value(values)
         if any(t is None for t in (q, k, v)) or (node.args[3] is not None and mask is None):
@@ -273,7 +283,7 @@ def repeated_kv_read_once(gm: GraphModule) -> Optional[str]:
         is_causal = bool(node.args[5]) if len(node.args) > 5 else False
         if native.attention_refusal(q, k, v, mask, is_causal=is_causal) is not None:
             continue
-        first = min(order[k_chain[0]], order[v_chain[0]])
+        first = min(order[node.args[1].args[0].args[0]], order[node.args[2].args[0].args[0]])  # (the new axes)
         if any(first < order[user] < order[node] and writes(user) for root in (keys, values) for user in root.users):
             continue
         node.update_arg(1, keys)

@@ -575,8 +575,9 @@ class RepeatedKeysAttention(nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
 
 
-def _repeated_keys_run(module):
-    """(compiled, eager, Captured) on fresh copies of one static-cache decode step's inputs."""
+def _repeated_keys_run(module, dynamic=False):
+    """(compiled, eager, Captured) on fresh copies of one static-cache decode step's inputs
+    (``dynamic``: their sizes symbolic, as Dynamo makes a cache length that changed)."""
     inputs = _decode_step(1, 48, (1, 1, 1, 48))
 
     def fresh():
@@ -587,17 +588,18 @@ def _repeated_keys_run(module):
     torch._dynamo.reset()
     captured = Captured()
     with torch.no_grad():
-        actual = torch.compile(module, backend=captured)(*fresh())
+        actual = torch.compile(module, backend=captured, dynamic=dynamic)(*fresh())
     return actual, expected, captured
 
 
 @needs_own_kernels
-@pytest.mark.parametrize("tiled, write, unrepeated", [(False, False, True), (True, False, False), (False, True, False)],
-                         ids=["repeat_kv", "tiled: another head order", "a write after the repeat"])
-def test_repeated_keys_and_values_go_to_the_kernel_unrepeated(tiled, write, unrepeated):
+@pytest.mark.parametrize("tiled, write, dynamic, unrepeated", [(False, False, False, True), (False, False, True, True),
+                                                               (True, False, False, False), (False, True, False, False)],
+                         ids=["repeat_kv", "repeat_kv, symbolic sizes", "tiled: another head order", "a write after the repeat"])
+def test_repeated_keys_and_values_go_to_the_kernel_unrepeated(tiled, write, dynamic, unrepeated):
     """The kernel reads each key / value head once for its group of query heads: the repeat's
     copy of the cache goes, where the order is repeat_kv's and nothing writes the cache after it."""
-    actual, expected, captured = _repeated_keys_run(RepeatedKeysAttention(tiled, write))
+    actual, expected, captured = _repeated_keys_run(RepeatedKeysAttention(tiled, write), dynamic)
     torch.testing.assert_close(actual, expected, **TOLERANCE["attention_f32"])
     lowered = captured.graphs[0][2]
     [attention] = [node for node in lowered.graph.nodes if node.target is native.attention_f32]
