@@ -267,8 +267,9 @@ def repeated_kv_read_once(gm: GraphModule) -> Optional[str]:
     repeat_kv, where it does not pass enable_gqa: with a mask, so a static cache's every decode
     step) go to the own attention kernel unrepeated: it reads each key / value head once for its
     group of query heads. The repeat was a copy of the whole cache, twice per layer and step.
-    Where nothing writes into the cache between the repeat and the attention."""
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    Where nothing is written between the repeat and the attention."""
+    nodes = list(gm.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
     replaced = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not native.attention_f32 or node.kwargs or len(node.args) < 5:
@@ -284,7 +285,7 @@ def repeated_kv_read_once(gm: GraphModule) -> Optional[str]:
         if native.attention_refusal(q, k, v, mask, is_causal=is_causal) is not None:
             continue
         first = min(order[node.args[1].args[0].args[0]], order[node.args[2].args[0].args[0]])  # (the new axes)
-        if any(first < order[user] < order[node] and writes(user) for root in (keys, values) for user in root.users):
+        if any(writes(between) for between in nodes[first:order[node]]):  # (into the cache, or a view of it: any write)
             continue
         node.update_arg(1, keys)
         node.update_arg(2, values)
