@@ -284,13 +284,17 @@ def test_a_cache_reallocated_mid_decode_runs_the_nodes_once_then_a_new_program(m
     buffers have room. A full buffer makes that call run the nodes (which reallocate it); the
     next call's caches have other strides, so a new program, kept next to the old one."""
     monkeypatch.setattr(kv_append, "room_after", lambda rows: 3)
-    first = [kv_append.append(torch.tensor([]), torch.randn(1, 2, 5, 16), -2) for _ in "kv"]
-    expected = _decoded(_attention_over_appends(), first, 10)
+    prompt = [torch.randn(1, 2, 5, 16) for _ in "kv"]
+
+    def first_caches():  # (each run its own buffers: 5 rows and room for 3)
+        return [kv_append.append(torch.tensor([]), rows, -2) for rows in prompt]
+
+    expected = _decoded(_attention_over_appends(), first_caches(), 10)
     chained = _attention_over_appends()
     assert chain_own_kernels(chained) == "3 own-kernel calls run as 1 chain (one C call each)"
     chained.recompile()
     (chain,) = _chains(chained)
-    for step, (actual, wanted) in enumerate(zip(_decoded(chained, first, 10), expected)):
+    for step, (actual, wanted) in enumerate(zip(_decoded(chained, first_caches(), 10), expected)):
         assert all(torch.equal(a, w) and a.shape == w.shape for a, w in zip(actual, wanted)), f"step {step}"
     # buffers of 5 + 3 rows, 9 + 3, 13 + 3: a program each (made at its first call), and the call
     # that found it full ran the nodes
