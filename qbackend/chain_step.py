@@ -27,7 +27,7 @@ class KeyLength:
 
 @dataclass(frozen=True)
 class StepCall:
-    kind: int  # FOUR or X_TO_Y
+    kind: int  # FOUR, X_TO_Y or SIX
     function: int  # address of the C entry
     call: int  # address of its prepared arguments
     operands: tuple  # 4 (FOUR), 2 (X_TO_Y) or 6 (SIX): tensors of this call, SCRATCH, KeyLength or None

@@ -59,7 +59,7 @@ def _conv_call(kernel: str) -> Callable:
         else:  # (x, residual, uint8 y, float32 y: the call knows its output's dtype)
             float_out = call.dtype == torch.float32
             operands = (args[0], args[4], None if float_out else y, y if float_out else None)
-        return StepCall(CONVS[kernel], ctypes.cast(call.function, ctypes.c_void_p).value, call.address, operands, call)
+        return StepCall(CONVS[kernel], native.function_address(call.function), call.address, operands, call)
     return prepare
 
 

@@ -183,9 +183,14 @@ def c_function(name: str, argtypes: tuple, restype=None):
     return function
 
 
+def function_address(function) -> int:
+    """The address of a loaded C function (a kernel chain step's entry)."""
+    return ctypes.cast(function, ctypes.c_void_p).value
+
+
 def c_address(name: str) -> int:
-    """The address of the own-kernel library's C function ``name`` (a kernel chain step's entry)."""
-    return ctypes.cast(getattr(_load()[0], name), ctypes.c_void_p).value
+    """The address of the own-kernel library's C function ``name``."""
+    return function_address(getattr(_load()[0], name))
 
 
 def _declare_gemm(function) -> None:
@@ -986,7 +991,7 @@ def _attention_function():
     lib = _vnni_library()[0] or _load()[0]
     lib.qb_attention_kv_int8.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8
     lib.qb_attention_kv_int8.restype = ctypes.c_int
-    return lib.qb_attention_f32, lib.qb_attention_kv_int8, ctypes.cast(lib.qb_attention_call, ctypes.c_void_p).value
+    return lib.qb_attention_f32, lib.qb_attention_kv_int8, function_address(lib.qb_attention_call)
 
 
 def attention_chain_call(args: tuple, out: torch.Tensor):
