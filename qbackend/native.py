@@ -4,7 +4,8 @@
   2.13's packed kernels are fast only with bf16 activations and, without AVX512,
   compute-bound at 3-4x their memory-bandwidth time; these quantize the activations per group
   to int16 (finer than bf16 rounding) and multiply with integer instructions: 1.5 ms vs
-  3.5-4.2 ms on a 4096x11008 int4 layer.
+  3.5-4.2 ms on a 4096x11008 int4 layer. Built again in the AVX512-VNNI library, where int4
+  sums take ``vpdpbusd`` (``_weight_only_library``).
 - Depthwise 3x3 / 5x5 / 7x7 int8 convs (``depthwise_conv_int8.c``) and an int8 GEMM for other convs up
   to 3x3 and linears (``conv_gemm_int8.c``): onednn::qconv_pointwise / qlinear_pointwise
   spend ~50 us per call before computing, run depthwise convs at 3-11 GMAC/s here, and their
@@ -142,10 +143,9 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     except (RuntimeError, OSError) as error:
         return None, f"qbackend's own kernels are unavailable: {error}"
     pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.qb_int4_mm.argtypes = [i32] * 5 + [pointer] * 8
-    lib.qb_int8_mm.argtypes = [i32] * 4 + [pointer] * 7
     lib.qb_dwconv_call.argtypes = [i32] + [pointer] * 3
     lib.qb_attention_f32.argtypes = [i32] + [pointer] * 6
+    _declare_weight_only(lib)
     lib.qb_quantize_nchw_to_nhwc.argtypes = [i32] * 4 + [pointer, f32] + [i32] * 3 + [pointer]
     lib.qb_quantize_dense.argtypes = [i32, ctypes.c_long, pointer, f32] + [i32] * 6 + [pointer]
     lib.qb_scale_quantize.argtypes = [i32, i32, i32, ctypes.c_long, i32, pointer, pointer, ctypes.c_long, f32] + [i32] * 3 + [pointer]
@@ -156,7 +156,6 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     _declare_gemm(lib.qb_conv_call)
     lib.qb_run_chain.argtypes = [i32, i32, pointer, pointer]
     lib.qb_max_pool_u8_call.argtypes = lib.qb_global_avg_pool_u8_call.argtypes = [i32] + [pointer] * 3
-    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = None
     # (0; -1 when the depthwise conv could not allocate its padding row: the pools always 0)
     lib.qb_dwconv_call.restype = lib.qb_run_chain.restype = i32
     lib.qb_max_pool_u8_call.restype = lib.qb_global_avg_pool_u8_call.restype = i32
@@ -233,6 +232,7 @@ def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     vnni.qb_dwconv_vnni_call.argtypes = vnni.qb_stem_conv_vnni_call.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3
     vnni.qb_grouped_conv_vnni.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 3
     vnni.qb_attention_f32.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 6
+    _declare_weight_only(vnni)
     # -1: a thread's scratch could not be allocated (the depthwise conv; the stem conv with a fused
     # pool; the grouped conv's zero-point pixel)
     vnni.qb_dwconv_vnni_call.restype = vnni.qb_stem_conv_vnni_call.restype = vnni.qb_grouped_conv_vnni.restype = ctypes.c_int
@@ -346,7 +346,7 @@ def weight_only_chain_call(args: tuple, y: torch.Tensor):
     offset, group = (rest[0].data_ptr(), rest[1]) if bits == 4 else (None, k)
     struct = _WeightOnlyCall(bits, x.shape[0], weight.shape[0], k, group, weight.data_ptr(), scale.data_ptr(), offset,
                              scales_at, sums_at)
-    return step_call(c_address("qb_weight_only_call"), struct, (x, SCRATCH, y, None), args[1:], scratch_bytes)
+    return step_call(function_address(_weight_only_library().qb_weight_only_call), struct, (x, SCRATCH, y, None), args[1:], scratch_bytes)
 
 
 _SCRATCH = threading.local()
@@ -361,12 +361,27 @@ def _scratch(size: int) -> int:
     return buffer.data_ptr()
 
 
+@_once
+def _weight_only_library() -> ctypes.CDLL:
+    """weight_only_int16.c's build: the AVX512-VNNI one where it loads (int4 sums as vpdpbusd
+    pairs; the same bits), else the AVX2 one."""
+    return _vnni_library()[0] or _load()[0]
+
+
+def _declare_weight_only(lib: ctypes.CDLL) -> None:
+    """qb_int4_mm's and qb_int8_mm's signatures (either build)."""
+    lib.qb_int4_mm.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p] * 8
+    lib.qb_int8_mm.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 7
+    lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = None
+
+
 def _int4_mm(lib, x, weight, scale, offset, group_size, trusted=False):
+    """(``lib``: the registration's; the kernel's build is ``_weight_only_library``'s.)"""
     n, k = weight.shape[0], weight.shape[1] * 2  # the neutral int4 storage: two columns per byte
     if (reason := refusal(4, k, group_size)) is not None:
         raise ValueError(f"qbackend::int4_mm_int16: {reason}")
     groups = n * (k // group_size)
-    return _weight_only_mm(lib.qb_int4_mm, "int4_mm_int16", x, n, k, ((weight, torch.uint8, n * k // 2),
+    return _weight_only_mm(_weight_only_library().qb_int4_mm, "int4_mm_int16", x, n, k, ((weight, torch.uint8, n * k // 2),
                            (scale, torch.float32, groups), (offset, torch.float32, groups)), group_size, trusted=trusted)
 
 
@@ -374,7 +389,7 @@ def _int8_mm(lib, x, weight, scale, trusted=False):
     n, k = weight.shape
     if (reason := refusal(8, k, k)) is not None:
         raise ValueError(f"qbackend::int8_mm_int16: {reason}")
-    return _weight_only_mm(lib.qb_int8_mm, "int8_mm_int16", x, n, k, ((weight, torch.int8, n * k), (scale, torch.float32, n)),
+    return _weight_only_mm(_weight_only_library().qb_int8_mm, "int8_mm_int16", x, n, k, ((weight, torch.int8, n * k), (scale, torch.float32, n)),
                            trusted=trusted)
 
 

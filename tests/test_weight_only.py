@@ -327,6 +327,30 @@ def test_nan_and_infinity_come_out_as_the_float_linear_gives_them(bits, group_si
     assert_weight_only_close(actual[[0, 4]], expected[[0, 4]], "finite rows", "weight_only_int16")
 
 
+@pytest.mark.skipif(native._vnni_library()[0] is None, reason=f"no AVX512-VNNI build here: {native._vnni_library()[1]}")
+@pytest.mark.parametrize("rows", [1, 3, 6], ids=lambda m: f"M{m}")
+@pytest.mark.parametrize("outputs,inputs,group_size", [(37, 512, 64), (40, 384, 128), (16, 512, 256), (24, 256, 32)], ids=str)
+def test_the_vnni_and_avx2_int4_kernels_give_the_same_bits(outputs, inputs, group_size, rows, monkeypatch):
+    """vpdpbusd pairs (groups of 64 or more; one row as two halves of each thread's weight rows,
+    an odd count leaving one) and vpmaddwd sums are the same integers; a NaN row is redone."""
+    from qbackend.lowering import weight_only
+    from qbackend.weight_quant import quantize
+
+    torch.manual_seed(outputs)
+    weight = quantize(torch.randn(outputs, inputs), 4, group_size)
+    args = weight_only.pack(weight, "cpu", torch.float32, "int16").args
+    x = torch.randn(rows, inputs) * torch.logspace(-3, 3, inputs)  # (groups of very different ranges)
+    x[-1, 5] = float("nan") if rows > 1 else x[-1, 5]
+    results = []
+    for build in (native._vnni_library()[0], native._load()[0]):
+        monkeypatch.setattr(native, "_weight_only_library", lambda: build)
+        results.append(native.int4_mm_int16(x, *args))
+    assert torch.equal(results[0].isnan(), results[1].isnan())
+    assert torch.equal(results[0].nan_to_num(), results[1].nan_to_num())
+    finite = x.isfinite().all(1)
+    assert_weight_only_close(results[0][finite], x[finite] @ weight.dequantize().T, "VNNI build", "weight_only_int16")
+
+
 def test_a_quantized_weight_must_hold_its_declared_shape():
     good = QuantizedLinearWeight.from_float(torch.randn(64, 256), bits=4, group_size=128)
     parts = dict(qdata=good.qdata, scale=good.scale, zero=good.zero, bits=4, group_size=128, shape=(64, 256),

@@ -15,11 +15,18 @@
  * A row of x holding a NaN or an infinity cannot ride int16 values: it is quantized as zeros
  * and then computed again from the float weights (``float_rows``), so it comes out as the
  * float linear gives it (NaN, +-inf), never finite.
+ *
+ * Built a second time with AVX512-VNNI (kernel_build.py), int4 groups of 64 or more take
+ * ``vpdpbusd``: x = 256 hi + lo (hi int8, lo uint8), so sum(u x) = 256 sum(u hi) + sum(lo u),
+ * two byte dot products of the same integers. The weights unpack to bytes in two ops per 32
+ * (even and odd columns), and the sums need 4 vpdpbusd per 64 weights where the AVX2 loop
+ * needs 4 vpmaddwd and 4 vpaddd: the same sums, so the same bits, in fewer ops.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <omp.h>
 
 #define BLOCK 64
 #define ROW_TILE 4 /* activation rows sharing one unpacked weight block */
@@ -53,14 +60,32 @@ static inline void nibbles(const uint8_t* block, __m256i u[4]) {
   u[3] = _mm256_srli_epi16(v, 12);
 }
 
+/* Where quantize_rows puts column k (of a row of K, 64-column blocks) of the int16 activations. */
+enum activation_order {
+  ORDER_PLAIN,   /* as x (int8 weights) */
+  ORDER_NIBBLES, /* x'[16j + i] = x[4i + j] per block: the AVX2 int4 kernels' nibble order */
+  ORDER_BYTES,   /* per block 4 x 32 bytes: low bytes of even columns, of odd ones, high bytes of
+                    even, of odd (the VNNI int4 kernel: column 2i + p meets byte i of its weights) */
+};
+
+static inline void store_quantized(int16_t* row, int k, enum activation_order order, int32_t q) {
+  const int block = k & ~(BLOCK - 1), in_block = k & (BLOCK - 1);
+  if (order == ORDER_BYTES) {
+    uint8_t* bytes = (uint8_t*)(row + block) + 32 * (in_block & 1) + (in_block >> 1);
+    bytes[0] = (uint8_t)(q & 0xFF);
+    bytes[2 * 32] = (uint8_t)(q >> 8); /* (arithmetic: the signed high byte) */
+  } else {
+    row[order == ORDER_NIBBLES ? block + 16 * (k & 3) + (in_block >> 2) : k] = (int16_t)q;
+  }
+}
+
 /* Per-group int16 quantization of M rows of K floats: xs = group max / 32767, xsum = sum of
- * the quantized values times xs (what the weight offsets multiply), per ``sum_group`` columns.
- * ``interleave`` writes each 64-column block in the int4 kernels' order x'[16j + i] = x[4i + j].
- * Vectorised (a decode step's 17 calls spent ~150 us here, one thread, element by element);
- * the same floats and roundings as lrintf(x / scale). Returns how many rows hold a NaN or an
- * infinity (quantized as zeros: FLOAT_ROWS redoes them). */
-static int quantize_rows(int M, int K, int group, int sum_group, int interleave, const float* x, int16_t* xq, float* xs,
-                         float* xsum) {
+ * the quantized values times xs (what the weight offsets multiply), per ``sum_group`` columns,
+ * written in ``order``. Vectorised (a decode step's 17 calls spent ~150 us here, one thread,
+ * element by element); the same floats and roundings as lrintf(x / scale). Returns how many
+ * rows hold a NaN or an infinity (quantized as zeros: FLOAT_ROWS redoes them). */
+static int quantize_rows(int M, int K, int group, int sum_group, enum activation_order order, const float* x, int16_t* xq,
+                         float* xs, float* xsum) {
   const int G = K / group, S = K / sum_group;
   const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
   int bad_rows = 0;
@@ -68,7 +93,6 @@ static int quantize_rows(int M, int K, int group, int sum_group, int interleave,
     int bad = 0;
     for (int g = 0; g < G; g++) {
       const float* src = x + (size_t)m * K + (size_t)g * group;
-      int16_t* dst = xq + (size_t)m * K + (size_t)g * group;
       __m256 amax = _mm256_setzero_ps();
       for (int k = 0; k < group; k += 8) {
         const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(src + k));
@@ -93,10 +117,7 @@ static int quantize_rows(int M, int K, int group, int sum_group, int interleave,
           sum = _mm256_add_epi32(sum, q);
           int32_t lanes[8];
           _mm256_storeu_si256((__m256i*)lanes, q);
-          for (int i = 0; i < 8; i++) {
-            const int k = k0 + i;
-            dst[interleave ? (k & ~(BLOCK - 1)) + 16 * (k & 3) + ((k & (BLOCK - 1)) >> 2) : k] = (int16_t)lanes[i];
-          }
+          for (int i = 0; i < 8; i++) store_quantized(xq + (size_t)m * K, g * group + k0 + i, order, lanes[i]);
         }
         __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
         t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
@@ -130,11 +151,99 @@ static inline void int4_row(int mt, int N, int K, int group, int n, const uint8_
     const float s = scale[(size_t)n * G + g], o = offset[(size_t)n * G + g];
     for (int i = 0; i < mt; i++) {
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(s * xs[(size_t)i * G + g]), acc[i]);
-      tail[i] += o * xsum[(size_t)i * G + g];
+      tail[i] = fmaf(o, xsum[(size_t)i * G + g], tail[i]);
     }
   }
   for (int i = 0; i < mt; i++) y[(size_t)i * N + n] = sum8(acc[i]) + tail[i];
 }
+
+#ifdef __AVX512VNNI__
+/* sum(u x) over a block of 64 columns, added to lo / hi: x in ORDER_BYTES, u the block's 32 bytes. */
+static inline void bytes_dot(__m256i even, __m256i odd, const uint8_t* xb, __m256i* lo, __m256i* hi) {
+  const __m256i* xv = (const __m256i*)xb;
+  *lo = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(*lo, _mm256_loadu_si256(xv), even), _mm256_loadu_si256(xv + 1), odd);
+  *hi = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(*hi, even, _mm256_loadu_si256(xv + 2)), odd, _mm256_loadu_si256(xv + 3));
+}
+
+static inline void even_odd(const uint8_t* block, __m256i* even, __m256i* odd) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), v = _mm256_loadu_si256((const __m256i*)block);
+  *even = _mm256_and_si256(v, low4);
+  *odd = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+}
+
+static inline __m256 group_sum(__m256i lo, __m256i hi) {
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo));
+}
+
+/* int4, group >= 64, x in ORDER_BYTES: int4_row's sums as vpdpbusd pairs. */
+static inline void int4_row_vnni(int mt, int N, int K, int group, int n, const uint8_t* w, const float* scale,
+                                 const float* offset, const int16_t* xq, const float* xs, const float* xsum, float* y) {
+  const int G = K / group, blocks = group / BLOCK;
+  const uint8_t* wn = w + (size_t)n * (K / 2);
+  __m256 acc[ROW_TILE];
+  float tail[ROW_TILE];
+  for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps(), tail[i] = 0.f;
+  for (int g = 0; g < G; g++) {
+    __m256i lo[ROW_TILE], hi[ROW_TILE];
+    for (int i = 0; i < mt; i++) lo[i] = hi[i] = _mm256_setzero_si256();
+    for (int b = g * blocks; b < (g + 1) * blocks; b++) {
+      __m256i even, odd;
+      _mm_prefetch((const char*)(wn + (size_t)b * 32 + PREFETCH_BYTES), _MM_HINT_T0);
+      even_odd(wn + (size_t)b * 32, &even, &odd);
+      for (int i = 0; i < mt; i++) bytes_dot(even, odd, (const uint8_t*)(xq + (size_t)i * K + (size_t)b * BLOCK), &lo[i], &hi[i]);
+    }
+    const float s = scale[(size_t)n * G + g], o = offset[(size_t)n * G + g];
+    for (int i = 0; i < mt; i++) {
+      acc[i] = _mm256_fmadd_ps(group_sum(lo[i], hi[i]), _mm256_set1_ps(s * xs[(size_t)i * G + g]), acc[i]);
+      tail[i] = fmaf(o, xsum[(size_t)i * G + g], tail[i]);
+    }
+  }
+  for (int i = 0; i < mt; i++) y[(size_t)i * N + n] = sum8(acc[i]) + tail[i];
+}
+
+/* One activation row (decode): weight rows a and b side by side share each activation load
+ * (5 loads per 64 weights -> 3). a and b are far apart, each read front to back: two streams
+ * the prefetchers follow. Rows a and a + 1 interleaved read memory at 0.85x the rate. */
+static inline void int4_two_rows_vnni(int K, int group, int a, int b, const uint8_t* w, const float* scale,
+                                      const float* offset, const int16_t* xq, const float* xs, const float* xsum, float* y) {
+  const int G = K / group, blocks = group / BLOCK;
+  const uint8_t *wa = w + (size_t)a * (K / 2), *wb = w + (size_t)b * (K / 2);
+  __m256 acc_a = _mm256_setzero_ps(), acc_b = _mm256_setzero_ps();
+  float tail_a = 0.f, tail_b = 0.f;
+  for (int g = 0; g < G; g++) {
+    __m256i lo_a = _mm256_setzero_si256(), hi_a = lo_a, lo_b = lo_a, hi_b = lo_a;
+    for (int k = g * blocks; k < (g + 1) * blocks; k++) {
+      __m256i even_a, odd_a, even_b, odd_b;
+      _mm_prefetch((const char*)(wa + (size_t)k * 32 + PREFETCH_BYTES), _MM_HINT_T0);
+      _mm_prefetch((const char*)(wb + (size_t)k * 32 + PREFETCH_BYTES), _MM_HINT_T0);
+      even_odd(wa + (size_t)k * 32, &even_a, &odd_a);
+      even_odd(wb + (size_t)k * 32, &even_b, &odd_b);
+      const uint8_t* xb = (const uint8_t*)(xq + (size_t)k * BLOCK);
+      bytes_dot(even_a, odd_a, xb, &lo_a, &hi_a);
+      bytes_dot(even_b, odd_b, xb, &lo_b, &hi_b);
+    }
+    const size_t ga = (size_t)a * G + g, gb = (size_t)b * G + g;
+    acc_a = _mm256_fmadd_ps(group_sum(lo_a, hi_a), _mm256_set1_ps(scale[ga] * xs[g]), acc_a);
+    acc_b = _mm256_fmadd_ps(group_sum(lo_b, hi_b), _mm256_set1_ps(scale[gb] * xs[g]), acc_b);
+    tail_a = fmaf(offset[ga], xsum[g], tail_a);
+    tail_b = fmaf(offset[gb], xsum[g], tail_b);
+  }
+  y[a] = sum8(acc_a) + tail_a;
+  y[b] = sum8(acc_b) + tail_b;
+}
+
+/* One row of x: each thread's share of the weight rows in two halves read side by side. */
+static void int4_one_row_vnni(int threads, int N, int K, int group, const uint8_t* w, const float* scale,
+                              const float* offset, const int16_t* xq, const float* xs, const float* xsum, float* y) {
+#pragma omp parallel num_threads(threads)
+  {
+    const int T = omp_get_num_threads(), t = omp_get_thread_num();
+    const int begin = (int)((long)N * t / T), end = (int)((long)N * (t + 1) / T), half = (end - begin) / 2;
+    for (int i = 0; i < half; i++) int4_two_rows_vnni(K, group, begin + i, begin + half + i, w, scale, offset, xq, xs, xsum, y);
+    if ((end - begin) & 1) int4_row_vnni(1, N, K, group, end - 1, w, scale, offset, xq, xs, xsum, y);
+  }
+}
+#endif
 
 /* int4, group 32: the block's lanes 0-7 hold the first group, 8-15 the second, so the int32
  * sums carry one group in each 128-bit half (activations share one scale per block). */
@@ -155,7 +264,7 @@ static inline void int4_row_g32(int mt, int N, int K, int n, const uint8_t* w, c
       const float x_scale = xs[(size_t)i * B + b];
       const __m256 both = _mm256_set_m128(_mm_set1_ps(s[1] * x_scale), _mm_set1_ps(s[0] * x_scale));
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot4(u[0], u[1], u[2], u[3], xq + (size_t)i * K + (size_t)b * BLOCK)), both, acc[i]);
-      tail[i] += o[0] * xsum[(size_t)i * G + 2 * b] + o[1] * xsum[(size_t)i * G + 2 * b + 1];
+      tail[i] = fmaf(o[1], xsum[(size_t)i * G + 2 * b + 1], fmaf(o[0], xsum[(size_t)i * G + 2 * b], tail[i]));
     }
   }
   for (int i = 0; i < mt; i++) y[(size_t)i * N + n] = sum8(acc[i]) + tail[i];
@@ -235,7 +344,20 @@ static inline float int4_weight(const uint8_t* w, const float* scale, const floa
 void qb_int4_mm(int threads, int M, int N, int K, int group, const float* x, const uint8_t* w, const float* scale,
                 const float* offset, int16_t* xq, float* xs, float* xsum, float* y) {
   const int xgroup = group < BLOCK ? BLOCK : group, G = K / group, XG = K / xgroup;
-  const int bad_rows = quantize_rows(M, K, xgroup, group, 1, x, xq, xs, xsum);
+#ifdef __AVX512VNNI__
+  if (group >= BLOCK) {
+    const int bad_rows = quantize_rows(M, K, group, group, ORDER_BYTES, x, xq, xs, xsum);
+    if (M == 1) {
+      int4_one_row_vnni(threads, N, K, group, w, scale, offset, xq, xs, xsum, y);
+    } else {
+#define INT4_VNNI_CALL(T) int4_row_vnni(T, N, K, group, n, w, scale, offset, xq + (size_t)m0 * K, xs + (size_t)m0 * G, xsum + (size_t)m0 * G, y + (size_t)m0 * N)
+      FOR_ROW_BLOCKS(M, N, INT4_VNNI_CALL)
+    }
+    if (bad_rows) FLOAT_ROWS(M, N, K, x, y, int4_weight(w, scale, offset, K, group, n, k))
+    return;
+  }
+#endif
+  const int bad_rows = quantize_rows(M, K, xgroup, group, ORDER_NIBBLES, x, xq, xs, xsum);
 #define INT4_CALL(T)                                                                                                  \
   if (group < BLOCK)                                                                                                  \
     int4_row_g32(T, N, K, n, w, scale, offset, xq + (size_t)m0 * K, xs + (size_t)m0 * XG, xsum + (size_t)m0 * G, y + (size_t)m0 * N); \
@@ -248,7 +370,7 @@ void qb_int4_mm(int threads, int M, int N, int K, int group, const float* x, con
 void qb_int8_mm(int threads, int M, int N, int K, const float* x, const int8_t* w, const float* scale, int16_t* xq,
                 float* xs, float* xsum, float* y) {
   const int B = K / BLOCK;
-  const int bad_rows = quantize_rows(M, K, BLOCK, BLOCK, 0, x, xq, xs, xsum);
+  const int bad_rows = quantize_rows(M, K, BLOCK, BLOCK, ORDER_PLAIN, x, xq, xs, xsum);
 #define INT8_CALL(T) int8_row(T, N, K, n, w, scale, xq + (size_t)m0 * K, xs + (size_t)m0 * B, y + (size_t)m0 * N)
   FOR_ROW_BLOCKS(M, N, INT8_CALL)
   if (bad_rows) FLOAT_ROWS(M, N, K, x, y, (float)w[(size_t)n * K + k] * scale[n])
