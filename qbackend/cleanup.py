@@ -33,6 +33,7 @@ from .kv_int8 import kv_cache_int8
 from .l2_normalize import l2_normalizes_fused
 from .rms_norm import rms_norms_fused
 from .rotary import rotaries_fused
+from .rotary_table import rotary_tables_cached
 from .silu_mul import silu_muls_fused
 from .view_chains import view_chains_collapsed
 from .ops import graph_op, resolve
@@ -262,6 +263,7 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
              repeated_kv_read_once(gm) if fast_boundary else None,
              attention_reads_projection(gm) if fast_boundary else None, kv_cache_appends(gm) if fast_boundary else None,
              kv_cache_int8(gm) if fast_boundary and kv_cache == "int8" else None,
+             rotary_tables_cached(gm) if fast_boundary and device == "cpu" else None,
              rotaries_fused(gm) if fast_boundary else None, rms_norms_fused(gm) if fast_boundary else None,
              silu_muls_fused(gm) if fast_boundary else None, l2_normalizes_fused(gm) if fast_boundary else None,
              shuffles_in_one_pass(gm) if fast_boundary else None, batch_norms_quantized(gm) if fast_boundary else None,

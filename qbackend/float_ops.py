@@ -29,6 +29,8 @@ SPELLINGS = {
     "unsqueeze": ({torch.unsqueeze}, "unsqueeze", {aten.unsqueeze.default}, {"dim"}),
     "to": (set(), "to", set(), {"dtype"}),
     "silu": ({torch.nn.functional.silu}, None, {aten.silu.default}, {"inplace"}),
+    "cos": ({torch.cos}, "cos", {aten.cos.default}, set()),
+    "sin": ({torch.sin}, "sin", {aten.sin.default}, set()),
 }
 
 

@@ -78,8 +78,8 @@ class TinyLlama(nn.Module):
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
 
     def forward(self, tokens, start, caches):
-        positions = torch.arange(tokens.shape[1]) + start
-        freqs = positions[None, :, None].float() * self.inv_freq
+        position_ids = (torch.arange(tokens.shape[1]) + start).unsqueeze(0)  # (transformers' spelling)
+        freqs = position_ids[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         x = self.embed(tokens)
@@ -154,7 +154,7 @@ cat_7 = kv_append.append(l_caches_1_k_, rotary_3, -2)
 cat_8 = kv_append.append(l_caches_1_v_, v_1, -2)
 attention_f32_1 = native.attention_f32(rotary_2, cat_7, cat_8, None, 0.177)
 transpose_7 = attention_f32_1.transpose(1, 2)
-kernel_chain_0 = kernel_chain(x, cos, sin, l_caches_0_k_, l_caches_0_v_, l_caches_1_k_, l_caches_1_v_) of 91 steps -> (cat_3, cat_4, cat_7, cat_8, getitem_9, int4_mm_int16_14)""")
+kernel_chain_0 = kernel_chain(x, getitem_10, getitem_11, l_caches_0_k_, l_caches_0_v_, l_caches_1_k_, l_caches_1_v_) of 91 steps -> (cat_3, cat_4, cat_7, cat_8, getitem_9, int4_mm_int16_14)""")
 
 
 def _graph(build) -> torch.fx.GraphModule:
