@@ -114,32 +114,42 @@ def filled_cache(length: int, dtype: torch.dtype, static_room: Optional[int] = N
 DECODE_BLOCK = 6  # consecutive steps a path times per turn, after DECODE_WARMUP untimed ones
 DECODE_WARMUP = 6  # (measured: after two fp32 steps an int4 step takes 6.5, 5.9, 6.2, 5.9, 5.8, 5.7, 5.5 ms, 5.5 alone)
 PROBES: list = []  # two-thread speedups measured before each round of decode turns and each prefill call
+ROUND_BANDWIDTHS: list = []  # copy bandwidth measured at the start of each round of decode turns
+ROUND_COPY_MB, ROUND_COPY_REPEATS = 256, 3
 
 
-def decode_ms(paths: list, context: int, steps: int) -> list:
-    """Median ms per decode step of each path. The paths take turns (this machine's speed drifts
-    by 20-40% over minutes: each path sees the same drift), a block of consecutive steps each, as
-    a decode loop runs them; the first steps of a turn are not timed: after another path's steps,
-    which stream up to 1 GB of weights (fp32), a step runs up to 1.2x slower, for about 6 steps.
-    Each round of turns waits for the two vCPUs to run side by side (common.parallel_speedup);
-    the probes go to ``PROBES``."""
+def decode_ms(paths: list, context: int, steps: int, floor_bytes: dict) -> tuple[list, list]:
+    """Median ms per decode step of each path, and (quantized paths) its median over rounds of the
+    round's median step over the floor at the copy bandwidth measured at that round's start (the
+    host's bandwidth moves by 1.5x over minutes: a step and its floor paired in time). The paths
+    take turns (each sees the same drift), a block of consecutive steps each, as a decode loop
+    runs them; the first steps of a turn are not timed: after another path's steps, which stream
+    up to 1 GB of weights (fp32), a step runs up to 1.2x slower, for about 6 steps. Each round of
+    turns waits for the two vCPUs to run side by side (common.parallel_speedup); the probes go to
+    ``PROBES``, the bandwidths to ``ROUND_BANDWIDTHS``."""
     rounds = -(-steps // DECODE_BLOCK)
     room = 1 + rounds * (DECODE_WARMUP + DECODE_BLOCK)  # (a static cache's positions past the context: every step's)
     state = [(torch.tensor([[7]]), filled_cache(context, path.dtype, room if path.cache == "static" else None))
              for path in paths]
     for i, path in enumerate(paths):  # the first step after a new cache length may compile
         state[i] = step(path, *state[i])[:2]
-    times = [[] for _ in paths]
+    times, ratios = [[] for _ in paths], [[] for _ in paths]
     for _ in range(rounds):
         PROBES.append(wait_for_parallel_speedup())
+        bandwidth = measure_bandwidth(ROUND_COPY_MB, ROUND_COPY_REPEATS)
+        ROUND_BANDWIDTHS.append(bandwidth)
         for i, path in enumerate(paths):
             for _ in range(DECODE_WARMUP):
                 state[i] = step(path, *state[i])[:2]
+            block = []
             for _ in range(DECODE_BLOCK):
                 start = time.perf_counter()
                 state[i] = step(path, *state[i])[:2]
-                times[i].append(time.perf_counter() - start)
-    return [statistics.median(t) * 1e3 for t in times]
+                block.append(time.perf_counter() - start)
+            times[i] += block
+            if path.bits:
+                ratios[i].append(statistics.median(block) / (floor_bytes[path.bits] / bandwidth))
+    return [statistics.median(t) * 1e3 for t in times], [statistics.median(r) if r else None for r in ratios]
 
 
 def prefill_ms(path: Runner, calls: int) -> float:
@@ -307,8 +317,10 @@ def run(contexts: list, steps: int, prefill_calls: int) -> tuple[list, dict]:
     for context in contexts:
         log(f"decode at context {context}, every path in turn")
         try:
-            for path, ms in zip(working, decode_ms(working, context, steps)):
+            floor_bytes = {4: extra["int4_bytes"], 8: extra["int8_bytes"]}
+            for path, ms, x_floor in zip(working, *decode_ms(working, context, steps, floor_bytes)):
                 path.results[f"decode_{context}"] = ms
+                path.results[f"x_floor_{context}"] = x_floor
         except Exception as error:
             log(f"decode at context {context} failed: {short_error(error)}")
         gc.collect()
@@ -328,7 +340,11 @@ def report(rows: list, extra: dict, contexts: list, command: str) -> str:
         f" tokens; greedy decode, batch 1, {NUM_THREADS} threads.",
         f"- Copy bandwidth (512 MB, read + write): {bandwidth / 1e9:.1f} GB/s. Floor of a decode step = the weight bytes"
         f" it reads / that bandwidth: int4 g{GROUP} {extra['int4_bytes'] / 1e6:.0f} MB -> {floor[4]:.2f} ms,"
-        f" int8 {extra['int8_bytes'] / 1e6:.0f} MB -> {floor[8]:.2f} ms.",
+        f" int8 {extra['int8_bytes'] / 1e6:.0f} MB -> {floor[8]:.2f} ms. Measured again ({ROUND_COPY_MB} MB, best of"
+        f" {ROUND_COPY_REPEATS}) at the start of each round of decode turns: median"
+        f" {statistics.median(ROUND_BANDWIDTHS) / 1e9:.1f} GB/s, {min(ROUND_BANDWIDTHS) / 1e9:.1f}-"
+        f"{max(ROUND_BANDWIDTHS) / 1e9:.1f}; `x floor` pairs each round's steps with that round's floor (median over"
+        " rounds of the round's median step over its floor).",
         "- Decode: median ms per token over the steps after a KV cache of that many positions, the paths taking"
         f" turns, each timing {DECODE_BLOCK} consecutive steps after {DECODE_WARMUP} untimed ones (a decode loop's steady"
         " state: a step right after another path's is up to 1.2x slower); `x floor`"
@@ -352,8 +368,7 @@ def report(rows: list, extra: dict, contexts: list, command: str) -> str:
         if "error" in r:
             lines.append(f"| {path.name} | {r['error'].replace('|', '/')} |" + " |" * (len(header) - 2))
             continue
-        x_floor = " / ".join(fmt(r.get(f"decode_{c}") and r[f"decode_{c}"] / floor[path.bits], ".2f") for c in (32, 2048)
-                             if c in contexts) if path.bits else "–"
+        x_floor = " / ".join(fmt(r.get(f"x_floor_{c}"), ".2f") for c in (32, 2048) if c in contexts) if path.bits else "–"
         speed = " / ".join(fmt(base.get("decode_32") and r.get("decode_32") and base["decode_32"] / r["decode_32"], ".1f")
                            for base in (fp32, rows[1].results))
         first = f"{r['first_s']:.1f} ({r['graphs']}, {r['recompiles']})" if "first_s" in r else "–"
