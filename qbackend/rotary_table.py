@@ -36,8 +36,8 @@ _POSITION_DTYPES = (torch.int64, torch.int32)
 class RotaryTables:
     """``positions`` -> the tabulated outputs at those positions ([*positions.shape, *trailing] each)."""
 
-    def __init__(self, compute: GraphModule, trailing: list[tuple[int, ...]]):
-        self.compute, self.trailing, self.tables = compute, trailing, None
+    def __init__(self, compute: GraphModule, trailing: list[tuple[int, ...]], row_bytes: int):
+        self.compute, self.trailing, self.row_bytes, self.tables = compute, trailing, row_bytes, None
         self.__name__ = "rotary_tables"  # (what the generated code calls it)
 
     def __call__(self, positions: torch.Tensor) -> tuple:
@@ -54,13 +54,10 @@ class RotaryTables:
             return tuple(self.compute(positions))
         low, high = (int(bound) for bound in torch.aminmax(positions))
         count = max(MIN_POSITIONS, 1 << high.bit_length())
-        if low < 0 or count * sum(self._row_bytes()) > MAX_TABLE_BYTES:
+        if low < 0 or count * self.row_bytes > MAX_TABLE_BYTES:
             return tuple(self.compute(positions))
         self.tables = self._tabulated(count, positions.dtype)
         return self(positions)
-
-    def _row_bytes(self) -> list[int]:
-        return [4 * int(torch.Size(dims).numel()) for dims in self.trailing]  # (float32 at most)
 
     def _tabulated(self, count: int, dtype: torch.dtype) -> list[torch.Tensor]:
         rows = max(1, TABLE_BLOCK_ELEMENTS // max(int(torch.Size(dims).numel()) for dims in self.trailing))
@@ -145,7 +142,7 @@ def _table_module(gm: GraphModule, positions: Node, ordered: list[Node], outputs
         if node not in env:
             if node.op == "get_attr":
                 name = f"constant_{len(root._buffers)}"
-                root.register_buffer(name, operator.attrgetter(node.target)(gm))
+                root.register_buffer(name, operator.attrgetter(node.target)(gm).detach())
                 env[node] = graph.get_attr(name)
             else:  # (a cast of a constant)
                 env[node] = graph.node_copy(node, copied)
@@ -165,8 +162,10 @@ def rotary_tables_cached(gm: GraphModule) -> Optional[str]:
         if found is None:
             continue
         ordered, outputs = found
-        trailing = [tuple(fake_value(n).shape[fake_value(positions).dim():]) for n in outputs]
-        tables = RotaryTables(_table_module(gm, positions, ordered, outputs), trailing)
+        values = [fake_value(n) for n in outputs]
+        trailing = [tuple(v.shape[fake_value(positions).dim():]) for v in values]
+        row_bytes = sum(int(torch.Size(dims).numel()) * v.dtype.itemsize for dims, v in zip(trailing, values))
+        tables = RotaryTables(_table_module(gm, positions, ordered, outputs), trailing, row_bytes)
         with gm.graph.inserting_before(outputs[0]):
             call = gm.graph.call_function(tables, (positions,))
             call.meta["example_value"] = tuple(fake_value(n) for n in outputs)

@@ -83,12 +83,13 @@ return (getitem_1, getitem_2)""")
                 for actual, expected in zip(compiled(x, positions), module(x, positions)):
                     assert actual.dtype == torch.bfloat16 and torch.equal(actual, expected)
 
-    def test_negative_positions_run_the_graphs_ops(self):
+    def test_negative_or_far_positions_run_the_graphs_ops(self):
         module, x = RotaryEmbedding(), torch.randn(1, 1, 64)
         compiled, captured = _compiled(module, x, None)
         with torch.no_grad():
             compiled(x, torch.tensor([[4]]))
-            for positions in (torch.tensor([[-3]]), torch.tensor([[-300]])):  # (one graph)
+            for positions in (torch.tensor([[-3]]), torch.tensor([[-300]]), torch.tensor([[10 ** 7]])):  # (one graph; the
+                # last one's table would pass MAX_TABLE_BYTES)
                 for actual, expected in zip(compiled(x, positions), module(x, positions)):
                     assert torch.equal(actual, expected), positions
             assert _tables(captured)[0].tables[0].shape[0] == 256  # (not grown for them)

@@ -18,9 +18,9 @@
  *
  * Built a second time with AVX512-VNNI (kernel_build.py), int4 groups of 64 or more take
  * ``vpdpbusd``: x = 256 hi + lo (hi int8, lo uint8), so sum(u x) = 256 sum(u hi) + sum(lo u),
- * two byte dot products of the same integers. The weights unpack to bytes in two ops per 32
+ * two byte dot products of the same integers. The weights unpack to bytes in three ops per 64
  * (even and odd columns), and the sums need 4 vpdpbusd per 64 weights where the AVX2 loop
- * needs 4 vpmaddwd and 4 vpaddd: the same sums, so the same bits, in fewer ops.
+ * needs 6 ops to unpack, 4 vpmaddwd and 4 vpaddd: the same sums, so the same bits, in fewer ops.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -212,13 +212,13 @@ static inline void int4_two_rows_vnni(int K, int group, int a, int b, const uint
   float tail_a = 0.f, tail_b = 0.f;
   for (int g = 0; g < G; g++) {
     __m256i lo_a = _mm256_setzero_si256(), hi_a = lo_a, lo_b = lo_a, hi_b = lo_a;
-    for (int k = g * blocks; k < (g + 1) * blocks; k++) {
+    for (int block = g * blocks; block < (g + 1) * blocks; block++) {
       __m256i even_a, odd_a, even_b, odd_b;
-      _mm_prefetch((const char*)(wa + (size_t)k * 32 + PREFETCH_BYTES), _MM_HINT_T0);
-      _mm_prefetch((const char*)(wb + (size_t)k * 32 + PREFETCH_BYTES), _MM_HINT_T0);
-      even_odd(wa + (size_t)k * 32, &even_a, &odd_a);
-      even_odd(wb + (size_t)k * 32, &even_b, &odd_b);
-      const uint8_t* xb = (const uint8_t*)(xq + (size_t)k * BLOCK);
+      _mm_prefetch((const char*)(wa + (size_t)block * 32 + PREFETCH_BYTES), _MM_HINT_T0);
+      _mm_prefetch((const char*)(wb + (size_t)block * 32 + PREFETCH_BYTES), _MM_HINT_T0);
+      even_odd(wa + (size_t)block * 32, &even_a, &odd_a);
+      even_odd(wb + (size_t)block * 32, &even_b, &odd_b);
+      const uint8_t* xb = (const uint8_t*)(xq + (size_t)block * BLOCK);
       bytes_dot(even_a, odd_a, xb, &lo_a, &hi_a);
       bytes_dot(even_b, odd_b, xb, &lo_b, &hi_b);
     }
