@@ -130,33 +130,6 @@ static int quantize_rows(int M, int K, int group, int sum_group, enum activation
   return bad_rows;
 }
 
-/* int4, group >= 64: one integer sum per (row, group), then one float multiply-add. */
-static inline void int4_row(int mt, int N, int K, int group, int n, const uint8_t* w, const float* scale,
-                            const float* offset, const int16_t* xq, const float* xs, const float* xsum, float* y) {
-  const int G = K / group, blocks = group / BLOCK;
-  const uint8_t* wn = w + (size_t)n * (K / 2);
-  __m256 acc[ROW_TILE];
-  float tail[ROW_TILE];
-  for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps(), tail[i] = 0.f;
-  for (int g = 0; g < G; g++) {
-    __m256i isum[ROW_TILE];
-    for (int i = 0; i < mt; i++) isum[i] = _mm256_setzero_si256();
-    for (int b = g * blocks; b < (g + 1) * blocks; b++) {
-      __m256i u[4];
-      _mm_prefetch((const char*)(wn + (size_t)b * 32 + PREFETCH_BYTES), _MM_HINT_T0);
-      nibbles(wn + (size_t)b * 32, u);
-      for (int i = 0; i < mt; i++)
-        isum[i] = _mm256_add_epi32(isum[i], dot4(u[0], u[1], u[2], u[3], xq + (size_t)i * K + (size_t)b * BLOCK));
-    }
-    const float s = scale[(size_t)n * G + g], o = offset[(size_t)n * G + g];
-    for (int i = 0; i < mt; i++) {
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_set1_ps(s * xs[(size_t)i * G + g]), acc[i]);
-      tail[i] = fmaf(o, xsum[(size_t)i * G + g], tail[i]);
-    }
-  }
-  for (int i = 0; i < mt; i++) y[(size_t)i * N + n] = sum8(acc[i]) + tail[i];
-}
-
 #ifdef __AVX512VNNI__
 /* sum(u x) over a block of 64 columns, added to lo / hi: x in ORDER_BYTES, u the block's 32 bytes. */
 static inline void bytes_dot(__m256i even, __m256i odd, const uint8_t* xb, __m256i* lo, __m256i* hi) {
@@ -174,33 +147,47 @@ static inline void even_odd(const uint8_t* block, __m256i* even, __m256i* odd) {
 static inline __m256 group_sum(__m256i lo, __m256i hi) {
   return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo));
 }
+#endif
 
-/* int4, group >= 64, x in ORDER_BYTES: int4_row's sums as vpdpbusd pairs. */
-static inline void int4_row_vnni(int mt, int N, int K, int group, int n, const uint8_t* w, const float* scale,
-                                 const float* offset, const int16_t* xq, const float* xs, const float* xsum, float* y) {
+/* int4, group >= 64: one integer sum per (row, group), then one float multiply-add. ``bytes``
+ * (the VNNI build, x in ORDER_BYTES): the sums as vpdpbusd pairs, else vpmaddwd on nibbles. */
+static inline __attribute__((always_inline)) void int4_row(int mt, int N, int K, int group, int n, const uint8_t* w,
+                                                           const float* scale, const float* offset, const int16_t* xq,
+                                                           const float* xs, const float* xsum, float* y, int bytes) {
   const int G = K / group, blocks = group / BLOCK;
   const uint8_t* wn = w + (size_t)n * (K / 2);
   __m256 acc[ROW_TILE];
   float tail[ROW_TILE];
   for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps(), tail[i] = 0.f;
   for (int g = 0; g < G; g++) {
-    __m256i lo[ROW_TILE], hi[ROW_TILE];
-    for (int i = 0; i < mt; i++) lo[i] = hi[i] = _mm256_setzero_si256();
+    __m256i isum[ROW_TILE], hi[ROW_TILE]; /* (hi: the high bytes' sums, ``bytes`` only) */
+    for (int i = 0; i < mt; i++) isum[i] = hi[i] = _mm256_setzero_si256();
     for (int b = g * blocks; b < (g + 1) * blocks; b++) {
-      __m256i even, odd;
       _mm_prefetch((const char*)(wn + (size_t)b * 32 + PREFETCH_BYTES), _MM_HINT_T0);
-      even_odd(wn + (size_t)b * 32, &even, &odd);
-      for (int i = 0; i < mt; i++) bytes_dot(even, odd, (const uint8_t*)(xq + (size_t)i * K + (size_t)b * BLOCK), &lo[i], &hi[i]);
+#ifdef __AVX512VNNI__
+      if (bytes) {
+        __m256i even, odd;
+        even_odd(wn + (size_t)b * 32, &even, &odd);
+        for (int i = 0; i < mt; i++) bytes_dot(even, odd, (const uint8_t*)(xq + (size_t)i * K + (size_t)b * BLOCK), &isum[i], &hi[i]);
+        continue;
+      }
+#endif
+      __m256i u[4];
+      nibbles(wn + (size_t)b * 32, u);
+      for (int i = 0; i < mt; i++)
+        isum[i] = _mm256_add_epi32(isum[i], dot4(u[0], u[1], u[2], u[3], xq + (size_t)i * K + (size_t)b * BLOCK));
     }
     const float s = scale[(size_t)n * G + g], o = offset[(size_t)n * G + g];
     for (int i = 0; i < mt; i++) {
-      acc[i] = _mm256_fmadd_ps(group_sum(lo[i], hi[i]), _mm256_set1_ps(s * xs[(size_t)i * G + g]), acc[i]);
+      const __m256 sum = _mm256_cvtepi32_ps(bytes ? _mm256_add_epi32(_mm256_slli_epi32(hi[i], 8), isum[i]) : isum[i]);
+      acc[i] = _mm256_fmadd_ps(sum, _mm256_set1_ps(s * xs[(size_t)i * G + g]), acc[i]);
       tail[i] = fmaf(o, xsum[(size_t)i * G + g], tail[i]);
     }
   }
   for (int i = 0; i < mt; i++) y[(size_t)i * N + n] = sum8(acc[i]) + tail[i];
 }
 
+#ifdef __AVX512VNNI__
 /* One activation row (decode): weight rows a and b side by side share each activation load
  * (5 loads per 64 weights -> 3). a and b are far apart, each read front to back: two streams
  * the prefetchers follow. Rows a and a + 1 interleaved read memory at 0.85x the rate. */
@@ -240,7 +227,7 @@ static void int4_one_row_vnni(int threads, int N, int K, int group, const uint8_
     const int T = omp_get_num_threads(), t = omp_get_thread_num();
     const int begin = (int)((long)N * t / T), end = (int)((long)N * (t + 1) / T), half = (end - begin) / 2;
     for (int i = 0; i < half; i++) int4_two_rows_vnni(K, group, begin + i, begin + half + i, w, scale, offset, xq, xs, xsum, y);
-    if ((end - begin) & 1) int4_row_vnni(1, N, K, group, end - 1, w, scale, offset, xq, xs, xsum, y);
+    if ((end - begin) & 1) int4_row(1, N, K, group, end - 1, w, scale, offset, xq, xs, xsum, y, 1);
   }
 }
 #endif
@@ -350,7 +337,7 @@ void qb_int4_mm(int threads, int M, int N, int K, int group, const float* x, con
     if (M == 1) {
       int4_one_row_vnni(threads, N, K, group, w, scale, offset, xq, xs, xsum, y);
     } else {
-#define INT4_VNNI_CALL(T) int4_row_vnni(T, N, K, group, n, w, scale, offset, xq + (size_t)m0 * K, xs + (size_t)m0 * G, xsum + (size_t)m0 * G, y + (size_t)m0 * N)
+#define INT4_VNNI_CALL(T) int4_row(T, N, K, group, n, w, scale, offset, xq + (size_t)m0 * K, xs + (size_t)m0 * G, xsum + (size_t)m0 * G, y + (size_t)m0 * N, 1)
       FOR_ROW_BLOCKS(M, N, INT4_VNNI_CALL)
     }
     if (bad_rows) FLOAT_ROWS(M, N, K, x, y, int4_weight(w, scale, offset, K, group, n, k))
@@ -362,7 +349,7 @@ void qb_int4_mm(int threads, int M, int N, int K, int group, const float* x, con
   if (group < BLOCK)                                                                                                  \
     int4_row_g32(T, N, K, n, w, scale, offset, xq + (size_t)m0 * K, xs + (size_t)m0 * XG, xsum + (size_t)m0 * G, y + (size_t)m0 * N); \
   else                                                                                                                \
-    int4_row(T, N, K, group, n, w, scale, offset, xq + (size_t)m0 * K, xs + (size_t)m0 * G, xsum + (size_t)m0 * G, y + (size_t)m0 * N)
+    int4_row(T, N, K, group, n, w, scale, offset, xq + (size_t)m0 * K, xs + (size_t)m0 * G, xsum + (size_t)m0 * G, y + (size_t)m0 * N, 0)
   FOR_ROW_BLOCKS(M, N, INT4_CALL)
   if (bad_rows) FLOAT_ROWS(M, N, K, x, y, int4_weight(w, scale, offset, K, group, n, k))
 }
