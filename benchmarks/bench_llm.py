@@ -134,11 +134,12 @@ def decode_ms(paths: list, context: int, steps: int, floor_bytes: dict) -> tuple
     for i, path in enumerate(paths):  # the first step after a new cache length may compile
         state[i] = step(path, *state[i])[:2]
     times, ratios = [[] for _ in paths], [[] for _ in paths]
-    for _ in range(rounds):
+    for round_ in range(rounds):
         PROBES.append(wait_for_parallel_speedup())
         bandwidth = measure_bandwidth(ROUND_COPY_MB, ROUND_COPY_REPEATS)
         ROUND_BANDWIDTHS.append(bandwidth)
-        for i, path in enumerate(paths):
+        for i in [(round_ + j) % len(paths) for j in range(len(paths))]:  # (each round starts one path later)
+            path = paths[i]
             for _ in range(DECODE_WARMUP):
                 state[i] = step(path, *state[i])[:2]
             block = []
@@ -346,7 +347,7 @@ def report(rows: list, extra: dict, contexts: list, command: str) -> str:
         f"{max(ROUND_BANDWIDTHS) / 1e9:.1f}; `x floor` pairs each round's steps with that round's floor (median over"
         " rounds of the round's median step over its floor).",
         "- Decode: median ms per token over the steps after a KV cache of that many positions, the paths taking"
-        f" turns, each timing {DECODE_BLOCK} consecutive steps after {DECODE_WARMUP} untimed ones (a decode loop's steady"
+        f" turns (each round starting one path later), each timing {DECODE_BLOCK} consecutive steps after {DECODE_WARMUP} untimed ones (a decode loop's steady"
         " state: a step right after another path's is up to 1.2x slower); `x floor`"
         " for the quantized paths; speedups against fp32 / bf16 eager at context 32. Prefill: best of the calls, 512 tokens."
         " `static cache`: transformers' StaticCache instead, of the context plus every position the turns add (its"
