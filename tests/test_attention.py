@@ -294,6 +294,24 @@ def test_a_row_masked_whole_comes_out_zero_as_torchs():
 
 
 @needs_own_kernels
+@pytest.mark.parametrize("mask_rows", [1, 6], ids=["static cache", "a tail per row"])
+def test_keys_past_a_masks_infinite_tail_are_not_read(mask_rows):
+    """A static cache's mask is -inf past the filled rows: the kernel reads no key or value there
+    (as past a causal row's position), so what the unfilled rows hold cannot reach the output."""
+    q, k, v = _heads(1, 4, 6, 32, 0), _heads(1, 4, 200, 32, 1).clone(), _heads(1, 4, 200, 32, 2).clone()
+    mask = torch.randn(1, 1, mask_rows, 200)
+    ends = [37, 20, 150, 0, 90, 37][:mask_rows]  # (0: a row masked whole)
+    for row, end in enumerate(ends):
+        mask[..., row, end:] = -math.inf
+    k[:, :, 150:], v[:, :, 150:] = float("nan"), float("inf")  # (past every row's end)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :150], v[:, :, :150], attn_mask=mask[..., :150])
+    for kernel in native.own_kernel_forms("attention_f32"):
+        actual = kernel(q, k, v, mask, 32 ** -0.5)
+        assert actual.isfinite().all()
+        torch.testing.assert_close(actual, expected, **TOLERANCE["attention_f32"])
+
+
+@needs_own_kernels
 @pytest.mark.parametrize("where", ["query", "key", "inf score"])
 def test_a_nan_or_infinite_score_makes_the_rows_softmax_makes_nan(where):
     q, k, v = _heads(1, 2, 20, 16, 0), _heads(1, 2, 20, 16, 1), _heads(1, 2, 20, 16, 2)

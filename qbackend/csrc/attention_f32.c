@@ -11,7 +11,9 @@
  * (transpose(1, 2).reshape) reads as a view; grouped queries' rows go straight to their
  * query head's place (no copy to reorder them). D % 16 == 0. The output is float32, or
  * uint8 quantized as the reference's quantize of that float32 value (the out-projection's
- * input: one pass less over the output, and no float copy of it).
+ * input: one pass less over the output, and no float copy of it). A row reads no key past its
+ * causal position nor in its mask's -inf tail (a static cache's unfilled rows): their weights
+ * are exactly 0, and what those rows hold (a NaN) cannot reach the output.
  *
  * Built twice: for AVX2 (16 columns = two ymm, tiles of 6 rows: 12 accumulators of 16
  * registers) and, in the AVX-512 library, with one zmm per 16 columns and tiles of 8 rows: a
@@ -284,13 +286,16 @@ static inline __attribute__((always_inline)) int attention(int threads, const at
                     a->D, S16, kt, kv_int8);
           packed = bh;
         }
-        /* keys the block's rows see: all, or (causal) up to the furthest row's position; past a
-           row's own position its scores are -inf, exactly 0 after the softmax */
-        int seen = a->S;
-        if (a->causal_rows) {
-          seen = 0;
-          for (int i = 0; i < n; i++) seen = (l0 + i) % a->causal_rows + 1 > seen ? (l0 + i) % a->causal_rows + 1 : seen;
-          seen = seen < a->S ? seen : a->S;
+        /* keys each row sees: all, or (causal) up to its position, and not a mask's -inf tail (a
+           static cache's rows not yet filled); past them its scores are -inf, exactly 0 after the
+           softmax. The block reads keys up to the furthest any row sees. */
+        int visible[QUERY_BLOCK], seen = 0;
+        for (int i = 0; i < n; i++) {
+          const float* m = mask ? mask + b * a->mask_stride[0] + h * a->mask_stride[1] + (l0 + i) * a->mask_stride[2] : NULL;
+          int end = a->causal_rows && (l0 + i) % a->causal_rows + 1 < a->S ? (l0 + i) % a->causal_rows + 1 : a->S;
+          while (m && a->mask_stride[3] && end > 0 && m[(long)(end - 1) * a->mask_stride[3]] == -INFINITY) end--;
+          visible[i] = end;
+          seen = end > seen ? end : seen;
         }
         const int seen16 = (seen + KEYS - 1) / KEYS * KEYS;
         for (int i = 0; i < n; i += ROWS)
@@ -300,8 +305,7 @@ static inline __attribute__((always_inline)) int attention(int threads, const at
           }
         for (int i = 0; i < n; i++) {
           const float* m = mask ? mask + b * a->mask_stride[0] + h * a->mask_stride[1] + (l0 + i) * a->mask_stride[2] : NULL;
-          const int row_seen = a->causal_rows && (l0 + i) % a->causal_rows + 1 < seen ? (l0 + i) % a->causal_rows + 1 : seen;
-          inv_sum[i] = softmax_row(scores + (size_t)i * S16, row_seen, seen16, m, a->mask_stride[3]);
+          inv_sum[i] = softmax_row(scores + (size_t)i * S16, visible[i], seen16, m, a->mask_stride[3]);
         }
         char* ob = (char*)out + ((size_t)b * a->out_stride[0] + (size_t)l0 * out_row + (size_t)h * a->out_stride[2]) * out_bytes;
         for (int c = 0; c < a->D; c += 16) /* (a 16-column slice of v stays in L1 across the row tiles) */
