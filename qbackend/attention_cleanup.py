@@ -60,16 +60,28 @@ def _reads_any_strides(target) -> bool:
             or str(target) in (f"{native.NAMESPACE}.attention_f32.default", f"{native.NAMESPACE}.attention_quantize.default"))
 
 
-def reaches_only_strided_readers(readers, values_only=frozenset()) -> bool:
-    """Each of ``readers``, and through views every reader after it, takes any strides; also
-    ``values_only`` targets where only the values matter, not the layout they give (a cat)."""
-    pending = list(readers)
+def _copies_values_of(user: Node, value: Node) -> bool:
+    """``user`` is ``destination.index_copy_(dim, index, value)`` (a StaticCache's update): it
+    reads ``value``'s values into another tensor, whatever their strides."""
+    if not ((user.op == "call_method" and user.target in ("index_copy_", "index_copy"))
+            or (user.op == "call_function" and user.target in (aten.index_copy_.default, aten.index_copy.default))):
+        return False
+    return len(user.args) == 4 and not user.kwargs and user.args[3] is value and user.args[0] is not value
+
+
+def reaches_only_strided_readers(value: Node, values_only=frozenset(), readers=None) -> bool:
+    """Each reader of ``value`` (or those of ``readers``), and through views every reader after
+    it, takes any strides; also ``values_only`` targets where only the values matter, not the
+    layout they give (a cat), and an index_copy_ of the value into another tensor."""
+    pending = [(value, user) for user in (value.users if readers is None else readers)]
     while pending:
-        user = pending.pop()
+        source, user = pending.pop()
+        if _copies_values_of(user, source):
+            continue
         if user.op != "call_function" or user.kwargs.get("out") is not None:
             return False
         if user.target in _STRIDED_VIEWS:
-            pending.extend(user.users)
+            pending.extend((user, after) for after in user.users)
         elif not _reads_any_strides(user.target) and user.target not in values_only:
             return False
     return True
@@ -83,7 +95,7 @@ def attention_inputs_uncopied(gm: GraphModule) -> Optional[str]:
     dropped = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is aten.contiguous.default and len(node.args) == 1 \
-                and not node.kwargs and isinstance(node.args[0], Node) and reaches_only_strided_readers(node.users):
+                and not node.kwargs and isinstance(node.args[0], Node) and reaches_only_strided_readers(node):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             dropped += 1

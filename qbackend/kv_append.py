@@ -131,7 +131,7 @@ def _read_by_output_and_attention(node: Node) -> bool:
     take any strides see it."""
     outputs = [user for user in node.users if user.op == "output"]
     inside = [user for user in node.users if user.op != "output"]
-    return bool(outputs) and reaches_only_strided_readers(inside)
+    return bool(outputs) and reaches_only_strided_readers(node, readers=inside)
 
 
 def kv_cache_appends(gm: GraphModule) -> Optional[str]:

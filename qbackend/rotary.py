@@ -6,7 +6,7 @@ product with sin and the sum; ~31 us of dispatch per layer for a decode step's q
 keys. ``rotaries_fused`` rewrites each into one call of ``rotary(q, cos, sin)``, whose values are
 the graph's bit for bit (the same products and sum, each rounded). Its output is dense where the
 graph's followed q's layout, so only a result that readers taking any strides read (fused
-attention, a KV cache's cat, through views) is rewritten.
+attention, a KV cache's cat or a StaticCache's index_copy_, through views) is rewritten.
 """
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def rotaries_fused(gm: GraphModule) -> Optional[str]:
 
     def match(node: Node) -> Optional[tuple]:
         found = _rotary(node)
-        # (a KV cache's cat left as it is reads only the rotated values)
-        return found if found is not None and reaches_only_strided_readers(node.users, CATS) else None
+        # (a KV cache's cat left as it is, or a StaticCache's index_copy_, reads only the rotated values)
+        return found if found is not None and reaches_only_strided_readers(node, CATS) else None
 
     return calls_in_place_of(gm, match, rotary, "rotary embedding(s)")

@@ -76,6 +76,18 @@ class RotaryAttention(torch.nn.Module):
         return (out, k_embed) if self.returned else out
 
 
+class StaticCacheAttention(RotaryAttention):
+    """A StaticCache's update: the rotated keys copied into a cache buffer at their positions
+    (``index_copy_``, which reads only their values), attention over the buffer."""
+
+    def forward(self, q, k, v, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q_embed = (q * cos) + (rotate_half(q) * sin)
+        k_embed = (k * cos) + (rotate_half(k) * sin)
+        keys = torch.zeros(k.shape[0], k.shape[1], 8, k.shape[3]).index_copy_(2, torch.arange(k.shape[2]), k_embed)
+        return F.scaled_dot_product_attention(q_embed, keys[:, :, :k.shape[2]], v, scale=0.25)
+
+
 def _run(module):
     q, cos, sin = _geometry(1, 2, 5, 16)
     k, v = _geometry(1, 2, 5, 16, seed=1)[0], _geometry(1, 2, 5, 16, seed=2)[0]
@@ -103,3 +115,8 @@ cat_1 = torch.cat((neg_1, x1_1), dim=-1)
 mul_3 = _operator.mul(cat_1, sin)
 attention_f32 = native.attention_f32(rotary, k_embed, l_v_, None, 0.25)
 return (attention_f32, k_embed)""")
+
+    def test_keys_a_static_cache_copies_in_become_a_call(self):
+        actual, expected, captured, lines = _run(StaticCacheAttention())
+        torch.testing.assert_close(actual, expected, **TOLERANCE["attention_f32"])
+        assert "2 rotary embedding(s) in one pass" in captured.report.notes
