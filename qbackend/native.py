@@ -346,7 +346,8 @@ def weight_only_chain_call(args: tuple, y: torch.Tensor):
     offset, group = (rest[0].data_ptr(), rest[1]) if bits == 4 else (None, k)
     struct = _WeightOnlyCall(bits, x.shape[0], weight.shape[0], k, group, weight.data_ptr(), scale.data_ptr(), offset,
                              scales_at, sums_at)
-    return step_call(function_address(_weight_only_library().qb_weight_only_call), struct, (x, SCRATCH, y, None), args[1:], scratch_bytes)
+    address = function_address(_weight_only_library().qb_weight_only_call)
+    return step_call(address, struct, (x, SCRATCH, y, None), args[1:], scratch_bytes)
 
 
 _SCRATCH = threading.local()
@@ -389,8 +390,8 @@ def _int8_mm(lib, x, weight, scale, trusted=False):
     n, k = weight.shape
     if (reason := refusal(8, k, k)) is not None:
         raise ValueError(f"qbackend::int8_mm_int16: {reason}")
-    return _weight_only_mm(_weight_only_library().qb_int8_mm, "int8_mm_int16", x, n, k, ((weight, torch.int8, n * k), (scale, torch.float32, n)),
-                           trusted=trusted)
+    return _weight_only_mm(_weight_only_library().qb_int8_mm, "int8_mm_int16", x, n, k,
+                           ((weight, torch.int8, n * k), (scale, torch.float32, n)), trusted=trusted)
 
 
 def _check_nchw_uint8(x: torch.Tensor, channels: Optional[int], name: str) -> None:

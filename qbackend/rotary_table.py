@@ -77,7 +77,8 @@ def _cast(node: Node) -> bool:
     """``x.float()``, ``x.to(dtype=..., device=...)`` or ATen's ``_to_copy`` of them."""
     if node.op == "call_method" and node.target in ("float", "to"):
         return all(not isinstance(a, Node) for a in node.args[1:]) and set(node.kwargs) <= {"dtype", "device"}
-    return node.op == "call_function" and node.target is aten._to_copy.default and set(node.kwargs) <= {"dtype", "device", "layout"}
+    return (node.op == "call_function" and node.target is aten._to_copy.default
+            and set(node.kwargs) <= {"dtype", "device", "layout"})
 
 
 def _constant(node) -> bool:
@@ -102,9 +103,10 @@ def _per_position(node: Node, region: set, positions: Node) -> bool:
         return len(node.all_input_nodes) == 1
     if (pair := operands(node, "mul")) is not None:
         trailing = _trailing(node, positions)
-        return trailing is not None and all(
-            p in region or (_constant(p) and (not isinstance(p, Node) or (fake_value(p) is not None and fake_value(p).dim() <= trailing)))
-            for p in pair)
+        def broadcasts_over_trailing(p) -> bool:  # (a number, or a constant of at most the trailing dims)
+            return not isinstance(p, Node) or (fake_value(p) is not None and fake_value(p).dim() <= trailing)
+
+        return trailing is not None and all(p in region or (_constant(p) and broadcasts_over_trailing(p)) for p in pair)
     if is_op(node, "cat") and node.args and isinstance(node.args[0], (list, tuple)):
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         trailing = _trailing(node, positions)
