@@ -65,6 +65,8 @@ class QuantizedLinearWeight(torch.Tensor):
         self.bits, self.group_size, self.weight_shape = bits, group_size, tuple(shape)
         self.transposed, self.compute = transposed, compute
         self._packed: dict = {}  # (device, activation dtype) -> lowering.weight_only.PackedLinear
+        # (made once: Dynamo's guard on each weight flattens it before every compiled call)
+        self._flat_meta = (bits, group_size, self.weight_shape, dtype, transposed, compute)
 
     def __getstate__(self):
         """What torch.save writes: the neutral data only, never a device's packed layout."""
@@ -84,7 +86,8 @@ class QuantizedLinearWeight(torch.Tensor):
         return (self.bits, self.group_size, self.weight_shape, self.dtype, self.transposed, self.compute)
 
     def __tensor_flatten__(self):
-        return ["qdata", "scale", "zero"], self._meta()
+        meta = self.__dict__.get("_flat_meta")  # (absent on a tensor torch.load rebuilt)
+        return ["qdata", "scale", "zero"], meta if meta is not None else self._meta()
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
