@@ -88,6 +88,11 @@ def _constant(node) -> bool:
     return node.op == "get_attr" or (_cast(node) and _constant(node.args[0]))
 
 
+def _within(constant, trailing: int) -> bool:
+    """A number, or a constant of at most ``trailing`` dims: it broadcasts over those alone."""
+    return not isinstance(constant, Node) or (fake_value(constant) is not None and fake_value(constant).dim() <= trailing)
+
+
 def _trailing(node: Node, positions: Node) -> Optional[int]:
     value, base = fake_value(node), fake_value(positions)
     return None if value is None or base is None else value.dim() - base.dim()
@@ -103,10 +108,7 @@ def _per_position(node: Node, region: set, positions: Node) -> bool:
         return len(node.all_input_nodes) == 1
     if (pair := operands(node, "mul")) is not None:
         trailing = _trailing(node, positions)
-        def broadcasts_over_trailing(p) -> bool:  # (a number, or a constant of at most the trailing dims)
-            return not isinstance(p, Node) or (fake_value(p) is not None and fake_value(p).dim() <= trailing)
-
-        return trailing is not None and all(p in region or (_constant(p) and broadcasts_over_trailing(p)) for p in pair)
+        return trailing is not None and all(p in region or (_constant(p) and _within(p, trailing)) for p in pair)
     if is_op(node, "cat") and node.args and isinstance(node.args[0], (list, tuple)):
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
         trailing = _trailing(node, positions)
