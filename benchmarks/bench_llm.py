@@ -99,8 +99,8 @@ def step(path: Runner, tokens: torch.Tensor, cache, **kwargs):
 def filled_cache(length: int, dtype: torch.dtype, static_room: Optional[int] = None):
     """A KV cache holding ``length`` positions (random keys / values: a decode step's time does
     not depend on them, and filling it by a prefill of 2048 tokens costs minutes in bf16 on AVX2):
-    a DynamicCache, or a StaticCache with ``static_room`` positions more (its attention reads them
-    all, masked)."""
+    a DynamicCache, or a StaticCache with ``static_room`` positions more (its mask covers them all;
+    qbackend's attention skips the unfilled ones)."""
     cfg = config()
     cache = DynamicCache() if static_room is None else StaticCache(config=cfg, max_cache_len=length + static_room)
     generator = torch.Generator().manual_seed(5)
@@ -315,10 +315,10 @@ def run(contexts: list, steps: int, prefill_calls: int) -> tuple[list, dict]:
             log(f"{path.name} failed: {path.results['error']}")
         gc.collect()
     working = [path for path in rows if "error" not in path.results]
+    floor_bytes = {4: extra["int4_bytes"], 8: extra["int8_bytes"]}
     for context in contexts:
         log(f"decode at context {context}, every path in turn")
         try:
-            floor_bytes = {4: extra["int4_bytes"], 8: extra["int8_bytes"]}
             for path, ms, x_floor in zip(working, *decode_ms(working, context, steps, floor_bytes)):
                 path.results[f"decode_{context}"] = ms
                 path.results[f"x_floor_{context}"] = x_floor
@@ -351,7 +351,7 @@ def report(rows: list, extra: dict, contexts: list, command: str) -> str:
         " state: a step right after another path's is up to 1.2x slower); `x floor`"
         " for the quantized paths; speedups against fp32 / bf16 eager at context 32. Prefill: best of the calls, 512 tokens."
         " `static cache`: transformers' StaticCache instead, of the context plus every position the turns add (its"
-        " attention reads them all, masked).",
+        " mask covers them all; qbackend's attention skips the unfilled ones).",
         f"- Two-thread speedup (one thread's time over two threads' for a small add; ~1.4 when the host runs"
         f" the two vCPUs side by side, ~1.0 when it runs them as one), probed before each round of decode turns and"
         f" each prefill call, waiting up to 60 s for 1.2: median {statistics.median(PROBES):.2f}, lowest {min(PROBES):.2f}.",

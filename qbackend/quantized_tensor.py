@@ -66,7 +66,7 @@ class QuantizedLinearWeight(torch.Tensor):
         self.transposed, self.compute = transposed, compute
         self._packed: dict = {}  # (device, activation dtype) -> lowering.weight_only.PackedLinear
         # (made once: Dynamo's guard on each weight flattens it before every compiled call)
-        self._flat_meta = (bits, group_size, self.weight_shape, dtype, transposed, compute)
+        self._flat_meta = self._meta()
 
     def __getstate__(self):
         """What torch.save writes: the neutral data only, never a device's packed layout."""

@@ -251,6 +251,11 @@ static float softmax_row(float* s, int S, int S16, const float* mask, long mask_
   return total > 0.0f ? 1.0f / total : 0.0f;
 }
 
+/* Row ``row`` of the mask for batch ``b``, head ``h``, or NULL without a mask */
+static inline const float* mask_row(const attention_call_t* a, const float* mask, int b, int h, int row) {
+  return mask ? mask + b * a->mask_stride[0] + h * a->mask_stride[1] + row * a->mask_stride[2] : NULL;
+}
+
 /* 0, or -1 when a thread could not allocate its packed keys and scores (the output is then
  * incomplete: the caller raises) */
 static inline __attribute__((always_inline)) int attention(int threads, const attention_call_t* a, const float* q,
@@ -291,7 +296,7 @@ static inline __attribute__((always_inline)) int attention(int threads, const at
            softmax. The block reads keys up to the furthest any row sees. */
         int visible[QUERY_BLOCK], seen = 0;
         for (int i = 0; i < n; i++) {
-          const float* m = mask ? mask + b * a->mask_stride[0] + h * a->mask_stride[1] + (l0 + i) * a->mask_stride[2] : NULL;
+          const float* m = mask_row(a, mask, b, h, l0 + i);
           int end = a->causal_rows && (l0 + i) % a->causal_rows + 1 < a->S ? (l0 + i) % a->causal_rows + 1 : a->S;
           while (m && a->mask_stride[3] && end > 0 && m[(long)(end - 1) * a->mask_stride[3]] == -INFINITY) end--;
           visible[i] = end;
@@ -304,7 +309,7 @@ static inline __attribute__((always_inline)) int attention(int threads, const at
             ROW_CASES(n - i, SCORES)
           }
         for (int i = 0; i < n; i++) {
-          const float* m = mask ? mask + b * a->mask_stride[0] + h * a->mask_stride[1] + (l0 + i) * a->mask_stride[2] : NULL;
+          const float* m = mask_row(a, mask, b, h, l0 + i);
           inv_sum[i] = softmax_row(scores + (size_t)i * S16, visible[i], seen16, m, a->mask_stride[3]);
         }
         char* ob = (char*)out + ((size_t)b * a->out_stride[0] + (size_t)l0 * out_row + (size_t)h * a->out_stride[2]) * out_bytes;

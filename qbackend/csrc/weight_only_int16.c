@@ -144,10 +144,12 @@ static inline void even_odd(const uint8_t* block, __m256i* even, __m256i* odd) {
   *odd = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
 }
 
+#endif
+
+/* A group's float sum from its low and high bytes' int32 sums: 256 hi + lo. */
 static inline __m256 group_sum(__m256i lo, __m256i hi) {
   return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(hi, 8), lo));
 }
-#endif
 
 /* int4, group >= 64: one integer sum per (row, group), then one float multiply-add. ``bytes``
  * (the VNNI build, x in ORDER_BYTES): the sums as vpdpbusd pairs, else vpmaddwd on nibbles. */
@@ -179,7 +181,7 @@ static inline __attribute__((always_inline)) void int4_row(int mt, int N, int K,
     }
     const float s = scale[(size_t)n * G + g], o = offset[(size_t)n * G + g];
     for (int i = 0; i < mt; i++) {
-      const __m256 sum = _mm256_cvtepi32_ps(bytes ? _mm256_add_epi32(_mm256_slli_epi32(hi[i], 8), isum[i]) : isum[i]);
+      const __m256 sum = bytes ? group_sum(isum[i], hi[i]) : _mm256_cvtepi32_ps(isum[i]);
       acc[i] = _mm256_fmadd_ps(sum, _mm256_set1_ps(s * xs[(size_t)i * G + g]), acc[i]);
       tail[i] = fmaf(o, xsum[(size_t)i * G + g], tail[i]);
     }
