@@ -129,7 +129,8 @@ class _Program:
         """The leaving values; None where a cache has no room for its rows (or two share one):
         the caller then runs the nodes, which reallocate it."""
         caches = [kv_append.room(inputs[k], added, GROWS) for k, added in self.appends]
-        if None in caches or len(set(map(id, caches))) < len(caches):
+        # (`is`, not `in`: `None in` compares each tensor by ==, ~30 us a cache)
+        if any(cache is None for cache in caches) or len(set(map(id, caches))) < len(caches):
             return None
         first = inputs[self.like]
         arena = first.new_empty(self.arena_bytes, dtype=torch.uint8)

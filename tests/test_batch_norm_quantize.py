@@ -54,10 +54,12 @@ class DenseBlock(nn.Module):
 
     def __init__(self, growth: int = 8, layers: int = 2):
         super().__init__()
-        self.stem = nn.Conv2d(3, 16, 3, padding=1)
         widths = [16 + growth * i for i in range(layers)]
-        self.norms = nn.ModuleList(nn.BatchNorm2d(w) for w in widths)
-        self.convs = nn.ModuleList(nn.Conv2d(w, growth, 3, padding=1) for w in widths)
+        with torch.random.fork_rng():  # (the same weights whichever tests ran before: the graph test expects their scales)
+            torch.manual_seed(2)
+            self.stem = nn.Conv2d(3, 16, 3, padding=1)
+            self.norms = nn.ModuleList(nn.BatchNorm2d(w) for w in widths)
+            self.convs = nn.ModuleList(nn.Conv2d(w, growth, 3, padding=1) for w in widths)
         generator = torch.Generator().manual_seed(3)
         for norm in self.norms:  # (statistics a trained net has, not 0 / 1)
             norm.running_mean.copy_(torch.randn(norm.num_features, generator=generator))
@@ -88,9 +90,9 @@ class TestDenseGraph(expecttest.TestCase):
         captured = compile_and_run(quantize(DenseBlock().eval(), (x,)), (x,))[2]
         lines = [line for line in short_graph(captured.lowered).splitlines() if "norm" in line or "cat" in line or "relu" in line]
         self.assertExpectedInline("\n".join(lines), """\
-batch_norm_quantize = batch_norm_quantize.batch_norm_quantize([qconv_stem], 0.0295, 51, <const>, <const>, True, 0.0276, 0, 0, 127)
-qconv = native.qconv(batch_norm_quantize, <const>, <const>, <const>, None, 0, -inf, inf, 0.0295, 51, 0, 127, False, 'none', (3, 3), (1, 1), (1, 1), (1, 1), 0)
-batch_norm_quantize_1 = batch_norm_quantize.batch_norm_quantize([qconv_stem, qconv], 0.0295, 51, <const>, <const>, True, 0.0278, 0, 0, 127)
-qconv_1 = native.qconv(batch_norm_quantize_1, <const>, <const>, <const>, None, 0, -inf, inf, 0.0295, 51, 0, 127, False, 'none', (3, 3), (1, 1), (1, 1), (1, 1), 0)
+batch_norm_quantize = batch_norm_quantize.batch_norm_quantize([qconv_stem], 0.0263, 60, <const>, <const>, True, 0.0299, 0, 0, 127)
+qconv = native.qconv(batch_norm_quantize, <const>, <const>, <const>, None, 0, -inf, inf, 0.0263, 60, 0, 127, False, 'none', (3, 3), (1, 1), (1, 1), (1, 1), 0)
+batch_norm_quantize_1 = batch_norm_quantize.batch_norm_quantize([qconv_stem, qconv], 0.0263, 60, <const>, <const>, True, 0.0269, 0, 0, 127)
+qconv_1 = native.qconv(batch_norm_quantize_1, <const>, <const>, <const>, None, 0, -inf, inf, 0.0263, 60, 0, 127, False, 'none', (3, 3), (1, 1), (1, 1), (1, 1), 0)
 cat_default_2 = aten.cat([qconv_stem, qconv, qconv_1], 1)
-dequantize_per_tensor_default_21 = fast_qdq.dequantize_per_tensor(cat_default_2, 0.0295, 51, 0, 127, uint8)""")
+dequantize_per_tensor_default_21 = fast_qdq.dequantize_per_tensor(cat_default_2, 0.0263, 60, 0, 127, uint8)""")
