@@ -23,6 +23,7 @@ from .channel_shuffle import shuffles_in_one_pass
 from .constant_fills import FRESH, MAX_ELEMENTS, fold_write, fresh_value, is_view
 from .dead_code import eliminate_dead_code
 from .dense_weight_only import dense_slices_pass
+from .direct_ops import direct_ops
 from .depthwise_norm import depthwise_norms_fused
 from .float_linear import float_linears
 from .freeze import drop_unused_constants, set_constant
@@ -270,7 +271,8 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
              depthwise_norms_fused(gm) if fast_boundary else None,
              dense_slices_pass(gm, kernel_choice, weight_only_compute) if fast_boundary and device == "cpu" else None,
              view_chains_collapsed(gm) if fast_boundary else None,
-             streamed_weights_on_huge_pages(gm) if device == "cpu" else None]
+             streamed_weights_on_huge_pages(gm) if device == "cpu" else None,
+             direct_ops(gm) if fast_boundary else None]
     if fast_boundary:  # (the passes above read the view ops' targets)
         views_as_tensor_methods(gm)
     notes.append(chain_own_kernels(gm))  # (last: the runs it replaces are the graph's final calls)
