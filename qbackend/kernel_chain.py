@@ -129,8 +129,7 @@ class _Program:
         """The leaving values; None where a cache has no room for its rows (or two share one):
         the caller then runs the nodes, which reallocate it."""
         caches = [kv_append.room(inputs[k], added, GROWS) for k, added in self.appends]
-        # (`is`, not `in`: `None in` compares each tensor by ==, ~30 us a cache)
-        if any(cache is None for cache in caches) or len(set(map(id, caches))) < len(caches):
+        if any(cache is None for cache in caches) or len({id(cache[0]) for cache in caches}) < len(caches):
             return None
         first = inputs[self.like]
         arena = first.new_empty(self.arena_bytes, dtype=torch.uint8)
@@ -141,7 +140,8 @@ class _Program:
         failed = native._load()[0].qb_run_chain(torch.get_num_threads(), len(self.steps), self.steps, bases)
         if failed:
             raise MemoryError(f"qbackend kernel chain: step {failed - 1} could not allocate its scratch")
-        grown = [kv_append.appended(cache, inputs[k], added, GROWS) for cache, (k, added) in zip(caches, self.appends)]
+        grown = [kv_append.appended(base, start, inputs[k].shape[GROWS] + added, GROWS)
+                 for (base, start), (k, added) in zip(caches, self.appends)]
         sources = {"input": inputs, "output": outputs, "append": grown}
         return tuple(_viewed(sources[source][k], view) for source, k, view in self.picks)
 

@@ -50,7 +50,7 @@ def _quantize_rows(buffer: torch.Tensor, int8: Int8Rows, last: int) -> None:
 def _int8_rows(buffer: Optional[torch.Tensor]) -> Optional[Int8Rows]:
     """The int8 rows of an append buffer of [B, H, rows, D] float32 (made on first use), None
     for any other tensor."""
-    if buffer is None or getattr(buffer, kv_append._FILLED, None) is None or buffer.dim() != 4 \
+    if kv_append.filled_rows(buffer) is None or buffer.dim() != 4 \
             or buffer.dtype != torch.float32 or not buffer.is_contiguous() or buffer.size(3) % native.ATTENTION_HEAD_DIM_STEP:
         return None
     int8 = getattr(buffer, _INT8_ROWS, None)
@@ -67,7 +67,7 @@ def append_int8(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor
         buffer = result._base
         int8 = _int8_rows(buffer)
         if int8 is not None:
-            _quantize_rows(buffer, int8, getattr(buffer, kv_append._FILLED))
+            _quantize_rows(buffer, int8, kv_append.filled_rows(buffer))
     return result
 
 
