@@ -88,11 +88,20 @@ static inline __attribute__((always_inline)) void transpose8(__m256 r[8]) {
   }
 }
 
+/* The first PREFETCH_KEYS rows of keys / values at once: the loops prefetch rows that far
+ * ahead only, and a short cache's rows (32 positions) all came from memory one after another:
+ * 18 -> 16 us per layer of a decode step. */
+static inline __attribute__((always_inline)) void prefetch_rows(const void* p, long row, int S, int D, int kv_int8) {
+  for (int j = 0; j < PREFETCH_KEYS && j < S; j++)
+    for (int d = 0; d < D; d += kv_int8 ? 64 : 16) _mm_prefetch((const char*)element(p, j * row + d, kv_int8), _MM_HINT_T0);
+}
+
 /* Whole tiles by 8 x 8 transposes: a decode step's few query rows read each packed key once,
  * so packing element by element had cost more than the scores (2048 keys: 3/4 of the call). */
 static inline __attribute__((always_inline)) void pack_keys(const void* k, const float* k_scales, long row, int S, int D,
                                                             int S16, float* kt, int kv_int8) {
   int j0 = 0;
+  prefetch_rows(k, row, S, D, kv_int8); /* (the rows the loop's prefetches do not reach) */
   for (; j0 + KEYS <= S; j0 += KEYS) {
     for (int j = j0 + PREFETCH_KEYS; j < j0 + PREFETCH_KEYS + KEYS && j < S; j++)
       for (int d = 0; d < D; d += kv_int8 ? 64 : 16) /* (one prefetch a 64-byte line) */
@@ -286,6 +295,7 @@ static inline __attribute__((always_inline)) int attention(int threads, const at
         const void* vb = element(v, b * a->v_stride[0] + h * a->v_stride[1], kv_int8);
         const float* vs = kv_int8 ? v_scales + b * a->v_scale_stride[0] + h * a->v_scale_stride[1] : NULL;
         if (packed != bh) {
+          prefetch_rows(vb, a->v_stride[2], a->S, a->D, kv_int8);
           pack_keys(element(k, b * a->k_stride[0] + h * a->k_stride[1], kv_int8),
                     kv_int8 ? k_scales + b * a->k_scale_stride[0] + h * a->k_scale_stride[1] : NULL, a->k_stride[2], a->S,
                     a->D, S16, kt, kv_int8);
