@@ -146,8 +146,8 @@ def _merge_weight_only(ctx: EmitContext, members: list[Node]) -> bool:
     graph, first = ctx.gm.graph, members[0]
     tensors = [i for i, a in enumerate(first.args) if i > 0 and isinstance(a, Node)]
     values = {i: [constant_value(ctx.gm, m.args[i]) for m in members] for i in tensors}
-    if any(v is None for vs in values.values() for v in vs):
-        return False
+    if any(v is None for vs in values.values() for v in vs) or any(len({v.dtype for v in vs}) > 1 for vs in values.values()):
+        return False  # (a cat would promote one's int4 offset codes to float offsets)
     widths = [v.shape[0] for v in values[1]]
     with graph.inserting_before(first):
         constants = {i: ctx.constant(aligned_cat(values[i]), f"merged_{i}") for i in tensors}  # (on 2 MB pages: streamed)

@@ -87,11 +87,26 @@ def _int8(weight: GroupQuantized, dtype: torch.dtype, op: Callable) -> PackedLin
                         weight.shape[1], dtype)
 
 
+def _offset_codes(weight: GroupQuantized) -> Optional[torch.Tensor]:
+    """An integer zero point z as the int16 kernel's int8 code -8 - z (its offset is code *
+    scale: 5 bytes a group instead of 8, and (u + code) * scale is the reference's weight);
+    None for float offsets, or codes past int8."""
+    if weight.offset is not None:
+        return None
+    zero = weight.zero_point if weight.zero_point is not None else torch.zeros_like(weight.scale, dtype=torch.int32)
+    codes = -8 - zero.to(torch.int32)
+    if codes.numel() and (int(codes.min()) < -128 or int(codes.max()) > 127):
+        return None
+    return codes.to(native.INT4_OFFSET_CODES).contiguous()
+
+
 def _cpu_int4_int16(weight: GroupQuantized) -> PackedLinear:
     # The kernel reads the neutral storage (uint8 [N, K/2], u = q + 8): no packed copy.
     # w = q * scale + offset = u * scale + (offset - 8 * scale)
     k, scale = weight.shape[1], weight.scale.float()
-    offset = (weight.float_offset() - 8 * scale).contiguous()
+    offset = _offset_codes(weight)
+    if offset is None:
+        offset = (weight.float_offset() - 8 * scale).contiguous()
     return PackedLinear("int4_mm_int16", (weight.nibble_storage(PACK_ROWS).contiguous(), scale.contiguous(), offset,
                                           weight.group_size), k, torch.float32)
 

@@ -47,7 +47,7 @@ MIN_ROWS = 8  # a graph whose rows are known to be fewer runs the kernel alone (
 @functools.lru_cache(maxsize=None)
 def _kernels():
     """(int4, int8) C functions, or None where the own kernels are not built."""
-    int4 = native.c_function("qb_int4_dequantize", (ctypes.c_int,) * 4 + (ctypes.c_void_p,) * 3 + (ctypes.c_int, ctypes.c_void_p))
+    int4 = native.c_function("qb_int4_dequantize", (ctypes.c_int,) * 5 + (ctypes.c_void_p,) * 3 + (ctypes.c_int, ctypes.c_void_p))
     int8 = native.c_function("qb_int8_dequantize", (ctypes.c_int,) * 3 + (ctypes.c_void_p,) * 2 + (ctypes.c_int, ctypes.c_void_p))
     return None if int4 is None else (int4, int8)
 
@@ -79,8 +79,9 @@ def written_out(bits: int, args: tuple, start: int, out: torch.Tensor) -> torch.
         groups = k // group
         _check("the int4 storage", weight, torch.uint8, (n, k // 2))
         _check("the scales", args[1], torch.float32, (n, groups))
-        _check("the offsets", args[2], torch.float32, (n, groups))
-        kernels[0](torch.get_num_threads(), rows, k, group, weight[start:].data_ptr(), args[1][start:].data_ptr(),
+        codes = args[2].dtype == native.INT4_OFFSET_CODES
+        _check("the offsets", args[2], native.INT4_OFFSET_CODES if codes else torch.float32, (n, groups))
+        kernels[0](torch.get_num_threads(), rows, k, group, int(codes), weight[start:].data_ptr(), args[1][start:].data_ptr(),
                    args[2][start:].data_ptr(), bf16, out.data_ptr())
     else:
         if k % 16:

@@ -321,6 +321,10 @@ def _weight_only_mm(kernel, name: str, x: torch.Tensor, n: int, k: int, weights:
     return y
 
 
+# int4_mm_int16's offsets: float32, or int8 codes c with offset c * scale (csrc/weight_only_int16.c)
+INT4_OFFSET_CODES = torch.int8
+
+
 def _weight_only_scratch(m: int, k: int) -> tuple[int, int, int]:
     """The kernels' scratch for ``m`` rows of ``k``: int16 activations, then their per-group
     scales and sums (groups of 32 or more): (scales' byte offset, sums', total bytes)."""
@@ -329,7 +333,7 @@ def _weight_only_scratch(m: int, k: int) -> tuple[int, int, int]:
 
 
 class _WeightOnlyCall(ctypes.Structure):  # csrc/weight_only_int16.c weight_only_call_t
-    _fields_ = ([(name, ctypes.c_int) for name in ("bits", "M", "N", "K", "group")]
+    _fields_ = ([(name, ctypes.c_int) for name in ("bits", "M", "N", "K", "group", "codes")]
                 + [(name, ctypes.c_void_p) for name in ("w", "scale", "offset")]
                 + [("scales_at", ctypes.c_long), ("sums_at", ctypes.c_long)])
 
@@ -343,8 +347,8 @@ def weight_only_chain_call(args: tuple, y: torch.Tensor):
     if not plain_float32(x) or x.dim() != 2 or x.shape[1] != k or not dense(x, y):
         return None
     scales_at, sums_at, scratch_bytes = _weight_only_scratch(x.shape[0], k)
-    offset, group = (rest[0].data_ptr(), rest[1]) if bits == 4 else (None, k)
-    struct = _WeightOnlyCall(bits, x.shape[0], weight.shape[0], k, group, weight.data_ptr(), scale.data_ptr(), offset,
+    offset, group, codes = (rest[0].data_ptr(), rest[1], rest[0].dtype == INT4_OFFSET_CODES) if bits == 4 else (None, k, False)
+    struct = _WeightOnlyCall(bits, x.shape[0], weight.shape[0], k, group, codes, weight.data_ptr(), scale.data_ptr(), offset,
                              scales_at, sums_at)
     address = function_address(_weight_only_library().qb_weight_only_call)
     return step_call(address, struct, (x, SCRATCH, y, None), args[1:], scratch_bytes)
@@ -371,7 +375,7 @@ def _weight_only_library() -> ctypes.CDLL:
 
 def _declare_weight_only(lib: ctypes.CDLL) -> None:
     """qb_int4_mm's and qb_int8_mm's signatures (either build)."""
-    lib.qb_int4_mm.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p] * 8
+    lib.qb_int4_mm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_void_p] * 8
     lib.qb_int8_mm.argtypes = [ctypes.c_int] * 4 + [ctypes.c_void_p] * 7
     lib.qb_int4_mm.restype = lib.qb_int8_mm.restype = None
 
@@ -381,9 +385,10 @@ def _int4_mm(lib, x, weight, scale, offset, group_size, trusted=False):
     n, k = weight.shape[0], weight.shape[1] * 2  # the neutral int4 storage: two columns per byte
     if (reason := refusal(4, k, group_size)) is not None:
         raise ValueError(f"qbackend::int4_mm_int16: {reason}")
-    groups = n * (k // group_size)
+    groups, codes = n * (k // group_size), offset.dtype == INT4_OFFSET_CODES
     return _weight_only_mm(_weight_only_library().qb_int4_mm, "int4_mm_int16", x, n, k, ((weight, torch.uint8, n * k // 2),
-                           (scale, torch.float32, groups), (offset, torch.float32, groups)), group_size, trusted=trusted)
+                           (scale, torch.float32, groups), (offset, offset.dtype if codes else torch.float32, groups)),
+                           group_size, int(codes), trusted=trusted)
 
 
 def _int8_mm(lib, x, weight, scale, trusted=False):

@@ -37,11 +37,13 @@ def test_written_out_rows_are_the_dequantized_weight(bits, group):
 
 
 def test_a_nan_weight_stays_nan_in_bf16():
-    weight, (storage, scale, offset, group) = packed(4)
-    offset = offset.clone()
-    offset[3, 0] = float("nan")
-    out = dense_weight_only.written_out(4, (storage, scale, offset, group), 0, torch.empty(96, 256, dtype=torch.bfloat16))
-    assert out[3, :group].isnan().all() and not out[3, group:].isnan().any() and not out[4].isnan().any()
+    weight, (storage, scale, codes, group) = packed(4)
+    assert codes.dtype == native.INT4_OFFSET_CODES  # (integer zero points: offsets as int8 codes)
+    nan_scale, nan_offset = scale.clone(), codes.float() * scale  # (the float offsets of the same weight)
+    nan_scale[3, 0] = nan_offset[3, 0] = float("nan")
+    for scale_, offset in ((nan_scale, codes), (scale, nan_offset)):
+        out = dense_weight_only.written_out(4, (storage, scale_, offset, group), 0, torch.empty(96, 256, dtype=torch.bfloat16))
+        assert out[3, :group].isnan().all() and not out[3, group:].isnan().any() and not out[4].isnan().any()
 
 
 def test_bad_arguments_are_refused_before_the_kernel():

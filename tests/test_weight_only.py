@@ -294,8 +294,9 @@ def test_weight_only_kernels_refuse_bad_inputs_with_a_clear_error():
 
 
 @needs_own_kernels
-@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 128), (8, None)], ids=["int4-g32", "int4-g128", "int8"])
-def test_nan_and_infinity_come_out_as_the_float_linear_gives_them(bits, group_size):
+@pytest.mark.parametrize("bits,group_size,codes", [(4, 32, False), (4, 128, False), (4, 128, True), (8, None, False)],
+                         ids=["int4-g32", "int4-g128", "int4-g128-codes", "int8"])
+def test_nan_and_infinity_come_out_as_the_float_linear_gives_them(bits, group_size, codes):
     from qbackend.weight_quant import quantize
 
     torch.manual_seed(0)
@@ -311,7 +312,8 @@ def test_nan_and_infinity_come_out_as_the_float_linear_gives_them(bits, group_si
     expected = x @ weight.dequantize().T  # NaN rows, and +-inf / NaN where the weights' signs say
     if bits == 4:
         scale = weight.scale.float().contiguous()  # (the kernel's offset is for u = q + 8: lowering/weight_only.py)
-        args = (weight.nibble_storage(), scale, (weight.float_offset() - 8 * scale).contiguous(), group_size)
+        offset = (-8 - weight.zero_point).to(torch.int8) if codes else (weight.float_offset() - 8 * scale).contiguous()
+        args = (weight.nibble_storage(), scale, offset, group_size)
         kernel = native.op("int4_mm_int16")
     else:
         args = (weight.stored, weight.scale.float().flatten().contiguous())
@@ -332,7 +334,8 @@ def test_nan_and_infinity_come_out_as_the_float_linear_gives_them(bits, group_si
 @pytest.mark.parametrize("outputs,inputs,group_size", [(37, 512, 64), (40, 384, 128), (16, 512, 256), (24, 256, 32)], ids=str)
 def test_the_vnni_and_avx2_int4_kernels_give_the_same_bits(outputs, inputs, group_size, rows, monkeypatch):
     """vpdpbusd pairs (groups of 64 or more; one row as two halves of each thread's weight rows,
-    an odd count leaving one) and vpmaddwd sums are the same integers; a NaN row is redone."""
+    an odd count leaving one) and vpmaddwd sums are the same integers; a NaN row is redone. The
+    offsets as int8 codes give the bits of the float offsets code * scale, in both builds."""
     from qbackend.lowering import weight_only
     from qbackend.weight_quant import quantize
 
@@ -341,12 +344,15 @@ def test_the_vnni_and_avx2_int4_kernels_give_the_same_bits(outputs, inputs, grou
     args = weight_only.pack(weight, "cpu", torch.float32, "int16").args
     x = torch.randn(rows, inputs) * torch.logspace(-3, 3, inputs)  # (groups of very different ranges)
     x[-1, 5] = float("nan") if rows > 1 else x[-1, 5]
+    assert args[2].dtype == native.INT4_OFFSET_CODES  # (integer zero points)
+    float_offsets = (*args[:2], args[2].float() * args[1], args[3])
     results = []
     for build in (native._vnni_library()[0], native._load()[0]):
         monkeypatch.setattr(native, "_weight_only_library", lambda: build)
-        results.append(native.int4_mm_int16(x, *args))
-    assert torch.equal(results[0].isnan(), results[1].isnan())
-    assert torch.equal(results[0].nan_to_num(), results[1].nan_to_num())
+        results += [native.int4_mm_int16(x, *args), native.int4_mm_int16(x, *float_offsets)]
+    for other in results[1:]:
+        assert torch.equal(results[0].isnan(), other.isnan())
+        assert torch.equal(results[0].nan_to_num(), other.nan_to_num())
     finite = x.isfinite().all(1)
     assert_weight_only_close(results[0][finite], x[finite] @ weight.dequantize().T, "VNNI build", "weight_only_int16")
 

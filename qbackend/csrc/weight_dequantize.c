@@ -65,15 +65,18 @@ static inline void bf16_by_table(const uint8_t* bytes, __m256i low, __m256i high
 }
 
 /* Rows [0, rows) of an int4 weight of K columns (K % 16 == 0, group % 16 == 0, K % group == 0);
- * u, scale, offset and out start at the first of them. */
-void qb_int4_dequantize(int threads, int rows, int K, int group, const uint8_t* u, const float* scale,
-                        const float* offset, int bf16, void* out) {
+ * u, scale, offset and out start at the first of them. ``offset``: float32, or (``codes``) int8
+ * c with offset c * scale (weight_only_int16.c). */
+void qb_int4_dequantize(int threads, int rows, int K, int group, int codes, const uint8_t* u, const float* scale,
+                        const void* offset, int bf16, void* out) {
   const int groups = K / group;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int r = 0; r < rows; r++) {
     const uint8_t* row = u + (size_t)r * (K / 2);
     for (int g = 0; g < groups; g++) {
-      const __m256 s = _mm256_set1_ps(scale[(size_t)r * groups + g]), o = _mm256_set1_ps(offset[(size_t)r * groups + g]);
+      const size_t at = (size_t)r * groups + g;
+      const float offset_g = codes ? (float)((const int8_t*)offset)[at] * scale[at] : ((const float*)offset)[at];
+      const __m256 s = _mm256_set1_ps(scale[at]), o = _mm256_set1_ps(offset_g);
       if (bf16 && group % 32 == 0) {
         __m256i low, high;
         bf16_tables(s, o, &low, &high);
