@@ -118,10 +118,11 @@ ROUND_BANDWIDTHS: list = []  # copy bandwidth measured at the start of each roun
 ROUND_COPY_MB, ROUND_COPY_REPEATS = 256, 3
 
 
-def decode_ms(paths: list, context: int, steps: int, floor_bytes: dict) -> tuple[list, list]:
-    """Median ms per decode step of each path, and (quantized paths) its median over rounds of the
-    round's median step over the floor at the copy bandwidth measured at that round's start (the
-    host's bandwidth moves by 1.5x over minutes: a step and its floor paired in time). The paths
+def decode_ms(paths: list, context: int, steps: int, floor_bytes: dict) -> tuple[list, list, list]:
+    """Median ms per decode step of each path, its median step in each round (speedups pair paths
+    round by round), and (quantized paths) its median over rounds of the round's median step over
+    the floor at the copy bandwidth measured at that round's start (the host's bandwidth moves by
+    1.5x over minutes: a step and its floor paired in time). The paths
     take turns (each sees the same drift), a block of consecutive steps each, as a decode loop
     runs them; the first steps of a turn are not timed: after another path's steps, which stream
     up to 1 GB of weights (fp32), a step runs up to 1.2x slower, for about 6 steps. Each round of
@@ -133,7 +134,7 @@ def decode_ms(paths: list, context: int, steps: int, floor_bytes: dict) -> tuple
              for path in paths]
     for i, path in enumerate(paths):  # the first step after a new cache length may compile
         state[i] = step(path, *state[i])[:2]
-    times, ratios = [[] for _ in paths], [[] for _ in paths]
+    times, ratios, round_ms = [[] for _ in paths], [[] for _ in paths], [[] for _ in paths]
     for round_ in range(rounds):
         PROBES.append(wait_for_parallel_speedup())
         bandwidth = measure_bandwidth(ROUND_COPY_MB, ROUND_COPY_REPEATS)
@@ -148,9 +149,10 @@ def decode_ms(paths: list, context: int, steps: int, floor_bytes: dict) -> tuple
                 state[i] = step(path, *state[i])[:2]
                 block.append(time.perf_counter() - start)
             times[i] += block
+            round_ms[i].append(statistics.median(block) * 1e3)
             if path.bits:
                 ratios[i].append(statistics.median(block) / (floor_bytes[path.bits] / bandwidth))
-    return [statistics.median(t) * 1e3 for t in times], [statistics.median(r) if r else None for r in ratios]
+    return [statistics.median(t) * 1e3 for t in times], round_ms, [statistics.median(r) if r else None for r in ratios]
 
 
 def prefill_ms(path: Runner, calls: int) -> float:
@@ -319,8 +321,9 @@ def run(contexts: list, steps: int, prefill_calls: int) -> tuple[list, dict]:
     for context in contexts:
         log(f"decode at context {context}, every path in turn")
         try:
-            for path, ms, x_floor in zip(working, *decode_ms(working, context, steps, floor_bytes)):
+            for path, ms, rounds, x_floor in zip(working, *decode_ms(working, context, steps, floor_bytes)):
                 path.results[f"decode_{context}"] = ms
+                path.results[f"rounds_{context}"] = rounds
                 path.results[f"x_floor_{context}"] = x_floor
         except Exception as error:
             log(f"decode at context {context} failed: {short_error(error)}")
@@ -328,6 +331,13 @@ def run(contexts: list, steps: int, prefill_calls: int) -> tuple[list, dict]:
     log("peak memory of fresh processes")
     extra["memory"] = peak_memory({"fp32": (fp32, 0), "qbackend int4": (int4, 4)})
     return rows, extra
+
+
+def paired_speedup(base_rounds: Optional[list], rounds: Optional[list]) -> Optional[float]:
+    """The median over rounds of the base path's median step over this path's, in the same round."""
+    if not base_rounds or not rounds:
+        return None
+    return statistics.median(b / r for b, r in zip(base_rounds, rounds))
 
 
 def report(rows: list, extra: dict, contexts: list, command: str) -> str:
@@ -349,7 +359,9 @@ def report(rows: list, extra: dict, contexts: list, command: str) -> str:
         "- Decode: median ms per token over the steps after a KV cache of that many positions, the paths taking"
         f" turns (each round starting one path later), each timing {DECODE_BLOCK} consecutive steps after {DECODE_WARMUP} untimed ones (a decode loop's steady"
         " state: a step right after another path's is up to 1.2x slower); `x floor`"
-        " for the quantized paths; speedups against fp32 / bf16 eager at context 32. Prefill: best of the calls, 512 tokens."
+        " for the quantized paths; speedups against fp32 / bf16 eager at context 32, paired: the median over rounds of the"
+        " eager path's median step over this path's in the same round (the host's speed drifts between rounds)."
+        " Prefill: best of the calls, 512 tokens."
         " `static cache`: transformers' StaticCache instead, of the context plus every position the turns add (its"
         " mask covers them all; qbackend's attention skips the unfilled ones).",
         f"- Two-thread speedup (one thread's time over two threads' for a small add; ~1.4 when the host runs"
@@ -370,8 +382,7 @@ def report(rows: list, extra: dict, contexts: list, command: str) -> str:
             lines.append(f"| {path.name} | {r['error'].replace('|', '/')} |" + " |" * (len(header) - 2))
             continue
         x_floor = " / ".join(fmt(r.get(f"x_floor_{c}"), ".2f") for c in (32, 2048) if c in contexts) if path.bits else "–"
-        speed = " / ".join(fmt(base.get("decode_32") and r.get("decode_32") and base["decode_32"] / r["decode_32"], ".1f")
-                           for base in (fp32, rows[1].results))
+        speed = " / ".join(fmt(paired_speedup(base.get("rounds_32"), r.get("rounds_32")), ".1f") for base in (fp32, rows[1].results))
         first = f"{r['first_s']:.1f} ({r['graphs']}, {r['recompiles']})" if "first_s" in r else "–"
         lines.append("| " + " | ".join([path.name, *(fmt(r.get(f"decode_{c}"), ".2f") for c in contexts), x_floor, speed,
                                          fmt(r.get("prefill"), ".0f"), first, fmt(r.get("cos_fp32"), ".5f"),
