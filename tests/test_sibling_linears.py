@@ -181,3 +181,21 @@ def test_merged_weight_only_call_is_bit_exact(monkeypatch, bits):
     assert calls == [3, 6], calls
     assert torch.equal(merged, separate)
     assert_weight_only_close(merged, expected)
+
+
+@needs_own_kernels
+def test_siblings_with_float_and_integer_zero_points_keep_their_own_calls():
+    """An integer zero point packs as int8 offset codes, a float offset (torchao's float
+    zero-point domain) as float32 offsets: a cat of the two would read the codes as offsets."""
+    from qbackend.quantized_tensor import QuantizedLinearWeight
+
+    torch.manual_seed(0)
+    model = qbackend.quantize_weights(LlamaProjections().eval(), bits=4, group_size=64)
+    w = model.q.weight
+    float_offsets = QuantizedLinearWeight(w.qdata, w.scale, -w.zero.float() * w.scale, 4, 64, tuple(w.shape), w.dtype)
+    model.q.weight = nn.Parameter(float_offsets, requires_grad=False)  # (the same weights: w = q s - z s)
+    actual, expected, captured = compile_and_run(model, (torch.randn(2, 5, 128),))
+    notes = {d.source: d.reason for d in captured.report.decisions}
+    assert not any("one call" in notes[name] for name in ("q", "k", "v")), str(captured.report)  # (the group is refused)
+    assert notes["up"].endswith("one call with linear_3 (same input, weights concatenated)"), str(captured.report)
+    assert_weight_only_close(actual, expected)
