@@ -321,7 +321,7 @@ def _weight_only_mm(kernel, name: str, x: torch.Tensor, n: int, k: int, weights:
     return y
 
 
-# int4_mm_int16's offsets: float32, or int8 codes c with offset c * scale (csrc/weight_only_int16.c)
+# int4_mm_int16's offsets: float32, or int8 codes c with offset c * scale (csrc/int4_offsets.h)
 INT4_OFFSET_CODES = torch.int8
 
 
@@ -387,7 +387,7 @@ def _int4_mm(lib, x, weight, scale, offset, group_size, trusted=False):
         raise ValueError(f"qbackend::int4_mm_int16: {reason}")
     groups, codes = n * (k // group_size), offset.dtype == INT4_OFFSET_CODES
     return _weight_only_mm(_weight_only_library().qb_int4_mm, "int4_mm_int16", x, n, k, ((weight, torch.uint8, n * k // 2),
-                           (scale, torch.float32, groups), (offset, offset.dtype if codes else torch.float32, groups)),
+                           (scale, torch.float32, groups), (offset, INT4_OFFSET_CODES if codes else torch.float32, groups)),
                            group_size, int(codes), trusted=trusted)
 
 

@@ -17,6 +17,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "int4_offsets.h"
+
 /* 8 floats as bf16, rounded to nearest even. */
 static inline __m128i bf16x8(__m256 f) {
   const __m256i bits = _mm256_castps_si256(f);
@@ -65,8 +67,7 @@ static inline void bf16_by_table(const uint8_t* bytes, __m256i low, __m256i high
 }
 
 /* Rows [0, rows) of an int4 weight of K columns (K % 16 == 0, group % 16 == 0, K % group == 0);
- * u, scale, offset and out start at the first of them. ``offset``: float32, or (``codes``) int8
- * c with offset c * scale (weight_only_int16.c). */
+ * u, scale, offset and out start at the first of them. ``offset``: see int4_offsets.h. */
 void qb_int4_dequantize(int threads, int rows, int K, int group, int codes, const uint8_t* u, const float* scale,
                         const void* offset, int bf16, void* out) {
   const int groups = K / group;
@@ -75,8 +76,7 @@ void qb_int4_dequantize(int threads, int rows, int K, int group, int codes, cons
     const uint8_t* row = u + (size_t)r * (K / 2);
     for (int g = 0; g < groups; g++) {
       const size_t at = (size_t)r * groups + g;
-      const float offset_g = codes ? (float)((const int8_t*)offset)[at] * scale[at] : ((const float*)offset)[at];
-      const __m256 s = _mm256_set1_ps(scale[at]), o = _mm256_set1_ps(offset_g);
+      const __m256 s = _mm256_set1_ps(scale[at]), o = _mm256_set1_ps(group_offset(offset, codes, scale, at));
       if (bf16 && group % 32 == 0) {
         __m256i low, high;
         bf16_tables(s, o, &low, &high);

@@ -10,10 +10,10 @@
  * even column in the low nibble, so nothing is repacked. Read as 16-bit lanes, lane i of a
  * 64-column block holds columns 4i + j in nibble j: extracting nibble j of all 16 lanes gives
  * columns j, 4 + j, ..., 60 + j, so the activations are quantized into that order
- * (x'[16j + i] = x[4i + j]). The weight is u * scale + offset per (row, group): ``offset`` holds
- * float32 offsets, or (``codes``) int8 c with offset c * scale. An integer zero point z gives
- * c = -8 - z: 5 bytes of scale and offset per group instead of 8, 4% fewer bytes streamed per
- * int4 g128 decode step, and the weight (u + c) * s exactly as the reference dequantizes it.
+ * (x'[16j + i] = x[4i + j]). The weight is u * scale + offset per (row, group), the offsets as
+ * int4_offsets.h reads them: an integer zero point's int8 code c streams 4% fewer bytes per int4
+ * g128 decode step than a float32 offset, and gives the weight (u + c) * s exactly as the
+ * reference dequantizes it.
  *
  * A row of x holding a NaN or an infinity cannot ride int16 values: it is quantized as zeros
  * and then computed again from the float weights (``float_rows``), so it comes out as the
@@ -31,10 +31,7 @@
 #include <stdint.h>
 #include <omp.h>
 
-/* Group g's offset: float32, or an int8 code times the group's scale (see the header). */
-static inline __attribute__((always_inline)) float group_offset(const void* offset, int codes, const float* scale, size_t g) {
-  return codes ? (float)((const int8_t*)offset)[g] * scale[g] : ((const float*)offset)[g];
-}
+#include "int4_offsets.h"
 
 #define BLOCK 64
 #define ROW_TILE 4 /* activation rows sharing one unpacked weight block */
