@@ -60,4 +60,19 @@ def freeze(gm: GraphModule, example_inputs) -> list[int]:
         constant.meta = dict(node.meta)
         node.replace_all_uses_with(constant)
         gm.graph.erase_node(node)
+    _detach_attributes(gm)
     return runtime
+
+
+def _detach_attributes(gm: GraphModule) -> None:
+    """Parameters the graph reads as attributes (Dynamo's graph of a module it specializes on,
+    qbackend/static_module.py) become plain constants, as placeholders do: no autograd on a call."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or _is_written(node):
+            continue
+        value = gm
+        for part in node.target.split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, torch.nn.Parameter) or isinstance(value, torch.Tensor) and value.requires_grad:
+            node.target = f"_frozen_{node.name}"
+            set_constant(gm, node.target, value.detach())

@@ -14,6 +14,7 @@ import math
 import torch
 
 from .direct import EXPORT_RANGES
+from .static_module import mark_static
 
 # (inductor_int8, the peer's recipe, is for benchmarks and tests: importable, not exported)
 __all__ = ["quantize_x86", "quantize_xpu", "cpu_needs_reduce_range"]
@@ -410,7 +411,7 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
     setattr(converted, EXPORT_RANGES, getattr(exported, EXPORT_RANGES, None))  # (convert drops them; batch 1's lowering needs them)
     if smooth_report is not None:
         converted.meta["smooth_quant"] = smooth_report
-    return converted
+    return mark_static(converted)  # (torch.compile then passes no weights per call: qbackend/static_module.py)
 
 
 def inductor_int8(converted_module, example_inputs):
