@@ -88,7 +88,7 @@ def test_a_converted_model_passes_dynamo_no_weights_per_call():
 
 def test_replacing_a_weight_of_a_static_model_recompiles():
     """Specialized means guarded by identity: a tensor swapped for another is seen (an in-place
-    edit is not, as with any frozen weights: the test above this one's neighbour)."""
+    edit is not, as with any frozen weights: test_weights_are_snapshotted_at_compile_time)."""
     inputs = (torch.randn(2, 3, 32, 32),)
     converted = quantize(tiny_resnet(), inputs)
     torch._dynamo.reset()
