@@ -7,6 +7,8 @@ the weights no longer change.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.fx import GraphModule, Node
 
@@ -22,7 +24,7 @@ def _is_parameter_or_buffer(node: Node, value) -> bool:
     return static is not None or getattr(value, "_dynamo_static_input_type", None) is not None
 
 
-def _is_written(node: Node) -> bool:
+def is_written(node: Node) -> bool:
     """The graph mutates this input in place (e.g. a cache buffer): it must stay an input."""
     return any(schema_writes(user, node) or (user.op == "call_method" and str(user.target).endswith("_"))
                for user in node.users)
@@ -50,7 +52,7 @@ def freeze(gm: GraphModule, example_inputs) -> list[int]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     runtime = []
     for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
-        if not _is_parameter_or_buffer(node, value) or _is_written(node):
+        if not _is_parameter_or_buffer(node, value) or is_written(node):
             runtime.append(index)
             continue
         name = f"_frozen_{node.name}"
@@ -68,11 +70,9 @@ def _detach_attributes(gm: GraphModule) -> None:
     """Parameters the graph reads as attributes (Dynamo's graph of a module it specializes on,
     qbackend/static_module.py) become plain constants, as placeholders do: no autograd on a call."""
     for node in gm.graph.nodes:
-        if node.op != "get_attr" or _is_written(node):
+        if node.op != "get_attr" or is_written(node):
             continue
-        value = gm
-        for part in node.target.split("."):
-            value = getattr(value, part, None)
+        value = operator.attrgetter(node.target)(gm)  # (a dotted path for a submodule's tensor)
         if isinstance(value, torch.nn.Parameter) or isinstance(value, torch.Tensor) and value.requires_grad:
             node.target = f"_frozen_{node.name}"
             set_constant(gm, node.target, value.detach())

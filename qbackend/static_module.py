@@ -15,7 +15,7 @@ import torch
 from torch.fx import GraphModule
 from torch.fx.graph_module import _USER_PRESERVED_ATTRIBUTES_KEY
 
-from qbackend.patterns.inplace import schema_writes
+from .freeze import is_written
 
 DYNAMO_SWITCH = "torchdynamo_force_dynamic"
 
@@ -23,7 +23,7 @@ DYNAMO_SWITCH = "torchdynamo_force_dynamic"
 def _writes_state(gm: GraphModule) -> bool:
     """The graph writes one of its own tensors in place (a buffer it updates): its values
     change from call to call, so they must stay inputs."""
-    return any(schema_writes(user, node) for node in gm.graph.nodes if node.op == "get_attr" for user in node.users)
+    return any(node.op == "get_attr" and is_written(node) for node in gm.graph.nodes)
 
 
 def mark_static(gm: GraphModule) -> GraphModule:
