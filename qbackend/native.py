@@ -1007,7 +1007,7 @@ def _attention_call(shape: tuple, strides: tuple, mask_stride: tuple, out_stride
 @_once
 def _attention_function():
     """attention_f32.c's entries (float32 keys and values, int8 ones, the chain step's address):
-    the AVX-512 build's where the AVX512-VNNI library loads (tiles of 8 query rows; the same
+    the AVX-512 build's where the AVX512-VNNI library loads (tiles of 12 query rows; the same
     bits), else the AVX2 one."""
     lib = _vnni_library()[0] or _load()[0]
     lib.qb_attention_kv_int8.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 8

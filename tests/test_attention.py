@@ -64,8 +64,8 @@ def _heads(batch, heads, length, dim, seed):
     return torch.randn(batch, length, heads * dim).mul(3).view(batch, length, heads, dim).transpose(1, 2)
 
 
-# (batch, heads, queries, keys, head dim, mask shape): lengths off every tile size (6 query
-# rows, 64-row blocks, 16 keys); masks broadcast over each dim
+# (batch, heads, queries, keys, head dim, mask shape): lengths off every tile size (6 or 12 query
+# rows, 64-row blocks, 16 or 32 keys, 16 or 32 head-dim columns); masks broadcast over each dim
 KERNEL_CASES = [(1, 12, 128, 128, 64, None), (2, 3, 37, 45, 32, (2, 1, 1, 45)), (1, 2, 70, 5, 16, (1, 2, 70, 5)),
                 (3, 1, 1, 200, 48, (1, 1, 1, 200)), (2, 2, 9, 17, 16, (9, 1)), (1, 1, 130, 33, 128, (1, 1, 130, 1)),
                 (1, 4, 8, 600, 64, (1, 1, 1, 600))]  # (+ a decode step's 8 grouped rows over 600 keys)

@@ -3,10 +3,10 @@
  * ~25% of this CPU's float32 FMA rate; a head's keys and one block of query rows fit in L1/L2.
  *
  * Per (batch, head): the keys are packed transposed, [S / 16][D][16] (zero columns past S),
- * so scores for a tile of query rows x 16 keys are one vector FMA per row and head-dim step (a
- * broadcast query element, the keys' vector). Each query row's scores then go through the
+ * so scores for a tile of query rows x 16 keys (a panel) are one vector FMA per row and head-dim
+ * step (a broadcast query element, the keys' vector). Each query row's scores then go through the
  * softmax in place (max, e^(s - max), their sum), and the output rows are
- * sum_j p[j] v[j] / sum, a tile of rows x 16 head-dim columns at a time. Written as
+ * sum_j p[j] v[j] / sum, a tile of rows x 16-column panels of the head dim at a time. Written as
  * [B][L][H][D] (or [L][B][H][D], out_stride): the layout the head merge after attention
  * (transpose(1, 2).reshape) reads as a view; grouped queries' rows go straight to their
  * query head's place (no copy to reorder them). D % 16 == 0. The output is float32, or
@@ -16,10 +16,11 @@
  * are exactly 0, and what those rows hold (a NaN) cannot reach the output.
  *
  * Built twice: for AVX2 (16 columns = two ymm, tiles of 6 rows: 12 accumulators of 16
- * registers) and, in the AVX-512 library, with one zmm per 16 columns and tiles of 8 rows: a
- * decode step's 8 query rows per key / value head (grouped queries) in one tile instead of
- * 6 + 2 (4 layers at 2048 positions from L3: 0.83 -> 0.61 ms, Zen 4). Each output element
- * is the same chain of FMAs in both, so the two give the same bits.
+ * registers) and, in the AVX-512 library, with one zmm per 16 columns and tiles of 12 rows x
+ * 32 columns (24 accumulators of 32: one broadcast per two FMAs; 8 x 16 had one per FMA:
+ * vit_b_16's heads at batch 8 7.3 -> 7.0 ms, BERT's at batch 8 3.5 -> 3.3 ms, Zen 4). A
+ * decode step's 8 query rows per key / value head (grouped queries) are one tile. Each output
+ * element is the same chain of FMAs in both, so the two give the same bits.
  *
  * ``qb_attention_kv_int8`` reads keys and values stored as int8 rows with a float32 scale
  * each (qbackend/kv_int8.py, a KV cache option): each element is widened and multiplied by its
@@ -128,8 +129,9 @@ static inline __attribute__((always_inline)) void pack_keys(const void* k, const
 
 /* 16 floats: one zmm, or two ymm */
 #ifdef __AVX512F__
-#define ROWS 8 /* query rows per tile: 8 accumulators, a load and a broadcast of 32 registers */
-#define MORE_ROW_CASES(CALL) case 6: CALL(6); break; case 7: CALL(7); break;
+#define ROWS 12  /* query rows per tile */
+#define PANELS 2 /* 16-column panels per tile: 24 accumulators, 2 loads and a broadcast of 32 registers */
+#define MORE_ROW_CASES(CALL, P) case 6: CALL(6, P); break; case 7: CALL(7, P); break; case 8: CALL(8, P); break; case 9: CALL(9, P); break; case 10: CALL(10, P); break; case 11: CALL(11, P); break;
 typedef __m512 vec16;
 static inline __attribute__((always_inline)) vec16 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __attribute__((always_inline)) vec16 load16_int8(const int8_t* p) {
@@ -146,8 +148,9 @@ static inline __attribute__((always_inline)) __m256 high8(vec16 a) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
 }
 #else
-#define ROWS 6 /* query rows per tile: 12 accumulators, 2 loads and a broadcast of 16 registers */
-#define MORE_ROW_CASES(CALL)
+#define ROWS 6   /* query rows per tile */
+#define PANELS 1 /* 16-column panels per tile: 12 accumulators, 2 loads and a broadcast of 16 registers */
+#define MORE_ROW_CASES(CALL, P)
 typedef struct {
   __m256 lo, hi;
 } vec16;
@@ -175,59 +178,83 @@ static inline __attribute__((always_inline)) __m256 low8(vec16 a) { return a.lo;
 static inline __attribute__((always_inline)) __m256 high8(vec16 a) { return a.hi; }
 #endif
 
-/* scores[r][j0 .. j0 + 15] = scale * q[r] . k[j] for ``rows`` query rows */
-static inline __attribute__((always_inline)) void score_tile(int rows, int D, const float* q, long q_row, const float* kt,
-                                                             float scale, float* scores, int S16) {
-  vec16 acc[ROWS];
-  for (int r = 0; r < rows; r++) acc[r] = zero16();
+/* scores[r][j0 .. j0 + 16 * panels - 1] = scale * q[r] . k[j] for ``rows`` query rows: each
+ * panel is a packed 16-key tile, each query element broadcast once for all of them */
+static inline __attribute__((always_inline)) void score_tile(int rows, int panels, int D, const float* q, long q_row,
+                                                             const float* kt, float scale, float* scores, int S16) {
+  vec16 acc[ROWS][PANELS];
+  for (int r = 0; r < rows; r++)
+    for (int c = 0; c < panels; c++) acc[r][c] = zero16();
   for (int d = 0; d < D; d++) {
-    const vec16 keys = load16(kt + d * KEYS);
-    for (int r = 0; r < rows; r++) acc[r] = fmadd16(q + r * q_row + d, keys, acc[r]);
+    vec16 keys[PANELS];
+    for (int c = 0; c < panels; c++) keys[c] = load16(kt + (size_t)c * KEYS * D + d * KEYS);
+    for (int r = 0; r < rows; r++)
+      for (int c = 0; c < panels; c++) acc[r][c] = fmadd16(q + r * q_row + d, keys[c], acc[r][c]);
   }
-  for (int r = 0; r < rows; r++) store16(scores + (size_t)r * S16, mul16(acc[r], scale));
+  for (int r = 0; r < rows; r++)
+    for (int c = 0; c < panels; c++) store16(scores + (size_t)r * S16 + c * KEYS, mul16(acc[r][c], scale));
 }
 
-/* out[r][c .. c + 15] = sum over j < S of p[r][j] v[j][c ..] * inv_sum[r]; ``out`` is float32,
- * or uint8 where a->quantized. Each row ``span`` values from v are prefetched ahead: the first
- * call of a block whole rows, so the later 16-column passes read them from L2 (each pass had
- * read every row's next line from memory again: a decode step's attention over 2048 cached
- * positions 450-585 -> 340-410 us per layer). */
-static inline __attribute__((always_inline)) void output_tile(int rows, int S, const float* p, int S16, const void* v,
-                                                              const float* v_scales, long v_row, const float* inv_sum,
-                                                              const attention_call_t* a, void* out, long out_row,
-                                                              int kv_int8, int span) {
-  vec16 acc[ROWS];
-  for (int r = 0; r < rows; r++) acc[r] = zero16();
+/* out[r][c .. c + 16 * panels - 1] = sum over j < S of p[r][j] v[j][c ..] * inv_sum[r]; ``out``
+ * is float32, or uint8 where a->quantized. Each row ``span`` values from v are prefetched
+ * ahead: the first call of a block whole rows, so the later passes read them from L2 (each
+ * pass had read every row's next line from memory again: a decode step's attention over 2048
+ * cached positions 450-585 -> 340-410 us per layer). */
+static inline __attribute__((always_inline)) void output_tile(int rows, int panels, int S, const float* p, int S16,
+                                                              const void* v, const float* v_scales, long v_row,
+                                                              const float* inv_sum, const attention_call_t* a, void* out,
+                                                              long out_row, int kv_int8, int span) {
+  vec16 acc[ROWS][PANELS];
+  for (int r = 0; r < rows; r++)
+    for (int c = 0; c < panels; c++) acc[r][c] = zero16();
   for (int j = 0; j < S; j++) {
     for (int d = 0; d < span; d += kv_int8 ? 64 : 16) /* (one prefetch a 64-byte line) */
       _mm_prefetch((const char*)element(v, (j + PREFETCH_KEYS) * v_row + d, kv_int8), _MM_HINT_T0);
-    const vec16 values = kv_int8 ? mul16(load16_int8((const int8_t*)v + j * v_row), v_scales[j]) : load16((const float*)v + j * v_row);
-    for (int r = 0; r < rows; r++) acc[r] = fmadd16(p + (size_t)r * S16 + j, values, acc[r]);
+    vec16 values[PANELS];
+    for (int c = 0; c < panels; c++)
+      values[c] = kv_int8 ? mul16(load16_int8((const int8_t*)v + j * v_row + c * 16), v_scales[j])
+                          : load16((const float*)v + j * v_row + c * 16);
+    for (int r = 0; r < rows; r++)
+      for (int c = 0; c < panels; c++) acc[r][c] = fmadd16(p + (size_t)r * S16 + j, values[c], acc[r][c]);
   }
   if (a->quantized) {
     const __m256 scale = _mm256_set1_ps(a->out_inv_scale), zp = _mm256_set1_ps((float)a->out_zero_point),
                  lo = _mm256_set1_ps((float)a->out_qmin), hi = _mm256_set1_ps((float)a->out_qmax);
-    for (int r = 0; r < rows; r++) { /* (the float32 value first, then its quantize: the reference's two roundings) */
-      const vec16 o = mul16(acc[r], inv_sum[r]);
-      uint8_t* y = (uint8_t*)out + r * out_row;
-      store_quantized8(_mm256_mul_ps(low8(o), scale), zp, lo, hi, y);
-      store_quantized8(_mm256_mul_ps(high8(o), scale), zp, lo, hi, y + 8);
-    }
+    for (int r = 0; r < rows; r++) /* (the float32 value first, then its quantize: the reference's two roundings) */
+      for (int c = 0; c < panels; c++) {
+        const vec16 o = mul16(acc[r][c], inv_sum[r]);
+        uint8_t* y = (uint8_t*)out + r * out_row + c * 16;
+        store_quantized8(_mm256_mul_ps(low8(o), scale), zp, lo, hi, y);
+        store_quantized8(_mm256_mul_ps(high8(o), scale), zp, lo, hi, y + 8);
+      }
     return;
   }
-  for (int r = 0; r < rows; r++) store16((float*)out + r * out_row, mul16(acc[r], inv_sum[r]));
+  for (int r = 0; r < rows; r++)
+    for (int c = 0; c < panels; c++) store16((float*)out + r * out_row + c * 16, mul16(acc[r][c], inv_sum[r]));
 }
 
-#define ROW_CASES(ROWS_LEFT, CALL)                                                                   \
+#define ROW_CASES(ROWS_LEFT, CALL, P)                                                                \
   switch (ROWS_LEFT) {                                                                               \
-    case 1: CALL(1); break;                                                                          \
-    case 2: CALL(2); break;                                                                          \
-    case 3: CALL(3); break;                                                                          \
-    case 4: CALL(4); break;                                                                          \
-    case 5: CALL(5); break;                                                                          \
-    MORE_ROW_CASES(CALL)                                                                             \
-    default: CALL(ROWS);                                                                             \
+    case 1: CALL(1, P); break;                                                                       \
+    case 2: CALL(2, P); break;                                                                       \
+    case 3: CALL(3, P); break;                                                                       \
+    case 4: CALL(4, P); break;                                                                       \
+    case 5: CALL(5, P); break;                                                                       \
+    MORE_ROW_CASES(CALL, P)                                                                          \
+    default: CALL(ROWS, P);                                                                          \
   }
+
+/* A tile of all PANELS panels where ``COLUMNS_LEFT`` (a multiple of 16) has them, else of one */
+#if PANELS == 2
+#define PANEL_CASES(COLUMNS_LEFT, ROWS_LEFT, CALL) \
+  if ((COLUMNS_LEFT) >= 32) {                      \
+    ROW_CASES(ROWS_LEFT, CALL, 2)                  \
+  } else {                                         \
+    ROW_CASES(ROWS_LEFT, CALL, 1)                  \
+  }
+#else
+#define PANEL_CASES(COLUMNS_LEFT, ROWS_LEFT, CALL) ROW_CASES(ROWS_LEFT, CALL, 1)
+#endif
 
 /* One row of scores (with its mask) -> e^(s - max) in place; returns 1 / their sum. A NaN
  * score (max would skip it) or a +inf one (inf - inf) makes the row NaN, as softmax does; a
@@ -318,19 +345,19 @@ static inline __attribute__((always_inline)) int attention(int threads, const at
         }
         const int seen16 = (seen + KEYS - 1) / KEYS * KEYS;
         for (int i = 0; i < n; i += ROWS)
-          for (int j0 = 0; j0 < seen16; j0 += KEYS) {
-#define SCORES(R) score_tile(R, a->D, qb + i * a->q_stride[2], a->q_stride[2], kt + (size_t)j0 * a->D, a->scale, scores + (size_t)i * S16 + j0, S16)
-            ROW_CASES(n - i, SCORES)
+          for (int j0 = 0; j0 < seen16; j0 += PANELS * KEYS) {
+#define SCORES(R, P) score_tile(R, P, a->D, qb + i * a->q_stride[2], a->q_stride[2], kt + (size_t)j0 * a->D, a->scale, scores + (size_t)i * S16 + j0, S16)
+            PANEL_CASES(seen16 - j0, n - i, SCORES)
           }
         for (int i = 0; i < n; i++) {
           const float* m = mask_row(a, mask, b, h, l0 + i);
           inv_sum[i] = softmax_row(scores + (size_t)i * S16, visible[i], seen16, m, a->mask_stride[3]);
         }
         char* ob = (char*)out + ((size_t)b * a->out_stride[0] + (size_t)l0 * out_row + (size_t)h * a->out_stride[2]) * out_bytes;
-        for (int c = 0; c < a->D; c += 16) /* (a 16-column slice of v stays in L1 across the row tiles) */
+        for (int c = 0; c < a->D; c += PANELS * 16) /* (a slice of v's columns stays in L1 across the row tiles) */
           for (int i = 0; i < n; i += ROWS) {
-#define OUTPUTS(R) output_tile(R, seen, scores + (size_t)i * S16, S16, element(vb, c, kv_int8), vs, a->v_stride[2], inv_sum + i, a, ob + (i * out_row + c) * out_bytes, out_row, kv_int8, c == 0 && i == 0 ? a->D : 1)
-            ROW_CASES(n - i, OUTPUTS)
+#define OUTPUTS(R, P) output_tile(R, P, seen, scores + (size_t)i * S16, S16, element(vb, c, kv_int8), vs, a->v_stride[2], inv_sum + i, a, ob + (i * out_row + c) * out_bytes, out_row, kv_int8, c == 0 && i == 0 ? a->D : 1)
+            PANEL_CASES(a->D - c, n - i, OUTPUTS)
           }
       }
     free(kt);
