@@ -9,18 +9,20 @@ through ``torch.compile(backend="qbackend")`` with default options and through
 ``qbackend.compile``, and the peers outside PyTorch that are installed (ONNX Runtime int8 QDQ
 for the CNNs, OpenVINO int8 via NNCF), timed in interleaved rounds in this one process. Writes
 docs/benchmarks_zoo.md, one section per CPU (a section of another CPU is kept), and with
-``--profile`` docs/profile_zoo.md: where each model's time goes, qbackend beside Inductor and
-OpenVINO (its own PERF_COUNT counters per node type).
+``--profile`` docs/profile_zoo.md: where each model's time goes, qbackend (ATen / oneDNN ops and
+its own C kernels) beside Inductor and OpenVINO (its own PERF_COUNT counters per node type).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import datetime
 import gc
 import importlib.util
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -136,10 +138,35 @@ def _first_call(build, case: Case):
     return runner, output, time.perf_counter() - start
 
 
+# a Python frame as torch.profiler's Python tracer names it: "<file>(<line>): <function>"
+PYTHON_FRAME = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<function>\S+)$")
+QBACKEND_DIR = str(Path(qbackend.__file__).parent)
+
+
+def _profiled_op(key: str, qbackend_frames: bool) -> Optional[str]:
+    """The profile row an event counts under, None to leave it out. qbackend's own C kernels
+    are ctypes calls, no profiler event: the self time of the qbackend function around each is
+    its time, named ``qbackend <module>.<function>``; the lowered graph's own Python (one line
+    a node) is its ``forward``'s self time. Other Python frames and built-in methods only wrap
+    the ops already counted."""
+    if key.startswith("<built-in"):
+        return None
+    frame = PYTHON_FRAME.match(key)
+    if frame is None:
+        return key  # an ATen / oneDNN op, or a framework's own record_function range
+    if not qbackend_frames:
+        return None
+    if frame["file"].startswith("<eval_with_key>"):
+        return "lowered graph's Python (forward)"
+    if frame["file"].startswith(QBACKEND_DIR):
+        return f"qbackend {Path(frame['file']).stem}.{frame['function']}"
+    return None
+
+
 def _profile(runners: dict, inputs: tuple) -> dict:
     """{path: (wall ms per call, [(op, self ms per call, calls per call)])}: torch.profiler's
-    ATen / oneDNN ops; the rest of the wall time is Python, qbackend's own C kernels (ctypes
-    calls, invisible to the profiler) and the frameworks' wrappers."""
+    ATen / oneDNN ops, and for qbackend's paths its own kernels (``_profiled_op``); the rest of
+    the wall time is the frameworks' Python and wrappers."""
     from torch.profiler import ProfilerActivity, profile
 
     found = {}
@@ -147,14 +174,19 @@ def _profile(runners: dict, inputs: tuple) -> dict:
         if hasattr(runner, "openvino_profile"):  # (its own counters: nothing of it runs in torch's profiler)
             found[path] = runner.openvino_profile(inputs, PROFILED_CALLS)
             continue
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        qbackend_frames = path in QBACKEND
+        with profile(activities=[ProfilerActivity.CPU], with_stack=qbackend_frames) as prof:
             start = time.perf_counter()
             for _ in range(PROFILED_CALLS):
                 runner(*clone_inputs(inputs))
             wall = (time.perf_counter() - start) * 1e3 / PROFILED_CALLS
-        ops = [(e.key, e.self_cpu_time_total / 1e3 / PROFILED_CALLS, e.count / PROFILED_CALLS)
-               for e in prof.key_averages() if e.self_cpu_time_total > 0]
-        found[path] = (wall, sorted(ops, key=lambda op: -op[1]))
+        totals, calls = collections.Counter(), collections.Counter()
+        for event in prof.key_averages():
+            op = _profiled_op(event.key, qbackend_frames)
+            if op is not None and event.self_cpu_time_total > 0:
+                totals[op] += event.self_cpu_time_total / 1e3 / PROFILED_CALLS
+                calls[op] += event.count / PROFILED_CALLS
+        found[path] = (wall, sorted(((op, ms, calls[op]) for op, ms in totals.items()), key=lambda op: -op[1]))
     return found
 
 
