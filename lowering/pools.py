@@ -27,8 +27,10 @@ aten = torch.ops.aten
 
 def _input_refusal(match) -> Optional[str]:
     value = fake_value(match.x.node)
-    if value is None or value.dim() != 4:
-        return "the kernel takes a batched [N, C, H, W] input"
+    if value is None:
+        return "the input's shape was not recorded (the kernel takes a batched [N, C, H, W] input)"
+    if value.dim() != 4:
+        return f"the kernel takes a batched [N, C, H, W] input, not one of rank {value.dim()}"
     if match.x.qparams.dtype != torch.uint8:
         return "the kernel reads uint8"
     return native.available()

@@ -93,6 +93,15 @@ def test_global_average_pool_runs_on_the_kernel_other_pools_on_torchs(pool):
         assert decision.op == "aten::avg_pool2d (quantized tensor)", str(report)
 
 
+def test_an_unbatched_global_average_pool_runs_on_torchs_with_the_reason():
+    inputs = (torch.randn(3, 14, 14),)  # [C, H, W]: the kernel reads a batch of images
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
+    report = assert_matches_reference(quantize(model, inputs), inputs).report
+    decision = next(d for d in report.decisions if d.rule == "qavgpool")
+    assert decision.op == "aten::adaptive_avg_pool2d (quantized tensor)", str(report)
+    assert "batched [N, C, H, W] input, not one of rank 3" in decision.reason, str(report)
+
+
 def test_a_ceil_mode_pool_after_a_stem_conv_stays_a_call_of_its_own():
     """(the stem conv's fused pool is floor mode: GoogLeNet's stem pools in ceil mode)"""
     inputs = (torch.randn(2, 3, 32, 32),)
