@@ -131,7 +131,13 @@ static inline __attribute__((always_inline)) void pack_keys(const void* k, const
 #ifdef __AVX512F__
 #define ROWS 12  /* query rows per tile */
 #define PANELS 2 /* 16-column panels per tile: 24 accumulators, 2 loads and a broadcast of 32 registers */
-#define MORE_ROW_CASES(CALL, P) case 6: CALL(6, P); break; case 7: CALL(7, P); break; case 8: CALL(8, P); break; case 9: CALL(9, P); break; case 10: CALL(10, P); break; case 11: CALL(11, P); break;
+#define MORE_ROW_CASES(CALL, P)      \
+  case 6: CALL(6, P); break;         \
+  case 7: CALL(7, P); break;         \
+  case 8: CALL(8, P); break;         \
+  case 9: CALL(9, P); break;         \
+  case 10: CALL(10, P); break;       \
+  case 11: CALL(11, P); break;
 typedef __m512 vec16;
 static inline __attribute__((always_inline)) vec16 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __attribute__((always_inline)) vec16 load16_int8(const int8_t* p) {
