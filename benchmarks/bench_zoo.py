@@ -111,7 +111,7 @@ def _dynamo_alone(case: Case) -> Callable:
     return torch.compile(case.copy(), backend="eager")
 
 PEERS = tuple(p for p in PATHS if p not in QBACKEND)
-IDLE_BETWEEN_S = 0.02  # before each timed call: see common.interleaved_samples
+SETTLE_S = 0.012  # untimed calls of a path before its timed one: see common.interleaved_samples
 
 
 @dataclass
@@ -236,7 +236,7 @@ def run_config(name: str, batch: int, settings: Settings, profile: bool, every_l
                                                         for inputs, fp32 in zip(evaluation, fp32s))
     speedup = wait_for_parallel_speedup()
     log(f"{name} batch {batch}: timing {len(runners)} paths interleaved (two-thread speedup {speedup:.2f})")
-    samples = interleaved_samples(runners, zoo.inputs, settings, idle_between_s=IDLE_BETWEEN_S)
+    samples = interleaved_samples(runners, zoo.inputs, settings, settle_s=SETTLE_S)
     speedups = (speedup, parallel_speedup())
     for path, times in samples.items():
         results[path].latency_ms = statistics.median(times) * 1e3
@@ -344,9 +344,10 @@ def profile_section(profiles: list) -> str:
     return "\n".join(lines)
 
 
-NOTES = """- Latency: median ms per call, every path timed in interleaved rounds in one process, each call
-  after a 20 ms pause (the previous engine's threads stop spinning); the paired ratio is the
-  median over rounds of qbackend's time over Inductor's in the same round.
+NOTES = """- Latency: median ms per call, every path timed in interleaved rounds in one process, each timed
+  call right after at least 12 ms of untimed calls of the same path (back to back, past the
+  previous engine's spinning threads); the paired ratio is the median over rounds of
+  qbackend's time over Inductor's in the same round.
 - Compile: the first call after `torch._dynamo.reset()` (Inductor with an empty cache directory;
   qbackend's C kernels already built, as after its first use on a machine, and its kernel
   choice cache empty: every layer's own-kernel / oneDNN timing is in it). "Dynamo trace alone":

@@ -37,13 +37,15 @@ def time_one_call(runner, inputs):
     return time.perf_counter() - start
 
 
-def interleaved_samples(runners, inputs, settings, idle_between_s: float = 0.0):
+def interleaved_samples(runners, inputs, settings, settle_s: float = 0.0):
     """Seconds per call of every runner, timed in alternating rounds so that drifting load on a
     shared machine hits all paths alike: {path: [one sample per round]} (index i: round i).
-    ``idle_between_s``: a pause before each timed call, so that one engine's threads still
-    spinning after its call (OpenMP's wait before its workers sleep) do not take the cores from
-    the next engine in the round (on 2 cores, OpenVINO int8 on efficientnet_b0 at batch 8: 36 ms
-    alone, 42 ms right after a torch call, 36.5 ms 20 ms after it)."""
+    ``settle_s``: before each timed call, untimed calls of the same runner for at least that
+    long, so that the timed one runs back to back with its own kind (the steady state of a
+    loop of calls) and not while the previous engine's threads still spin (OpenMP's workers
+    spin ~9 ms after a torch call before they sleep: on 2 cores, OpenVINO int8 on
+    efficientnet_b0 at batch 8 ran 36 ms alone and 42 ms right after a torch call). A pause
+    instead made every call start on idle cores: batch 1 ran ~30% slower on every engine."""
     for runner in runners.values():
         for _ in range(settings.warmup_calls):
             time_one_call(runner, inputs)
@@ -52,8 +54,9 @@ def interleaved_samples(runners, inputs, settings, idle_between_s: float = 0.0):
     samples = {path: [] for path in runners}
     for _ in range(rounds):
         for path, runner in runners.items():
-            if idle_between_s:
-                time.sleep(idle_between_s)
+            settled = 0.0
+            while settled < settle_s:
+                settled += time_one_call(runner, inputs)
             samples[path].append(time_one_call(runner, inputs))
     return samples
 
