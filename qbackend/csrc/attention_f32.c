@@ -251,16 +251,12 @@ static inline __attribute__((always_inline)) void output_tile(int rows, int pane
   }
 
 /* A tile of all PANELS panels where ``COLUMNS_LEFT`` (a multiple of 16) has them, else of one */
-#if PANELS == 2
 #define PANEL_CASES(COLUMNS_LEFT, ROWS_LEFT, CALL) \
-  if ((COLUMNS_LEFT) >= 32) {                      \
-    ROW_CASES(ROWS_LEFT, CALL, 2)                  \
+  if ((COLUMNS_LEFT) >= PANELS * 16) {             \
+    ROW_CASES(ROWS_LEFT, CALL, PANELS)             \
   } else {                                         \
     ROW_CASES(ROWS_LEFT, CALL, 1)                  \
   }
-#else
-#define PANEL_CASES(COLUMNS_LEFT, ROWS_LEFT, CALL) ROW_CASES(ROWS_LEFT, CALL, 1)
-#endif
 
 /* One row of scores (with its mask) -> e^(s - max) in place; returns 1 / their sum. A NaN
  * score (max would skip it) or a +inf one (inf - inf) makes the row NaN, as softmax does; a
