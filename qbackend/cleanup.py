@@ -22,6 +22,7 @@ from .batch_norm_quantize import batch_norms_quantized
 from .channel_shuffle import shuffles_in_one_pass
 from .constant_fills import FRESH, MAX_ELEMENTS, fold_write, fresh_value, is_view
 from .dead_code import eliminate_dead_code
+from .dense_swiglu import swiglus_fused
 from .dense_weight_only import dense_slices_pass
 from .direct_ops import direct_ops
 from .depthwise_norm import depthwise_norms_fused
@@ -270,6 +271,7 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
              shuffles_in_one_pass(gm) if fast_boundary else None, batch_norms_quantized(gm) if fast_boundary else None,
              depthwise_norms_fused(gm) if fast_boundary else None,
              dense_slices_pass(gm, kernel_choice, weight_only_compute) if fast_boundary and device == "cpu" else None,
+             swiglus_fused(gm) if fast_boundary and device == "cpu" else None,
              view_chains_collapsed(gm) if fast_boundary else None,
              streamed_weights_on_huge_pages(gm) if device == "cpu" else None,
              direct_ops(gm) if fast_boundary else None]

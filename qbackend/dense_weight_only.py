@@ -97,15 +97,21 @@ def _in_features(bits: int, args: tuple) -> int:
     return args[0].shape[1] * (2 if bits == 4 else 1)
 
 
+def slice_rows(m: int, k: int, dtype: torch.dtype) -> int:
+    """Weight rows per written-out slice, for ``m`` activation rows of ``k`` features."""
+    chunk = min(MAX_CHUNK_BYTES, CHUNK_BYTES * max(1, m // CHUNK_GROWTH_ROWS))
+    return max(16, chunk // (k * dtype.itemsize) // 16 * 16)
+
+
 def dense_slices(x: torch.Tensor, bits: int, dtype: torch.dtype, *args) -> torch.Tensor:
-    """x [M, K] float32 times the weight ``args`` hold, transposed: float32 [M, N], the weight
-    written out ``CHUNK_BYTES`` at a time in ``dtype`` and multiplied densely."""
+    """x [M, K] float32 (or already ``dtype``) times the weight ``args`` hold, transposed:
+    float32 [M, N], the weight written out ``CHUNK_BYTES`` at a time in ``dtype`` and
+    multiplied densely."""
     n, k = args[0].shape[0], _in_features(bits, args)
-    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32:
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, dtype):
         raise ValueError(f"qbackend dense weight-only: float32 activations [M, {k}], got {x.dtype} {tuple(x.shape)}")
-    chunk = min(MAX_CHUNK_BYTES, CHUNK_BYTES * max(1, x.shape[0] // CHUNK_GROWTH_ROWS))
-    rows = max(16, chunk // (k * dtype.itemsize) // 16 * 16)
-    x_dtype, y = x.to(dtype), x.new_empty(x.shape[0], n)
+    rows = slice_rows(x.shape[0], k, dtype)
+    x_dtype, y = x.to(dtype), torch.empty(x.shape[0], n)
     slice_ = torch.empty(min(rows, n), k, dtype=dtype)
     for start in range(0, n, rows):
         part = slice_[:min(rows, n - start)]

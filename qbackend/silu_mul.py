@@ -1,4 +1,4 @@
-"""SwiGLU's gate, ``silu(gate) * up``, in one pass (csrc/silu_mul_f32.c).
+"""SwiGLU's gate, ``silu(gate) * up``, in one pass (csrc/silu_mul.c).
 
 Llama's MLP (Mistral's, Qwen2's the same) computes ``act_fn(gate_proj(x)) * up_proj(x)``; with
 gate and up merged into one weight-only call, both operands are slices of its output. The graph's
@@ -22,13 +22,18 @@ from .chain_step import StepCall, plain_float32, step_call
 from .float_ops import both_orders, calls_in_place_of, float32, is_op, operands, single_user
 
 
-# (csrc/silu_mul_f32.c: threads, rows, n, a, a's row stride, b, b's row stride, out)
+# (csrc/silu_mul.c: threads, rows, n, a, a's row stride, b, b's row stride, out)
 _SIGNATURE = (ctypes.c_int, ctypes.c_long, ctypes.c_long) + (ctypes.c_void_p, ctypes.c_long) * 2 + (ctypes.c_void_p,)
 
 
 def _kernel():
     """The C function, or None where the own kernels are not built."""
     return native.c_function("qb_silu_mul_f32", _SIGNATURE)
+
+
+def _bf16_kernel():
+    """The bf16 variant (its signature: ``_SIGNATURE`` and out's row stride), or None."""
+    return native.c_function("qb_silu_mul_bf16", _SIGNATURE + (ctypes.c_long,))
 
 
 def _row_stride(shape: tuple, stride: tuple) -> Optional[int]:
@@ -73,7 +78,25 @@ def silu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class _Call(ctypes.Structure):  # csrc/silu_mul_f32.c silu_mul_call_t
+def silu_mul_bf16_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = F.silu(a) * b`` for bf16 matrices of one shape whose rows are contiguous (each
+    with its own row stride: column slices of wider ones), computed in float32 and rounded as
+    torch's conversion to bf16 rounds; ``out``."""
+    kernel = _bf16_kernel()
+    if kernel is None:
+        raise RuntimeError(native.available())
+    for name, t in (("a", a), ("b", b), ("out", out)):
+        if t.dtype != torch.bfloat16 or t.dim() != 2 or t.shape != a.shape or t.device.type != "cpu" \
+                or (t.stride(1) != 1 and t.shape[1] > 1) or t.stride(0) < t.shape[1]:
+            raise ValueError(f"qbackend silu_mul_bf16: {name} must be a CPU bf16 matrix of a's shape {tuple(a.shape)} with "
+                             f"contiguous rows, got {t.dtype} {tuple(t.shape)} strides {t.stride()}")
+    if a.numel():
+        kernel(torch.get_num_threads(), a.shape[0], a.shape[1], a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0),
+               out.data_ptr(), out.stride(0))
+    return out
+
+
+class _Call(ctypes.Structure):  # csrc/silu_mul.c silu_mul_call_t
     _fields_ = [(name, ctypes.c_long) for name in ("rows", "n", "a_row", "b_row")]
 
 

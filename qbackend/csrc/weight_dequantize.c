@@ -17,17 +17,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "bf16.h"
 #include "int4_offsets.h"
-
-/* 8 floats as bf16, rounded to nearest even. */
-static inline __m128i bf16x8(__m256 f) {
-  const __m256i bits = _mm256_castps_si256(f);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(nan));
-  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-}
 
 /* 16 consecutive floats of a row: to out[0..15] as float32 or bf16. */
 static inline void store16(__m256 first, __m256 second, int bf16, void* out, size_t index) {
