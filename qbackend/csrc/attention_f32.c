@@ -346,11 +346,17 @@ static inline __attribute__((always_inline)) int attention(int threads, const at
           seen = end > seen ? end : seen;
         }
         const int seen16 = (seen + KEYS - 1) / KEYS * KEYS;
-        for (int i = 0; i < n; i += ROWS)
-          for (int j0 = 0; j0 < seen16; j0 += PANELS * KEYS) {
+        /* ...and a tile of rows only up to the furthest its rows see (causal rows: a triangle) */
+        int tile_seen[(QUERY_BLOCK + ROWS - 1) / ROWS];
+        for (int i = 0; i < n; i += ROWS) {
+          tile_seen[i / ROWS] = 0;
+          for (int r = i; r < n && r < i + ROWS; r++) tile_seen[i / ROWS] = visible[r] > tile_seen[i / ROWS] ? visible[r] : tile_seen[i / ROWS];
+          const int tile16 = (tile_seen[i / ROWS] + KEYS - 1) / KEYS * KEYS;
+          for (int j0 = 0; j0 < tile16; j0 += PANELS * KEYS) {
 #define SCORES(R, P) score_tile(R, P, a->D, qb + i * a->q_stride[2], a->q_stride[2], kt + (size_t)j0 * a->D, a->scale, scores + (size_t)i * S16 + j0, S16)
-            PANEL_CASES(seen16 - j0, n - i, SCORES)
+            PANEL_CASES(tile16 - j0, n - i, SCORES)
           }
+        }
         for (int i = 0; i < n; i++) {
           const float* m = mask_row(a, mask, b, h, l0 + i);
           inv_sum[i] = softmax_row(scores + (size_t)i * S16, visible[i], seen16, m, a->mask_stride[3]);
@@ -358,7 +364,7 @@ static inline __attribute__((always_inline)) int attention(int threads, const at
         char* ob = (char*)out + ((size_t)b * a->out_stride[0] + (size_t)l0 * out_row + (size_t)h * a->out_stride[2]) * out_bytes;
         for (int c = 0; c < a->D; c += PANELS * 16) /* (a slice of v's columns stays in L1 across the row tiles) */
           for (int i = 0; i < n; i += ROWS) {
-#define OUTPUTS(R, P) output_tile(R, P, seen, scores + (size_t)i * S16, S16, element(vb, c, kv_int8), vs, a->v_stride[2], inv_sum + i, a, ob + (i * out_row + c) * out_bytes, out_row, kv_int8, c == 0 && i == 0 ? a->D : 1)
+#define OUTPUTS(R, P) output_tile(R, P, tile_seen[i / ROWS], scores + (size_t)i * S16, S16, element(vb, c, kv_int8), vs, a->v_stride[2], inv_sum + i, a, ob + (i * out_row + c) * out_bytes, out_row, kv_int8, c == 0 && i == 0 ? a->D : 1)
             PANEL_CASES(a->D - c, n - i, OUTPUTS)
           }
       }
