@@ -1,7 +1,7 @@
 """Fixtures shared by the test files."""
 import pytest
 
-from qbackend import native
+from qbackend import choice_cache, native
 
 
 @pytest.fixture(autouse=True)
@@ -31,3 +31,11 @@ def int8_build(request, monkeypatch):
     monkeypatch.setattr(native, "int8_build", lambda: isa)
     monkeypatch.setattr(native, "gemm_build", lambda: request.param)
     return isa
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """An empty directory for the machine's measured choices (qbackend/choice_cache.py)."""
+    monkeypatch.setenv("QBACKEND_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice_cache, "_shared", None)
+    return tmp_path

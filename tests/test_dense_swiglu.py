@@ -10,7 +10,7 @@ import qbackend
 from qbackend import dense_swiglu, dense_weight_only, native, silu_mul
 
 from .helpers import compile_and_run, needs_own_kernels, short_graph
-from .test_dense_weight_only import cache_dir, packed, simulated  # noqa: F401 (cache_dir: a fixture)
+from .test_dense_weight_only import packed, simulated
 from .tolerances import assert_weight_only_close
 
 pytestmark = needs_own_kernels
@@ -86,7 +86,7 @@ def quantized_and_reference(**kwargs):
 
 class TestSwigluInTheGraph(expecttest.TestCase):
     @pytest.fixture(autouse=True)
-    def _dense_from_16_rows(self, cache_dir, monkeypatch):  # noqa: F811 (the fixture)
+    def _dense_from_16_rows(self, cache_dir, monkeypatch):
         monkeypatch.setattr(dense_weight_only, "_measured", simulated({"dtype": "bf16", "from": 16, "ms": {}})[1])
 
     def test_a_dense_mlp_becomes_one_call(self):

@@ -5,7 +5,7 @@ import expecttest
 import pytest
 import torch
 
-from qbackend import choice_cache, dense_weight_only, native
+from qbackend import dense_weight_only, native
 from qbackend.lowering import weight_only
 from qbackend.weight_quant import quantize
 
@@ -81,11 +81,6 @@ def test_dense_slices_match_the_float_linear_on_the_dequantized_weight(bits, row
     assert torch.equal(dense_weight_only.kernel_or_dense(x, rows, torch.bfloat16, bits, *args),
                        dense_weight_only.dense_slices(x, bits, torch.bfloat16, *args))
 
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("QBACKEND_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(choice_cache, "_shared", None)
 
 
 def simulated(record):

@@ -1,9 +1,7 @@
 """The linears the quantizer left float: MKL's or oneDNN's packed GEMM, measured on the machine
 that compiles (qbackend/float_linear.py), the choice cached like the int8 layers'."""
-import pytest
 import torch
 
-from qbackend import choice_cache
 from qbackend.lowering import choice
 
 from .helpers import assert_matches_reference, quantize
@@ -26,12 +24,6 @@ class SimulatedMachine:
         self.widths.append(outputs["mkl"].shape[-1])
         return dict(self.seconds)
 
-
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("QBACKEND_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(choice_cache, "_shared", None)
-    return tmp_path
 
 
 def compiled(monkeypatch, machine, mode="measure"):
