@@ -166,6 +166,22 @@ def prefill_ms(path: Runner, calls: int) -> float:
     return min(times[1:]) * 1e3
 
 
+def prefill_pairs(base: Runner, paths: list, rounds: int) -> dict:
+    """{path name: the median over rounds of its prefill time over ``base``'s in the same round};
+    the paths take turns (each round starting one later), each timed call right after an
+    untimed one of its own (the steady state of a loop of prompts; compiles land there)."""
+    tokens = torch.randint(0, CONFIG["vocab_size"], (1, PREFILL), generator=torch.Generator().manual_seed(3))
+    order, times = [base, *paths], {path.name: [] for path in (base, *paths)}
+    for turn in range(rounds):
+        for path in order[turn % len(order):] + order[:turn % len(order)]:
+            PROBES.append(wait_for_parallel_speedup())
+            step(path, tokens, DynamicCache(), logits_to_keep=1)
+            start = time.perf_counter()
+            step(path, tokens, DynamicCache(), logits_to_keep=1)
+            times[path.name].append(time.perf_counter() - start)
+    return {path.name: statistics.median(t / b for t, b in zip(times[path.name], times[base.name])) for path in paths}
+
+
 def first_calls(path: Runner, prompt: torch.Tensor) -> dict:
     """The prompt and two decode steps from cold (Dynamo reset): their time, then the graphs
     Dynamo compiles over 8 more steps (0: no recompiles)."""
@@ -284,7 +300,7 @@ def paths(fp32, bf16, int4, int8) -> list[Runner]:
     ]
 
 
-def run(contexts: list, steps: int, prefill_calls: int) -> tuple[list, dict]:
+def run(contexts: list, steps: int, prefill_calls: int, prefill_rounds: int) -> tuple[list, dict]:
     log("building the models")
     fp32 = build_fp32()
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16)
@@ -317,6 +333,11 @@ def run(contexts: list, steps: int, prefill_calls: int) -> tuple[list, dict]:
             log(f"{path.name} failed: {path.results['error']}")
         gc.collect()
     working = [path for path in rows if "error" not in path.results]
+    inductor = next((path for path in working if path.name == "Inductor bf16"), None)
+    if inductor is not None:
+        log(f"prefill of {PREFILL} against Inductor bf16, interleaved")
+        extra["prefill_vs_inductor"] = prefill_pairs(inductor, [path for path in working if path.bits and path.compiled
+                                                                and "prefill" in path.results], prefill_rounds)
     floor_bytes = {4: extra["int4_bytes"], 8: extra["int8_bytes"]}
     for context in contexts:
         log(f"decode at context {context}, every path in turn")
@@ -391,6 +412,11 @@ def report(rows: list, extra: dict, contexts: list, command: str) -> str:
     if static:
         lines += ["", "With a static cache (`StaticCache`, the same tokens fed), logits cosine against the same path's"
                   f" dynamic cache, minimum over the prompt and {ACCURACY_STEPS} steps: {', '.join(static)}."]
+    pairs = extra.get("prefill_vs_inductor")
+    if pairs:
+        lines += ["", f"Prefill of {PREFILL} tokens against Inductor bf16, the paths' calls interleaved (each timed right after an"
+                  " untimed one of its own), the median over rounds of this path's time over Inductor's in the same round: "
+                  + ", ".join(f"{name} {ratio:.3f}x" for name, ratio in pairs.items()) + "."]
     memory = extra["memory"]
     lines += ["", "Peak RSS of a fresh process that loads the checkpoint (int4: into a model built on the meta device) and"
               " decodes 4 tokens, above its RSS before the load:", ""]
@@ -411,7 +437,8 @@ def main():
     if args.memory_child:
         return memory_child(args.memory_child[0], int(args.memory_child[1]))
     # (24 steps, 4 rounds, had each path's median move by up to ~10% between runs on this noisy host)
-    rows, extra = run(args.contexts, steps=8 if args.quick else 60, prefill_calls=1 if args.quick else 5)
+    rows, extra = run(args.contexts, steps=8 if args.quick else 60, prefill_calls=1 if args.quick else 5,
+                      prefill_rounds=1 if args.quick else 6)
     command = "python benchmarks/bench_llm.py " + " ".join(sys.argv[1:])
     body = report(rows, extra, args.contexts, command.strip())
     write_section(args.docs / "benchmarks_llm.md", "LLM decode on CPU: Llama-architecture, weight-only int4 / int8", cpu_key(), body)
