@@ -29,7 +29,7 @@ aten = torch.ops.aten
 def _dense_bf16(x: torch.Tensor, gate_up: tuple) -> torch.Tensor:
     """silu(gate(x)) * up(x) as bf16 [M, N]: slices of matching gate and up rows multiplied
     densely, each product through the bf16 SiLU-and-multiply."""
-    _, _, bits, *args = gate_up
+    _, _, _, bits, *args = gate_up
     merged = args[0].shape[0]
     k = x.shape[1]
     if x.dim() != 2 or x.dtype != torch.float32 or merged % 2 or k != (args[0].shape[1] * 2 if bits == 4 else args[0].shape[1]):
@@ -51,9 +51,10 @@ def _dense_bf16(x: torch.Tensor, gate_up: tuple) -> torch.Tensor:
 
 def swiglu(x: torch.Tensor, gate_up: tuple, down: tuple) -> torch.Tensor:
     """``down(silu(gate(x)) * up(x))`` for x [M, K] float32; ``gate_up`` / ``down``: each
-    linear's ``kernel_or_dense`` arguments after x (from how many rows dense, its dtype, bits,
-    the weight), the merged weight's first half gate's rows, its second up's."""
-    (gate_up_from, gate_up_dtype, *_), (down_from, down_dtype, down_bits, *down_args) = gate_up, down
+    linear's ``kernel_or_dense`` arguments after x (from how many rows on the bf16 kernel, from
+    how many dense, the dense dtype, bits, the weight), the merged weight's first half gate's
+    rows, its second up's."""
+    (_, gate_up_from, gate_up_dtype, *_), (_, down_from, down_dtype, down_bits, *down_args) = gate_up, down
     if gate_up_dtype == down_dtype == torch.bfloat16 and x.shape[0] >= max(gate_up_from, down_from):
         return dense_slices(_dense_bf16(x, gate_up), down_bits, torch.bfloat16, *down_args)
     y = kernel_or_dense(x, *gate_up)
@@ -74,7 +75,7 @@ def _half(node, merged: Node, first: bool) -> Optional[Node]:
     part, like = node.args
     if not (isinstance(part, Node) and part.target is aten.slice.Tensor and part.args[0] is merged and len(part.users) == 1):
         return None
-    weight = constant_value(merged.graph.owning_module, merged.args[4])
+    weight = constant_value(merged.graph.owning_module, merged.args[5])
     n = None if weight is None else weight.shape[0] // 2
     dim, start, end = (tuple(part.args[1:]) + (None, None, None))[:3]
     return like if dim in (1, -1) and (start, end) == ((0, n) if first else (n, 2 * n)) and n else None

@@ -14,6 +14,13 @@ each dense dtype are timed at ``PROBE_ROWS`` rows, and the crossover is where th
 lines meet. Decode (one row) never reaches it: the dense matmul reads 4x (bf16) or 8x the bytes.
 With bf16, activations and products round as in torch's bf16 kernels (relative error ~3e-3
 where the int16 kernels give ~3e-5): ``weight_only_compute="int16"`` keeps the int16 kernels.
+
+Between a decode step's row and a long prompt, an int4 weight on a CPU with AVX512-BF16 has a
+third kernel (csrc/weight_only_bf16.c): a tile of weight rows unpacked to bf16 once, in the
+caches, for all rows of the call. It is timed at the same probes, and at ``LARGE_PROBE_ROWS``
+rows on a part of the weight against the dense matmul: 32 rows of a 2048 -> 11264 layer 9.3 ms
+where the dense slices took 12.3 and the int16 kernel 16.2 (Zen 4); from ~512 rows the dense
+slices (and the MLP they make one call of, dense_swiglu.py) are as fast or faster.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ CHUNK_BYTES = 4 << 20  # a written-out slice: stays in the caches while multipli
 CHUNK_GROWTH_ROWS, MAX_CHUNK_BYTES = 128, 16 << 20
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 PROBE_ROWS = (32, 128)
+LARGE_PROBE_ROWS, LARGE_PROBE_WEIGHT_ROWS = 512, 2048  # the bf16 kernel against the dense slices, on this many weight rows
 ROUNDS = 2  # timed calls of each candidate at each probe, interleaved, after one warm-up
 MIN_ROWS = 8  # a graph whose rows are known to be fewer runs the kernel alone (not measured)
 
@@ -93,6 +101,45 @@ def written_out(bits: int, args: tuple, start: int, out: torch.Tensor) -> torch.
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _bf16_kernel():
+    """csrc/weight_only_bf16.c's qb_int4_bf16_mm where the CPU has AVX512-BF16, else None."""
+    lib = native._vnni_library()[0]
+    if lib is None or not lib.qb_has_avx512_bf16():
+        return None
+    function = lib.qb_int4_bf16_mm
+    function.argtypes = [ctypes.c_int] * 6 + [ctypes.c_void_p] * 5 + [ctypes.c_long]
+    function.restype = ctypes.c_int
+    return function
+
+
+def bf16_kernel_takes(bits: int, args: tuple) -> bool:
+    """Whether the AVX512-BF16 kernel runs this weight-only weight here."""
+    return bits == 4 and _bf16_kernel() is not None and args[0].shape[1] * 2 % 32 == 0 and args[3] % 32 == 0
+
+
+def int4_bf16_mm(x: torch.Tensor, storage: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] (float32, rounded to bf16, or bf16) times the int4 weight, transposed: float32
+    [M, N], on the AVX512-BF16 kernel (csrc/weight_only_bf16.c)."""
+    kernel = _bf16_kernel()
+    if kernel is None:
+        raise RuntimeError("qbackend's AVX512-BF16 weight-only kernel needs a CPU with AVX512-BF16 and the VNNI kernels")
+    n, k = storage.shape[0], storage.shape[1] * 2
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        raise ValueError(f"qbackend int4 bf16 kernel: float32 or bf16 CPU activations [M, {k}], got {x.dtype} {tuple(x.shape)}")
+    if k % 32 or group % 32 or k % group:
+        raise ValueError(f"qbackend int4 bf16 kernel: K {k} and group {group} must be multiples of 32, K of group")
+    codes = offset.dtype == native.INT4_OFFSET_CODES
+    _check("the int4 storage", storage, torch.uint8, (n, k // 2))
+    _check("the scales", scale, torch.float32, (n, k // group))
+    _check("the offsets", offset, native.INT4_OFFSET_CODES if codes else torch.float32, (n, k // group))
+    x_bf16, y = x.to(torch.bfloat16).contiguous(), torch.empty(x.shape[0], n)
+    if x.shape[0] and kernel(torch.get_num_threads(), x.shape[0], n, k, group, int(codes), x_bf16.data_ptr(), storage.data_ptr(),
+                             scale.data_ptr(), offset.data_ptr(), y.data_ptr(), n):
+        raise MemoryError("qbackend int4 bf16 kernel: a thread could not allocate its tile buffer")
+    return y
+
+
 def _in_features(bits: int, args: tuple) -> int:
     return args[0].shape[1] * (2 if bits == 4 else 1)
 
@@ -119,10 +166,14 @@ def dense_slices(x: torch.Tensor, bits: int, dtype: torch.dtype, *args) -> torch
     return y
 
 
-def kernel_or_dense(x: torch.Tensor, dense_from: int, dtype: torch.dtype, bits: int, *args) -> torch.Tensor:
-    """The int16 kernel for fewer than ``dense_from`` rows, ``dense_slices`` from there on."""
-    if x.shape[0] >= dense_from:
+def kernel_or_dense(x: torch.Tensor, bf16_from: int, dense_from: int, dtype: torch.dtype, bits: int, *args) -> torch.Tensor:
+    """The int16 kernel for fewer than ``bf16_from`` rows, the AVX512-BF16 kernel for fewer than
+    ``dense_from``, ``dense_slices`` from there on."""
+    rows = x.shape[0]
+    if rows >= dense_from:
         return dense_slices(x, bits, dtype, *args)
+    if rows >= bf16_from:
+        return int4_bf16_mm(x, *args)
     return native.PLAIN[f"int{bits}_mm_int16"](x, *args)
 
 
@@ -139,21 +190,49 @@ def _timed(candidates: dict, rows: int, k: int) -> dict:
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def _crossing(low: dict, high: dict, rows: tuple, faster: str, slower: str) -> Optional[int]:
+    """The first row count from which ``faster``'s straight line through the times at ``rows``
+    lies below ``slower``'s, or None where it does not (slower at ``rows[1]``, or growing faster)."""
+    slope = {name: (high[name] - low[name]) / (rows[1] - rows[0]) for name in (faster, slower)}
+    if not (high[faster] < high[slower] and slope[faster] < slope[slower]):
+        return None
+    crossing = rows[0] + (low[faster] - low[slower]) / (slope[slower] - slope[faster])
+    return max(2, math.floor(round(crossing, 6)) + 1)  # (the first row count past it)
+
+
 def _measured(bits: int, kernel: Callable, args: tuple) -> dict:
-    """{"dtype": name or None, "from": rows, "ms": the probes' times}: the dense dtype whose
-    time grows least with rows, from where its line crosses the kernel's (None: never faster)."""
+    """{"bf16_from": rows or None, "dtype": name or None, "from": rows, "ms": the probes' times}:
+    from how many rows the AVX512-BF16 kernel beats the int16 one (None: never, or not here);
+    the dense dtype whose time grows least with rows, from where it beats the kernel before it."""
     k = _in_features(bits, args)
     candidates = {"int16": lambda x: kernel(x, *args)}
     candidates.update({name: lambda x, d=d: dense_slices(x, bits, d, *args) for name, d in DTYPES.items()})
+    if bf16_kernel_takes(bits, args):
+        candidates["bf16 kernel"] = lambda x: int4_bf16_mm(x, *args)
     low, high = (in_fresh_chunk(_timed, candidates, rows, k) for rows in PROBE_ROWS)
-    span = PROBE_ROWS[1] - PROBE_ROWS[0]
-    slope = {name: (high[name] - low[name]) / span for name in candidates}
-    best = min(DTYPES, key=lambda name: (high[name], slope[name]))
-    record = {"dtype": None, "from": None,
+    best = min(DTYPES, key=lambda name: (high[name], (high[name] - low[name])))
+    record = {"bf16_from": None, "dtype": None, "from": None,
               "ms": {name: [round(low[name] * 1e3, 3), round(high[name] * 1e3, 3)] for name in candidates}}
-    if high[best] < high["int16"] and slope[best] < slope["int16"]:
-        crossing = PROBE_ROWS[0] + (low[best] - low["int16"]) / (slope["int16"] - slope[best])
-        record.update(dtype=best, **{"from": max(2, math.floor(round(crossing, 6)) + 1)})  # (the first row count past it)
+    bf16_from = _crossing(low, high, PROBE_ROWS, "bf16 kernel", "int16") if "bf16 kernel" in candidates else None
+    # (the lines through 32 and 128 rows put it lower than it is: 4 rows of a Llama layer took 2.0 ms
+    # on the int16 kernel, 2.5 on the bf16 one, Zen 4)
+    bf16_from = None if bf16_from is None else max(bf16_from, MIN_ROWS)
+    if bf16_from is None:
+        dense_from = _crossing(low, high, PROBE_ROWS, best, "int16")
+        if dense_from is not None:
+            record.update(dtype=best, **{"from": dense_from})
+        return record
+    # the dense slices against the bf16 kernel over many rows, on part of the weight (both take
+    # time in proportion to its rows)
+    part = tuple(a[:LARGE_PROBE_WEIGHT_ROWS] for a in args[:3]) + tuple(args[3:])
+    pair = {"bf16 kernel": lambda x: int4_bf16_mm(x, *part), best: lambda x: dense_slices(x, bits, DTYPES[best], *part)}
+    rows = (PROBE_ROWS[1], LARGE_PROBE_ROWS)
+    mid, large = (in_fresh_chunk(_timed, pair, r, k) for r in rows)
+    record["bf16_from"] = bf16_from
+    record["ms"].update({f"{name}, part": [round(mid[name] * 1e3, 3), round(large[name] * 1e3, 3)] for name in pair})
+    dense_from = _crossing(mid, large, rows, best, "bf16 kernel")
+    if dense_from is not None:
+        record.update(dtype=best, **{"from": max(dense_from, bf16_from)})
     return record
 
 
@@ -167,8 +246,9 @@ def _rows(call: Node) -> Optional[int]:
 
 
 def dense_slices_pass(gm: GraphModule, kernel_choice: Optional[str] = None, compute: str = "auto") -> Optional[str]:
-    """Each int16 weight-only kernel call that may see ``MIN_ROWS`` rows or more runs densely
-    from its measured crossover on (see the module doc); the report's note, or None."""
+    """Each int16 weight-only kernel call that may see ``MIN_ROWS`` rows or more runs on the
+    AVX512-BF16 kernel and densely from their measured crossovers on (see the module doc); the
+    report's note, or None."""
     mode = choice_mode(kernel_choice)
     if mode == "prior" or compute != "auto" or native.available() is not None:
         return None
@@ -192,15 +272,21 @@ def dense_slices_pass(gm: GraphModule, kernel_choice: Optional[str] = None, comp
         if record is None and mode == "measure":
             record = _measured(bits, native.PLAIN[f"int{bits}_mm_int16"], args)
             choice_cache.shared().put(key, record)
-        if not record or not record.get("dtype"):
+        if not record or not (record.get("dtype") or record.get("bf16_from")):
             continue
-        node.args = (node.args[0], record["from"], DTYPES[record["dtype"]], bits, *node.args[1:])
+        dense_from = record["from"] if record.get("dtype") else math.inf
+        bf16 = record.get("bf16_from") if bf16_kernel_takes(bits, args) else None  # (measured with it; switched off since)
+        if bf16 is None and not record.get("dtype"):
+            continue
+        bf16_from = bf16 or dense_from
+        node.args = (node.args[0], bf16_from, dense_from, DTYPES[record.get("dtype") or "bf16"], bits, *node.args[1:])
         node.target = kernel_or_dense
+        parts = ([f"the bf16 kernel from {bf16_from} rows"] if bf16 else []) + \
+            ([f"dense {record['dtype']} from {dense_from} rows"] if record.get("dtype") else [])
         times = record.get("ms", {})
-        timing = (f" (at {PROBE_ROWS[1]} rows: int16 kernel {times['int16'][1]} ms, {record['dtype']} {times[record['dtype']][1]} ms)"
-                  if "int16" in times and record["dtype"] in times else "")
-        changed.append(f"{key} from {record['from']} rows in {record['dtype']}{timing}")
+        at_probe = [f"{name} {times[name][1]} ms" for name in ("int16", "bf16 kernel", record.get("dtype")) if name in times]
+        changed.append(f"{key}: {', '.join(parts)}" + (f" (at {PROBE_ROWS[1]} rows: {', '.join(at_probe)})" if at_probe else ""))
     if not changed:
         return None
-    return (f"{len(changed)} weight-only linear(s) run as dense matmuls over slices of the weight written out "
-            f"(measured on this machine): {'; '.join(changed)}")
+    return (f"{len(changed)} weight-only linear(s) run, over enough rows, on the AVX512-BF16 kernel or as dense matmuls "
+            f"over slices of the weight written out (measured on this machine): {'; '.join(changed)}")

@@ -80,9 +80,15 @@ def aligned_cat(tensors: list) -> torch.Tensor:
 
 
 def _weight_only_calls():
-    from .dense_weight_only import WEIGHT_ONLY, kernel_or_dense  # (it imports the lowering, which imports aligned_cat)
+    from .dense_swiglu import swiglu  # (they import the lowering, which imports aligned_cat)
+    from .dense_weight_only import WEIGHT_ONLY, kernel_or_dense
 
-    return {native.PLAIN[name] for name in WEIGHT_ONLY} | {kernel_or_dense}
+    return {native.PLAIN[name] for name in WEIGHT_ONLY} | {kernel_or_dense, swiglu}
+
+
+def _flat(args) -> list:
+    """The arguments, those in tuples too (swiglu's two linears)."""
+    return [a for arg in args for a in (_flat(arg) if isinstance(arg, tuple) else [arg])]
 
 
 def streamed_weights_on_huge_pages(gm: GraphModule) -> Optional[str]:
@@ -90,7 +96,7 @@ def streamed_weights_on_huge_pages(gm: GraphModule) -> Optional[str]:
     docstring)."""
     calls = _weight_only_calls()
     tensors = [value for node in gm.graph.nodes if node.op == "call_function" and node.target in calls
-               for arg in node.args if (value := constant_value(gm, arg)) is not None]
+               for arg in _flat(node.args) if (value := constant_value(gm, arg)) is not None]
     if not tensors:
         return None
     start = time.perf_counter()

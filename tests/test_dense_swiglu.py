@@ -46,7 +46,7 @@ def test_the_fused_mlp_gives_the_unfused_dense_paths_bits(bits, monkeypatch):
     _, gate_up = packed(bits, n=2 * inner, k=256, seed=1)
     _, down = packed(bits, n=256, k=inner, seed=2)
     x = torch.randn(24, 256)
-    dense = ((8, torch.bfloat16, bits, *gate_up), (8, torch.bfloat16, bits, *down))
+    dense = ((8, 8, torch.bfloat16, bits, *gate_up), (8, 8, torch.bfloat16, bits, *down))
     y = dense_weight_only.kernel_or_dense(x, *dense[0])
     unfused = dense_weight_only.kernel_or_dense(silu_mul.silu_mul(y[:, :inner], y[:, inner:]), *dense[1])
     assert torch.equal(dense_swiglu.swiglu(x, *dense), unfused)
@@ -54,11 +54,11 @@ def test_the_fused_mlp_gives_the_unfused_dense_paths_bits(bits, monkeypatch):
     kernel = native.PLAIN[f"int{bits}_mm_int16"]
     y = dense_weight_only.dense_slices(x, bits, torch.bfloat16, *gate_up)
     expected = kernel(silu_mul.silu_mul(y[:, :inner], y[:, inner:]), *down)
-    assert torch.equal(dense_swiglu.swiglu(x, dense[0], (25, torch.bfloat16, bits, *down)), expected)
+    assert torch.equal(dense_swiglu.swiglu(x, dense[0], (25, 25, torch.bfloat16, bits, *down)), expected)
     # a float32 dense dtype: not fused (the fusion's gain is the bf16 passes it saves)
     y = dense_weight_only.dense_slices(x, bits, torch.float32, *gate_up)
     expected = dense_weight_only.dense_slices(silu_mul.silu_mul(y[:, :inner], y[:, inner:]), bits, torch.float32, *down)
-    assert torch.equal(dense_swiglu.swiglu(x, (8, torch.float32, bits, *gate_up), (8, torch.float32, bits, *down)), expected)
+    assert torch.equal(dense_swiglu.swiglu(x, (8, 8, torch.float32, bits, *gate_up), (8, 8, torch.float32, bits, *down)), expected)
 
 
 class LlamaMLP(torch.nn.Module):
@@ -96,7 +96,7 @@ class TestSwigluInTheGraph(expecttest.TestCase):
         self.assertExpectedInline(short_graph(captured.lowered), """\
 l_x_ = input
 reshape_default = l_x_.reshape([-1, 256])
-swiglu = dense_swiglu.swiglu(reshape_default, (16, bfloat16, 4, <const>, <const>, <const>, 128), (16, bfloat16, 4, <const>, <const>, <const>, 128))
+swiglu = dense_swiglu.swiglu(reshape_default, (16, 16, bfloat16, 4, <const>, <const>, <const>, 128), (16, 16, bfloat16, 4, <const>, <const>, <const>, 128))
 unflatten_rows_2 = weight_only.unflatten_rows(swiglu, l_x_)
 return (unflatten_rows_2)""")
         assert "1 SwiGLU MLP(s) with dense gate / up and down linears run as one call" in str(captured.report)

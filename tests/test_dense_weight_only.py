@@ -14,6 +14,7 @@ from .test_weight_only import quantized_and_reference
 from .tolerances import assert_weight_only_close
 
 pytestmark = needs_own_kernels
+needs_bf16_kernel = pytest.mark.skipif(dense_weight_only._bf16_kernel() is None, reason="needs a CPU with AVX512-BF16")
 
 
 def packed(bits, n=96, k=256, group=64, seed=0):
@@ -77,8 +78,8 @@ def test_dense_slices_match_the_float_linear_on_the_dequantized_weight(bits, row
     kernel = native.PLAIN[f"int{bits}_mm_int16"]
     assert_weight_only_close(dense_weight_only.dense_slices(x, bits, torch.float32, *args), expected, "fp32", "weight_only_int16")
     assert_weight_only_close(dense_weight_only.dense_slices(x, bits, torch.bfloat16, *args), expected, "bf16")
-    assert torch.equal(dense_weight_only.kernel_or_dense(x, rows + 1, torch.bfloat16, bits, *args), kernel(x, *args))
-    assert torch.equal(dense_weight_only.kernel_or_dense(x, rows, torch.bfloat16, bits, *args),
+    assert torch.equal(dense_weight_only.kernel_or_dense(x, rows + 1, rows + 1, torch.bfloat16, bits, *args), kernel(x, *args))
+    assert torch.equal(dense_weight_only.kernel_or_dense(x, rows, rows, torch.bfloat16, bits, *args),
                        dense_weight_only.dense_slices(x, bits, torch.bfloat16, *args))
 
 
@@ -107,11 +108,11 @@ class TestDenseSlicesInTheGraph(expecttest.TestCase):
         self.assertExpectedInline(graph, """\
 l_args_0_ = input
 reshape_default = l_args_0_.reshape([-1, 256])
-int4_mm_int16 = dense_weight_only.kernel_or_dense(reshape_default, 24, bfloat16, 4, <const>, <const>, <const>, 128)
+int4_mm_int16 = dense_weight_only.kernel_or_dense(reshape_default, 24, 24, bfloat16, 4, <const>, <const>, <const>, 128)
 unflatten_rows = weight_only.unflatten_rows(int4_mm_int16, l_args_0_)
 add_tensor = aten.add.Tensor(unflatten_rows, <const>)
 return (add_tensor)""")
-        assert "weight-only dense int4 512x256 g128 from 24 rows in bf16" in report
+        assert "weight-only dense int4 512x256 g128: dense bf16 from 24 rows" in report
         with torch.no_grad():
             assert_weight_only_close(actual, reference.gate(x), "32 rows, dense bf16")
         assert calls == [(512, 128)]
@@ -119,6 +120,23 @@ return (add_tensor)""")
         model.gate(torch.randn(1, 8, 256))
         self.compiled(model.gate, torch.randn(1, 16, 256))
         assert calls == [(512, 128)]
+
+    @needs_bf16_kernel
+    def test_where_only_the_bf16_kernel_wins_it_runs_from_its_row_count_on(self):
+        self.monkeypatch.setattr(dense_weight_only, "_measured", simulated({"bf16_from": 9, "dtype": None, "from": None, "ms": {}})[1])
+        model, reference = quantized_and_reference(4, 128)
+        x = torch.randn(1, 32, 256)
+        actual, graph, report = self.compiled(model.gate, x)
+        self.assertExpectedInline(graph, """\
+l_args_0_ = input
+reshape_default = l_args_0_.reshape([-1, 256])
+int4_mm_int16 = dense_weight_only.kernel_or_dense(reshape_default, 9, inf, bfloat16, 4, <const>, <const>, <const>, 128)
+unflatten_rows = weight_only.unflatten_rows(int4_mm_int16, l_args_0_)
+add_tensor = aten.add.Tensor(unflatten_rows, <const>)
+return (add_tensor)""")
+        assert "weight-only dense int4 512x256 g128: the bf16 kernel from 9 rows" in report
+        with torch.no_grad():
+            assert_weight_only_close(actual, reference.gate(x), "32 rows, the bf16 kernel")
 
     def test_kept_on_the_kernel_for_few_rows_without_measuring_and_where_dense_never_wins(self):
         calls, measured = simulated({"dtype": None, "from": None, "ms": {}})
@@ -140,17 +158,73 @@ return (add_tensor)""")
         assert calls == []
 
 
-def test_the_measured_record_names_a_dtype_only_where_its_line_beats_the_kernels(monkeypatch):
-    def timings(by_rows):
-        return lambda candidates, rows, k: by_rows[rows]
+def timings(by_rows, part=None):
+    """``_timed`` on a simulated machine: the times (ms) at each probe's row count; ``part``: those
+    of the many-rows probes on part of the weight (two candidates)."""
+    return lambda candidates, rows, k: {name: (part if part and len(candidates) == 2 else by_rows)[rows][name]
+                                        for name in candidates}
 
+
+def test_the_measured_record_names_a_dtype_only_where_its_line_beats_the_kernels(monkeypatch):
+    monkeypatch.setattr(dense_weight_only, "bf16_kernel_takes", lambda bits, args: False)
     weight, args = packed(4)
     kernel = native.PLAIN["int4_mm_int16"]
     # int16 0.2 ms a row; bf16 3 ms + 0.05 a row (crossing at 20 rows); fp32 slower than bf16
     monkeypatch.setattr(dense_weight_only, "_timed", timings({32: {"int16": 6.4, "bf16": 4.6, "fp32": 9.0},
                                                              128: {"int16": 25.6, "bf16": 9.4, "fp32": 20.0}}))
     record = dense_weight_only._measured(4, kernel, args)
-    assert (record["dtype"], record["from"]) == ("bf16", 21)
+    assert (record["bf16_from"], record["dtype"], record["from"]) == (None, "bf16", 21)
     monkeypatch.setattr(dense_weight_only, "_timed", timings({32: {"int16": 1.0, "bf16": 4.6, "fp32": 9.0},
                                                              128: {"int16": 4.0, "bf16": 9.4, "fp32": 20.0}}))
     assert dense_weight_only._measured(4, kernel, args)["dtype"] is None
+
+
+def test_the_bf16_kernel_takes_the_rows_between_the_int16_kernel_and_the_dense_slices(monkeypatch):
+    monkeypatch.setattr(dense_weight_only, "bf16_kernel_takes", lambda bits, args: True)
+    weight, args = packed(4)
+    kernel = native.PLAIN["int4_mm_int16"]
+    # bf16 kernel 1 ms + 0.08 a row: past int16's 0.2 a row at 8.3 rows; at 128 rows before the dense slices
+    probes = {32: {"int16": 6.4, "bf16": 4.6, "fp32": 9.0, "bf16 kernel": 3.56},
+              128: {"int16": 25.6, "bf16": 12.0, "fp32": 20.0, "bf16 kernel": 11.24}}
+    # on part of the weight at 128 and 512 rows the dense slices' line crosses the kernel's at 224 rows
+    monkeypatch.setattr(dense_weight_only, "_timed", timings(probes, {128: {"bf16": 12.0, "bf16 kernel": 11.0},
+                                                                      512: {"bf16": 30.0, "bf16 kernel": 33.0}}))
+    record = dense_weight_only._measured(4, kernel, args)
+    assert (record["bf16_from"], record["dtype"], record["from"]) == (9, "bf16", 225)
+    # the kernel still faster at 512 rows: no dense slices
+    monkeypatch.setattr(dense_weight_only, "_timed", timings(probes, {128: {"bf16": 12.0, "bf16 kernel": 11.0},
+                                                                      512: {"bf16": 34.0, "bf16 kernel": 33.0}}))
+    record = dense_weight_only._measured(4, kernel, args)
+    assert (record["bf16_from"], record["dtype"], record["from"]) == (9, None, None)
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("codes", [False, True], ids=["float offsets", "int8 offset codes"])
+def test_the_bf16_kernel_multiplies_the_written_out_bf16_weight(codes):
+    weight, args = packed(4, n=100)
+    assert args[2].dtype == native.INT4_OFFSET_CODES
+    if not codes:  # (the same weights with float32 offsets)
+        args = (args[0], args[1], args[2].float() * args[1], args[3])
+    bf16_weight = dense_weight_only.written_out(4, args, 0, torch.empty(100, 256, dtype=torch.bfloat16))
+    for rows in (1, 5, 6, 13, 40):  # (tiles of 6 rows and of 4 weight rows, with their remainders: 100 = 25 x 4)
+        x = torch.randn(rows, 256)
+        expected = x.bfloat16().double() @ bf16_weight.double().t()  # (exact products; float32 sums in the kernel)
+        actual = dense_weight_only.int4_bf16_mm(x, *args)
+        assert actual.dtype == torch.float32 and actual.shape == (rows, 100)
+        torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert_weight_only_close(dense_weight_only.kernel_or_dense(x, 8, 64, torch.bfloat16, 4, *args),
+                             x @ weight.dequantize(torch.float32).t(), "bf16")
+
+
+@needs_bf16_kernel
+def test_the_bf16_kernel_checks_its_arguments():
+    _, (storage, scale, offset, group) = packed(4)
+    mm = dense_weight_only.int4_bf16_mm
+    with pytest.raises(ValueError, match=r"float32 or bf16 CPU activations \[M, 256\]"):
+        mm(torch.randn(4, 128), storage, scale, offset, group)
+    with pytest.raises(ValueError, match="the int4 storage must be"):
+        mm(torch.randn(4, 256), storage.t().contiguous().t(), scale, offset, group)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        mm(torch.randn(4, 256), storage, scale, offset, 16)
+    with pytest.raises(ValueError, match="the scales must be"):
+        mm(torch.randn(4, 256), storage, scale[:, :2], offset, group)
