@@ -59,6 +59,7 @@ CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num
               vocab_size=32000, max_position_embeddings=4096)
 GROUP = 128
 PROMPT, PREFILL, ACCURACY_STEPS = 32, 512, 32
+PAIRED_PREFILLS = (16, 64, 128, 512)  # prompt lengths timed against Inductor, interleaved
 
 
 def config() -> LlamaConfig:
@@ -167,19 +168,24 @@ def prefill_ms(path: Runner, calls: int) -> float:
 
 
 def prefill_pairs(base: Runner, paths: list, rounds: int) -> dict:
-    """{path name: the median over rounds of its prefill time over ``base``'s in the same round};
-    the paths take turns (each round starting one later), each timed call right after an
-    untimed one of its own (the steady state of a loop of prompts; compiles land there)."""
-    tokens = torch.randint(0, CONFIG["vocab_size"], (1, PREFILL), generator=torch.Generator().manual_seed(3))
-    order, times = [base, *paths], {path.name: [] for path in (base, *paths)}
-    for turn in range(rounds):
-        for path in order[turn % len(order):] + order[:turn % len(order)]:
-            PROBES.append(wait_for_parallel_speedup())
-            step(path, tokens, DynamicCache(), logits_to_keep=1)
-            start = time.perf_counter()
-            step(path, tokens, DynamicCache(), logits_to_keep=1)
-            times[path.name].append(time.perf_counter() - start)
-    return {path.name: statistics.median(t / b for t, b in zip(times[path.name], times[base.name])) for path in paths}
+    """{prompt length: {path name: the median over rounds of its prefill time over ``base``'s in
+    the same round}} for each of ``PAIRED_PREFILLS``; the paths take turns (each round starting one
+    later), each timed call right after an untimed one of its own (the steady state of a loop of
+    prompts; compiles land there)."""
+    found = {}
+    for length in PAIRED_PREFILLS:
+        tokens = torch.randint(0, CONFIG["vocab_size"], (1, length), generator=torch.Generator().manual_seed(3))
+        order, times = [base, *paths], {path.name: [] for path in (base, *paths)}
+        for turn in range(rounds):
+            for path in order[turn % len(order):] + order[:turn % len(order)]:
+                PROBES.append(wait_for_parallel_speedup())
+                step(path, tokens, DynamicCache(), logits_to_keep=1)
+                start = time.perf_counter()
+                step(path, tokens, DynamicCache(), logits_to_keep=1)
+                times[path.name].append(time.perf_counter() - start)
+        found[length] = {path.name: statistics.median(t / b for t, b in zip(times[path.name], times[base.name]))
+                         for path in paths}
+    return found
 
 
 def first_calls(path: Runner, prompt: torch.Tensor) -> dict:
@@ -345,7 +351,7 @@ def run(contexts: list, steps: int, prefill_calls: int, prefill_rounds: int) -> 
     working = [path for path in rows if "error" not in path.results]
     inductor = next((path for path in working if path.name == "Inductor bf16"), None)
     if inductor is not None:
-        log(f"prefill of {PREFILL} against Inductor bf16, interleaved")
+        log(f"prefill of {', '.join(map(str, PAIRED_PREFILLS))} tokens against Inductor bf16, interleaved")
         extra["prefill_vs_inductor"] = prefill_pairs(inductor, [path for path in working if path.bits and path.compiled
                                                                 and "prefill" in path.results], prefill_rounds)
     floor_bytes = {4: extra["int4_bytes"], 8: extra["int8_bytes"]}
@@ -424,9 +430,12 @@ def report(rows: list, extra: dict, contexts: list, command: str) -> str:
                   f" dynamic cache, minimum over the prompt and {ACCURACY_STEPS} steps: {', '.join(static)}."]
     pairs = extra.get("prefill_vs_inductor")
     if pairs:
-        lines += ["", f"Prefill of {PREFILL} tokens against Inductor bf16, the paths' calls interleaved (each timed right after an"
-                  " untimed one of its own), the median over rounds of this path's time over Inductor's in the same round: "
-                  + ", ".join(f"{name} {ratio:.3f}x" for name, ratio in pairs.items()) + "."]
+        names = list(next(iter(pairs.values())))
+        lines += ["", "Prefill against Inductor bf16 (the last token's logits, as `generate()` asks), the paths' calls"
+                  " interleaved, each timed right after an untimed one of its own: the median over rounds of this path's"
+                  " time over Inductor's in the same round.", "",
+                  "| prompt tokens | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        lines += [f"| {length} | " + " | ".join(f"{ratios[name]:.3f}x" for name in names) + " |" for length, ratios in pairs.items()]
     memory = extra["memory"]
     lines += ["", "Peak RSS of a fresh process that loads the checkpoint (int4: into a model built on the meta device) and"
               " decodes 4 tokens, above its RSS before the load:", ""]
