@@ -60,38 +60,50 @@ static inline BF16 __m128 sums4(const __m512 a[4]) {
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), s));
 }
 
+/* y[m0 .. m0 + MR - 1][n0 .. n0 + NT - 1] over all of K: MR activation rows times NT unpacked
+ * weight rows (MR a constant in each expansion: no per-row branch in the loop). */
+static inline __attribute__((always_inline)) BF16 void tile(const int MR, int K, const uint16_t* x, const uint16_t* w,
+                                                            float* y, long y_row, int n_left) {
+  __m512 acc[MT][NT];
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+  for (int k = 0; k < K; k += 32) {
+    __m512bh wv[NT];
+    for (int j = 0; j < NT; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + (size_t)j * K + k);
+    for (int i = 0; i < MR; i++) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (size_t)i * K + k);
+      for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < MR; i++) {
+    const __m128 s = sums4(acc[i]);
+    float* out = y + (size_t)i * y_row;
+    if (n_left >= NT) {
+      _mm_storeu_ps(out, s);
+    } else {
+      float lanes[4];
+      _mm_storeu_ps(lanes, s);
+      for (int j = 0; j < n_left; j++) out[j] = lanes[j];
+    }
+  }
+}
+
 /* y[m][n .. n + rows - 1] for rows m of [0, M): ``rows`` weight rows unpacked in ``w`` (bf16
  * [rows][K]), NT at a time for each tile of MT activation rows (which stay in L1 meanwhile). */
 static inline BF16 void rows_times_tile(int M, int K, const uint16_t* x, const uint16_t* w, int rows, float* y, long y_row) {
-  for (int m0 = 0; m0 < M; m0 += MT) {
-    const int mt = M - m0 < MT ? M - m0 : MT;
+  for (int m0 = 0; m0 < M; m0 += MT)
     for (int n0 = 0; n0 < rows; n0 += NT) {
-      __m512 acc[MT][NT];
-      for (int i = 0; i < MT; i++)
-        for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
-      for (int k = 0; k < K; k += 32) {
-        __m512bh wv[NT];
-        for (int j = 0; j < NT; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + (size_t)(n0 + j) * K + k);
-        for (int i = 0; i < MT; i++) {
-          if (i >= mt) break;
-          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (size_t)(m0 + i) * K + k);
-          for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
-        }
-      }
-      const int n_left = rows - n0;
-      for (int i = 0; i < mt; i++) {
-        const __m128 s = sums4(acc[i]);
-        float* out = y + (size_t)(m0 + i) * y_row + n0;
-        if (n_left >= NT) {
-          _mm_storeu_ps(out, s);
-        } else {
-          float lanes[4];
-          _mm_storeu_ps(lanes, s);
-          for (int j = 0; j < n_left; j++) out[j] = lanes[j];
-        }
+      const uint16_t *xm = x + (size_t)m0 * K, *wn = w + (size_t)n0 * K;
+      float* ym = y + (size_t)m0 * y_row + n0;
+      switch (M - m0 < MT ? M - m0 : MT) {
+        case 1: tile(1, K, xm, wn, ym, y_row, rows - n0); break;
+        case 2: tile(2, K, xm, wn, ym, y_row, rows - n0); break;
+        case 3: tile(3, K, xm, wn, ym, y_row, rows - n0); break;
+        case 4: tile(4, K, xm, wn, ym, y_row, rows - n0); break;
+        case 5: tile(5, K, xm, wn, ym, y_row, rows - n0); break;
+        default: tile(MT, K, xm, wn, ym, y_row, rows - n0);
       }
     }
-  }
 }
 
 /* y (row stride y_row) = x . w^T for x bf16 [M][K], w int4 [N][K/2] with ``scale`` / ``offset``
