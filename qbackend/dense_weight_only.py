@@ -15,7 +15,7 @@ lines meet. Decode (one row) never reaches it: the dense matmul reads 4x (bf16) 
 With bf16, activations and products round as in torch's bf16 kernels (relative error ~3e-3
 where the int16 kernels give ~3e-5): ``weight_only_compute="int16"`` keeps the int16 kernels.
 
-Between a decode step's row and a long prompt, an int4 weight on a CPU with AVX512-BF16 has a
+Between a decode step's row and a long prompt, a weight on a CPU with AVX512-BF16 has a
 third kernel (csrc/weight_only_bf16.c): a tile of weight rows unpacked to bf16 once, in the
 caches, for all rows of the call. It is timed at the same probes, and at ``LARGE_PROBE_ROWS``
 rows on a part of the weight against the dense matmul: 32 rows of a 2048 -> 11264 layer 9.3 ms
@@ -103,40 +103,47 @@ def written_out(bits: int, args: tuple, start: int, out: torch.Tensor) -> torch.
 
 @functools.lru_cache(maxsize=None)
 def _bf16_kernel():
-    """csrc/weight_only_bf16.c's qb_int4_bf16_mm where the CPU has AVX512-BF16, else None."""
+    """csrc/weight_only_bf16.c's qb_weight_only_bf16_mm where the CPU has AVX512-BF16, else None."""
     lib = native._vnni_library()[0]
     if lib is None or not lib.qb_has_avx512_bf16():
         return None
-    function = lib.qb_int4_bf16_mm
-    function.argtypes = [ctypes.c_int] * 6 + [ctypes.c_void_p] * 5 + [ctypes.c_long]
+    function = lib.qb_weight_only_bf16_mm
+    function.argtypes = [ctypes.c_int] * 7 + [ctypes.c_void_p] * 5 + [ctypes.c_long]
     function.restype = ctypes.c_int
     return function
 
 
 def bf16_kernel_takes(bits: int, args: tuple) -> bool:
     """Whether the AVX512-BF16 kernel runs this weight-only weight here."""
-    return bits == 4 and _bf16_kernel() is not None and args[0].shape[1] * 2 % 32 == 0 and args[3] % 32 == 0
+    return _bf16_kernel() is not None and _in_features(bits, args) % 32 == 0 and (bits == 8 or args[3] % 32 == 0)
 
 
-def int4_bf16_mm(x: torch.Tensor, storage: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int) -> torch.Tensor:
-    """x [M, K] (float32, rounded to bf16, or bf16) times the int4 weight, transposed: float32
-    [M, N], on the AVX512-BF16 kernel (csrc/weight_only_bf16.c)."""
+def bf16_mm(x: torch.Tensor, bits: int, *args) -> torch.Tensor:
+    """x [M, K] (float32, rounded to bf16, or bf16) times the weight ``args`` hold (int4:
+    storage, scale, offset, group size; int8: weight, scale), transposed: float32 [M, N], on the
+    AVX512-BF16 kernel (csrc/weight_only_bf16.c)."""
     kernel = _bf16_kernel()
     if kernel is None:
         raise RuntimeError("qbackend's AVX512-BF16 weight-only kernel needs a CPU with AVX512-BF16 and the VNNI kernels")
-    n, k = storage.shape[0], storage.shape[1] * 2
+    n, k = args[0].shape[0], _in_features(bits, args)
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
-        raise ValueError(f"qbackend int4 bf16 kernel: float32 or bf16 CPU activations [M, {k}], got {x.dtype} {tuple(x.shape)}")
+        raise ValueError(f"qbackend bf16 weight-only kernel: float32 or bf16 CPU activations [M, {k}], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    group, codes = (args[3], args[2].dtype == native.INT4_OFFSET_CODES) if bits == 4 else (k, False)
     if k % 32 or group % 32 or k % group:
-        raise ValueError(f"qbackend int4 bf16 kernel: K {k} and group {group} must be multiples of 32, K of group")
-    codes = offset.dtype == native.INT4_OFFSET_CODES
-    _check("the int4 storage", storage, torch.uint8, (n, k // 2))
-    _check("the scales", scale, torch.float32, (n, k // group))
-    _check("the offsets", offset, native.INT4_OFFSET_CODES if codes else torch.float32, (n, k // group))
+        raise ValueError(f"qbackend bf16 weight-only kernel: K {k} and group {group} must be multiples of 32, K of group")
+    if bits == 4:
+        _check("the int4 storage", args[0], torch.uint8, (n, k // 2))
+        _check("the scales", args[1], torch.float32, (n, k // group))
+        _check("the offsets", args[2], native.INT4_OFFSET_CODES if codes else torch.float32, (n, k // group))
+    else:
+        _check("the int8 weight", args[0], torch.int8, (n, k))
+        _check("the scales", args[1], torch.float32, (n,))
+    offset = args[2].data_ptr() if bits == 4 else None
     x_bf16, y = x.to(torch.bfloat16).contiguous(), torch.empty(x.shape[0], n)
-    if x.shape[0] and kernel(torch.get_num_threads(), x.shape[0], n, k, group, int(codes), x_bf16.data_ptr(), storage.data_ptr(),
-                             scale.data_ptr(), offset.data_ptr(), y.data_ptr(), n):
-        raise MemoryError("qbackend int4 bf16 kernel: a thread could not allocate its tile buffer")
+    if x.shape[0] and kernel(torch.get_num_threads(), bits, x.shape[0], n, k, group, int(codes), x_bf16.data_ptr(),
+                             args[0].data_ptr(), args[1].data_ptr(), offset, y.data_ptr(), n):
+        raise MemoryError("qbackend bf16 weight-only kernel: a thread could not allocate its buffer of weight rows")
     return y
 
 
@@ -173,7 +180,7 @@ def kernel_or_dense(x: torch.Tensor, bf16_from: int, dense_from: int, dtype: tor
     if rows >= dense_from:
         return dense_slices(x, bits, dtype, *args)
     if rows >= bf16_from:
-        return int4_bf16_mm(x, *args)
+        return bf16_mm(x, bits, *args)
     return native.PLAIN[f"int{bits}_mm_int16"](x, *args)
 
 
@@ -208,7 +215,7 @@ def _measured(bits: int, kernel: Callable, args: tuple) -> dict:
     candidates = {"int16": lambda x: kernel(x, *args)}
     candidates.update({name: lambda x, d=d: dense_slices(x, bits, d, *args) for name, d in DTYPES.items()})
     if bf16_kernel_takes(bits, args):
-        candidates["bf16 kernel"] = lambda x: int4_bf16_mm(x, *args)
+        candidates["bf16 kernel"] = lambda x: bf16_mm(x, bits, *args)
     low, high = (in_fresh_chunk(_timed, candidates, rows, k) for rows in PROBE_ROWS)
     best = min(DTYPES, key=lambda name: (high[name], (high[name] - low[name])))
     record = {"bf16_from": None, "dtype": None, "from": None,
@@ -225,7 +232,7 @@ def _measured(bits: int, kernel: Callable, args: tuple) -> dict:
     # the dense slices against the bf16 kernel over many rows, on part of the weight (both take
     # time in proportion to its rows)
     part = tuple(a[:LARGE_PROBE_WEIGHT_ROWS] for a in args[:3]) + tuple(args[3:])
-    pair = {"bf16 kernel": lambda x: int4_bf16_mm(x, *part), best: lambda x: dense_slices(x, bits, DTYPES[best], *part)}
+    pair = {"bf16 kernel": lambda x: bf16_mm(x, bits, *part), best: lambda x: dense_slices(x, bits, DTYPES[best], *part)}
     rows = (PROBE_ROWS[1], LARGE_PROBE_ROWS)
     mid, large = (in_fresh_chunk(_timed, pair, r, k) for r in rows)
     record["bf16_from"] = bf16_from

@@ -199,32 +199,35 @@ def test_the_bf16_kernel_takes_the_rows_between_the_int16_kernel_and_the_dense_s
 
 
 @needs_bf16_kernel
-@pytest.mark.parametrize("codes", [False, True], ids=["float offsets", "int8 offset codes"])
-def test_the_bf16_kernel_multiplies_the_written_out_bf16_weight(codes):
-    weight, args = packed(4, n=100)
-    assert args[2].dtype == native.INT4_OFFSET_CODES
-    if not codes:  # (the same weights with float32 offsets)
+@pytest.mark.parametrize("bits, offsets", [(4, "codes"), (4, "float"), (8, None)],
+                         ids=["int4, int8 offset codes", "int4, float offsets", "int8"])
+def test_the_bf16_kernel_multiplies_the_written_out_bf16_weight(bits, offsets):
+    weight, args = packed(bits, n=100)
+    if offsets == "float":  # (the same weights with float32 offsets)
         args = (args[0], args[1], args[2].float() * args[1], args[3])
-    bf16_weight = dense_weight_only.written_out(4, args, 0, torch.empty(100, 256, dtype=torch.bfloat16))
+    bf16_weight = dense_weight_only.written_out(bits, args, 0, torch.empty(100, 256, dtype=torch.bfloat16))
     for rows in (1, 5, 6, 13, 40):  # (tiles of 6 rows and of 4 weight rows, with their remainders: 100 = 25 x 4)
         x = torch.randn(rows, 256)
         expected = x.bfloat16().double() @ bf16_weight.double().t()  # (exact products; float32 sums in the kernel)
-        actual = dense_weight_only.int4_bf16_mm(x, *args)
+        actual = dense_weight_only.bf16_mm(x, bits, *args)
         assert actual.dtype == torch.float32 and actual.shape == (rows, 100)
         torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
-    assert_weight_only_close(dense_weight_only.kernel_or_dense(x, 8, 64, torch.bfloat16, 4, *args),
+    assert_weight_only_close(dense_weight_only.kernel_or_dense(x, 8, 64, torch.bfloat16, bits, *args),
                              x @ weight.dequantize(torch.float32).t(), "bf16")
 
 
 @needs_bf16_kernel
 def test_the_bf16_kernel_checks_its_arguments():
     _, (storage, scale, offset, group) = packed(4)
-    mm = dense_weight_only.int4_bf16_mm
+    mm = dense_weight_only.bf16_mm
     with pytest.raises(ValueError, match=r"float32 or bf16 CPU activations \[M, 256\]"):
-        mm(torch.randn(4, 128), storage, scale, offset, group)
+        mm(torch.randn(4, 128), 4, storage, scale, offset, group)
     with pytest.raises(ValueError, match="the int4 storage must be"):
-        mm(torch.randn(4, 256), storage.t().contiguous().t(), scale, offset, group)
+        mm(torch.randn(4, 256), 4, storage.t().contiguous().t(), scale, offset, group)
     with pytest.raises(ValueError, match="multiples of 32"):
-        mm(torch.randn(4, 256), storage, scale, offset, 16)
+        mm(torch.randn(4, 256), 4, storage, scale, offset, 16)
     with pytest.raises(ValueError, match="the scales must be"):
-        mm(torch.randn(4, 256), storage, scale[:, :2], offset, group)
+        mm(torch.randn(4, 256), 4, storage, scale[:, :2], offset, group)
+    _, (int8, int8_scale) = packed(8)
+    with pytest.raises(ValueError, match="the int8 weight must be"):
+        mm(torch.randn(4, 256), 8, int8.t().contiguous().t(), int8_scale)

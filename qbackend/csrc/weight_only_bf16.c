@@ -1,5 +1,5 @@
-/* Weight-only int4 linears over a few dozen rows (a short prompt) with AVX512-BF16 products:
- * y[M][N] = x[M][K] (bf16) . w[N][K]^T, float32 out, w int4 as qbackend's neutral storage.
+/* Weight-only int4 / int8 linears over a few dozen rows (a short prompt) with AVX512-BF16
+ * products: y[M][N] = x[M][K] (bf16) . w[N][K]^T, float32 out, w as qbackend's neutral storage.
  *
  * Why: between a decode step's row and a long prompt's hundreds, neither of the other paths
  * fits. The int16 kernel (weight_only_int16.c) unpacks every weight again for every few rows;
@@ -16,7 +16,8 @@
  * by the order of the sums and by not rounding the output to bf16.
  *
  * int4 storage: u = q + 8 as uint8 [N][K/2], the even column in the low nibble; w = u * scale +
- * offset per (row, group), the int16 kernel's constants (int4_offsets.h). */
+ * offset per (row, group), the int16 kernel's constants (int4_offsets.h). int8: int8 [N][K],
+ * w = q * scale per row, rounded to bf16 as the dense path rounds it. */
 #include <immintrin.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -47,6 +48,31 @@ static inline BF16 __m512i unpack32(const uint8_t* bytes, __m512i table) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)bytes));
   const __m512i nibbles = _mm512_and_si512(_mm512_or_si512(b, _mm512_slli_epi32(b, 12)), _mm512_set1_epi32(0x000F000F));
   return _mm512_permutexvar_epi16(nibbles, table);
+}
+
+/* 32 int8 weights of a row times its scale, as bf16 in K order. */
+static inline BF16 __m512i int8_unpack32(const int8_t* q, __m512 scale) {
+  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
+  const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(high, scale), _mm512_mul_ps(low, scale));
+}
+
+/* Row n of the weight as bf16 [K]: int4 (``w`` the storage, ``offset`` / ``codes`` as
+ * int4_offsets.h) or int8 (``w`` int8, one scale a row). */
+static inline BF16 void unpack_row(int bits, size_t n, int K, int group, int codes, const void* w, const float* scale,
+                                   const void* offset, uint16_t* row) {
+  if (bits == 8) {
+    const __m512 s = _mm512_set1_ps(scale[n]);
+    for (int k = 0; k < K; k += 32) _mm512_storeu_si512(row + k, int8_unpack32((const int8_t*)w + n * K + k, s));
+    return;
+  }
+  const int groups = K / group;
+  for (int g = 0; g < groups; g++) {
+    const size_t at = n * groups + g;
+    const __m512i table = group_table(scale[at], group_offset(offset, codes, scale, at));
+    for (int k = g * group; k < (g + 1) * group; k += 32)
+      _mm512_storeu_si512(row + k, unpack32((const uint8_t*)w + n * (K / 2) + k / 2, table));
+  }
 }
 
 /* The sums of a[0..3]'s lanes, as 4 floats. */
@@ -106,52 +132,46 @@ static inline BF16 void rows_times_tile(int M, int K, const uint16_t* x, const u
     }
 }
 
-/* y (row stride y_row) = x . w^T for x bf16 [M][K], w int4 [N][K/2] with ``scale`` / ``offset``
- * [N][K / group] (K % 32 == 0, group % 32 == 0, K % group == 0). 0, or -1 when a thread could
- * not allocate its tile buffer. */
-BF16 int qb_int4_bf16_mm(int threads, int M, int N, int K, int group, int codes, const uint16_t* x, const uint8_t* u,
-                         const float* scale, const void* offset, float* y, long y_row) {
+/* y (row stride y_row) = x . w^T for x bf16 [M][K] and an int4 (``bits`` 4: storage [N][K/2],
+ * ``scale`` / ``offset`` [N][K / group], group % 32 == 0, K % group == 0) or int8 (int8 [N][K],
+ * ``scale`` [N]) weight; K % 32 == 0. 0, or -1 when a thread could not allocate its buffer. */
+BF16 int qb_weight_only_bf16_mm(int threads, int bits, int M, int N, int K, int group, int codes, const uint16_t* x,
+                                const void* w, const float* scale, const void* offset, float* y, long y_row) {
   /* weight rows unpacked at a time: TILE_BYTES of bf16 (in L2 while every activation row runs
      over them: each activation tile is read once per such block, not once per NT rows) */
   int block = (int)(TILE_BYTES / (2 * (size_t)K)) / NT * NT;
   block = block < NT ? NT : block;
-  const int groups = K / group, blocks = (N + block - 1) / block;
+  const int blocks = (N + block - 1) / block;
   int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
-    uint16_t* w = aligned_alloc(64, sizeof(uint16_t) * block * (size_t)K);
-    if (!w) {
+    uint16_t* unpacked = aligned_alloc(64, sizeof(uint16_t) * block * (size_t)K);
+    if (!unpacked) {
 #pragma omp atomic write
       failed = 1;
     }
 #pragma omp for schedule(static)
     for (int b = 0; b < blocks; b++) {
-      if (!w) continue;
+      if (!unpacked) continue;
       const int n0 = b * block, rows = N - n0 < block ? N - n0 : block;
       for (int j = 0; j < (rows + NT - 1) / NT * NT; j++) {
-        uint16_t* row = w + (size_t)j * K;
-        if (j >= rows) { /* (a last tile's missing rows: zero weights, their sums not stored) */
+        uint16_t* row = unpacked + (size_t)j * K;
+        if (j < rows) {
+          unpack_row(bits, (size_t)n0 + j, K, group, codes, w, scale, offset, row);
+        } else { /* (a last tile's missing rows: zero weights, their sums not stored) */
           for (int k = 0; k < K; k += 32) _mm512_storeu_si512(row + k, _mm512_setzero_si512());
-          continue;
-        }
-        const size_t n = (size_t)n0 + j;
-        for (int g = 0; g < groups; g++) {
-          const size_t at = n * groups + g;
-          const __m512i table = group_table(scale[at], group_offset(offset, codes, scale, at));
-          for (int k = g * group; k < (g + 1) * group; k += 32)
-            _mm512_storeu_si512(row + k, unpack32(u + n * (K / 2) + k / 2, table));
         }
       }
-      rows_times_tile(M, K, x, w, rows, y + n0, y_row);
+      rows_times_tile(M, K, x, unpacked, rows, y + n0, y_row);
     }
-    free(w);
+    free(unpacked);
   }
   return failed ? -1 : 0;
 }
 #else
 int qb_has_avx512_bf16(void) { return 0; }
-int qb_int4_bf16_mm(int threads, int M, int N, int K, int group, int codes, const uint16_t* x, const uint8_t* u,
-                    const float* scale, const void* offset, float* y, long y_row) {
+int qb_weight_only_bf16_mm(int threads, int bits, int M, int N, int K, int group, int codes, const uint16_t* x,
+                           const void* w, const float* scale, const void* offset, float* y, long y_row) {
   return -2; /* (never called: qb_has_avx512_bf16 says 0) */
 }
 #endif
