@@ -217,7 +217,7 @@ def _measured(bits: int, kernel: Callable, args: tuple) -> dict:
     if bf16_kernel_takes(bits, args):
         candidates["bf16 kernel"] = lambda x: bf16_mm(x, bits, *args)
     low, high = (in_fresh_chunk(_timed, candidates, rows, k) for rows in PROBE_ROWS)
-    best = min(DTYPES, key=lambda name: (high[name], (high[name] - low[name])))
+    best = min(DTYPES, key=lambda name: (high[name], high[name] - low[name]))  # (then the one growing least)
     record = {"bf16_from": None, "dtype": None, "from": None,
               "ms": {name: [round(low[name] * 1e3, 3), round(high[name] * 1e3, 3)] for name in candidates}}
     bf16_from = _crossing(low, high, PROBE_ROWS, "bf16 kernel", "int16") if "bf16 kernel" in candidates else None
@@ -279,12 +279,10 @@ def dense_slices_pass(gm: GraphModule, kernel_choice: Optional[str] = None, comp
         if record is None and mode == "measure":
             record = _measured(bits, native.PLAIN[f"int{bits}_mm_int16"], args)
             choice_cache.shared().put(key, record)
-        if not record or not (record.get("dtype") or record.get("bf16_from")):
+        bf16 = record.get("bf16_from") if record and bf16_kernel_takes(bits, args) else None  # (measured with it; off since)
+        if not bf16 and not (record and record.get("dtype")):
             continue
         dense_from = record["from"] if record.get("dtype") else math.inf
-        bf16 = record.get("bf16_from") if bf16_kernel_takes(bits, args) else None  # (measured with it; switched off since)
-        if bf16 is None and not record.get("dtype"):
-            continue
         bf16_from = bf16 or dense_from
         node.args = (node.args[0], bf16_from, dense_from, DTYPES[record.get("dtype") or "bf16"], bits, *node.args[1:])
         node.target = kernel_or_dense

@@ -8,10 +8,11 @@
  * 2048 -> 11264 layer took 11.6 and 7.2 ms (Zen 4, 2 threads), where Inductor's bf16 matmul on a
  * ready bf16 weight takes ~5.
  *
- * Here a tile of NT weight rows is unpacked once, as bf16 in K order by a per-(row, group) table
- * (the dense path's table: the same bf16 weights), into a buffer that stays in the caches while
- * every tile of MT activation rows runs over it: MT x NT accumulators of 16 lanes along K, one
- * vdpbf16ps (32 products) per pair of 32-value loads, summed across lanes once at the end of K.
+ * Here a block of weight rows (TILE_BYTES of bf16) is unpacked once, in K order (int4 by a
+ * per-(row, group) table, the dense path's: the same bf16 weights), into a buffer that stays in
+ * L2 while every tile of MT activation rows runs over it NT weight rows at a time: MT x NT
+ * accumulators of 16 lanes along K, one vdpbf16ps (32 products) per pair of 32-value loads,
+ * summed across lanes once at the end of K.
  * The products are exact and summed in float32, so the result differs from the dense path's only
  * by the order of the sums and by not rounding the output to bf16.
  *
