@@ -5,6 +5,7 @@ an editable install builds nothing (its kernels build on first use).
 
 Everything else is in pyproject.toml."""
 import importlib.util
+import shutil
 from pathlib import Path
 
 from setuptools import Distribution, setup
@@ -22,6 +23,9 @@ def _kernel_build():
 
 class BuildPyWithKernels(build_py):
     def run(self):
+        # (a build directory left from an earlier build keeps sources renamed since: the wheel would
+        # carry them, and the prebuilt libraries' key, made from the tree's sources, would then miss)
+        shutil.rmtree(Path(self.build_lib) / "qbackend" / "csrc", ignore_errors=True)
         super().run()
         if getattr(self, "editable_mode", False):
             return
