@@ -18,7 +18,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .dead_code import eliminate_dead_code
-from .dense_weight_only import dense_slices, kernel_or_dense, slice_rows, written_out
+from .dense_weight_only import dense_slices, in_features, kernel_or_dense, slice_rows, written_out
 from .lowering.weight_only import unflatten_rows
 from .patterns.base import constant_value
 from .silu_mul import silu_mul, silu_mul_bf16_into
@@ -32,7 +32,7 @@ def _dense_bf16(x: torch.Tensor, gate_up: tuple) -> torch.Tensor:
     _, _, _, bits, *args = gate_up
     merged = args[0].shape[0]
     k = x.shape[1]
-    if x.dim() != 2 or x.dtype != torch.float32 or merged % 2 or k != (args[0].shape[1] * 2 if bits == 4 else args[0].shape[1]):
+    if x.dim() != 2 or x.dtype != torch.float32 or merged % 2 or k != in_features(bits, args):
         raise ValueError(f"qbackend dense SwiGLU: float32 activations [M, K] for a merged gate / up weight of an even row "
                          f"count and K columns, got {x.dtype} {tuple(x.shape)} for {merged} rows")
     n = merged // 2

@@ -66,6 +66,21 @@ def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple) ->
                          f"got {tensor.dtype} {tuple(tensor.shape)}")
 
 
+def _checked_weight(bits: int, args: tuple, k: int) -> tuple[int, bool]:
+    """(group size, whether the int4 offsets are int8 codes) of the weight ``args`` hold (int4:
+    storage, scale, offset, group size; int8: weight, scale; a group of K), its tensors checked."""
+    n = args[0].shape[0]
+    if bits == 8:
+        _check("the int8 weight", args[0], torch.int8, (n, k))
+        _check("the scales", args[1], torch.float32, (n,))
+        return k, False
+    group, codes = args[3], args[2].dtype == native.INT4_OFFSET_CODES
+    _check("the int4 storage", args[0], torch.uint8, (n, k // 2))
+    _check("the scales", args[1], torch.float32, (n, k // group))
+    _check("the offsets", args[2], native.INT4_OFFSET_CODES if codes else torch.float32, (n, k // group))
+    return group, codes
+
+
 def written_out(bits: int, args: tuple, start: int, out: torch.Tensor) -> torch.Tensor:
     """Rows [start, start + len(out)) of the weight the int16 kernel's ``args`` hold (int4:
     storage, scale, offset, group size; int8: weight, scale), as ``out``'s dtype (bf16 or
@@ -84,18 +99,13 @@ def written_out(bits: int, args: tuple, start: int, out: torch.Tensor) -> torch.
         group = args[3]
         if k % 16 or group % 16 or k % group:
             raise ValueError(f"qbackend dense weight-only: int4 K {k} and group {group} must be multiples of 16, K of group")
-        groups = k // group
-        _check("the int4 storage", weight, torch.uint8, (n, k // 2))
-        _check("the scales", args[1], torch.float32, (n, groups))
-        codes = args[2].dtype == native.INT4_OFFSET_CODES
-        _check("the offsets", args[2], native.INT4_OFFSET_CODES if codes else torch.float32, (n, groups))
+        _, codes = _checked_weight(bits, args, k)
         kernels[0](torch.get_num_threads(), rows, k, group, int(codes), weight[start:].data_ptr(), args[1][start:].data_ptr(),
                    args[2][start:].data_ptr(), bf16, out.data_ptr())
     else:
         if k % 16:
             raise ValueError(f"qbackend dense weight-only: int8 K {k} must be a multiple of 16")
-        _check("the int8 weight", weight, torch.int8, (n, k))
-        _check("the scales", args[1], torch.float32, (n,))
+        _checked_weight(bits, args, k)
         kernels[1](torch.get_num_threads(), rows, k, weight[start:].data_ptr(), args[1][start:].data_ptr(), bf16,
                    out.data_ptr())
     return out
@@ -115,7 +125,7 @@ def _bf16_kernel():
 
 def bf16_kernel_takes(bits: int, args: tuple) -> bool:
     """Whether the AVX512-BF16 kernel runs this weight-only weight here."""
-    return _bf16_kernel() is not None and _in_features(bits, args) % 32 == 0 and (bits == 8 or args[3] % 32 == 0)
+    return _bf16_kernel() is not None and in_features(bits, args) % 32 == 0 and (bits == 8 or args[3] % 32 == 0)
 
 
 def bf16_mm(x: torch.Tensor, bits: int, *args) -> torch.Tensor:
@@ -125,20 +135,14 @@ def bf16_mm(x: torch.Tensor, bits: int, *args) -> torch.Tensor:
     kernel = _bf16_kernel()
     if kernel is None:
         raise RuntimeError("qbackend's AVX512-BF16 weight-only kernel needs a CPU with AVX512-BF16 and the VNNI kernels")
-    n, k = args[0].shape[0], _in_features(bits, args)
+    n, k = args[0].shape[0], in_features(bits, args)
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         raise ValueError(f"qbackend bf16 weight-only kernel: float32 or bf16 CPU activations [M, {k}], got {x.dtype} "
                          f"{tuple(x.shape)}")
-    group, codes = (args[3], args[2].dtype == native.INT4_OFFSET_CODES) if bits == 4 else (k, False)
+    group = args[3] if bits == 4 else k
     if k % 32 or group % 32 or k % group:
         raise ValueError(f"qbackend bf16 weight-only kernel: K {k} and group {group} must be multiples of 32, K of group")
-    if bits == 4:
-        _check("the int4 storage", args[0], torch.uint8, (n, k // 2))
-        _check("the scales", args[1], torch.float32, (n, k // group))
-        _check("the offsets", args[2], native.INT4_OFFSET_CODES if codes else torch.float32, (n, k // group))
-    else:
-        _check("the int8 weight", args[0], torch.int8, (n, k))
-        _check("the scales", args[1], torch.float32, (n,))
+    _, codes = _checked_weight(bits, args, k)
     offset = args[2].data_ptr() if bits == 4 else None
     x_bf16, y = x.to(torch.bfloat16).contiguous(), torch.empty(x.shape[0], n)
     if x.shape[0] and kernel(torch.get_num_threads(), bits, x.shape[0], n, k, group, int(codes), x_bf16.data_ptr(),
@@ -147,7 +151,8 @@ def bf16_mm(x: torch.Tensor, bits: int, *args) -> torch.Tensor:
     return y
 
 
-def _in_features(bits: int, args: tuple) -> int:
+def in_features(bits: int, args: tuple) -> int:
+    """K of the weight ``args`` hold (int4 storage: two columns a byte)."""
     return args[0].shape[1] * (2 if bits == 4 else 1)
 
 
@@ -161,7 +166,7 @@ def dense_slices(x: torch.Tensor, bits: int, dtype: torch.dtype, *args) -> torch
     """x [M, K] float32 (or already ``dtype``) times the weight ``args`` hold, transposed:
     float32 [M, N], the weight written out ``CHUNK_BYTES`` at a time in ``dtype`` and
     multiplied densely."""
-    n, k = args[0].shape[0], _in_features(bits, args)
+    n, k = args[0].shape[0], in_features(bits, args)
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, dtype):
         raise ValueError(f"qbackend dense weight-only: float32 activations [M, {k}], got {x.dtype} {tuple(x.shape)}")
     rows = slice_rows(x.shape[0], k, dtype)
@@ -211,7 +216,7 @@ def _measured(bits: int, kernel: Callable, args: tuple) -> dict:
     """{"bf16_from": rows or None, "dtype": name or None, "from": rows, "ms": the probes' times}:
     from how many rows the AVX512-BF16 kernel beats the int16 one (None: never, or not here);
     the dense dtype whose time grows least with rows, from where it beats the kernel before it."""
-    k = _in_features(bits, args)
+    k = in_features(bits, args)
     candidates = {"int16": lambda x: kernel(x, *args)}
     candidates.update({name: lambda x, d=d: dense_slices(x, bits, d, *args) for name, d in DTYPES.items()})
     if bf16_kernel_takes(bits, args):
@@ -274,7 +279,7 @@ def dense_slices_pass(gm: GraphModule, kernel_choice: Optional[str] = None, comp
         if rows is not None and rows < MIN_ROWS:
             continue
         group = f" g{args[3]}" if bits == 4 else ""
-        key = f"weight-only dense int{bits} {args[0].shape[0]}x{_in_features(bits, args)}{group}"
+        key = f"weight-only dense int{bits} {args[0].shape[0]}x{in_features(bits, args)}{group}"
         record = choice_cache.shared().get(key)
         if record is None and mode == "measure":
             record = _measured(bits, native.PLAIN[f"int{bits}_mm_int16"], args)
