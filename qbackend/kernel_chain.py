@@ -126,10 +126,10 @@ class _Program:
         self.bases_type = ctypes.c_void_p * (1 + len(inputs) + len(outputs) + len(appends))
 
     def run(self, inputs: list) -> Optional[tuple]:
-        """The leaving values; None where a cache has no room for its rows (or two share one):
-        the caller then runs the nodes, which reallocate it."""
-        caches = [kv_append.room(inputs[k], added, GROWS) for k, added in self.appends]
-        if any(cache is None for cache in caches) or len({id(cache[0]) for cache in caches}) < len(caches):
+        """The leaving values; None where a cache has no room for its rows (or two share one, or
+        another thread took it): the caller then runs the nodes, which reallocate it."""
+        caches = kv_append.claim([(inputs[k], added) for k, added in self.appends], GROWS) if self.appends else ()
+        if caches is None:
             return None
         first = inputs[self.like]
         arena = first.new_empty(self.arena_bytes, dtype=torch.uint8)
@@ -140,8 +140,7 @@ class _Program:
         failed = native._load()[0].qb_run_chain(torch.get_num_threads(), len(self.steps), self.steps, bases)
         if failed:
             raise MemoryError(f"qbackend kernel chain: step {failed - 1} could not allocate its scratch")
-        grown = [kv_append.appended(base, start, inputs[k].shape[GROWS] + added, GROWS)
-                 for (base, start), (k, added) in zip(caches, self.appends)]
+        grown = [base.narrow(GROWS, start, inputs[k].shape[GROWS] + added) for (base, start), (k, added) in zip(caches, self.appends)]
         sources = {"input": inputs, "output": outputs, "append": grown}
         return tuple(_viewed(sources[source][k], view) for source, k, view in self.picks)
 

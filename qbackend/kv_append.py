@@ -12,16 +12,20 @@ The values are the cat's. What may differ is only what aliasing can show: the re
 storage with the input view (rows the input shows are never written again), so an in-place
 write into the old cache tensor would show in the new one. A buffer records how far it is
 filled; a view that does not end there (a cropped cache, a second branch from one cache
-state) gets a new buffer, so no two live views are ever extended into the same rows.
+state) gets a new buffer, so no two live views are ever extended into the same rows. Two
+threads extending one cache state at once (a shared prompt prefix, beam branches) race for
+the same room: each checks it, then ``claim`` decides under a lock who takes it, and the other
+gets a new buffer, as a branch does (without the lock both got views of the same rows; one
+thread alone pays an uncontended acquire per append, or per chain call).
 
 In a kernel chain (kernel_chain.py) an append whose value only attention and the graph's output
-read is a C step (``chain_call``): the chain checks the room before its call (``room``), passes
-the cached rows as a number (the program stays one while the cache grows) and does the
-bookkeeping after it (``appended``).
+read is a C step (``chain_call``): the chain claims the room before its call (``claim``) and passes
+the cached rows as a number (the program stays one while the cache grows).
 """
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Optional
 
 import torch
@@ -34,6 +38,7 @@ from .chain_step import KeyLength, StepCall, step_call
 aten = torch.ops.aten
 CATS = frozenset({torch.cat, aten.cat.default})
 _FILL = "_qbackend_kv_fill"  # an append buffer's attribute: its _Fill
+_CLAIMS = threading.Lock()  # held while a claim compares and advances fills (see claim)
 
 
 class _Fill:
@@ -43,8 +48,8 @@ class _Fill:
 
     __slots__ = ("rows", "shape", "strides", "dtype")
 
-    def __init__(self, buffer: torch.Tensor):
-        self.rows, self.shape, self.strides, self.dtype = 0, buffer.shape, buffer.stride(), buffer.dtype
+    def __init__(self, buffer: torch.Tensor, rows: int):
+        self.rows, self.shape, self.strides, self.dtype = rows, buffer.shape, buffer.stride(), buffer.dtype
 
 
 def filled_rows(buffer: Optional[torch.Tensor]) -> Optional[int]:
@@ -61,7 +66,8 @@ def room_after(rows: int) -> int:
 
 def room(past: torch.Tensor, added: int, dim: int) -> Optional[tuple[torch.Tensor, int]]:
     """(the buffer ``past`` is a view of, the row ``past`` starts at) when ``added`` rows fit
-    into its room right after ``past``'s rows, and nothing else was written there."""
+    into its room right after ``past``'s rows, and nothing else was written there yet: the
+    room is the caller's only once ``claim`` says so."""
     base = past._base
     fill = getattr(base, _FILL, None)
     if fill is None or past.dtype != fill.dtype or past.stride() != fill.strides:
@@ -73,10 +79,20 @@ def room(past: torch.Tensor, added: int, dim: int) -> Optional[tuple[torch.Tenso
     return base, start
 
 
-def appended(base: torch.Tensor, start: int, rows: int, dim: int) -> torch.Tensor:
-    """The view of ``rows`` rows from ``start``, once the last of them were written into ``base``'s room."""
-    getattr(base, _FILL).rows = start + rows
-    return base.narrow(dim, start, rows)
+def claim(appends: list, dim: int) -> Optional[list[tuple[torch.Tensor, int]]]:
+    """``room`` of each (past, rows added) in distinct buffers, taken for the caller (the
+    buffers' fills advanced past the added rows, which the caller then writes): for all of
+    them, or None when one has no room, two share a buffer, or another caller took one first."""
+    found = [room(past, added, dim) for past, added in appends]
+    if any(f is None for f in found) or len({id(f[0]) for f in found}) < len(found):
+        return None
+    fills = [(getattr(base, _FILL), start + past.size(dim), added) for (base, start), (past, added) in zip(found, appends)]
+    with _CLAIMS:  # (``room`` read the fills unlocked: compare them again and advance, no thread between)
+        if any(fill.rows != seen for fill, seen, _ in fills):
+            return None
+        for fill, seen, added in fills:
+            fill.rows = seen + added
+    return found
 
 
 def append(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
@@ -90,17 +106,17 @@ def append(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
     if d is None or past.dim() != new.dim() or any(past.size(i) != new.size(i) for i in range(new.dim()) if i != d):
         return torch.cat([past, new], dim)
     rows, added = past.size(d), new.size(d)
-    found = room(past, added, d)
-    if found is None:
+    found = claim([(past, added)], d)
+    if found is not None:
+        [(base, start)] = found
+    else:  # (a new buffer: this thread's alone until it returns a view of it)
         shape = list(new.shape)
         shape[d] = rows + added + room_after(rows + added)
         base, start = torch.empty(shape, dtype=new.dtype, device=new.device), 0
-        setattr(base, _FILL, _Fill(base))
+        setattr(base, _FILL, _Fill(base, rows + added))
         base.narrow(d, 0, rows).copy_(past)
-    else:
-        base, start = found
     base.narrow(d, start + rows, added).copy_(new)
-    return appended(base, start, rows + added, d)
+    return base.narrow(d, start, rows + added)
 
 
 append.reads_any_strides = True  # (the values it appends, whatever their layout)

@@ -66,8 +66,8 @@ def append_int8(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor
     if dim % max(new.dim(), 1) == 2:
         buffer = result._base
         int8 = _int8_rows(buffer)
-        if int8 is not None:
-            _quantize_rows(buffer, int8, kv_append.filled_rows(buffer))
+        if int8 is not None:  # (up to this result's last row: the buffer's fill is what appends claimed)
+            _quantize_rows(buffer, int8, result.storage_offset() // buffer.stride(2) + result.size(2))
     return result
 
 

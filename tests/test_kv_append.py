@@ -1,7 +1,9 @@
 """A KV cache's cat as an append into room after the cached rows (qbackend/kv_append.py): the
 values are always the cat's, a view that does not end where its buffer is filled gets a new
-buffer, and only a cat of a graph input that fused attention and the graph's output read is
-rewritten."""
+buffer (also when two threads extend one cache state at once), and only a cat of a graph input
+that fused attention and the graph's output read is rewritten."""
+import threading
+
 import expecttest
 import pytest
 import torch
@@ -9,7 +11,7 @@ import torch.nn.functional as F
 
 from qbackend import kv_append
 
-from .helpers import Captured, short_graph
+from .helpers import Captured, needs_own_kernels, short_graph
 from .tolerances import TOLERANCE
 
 
@@ -139,3 +141,80 @@ attention_f32 = native.attention_f32(l_q_, cat, cat_1, None, 0.25)
 kernel_chain_0 = kernel_chain(l_cache_v_, l_v_, l_q_, cat) of 2 steps -> (cat_1, attention_f32)
 view = cat.view(-1)
 return (getitem_1, mul, cat, getitem)""")
+
+
+def racing(monkeypatch, calls: list, checks: int = 1) -> list:
+    """``calls`` run in threads of their own, each held after its ``checks``-th ``kv_append.room``
+    until every thread got there: all of them saw the same room free before any took it (the
+    interleaving that gave two threads views of the same rows), forced rather than hoped for.
+    ``kv_append.room`` is itself again on return."""
+    barrier, seen, original = threading.Barrier(len(calls), timeout=30), threading.local(), kv_append.room
+
+    def room(*args):
+        found = original(*args)
+        seen.count = getattr(seen, "count", 0) + 1
+        if seen.count == checks:
+            barrier.wait()
+        return found
+
+    results, errors = [None] * len(calls), []
+
+    def run(k):
+        try:
+            with torch.no_grad():
+                results[k] = calls[k]()
+        except BaseException as error:  # (reported below: an assertion in a thread would be lost)
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(calls))]
+    with monkeypatch.context() as patched:
+        patched.setattr(kv_append, "room", room)
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert not errors, errors
+    return results
+
+
+def in_place(grown: torch.Tensor, past: torch.Tensor) -> bool:
+    return grown.untyped_storage().data_ptr() == past.untyped_storage().data_ptr()
+
+
+def test_two_threads_extending_one_cache_state_get_their_own_rows(monkeypatch):
+    """Beam branches or a shared prefix: each thread's result is its own cat; one took the room,
+    the other a new buffer (both had been given views of the same row: one thread's values)."""
+    cache = kv_append.append(torch.tensor([]), _rows(8, 0), -2)
+    kept, new = cache.clone(), [_rows(1, seed) for seed in (1, 2)]
+    grown = racing(monkeypatch, [lambda rows=rows: kv_append.append(cache, rows, -2) for rows in new])
+    for result, rows in zip(grown, new):
+        assert torch.equal(result, torch.cat([kept, rows], dim=-2))
+    assert torch.equal(cache, kept)
+    assert sorted(in_place(result, cache) for result in grown) == [False, True]
+
+
+@needs_own_kernels
+def test_two_threads_decoding_from_one_compiled_cache_state_get_their_own_rows(monkeypatch):
+    """The same through torch.compile: the kernel chain's program claims both caches' room
+    before its C call (each thread held after checking both); the loser runs the nodes."""
+    from qbackend.kernel_chain import _Program
+
+    torch._dynamo.reset()
+    run, cache = torch.compile(DecodeStep(), backend="qbackend"), {"k": torch.tensor([]), "v": torch.tensor([])}
+    with torch.no_grad():
+        for step in range(3):  # (an empty cache, then the symbolic graph's first call prepares the program)
+            run(_rows(6 if step == 0 else 1, 3 * step, heads=8), _rows(6 if step == 0 else 1, 3 * step + 1),
+                _rows(6 if step == 0 else 1, 3 * step + 2), cache)
+    kept = {name: value.clone() for name, value in cache.items()}
+    steps = [(_rows(1, 10 + 3 * k, heads=8), _rows(1, 11 + 3 * k), _rows(1, 12 + 3 * k), dict(cache)) for k in range(2)]
+    programs, original = [], _Program.run
+    monkeypatch.setattr(_Program, "run", lambda self, inputs: programs.append(self) or original(self, inputs))
+    outputs = racing(monkeypatch, [lambda step=step: run(*step) for step in steps], checks=2)
+    assert len(programs) == 2, "both calls ran the chain's program"
+    for (q, k, v, grown), out in zip(steps, outputs):
+        keys, values = torch.cat([kept["k"], k], dim=-2), torch.cat([kept["v"], v], dim=-2)
+        assert torch.equal(grown["k"], keys) and torch.equal(grown["v"], values)
+        expected = F.scaled_dot_product_attention(q, keys, values, scale=0.25, enable_gqa=True)
+        torch.testing.assert_close(out, expected, **TOLERANCE["attention_f32"])
+    assert sorted(in_place(grown["k"], cache["k"]) for *_, grown in steps) == [False, True]

@@ -10,7 +10,7 @@ from qbackend import kv_int8, native
 from qbackend.backend import Options
 
 from .helpers import Captured, needs_own_kernels, short_graph
-from .test_kv_append import DecodeStep, _decode, _rows
+from .test_kv_append import DecodeStep, _decode, _rows, in_place, racing
 
 
 def _grown(seed, rows=40, scale=3.0):
@@ -65,6 +65,20 @@ def test_views_the_int8_rows_do_not_cover_run_float_attention():
     assert torch.equal(kv_int8.attention_kv_int8(q, plain, values, None, 0.25), native.attention_f32(q, plain, values, None, 0.25))
     keys._base.__dict__.pop(kv_int8._INT8_ROWS)  # (rows appended before the option was on)
     assert torch.equal(kv_int8.attention_kv_int8(q, keys, values, None, 0.25), native.attention_f32(q, keys, values, None, 0.25))
+
+
+@needs_own_kernels
+def test_two_threads_extending_one_cache_state_get_their_own_int8_rows(monkeypatch):
+    """Each thread's result and its int8 rows are those of its own cat (the room's loser
+    quantizes its new buffer), as if the threads had appended one after the other."""
+    cache = _grown(4)
+    new = [_rows(1, seed) * 3.0 for seed in (5, 6)]
+    grown = racing(monkeypatch, [lambda rows=rows: kv_int8.append_int8(cache, rows, -2) for rows in new])
+    assert sorted(in_place(result, cache) for result in grown) == [False, True]
+    for result, rows in zip(grown, new):
+        alone = kv_int8.append_int8(_grown(4), rows, -2)
+        assert torch.equal(result, alone)
+        assert all(map(torch.equal, kv_int8._int8_view(result), kv_int8._int8_view(alone)))
 
 
 def test_the_option_takes_float_or_int8():
