@@ -22,6 +22,7 @@ call, one crossing per call had added 40-110 us to every candidate (resnet50's l
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Callable
 
 try:
@@ -57,41 +58,62 @@ def in_fresh_chunk(fn: Callable, *args):
     return _fresh_chunk_call()(fn, args)
 
 
-class StackRoom:
-    """``fn`` called from the pad that faults least (see the module doc). The first call is
-    not judged (it prepares kernels and allocates); a pad that faults is left for an untried
-    one, then for the one that faulted least; a pad faulting well over what it did has a caller
-    at a new depth, so every pad is tried again."""
+class _Judged(threading.local):
+    """One thread's judgement of the pads: each thread calls from a depth of its own (two threads
+    sharing one had thrown the pad between their depths, and one could read the other's fault
+    list mid-reset: a TypeError from min() in the finally of the model's call)."""
 
-    def __init__(self, fn: Callable):
-        self.fn = fn
+    def __init__(self):
         self.pad = 0  # index into PADS
         self.faults: list = [None] * len(PADS)  # per pad: minor faults of its latest judged call
         self.judged = False  # past the first call
+
+
+class StackRoom:
+    """``fn`` called from the pad that faults least (see the module doc), judged per thread. The
+    first call is not judged (it prepares kernels and allocates); a pad that faults is left for an
+    untried one, then for the one that faulted least; a pad faulting well over what it did has a
+    caller at a new depth, so every pad is tried again."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        self.threads = _Judged()
+
+    @property
+    def pad(self) -> int:
+        """The pad the calling thread's next call runs from."""
+        return self.threads.pad
+
+    @property
+    def faults(self) -> list:
+        """Per pad: minor faults of the calling thread's latest judged call from it (None: untried)."""
+        return self.threads.faults
 
     def __call__(self, *args):
         # (no Python call of its own on the way: it would cross a chunk's end as easily)
         if getrusage is None:
             return self.fn(*args)
-        pad, before = self.pad, getrusage(RUSAGE_THREAD).ru_minflt
+        state = self.threads
+        pad, before = state.pad, getrusage(RUSAGE_THREAD).ru_minflt
         try:
             return _CALLS[pad](self.fn, args)
         finally:
             faults = getrusage(RUSAGE_THREAD).ru_minflt - before
-            if faults or not self.judged:
-                self._observe(pad, faults)
+            if faults or not state.judged:
+                _observe(state, pad, faults)
             else:
-                self.faults[pad] = 0
+                state.faults[pad] = 0
 
-    def _observe(self, pad: int, faults: int) -> None:
-        if not self.judged:
-            self.judged = True
-            return
-        previous, self.faults[pad] = self.faults[pad], faults
-        if not faults:
-            return
-        if previous is not None and faults > 2 * previous + 2:  # (not a fault or two of other causes)
-            self.faults = [None] * len(PADS)
-            self.faults[pad] = faults
-        untried = [i for i, seen in enumerate(self.faults) if seen is None]
-        self.pad = untried[0] if untried else min(range(len(PADS)), key=self.faults.__getitem__)
+
+def _observe(state: _Judged, pad: int, faults: int) -> None:
+    if not state.judged:
+        state.judged = True
+        return
+    previous, state.faults[pad] = state.faults[pad], faults
+    if not faults:
+        return
+    if previous is not None and faults > 2 * previous + 2:  # (not a fault or two of other causes)
+        state.faults = [None] * len(PADS)
+        state.faults[pad] = faults
+    untried = [i for i, seen in enumerate(state.faults) if seen is None]
+    state.pad = untried[0] if untried else min(range(len(PADS)), key=state.faults.__getitem__)

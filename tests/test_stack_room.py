@@ -5,6 +5,7 @@ refined by pads in 16-byte steps), so some of them sit just below a chunk's end,
 Python call the workload makes maps and unmaps a fresh chunk (a page fault per call).
 """
 import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -111,3 +112,32 @@ def test_a_fault_or_two_of_other_causes_keeps_the_pad(monkeypatch):
     # settled on pad 1 at 3 faults (the least), then 4 and 2: still pad 1
     pads, _ = _pads_used(monkeypatch, [0, 9, 3, 5, 4, 2, 4])
     assert pads == [0, 0, 1, 2, 1, 1, 1]
+
+
+def test_each_thread_judges_the_pads_from_its_own_depth(monkeypatch):
+    """Two threads calling one compiled model in lockstep: one faults as the first test's caller
+    does, the other never; each keeps the pads it would alone (they had shared one judgement,
+    which the faulting thread moved under the other)."""
+    scripts = {"faulting": [50, 30, 1, 4, 1, 1], "quiet": [0] * 6}
+    per_thread = {}
+    monkeypatch.setattr(stack_room, "getrusage", lambda who: per_thread[threading.get_ident()](who))
+    room, barrier, pads, errors = StackRoom(lambda: None), threading.Barrier(len(scripts), timeout=30), {}, []
+
+    def run(name):
+        try:
+            per_thread[threading.get_ident()], pads[name] = _Script(scripts[name]), []
+            for _ in scripts[name]:
+                pads[name].append(room.pad)
+                room()
+                barrier.wait()  # (every thread's call judged before the next)
+        except BaseException as error:  # (reported below: an assertion in a thread would be lost)
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in scripts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert pads == {"faulting": [0, 0, 1, 2, 1, 1], "quiet": [0] * 6}
