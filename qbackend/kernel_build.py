@@ -1,12 +1,16 @@
 """Compiling qbackend's C kernels once per machine, and loading only what this user built.
 
 - The cache directory (``$QBACKEND_CACHE_DIR``, else ``~/.cache/qbackend``; a per-user
-  temporary one where that cannot be made) is used only if this user owns it and no one else
-  can write it: else another local user could plant a library that runs in this process.
+  temporary one where that cannot be made) is used only if it is a directory itself (not a
+  symlink: ``lstat``), this user owns it and no one else can write it: else another local user
+  could plant a library that runs in this process.
 - A library is written under a name no other process or thread uses, flushed to disk, then
   renamed into place, with its SHA-256 beside it; a cached one loads only if both files are
   this user's and the bytes match the digest (a truncated library killed every process that
   loaded it with SIGBUS; an empty one disabled the kernels until deleted by hand).
+- ``load`` runs the very file it checked: opened once without following symlinks, its owner
+  and mode read from the open file, hashed from it and loaded through ``/proc/self/fd``, so
+  no file put in its place between the check and the load runs.
 - The key: the sources, the flags and the compiler as its ``--version`` names it (``$CC`` is
   split into words, as make does: ``ccache gcc``), so an upgraded compiler builds again.
 - A wheel carries the libraries prebuilt (``setup.py`` runs ``build_prebuilt``, the flags name
@@ -18,6 +22,7 @@ This module imports no torch: the package build loads it by path.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -27,7 +32,7 @@ import stat
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, NamedTuple, Optional
 
 CSRC = Path(__file__).parent / "csrc"
 PREBUILT = Path(__file__).parent / "prebuilt"
@@ -50,18 +55,70 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def trusted(path: Path) -> bool:
-    """Owned by this user and writable by no one else."""
+MINE = (os.getuid(),)
+ROOT_OR_MINE = (0, os.getuid())  # (a wheel installed by root)
+
+
+def _safe(info: os.stat_result, owners: tuple) -> bool:
+    return info.st_uid in owners and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def trusted(path: Path, owners: tuple = MINE) -> bool:
+    """A directory or regular file itself (``lstat``: a symlink's target is not what a later
+    open finds), owned by one of ``owners`` (this user) and writable by no one else."""
     try:
-        info = path.stat()
+        info = os.lstat(path)
     except OSError:
         return False
-    return info.st_uid == os.getuid() and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    return (stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)) and _safe(info, owners)
+
+
+def _open_private(path: Path, owners: tuple = MINE) -> int:
+    """A descriptor of ``path``, opened without following a symlink, once ``fstat`` shows a
+    regular file of one of ``owners`` that no one else can write; OSError else. What was checked
+    is then the open file itself, whatever is renamed into place later."""
+    # (O_NONBLOCK: a FIFO put there must not hang the open)
+    handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        info = os.fstat(handle)
+        if not (stat.S_ISREG(info.st_mode) and _safe(info, owners)):
+            raise OSError(f"{path} is not a regular file that only its owner ({info.st_uid}) can write")
+    except BaseException:
+        os.close(handle)
+        raise
+    return handle
+
+
+def read_private(path: Path, most: int, owners: tuple = MINE) -> bytes:
+    """The bytes of ``path`` (``_open_private``), at most ``most``; OSError else."""
+    with os.fdopen(_open_private(path, owners), "rb") as file:
+        data = file.read(most + 1)
+    if len(data) > most:
+        raise OSError(f"{path} holds more than {most} bytes")
+    return data
+
+
+def _sha256(handle: int) -> str:
+    digest = hashlib.sha256()
+    os.lseek(handle, 0, os.SEEK_SET)
+    while chunk := os.read(handle, 1 << 20):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _open_matching(library: Path, digest: str, owners: tuple = MINE) -> int:
+    """``library`` opened (``_open_private``) when its bytes hash to ``digest``; OSError else."""
+    handle = _open_private(library, owners)
+    if _sha256(handle) != digest:
+        os.close(handle)
+        raise OSError(f"{library} is not the library built (its digest differs)")
+    return handle
 
 
 def kernel_dir(preferred: Path) -> Path:
     """``preferred``, or a per-user temporary directory where it cannot be made or is not
-    trusted (a read-only home; a directory another user made first)."""
+    trusted (a read-only home; a directory another user made first, or a symlink another user
+    can point elsewhere once it was checked)."""
     for directory in (preferred, Path(tempfile.gettempdir()) / f"qbackend-{os.getuid()}"):
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -98,15 +155,13 @@ def _digest_file(library: Path) -> Path:
     return library.with_name(library.name + ".sha256")
 
 
-def _intact(library: Path) -> bool:
-    """This user's library whose bytes match the digest written beside it when it was built."""
-    digest = _digest_file(library)
-    if not (trusted(library) and trusted(digest)):
-        return False
+def _intact(library: Path) -> Optional[int]:
+    """An open descriptor of this user's library whose bytes match the digest written beside it
+    when it was built, or None."""
     try:
-        return hashlib.sha256(library.read_bytes()).hexdigest() == digest.read_text().strip()
-    except OSError:
-        return False
+        return _open_matching(library, read_private(_digest_file(library), 256).decode().strip())
+    except (OSError, ValueError):  # (ValueError: a digest file that is not text)
+        return None
 
 
 def _write_durably(directory: Path, prefix: str, suffix: str, write) -> Path:
@@ -148,38 +203,33 @@ def build_prebuilt(directory: Path) -> list[Path]:
         _compile(words, sources, flags, library)
         digest = hashlib.sha256(library.read_bytes()).hexdigest()
         _digest_file(library).write_text(f"{_prebuilt_key(sources, flags)} {digest}\n")
+        library.chmod(0o755)  # (a umask of 002 made them group-writable: never loaded)
+        _digest_file(library).chmod(0o644)
         built.append(library)
     return built
 
 
-def _root_or_mine(path: Path) -> bool:
-    """Owned by this user or root, writable by no one else."""
-    try:
-        info = path.stat()
-    except OSError:
-        return False
-    return info.st_uid in (0, os.getuid()) and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+class Built(NamedTuple):
+    path: Path
+    handle: int  # open: the file whose owner, mode and digest were checked
 
 
-def prebuilt(name: str, sources: tuple, flags: tuple) -> Path | None:
+def prebuilt(name: str, sources: tuple, flags: tuple) -> Optional[Built]:
     """The library the wheel carries for these sources and flags, or None (none shipped, other
-    sources or flags, bytes not the ones built, or writable by another user)."""
+    sources or flags, bytes not the ones built, it or its directory writable by another user
+    than this one or root, or a symlink)."""
     library = PREBUILT / f"{name}.so"
-    digest_file = _digest_file(library)
-    if not all(map(_root_or_mine, (PREBUILT.parent, PREBUILT, library, digest_file))):
+    if not (trusted(PREBUILT.parent, ROOT_OR_MINE) and trusted(PREBUILT, ROOT_OR_MINE)):
         return None
     try:
-        key, digest = digest_file.read_text().split()
-        return library if key == _prebuilt_key(sources, flags) and hashlib.sha256(library.read_bytes()).hexdigest() == digest else None
+        key, digest = read_private(_digest_file(library), 256, ROOT_OR_MINE).decode().split()
+        return Built(library, _open_matching(library, digest, ROOT_OR_MINE)) if key == _prebuilt_key(sources, flags) else None
     except (OSError, ValueError):
         return None
 
 
-def build(name: str, sources: Iterable[Path], flags: tuple) -> Path:
-    """The shared library for these sources and flags: the wheel's prebuilt one, else one built
-    here by this compiler (compiled if no intact one is cached). RuntimeError with the reason
-    when it cannot be built."""
-    sources = tuple(sources)
+def _built(name: str, sources: tuple, flags: tuple) -> Built:
+    """``build``'s library, open."""
     shipped = prebuilt(name, sources, flags)
     if shipped is not None:
         return shipped
@@ -187,10 +237,26 @@ def build(name: str, sources: Iterable[Path], flags: tuple) -> Path:
     key = hashlib.sha256("\n".join((sources_digest(), " ".join(words), version, " ".join(flags))).encode()).hexdigest()
     directory = kernel_dir(cache_dir())
     target = directory / f"{name}-{key[:16]}.so"
-    if _intact(target):
-        return target
+    cached = _intact(target)
+    if cached is not None:
+        return Built(target, cached)
     library = _write_durably(directory, f".{target.stem}-", ".partial.so", lambda path: _compile(words, sources, flags, path))
-    digest = hashlib.sha256(library.read_bytes()).hexdigest()
+    try:
+        os.chmod(library, 0o700)  # (whatever mode the compiler gave it: only this user's to write)
+        handle = _open_private(library)
+    except OSError:
+        os.unlink(library)
+        raise
+    try:
+        _place(directory, library, target, _sha256(handle))
+    except BaseException:
+        os.close(handle)
+        raise
+    return Built(target, handle)
+
+
+def _place(directory: Path, library: Path, target: Path, digest: str) -> None:
+    """The compiled ``library`` renamed to ``target``, ``digest`` beside it, durably."""
     digest_file = _write_durably(directory, f".{target.stem}-", ".partial.sha256", lambda path: path.write_text(digest))
     os.replace(library, target)  # (the library first: a digest never vouches for bytes not yet in place)
     os.replace(digest_file, _digest_file(target))
@@ -199,4 +265,25 @@ def build(name: str, sources: Iterable[Path], flags: tuple) -> Path:
         os.fsync(directory_handle)  # (the renames too)
     finally:
         os.close(directory_handle)
-    return target
+
+
+def build(name: str, sources: Iterable[Path], flags: tuple) -> Path:
+    """The shared library for these sources and flags: the wheel's prebuilt one, else one built
+    here by this compiler (compiled if no intact one is cached). RuntimeError with the reason
+    when it cannot be built. To run it, ``load``: the path opened again may be another file."""
+    built = _built(name, tuple(sources), flags)
+    os.close(built.handle)
+    return built.path
+
+
+def load(name: str, sources: Iterable[Path], flags: tuple) -> ctypes.CDLL:
+    """``build``'s library, loaded from the very file whose owner, mode and digest were checked
+    (``/proc/self/fd``). RuntimeError when it cannot be built, OSError when it does not load."""
+    built = _built(name, tuple(sources), flags)
+    try:
+        # (the descriptor stays open while the process runs: glibc returns a library already
+        # loaded under the same name, so its number, closed and reused, would load this one again)
+        return ctypes.CDLL(f"/proc/self/fd/{built.handle}")
+    except OSError as error:
+        os.close(built.handle)
+        raise OSError(f"{built.path} did not load: {error}") from None

@@ -35,7 +35,6 @@ import math
 import os
 import threading
 import weakref
-from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
@@ -106,12 +105,12 @@ def _switch() -> str:
 ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2, "swish": 3, "hardswish": 4}
 
 
-def _build(name: str = "qbackend_kernels") -> Path:
-    """``kernel_build.build`` of library ``name`` on a CPU that can run the kernels (RuntimeError
-    with the reason)."""
+def _loaded(name: str = "qbackend_kernels") -> ctypes.CDLL:
+    """``kernel_build.load`` of library ``name`` on a CPU that can run the kernels (RuntimeError
+    or OSError with the reason)."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise RuntimeError(f"the CPU (capability {torch.backends.cpu.get_cpu_capability()}) has no AVX2")
-    return kernel_build.build(name, *kernel_build.LIBRARIES[name])
+    return kernel_build.load(name, *kernel_build.LIBRARIES[name])
 
 
 def _once(function):
@@ -139,7 +138,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     if _switch() == "off":
         return None, f"qbackend's own kernels are unavailable: switched off by ${SWITCH}=off"
     try:
-        lib = ctypes.CDLL(str(_build()))
+        lib = _loaded()
     except (RuntimeError, OSError) as error:
         return None, f"qbackend's own kernels are unavailable: {error}"
     pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -223,9 +222,9 @@ def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     if not lib.qb_has_avx512_vnni():
         return None, "the CPU has no AVX512-VNNI"
     try:
-        vnni = ctypes.CDLL(str(_build("qbackend_vnni")))
+        vnni = _loaded("qbackend_vnni")
     except (RuntimeError, OSError) as error:
-        return None, f"the AVX512-VNNI kernels could not be built: {error}"
+        return None, f"the AVX512-VNNI kernels could not be built or loaded: {error}"
     _declare_gemm(vnni.qb_conv_call_vnni)
     _declare_gemm(vnni.qb_conv_call_vnni512)
     vnni.qb_vnni_zmm_speedup.argtypes, vnni.qb_vnni_zmm_speedup.restype = [ctypes.c_int], ctypes.c_double

@@ -24,6 +24,13 @@ def _answer(library) -> int:
     return ctypes.CDLL(str(library)).qb_answer()
 
 
+def _intact(library) -> bool:
+    handle = kernel_build._intact(library)
+    if handle is not None:
+        os.close(handle)
+    return handle is not None
+
+
 def test_a_blocked_or_foreign_cache_directory_gives_a_private_temporary_one(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     private = tmp_path / "tmp" / f"qbackend-{os.getuid()}"
@@ -58,9 +65,9 @@ def test_a_damaged_or_writable_library_is_built_again_not_loaded(cache):
                    lambda: library.chmod(0o666),
                    lambda: (library.parent / (library.name + ".sha256")).unlink()):
         damage()
-        assert not kernel_build._intact(library)
+        assert not _intact(library)
         assert kernel_build.build("answer", [source], FLAGS) == library
-        assert kernel_build._intact(library) and library.read_bytes() == built
+        assert _intact(library) and library.read_bytes() == built
 
 
 def test_cc_is_split_into_words_and_the_compiler_version_is_in_the_key(cache, monkeypatch):
@@ -160,3 +167,90 @@ def test_a_prebuilt_library_loads_only_intact_unwritable_and_for_these_sources(c
     assert kernel_build.prebuilt("answer", (source,), FLAGS) is None  # not the bytes built
     rebuilt = kernel_build.build("answer", [source], FLAGS)
     assert rebuilt.parent == directory and _answer(rebuilt) == 42  # the fallback: built here
+
+
+def test_a_symlink_is_never_taken_for_the_cache_directory(tmp_path, monkeypatch):
+    """``stat`` follows a link: a link accepted once points wherever its owner likes later (and
+    in a shared temporary directory another user may make the name first)."""
+    monkeypatch.setattr(kernel_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    private = tmp_path / "tmp" / f"qbackend-{os.getuid()}"
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(mine)
+    assert kernel_build.kernel_dir(tmp_path / "link") == private
+    private.rmdir()
+    private.symlink_to(mine)  # (the temporary name, made first)
+    with pytest.raises(RuntimeError, match="that only this user can write"):
+        kernel_build.kernel_dir(tmp_path / "link")
+    assert not kernel_build.trusted(private) and kernel_build.trusted(mine)
+
+
+def _write_library(path, answer: int) -> None:
+    source = path.with_suffix(".c")
+    source.write_text(SOURCE.replace("42", str(answer)))
+    kernel_build._compile(kernel_build.compiler()[0], (source,), FLAGS, path)
+
+
+@pytest.mark.parametrize("linked", ["library", "digest"])
+def test_a_cached_library_or_digest_that_is_a_symlink_is_built_again(cache, tmp_path, linked):
+    directory, source = cache
+    library = kernel_build.build("answer", [source], FLAGS)
+    file = library if linked == "library" else library.with_name(library.name + ".sha256")
+    elsewhere = tmp_path / f"elsewhere-{file.name}"  # (intact bytes, this user's: only the link is wrong)
+    os.replace(file, elsewhere)
+    file.symlink_to(elsewhere)
+    assert not _intact(library)
+    assert kernel_build.build("answer", [source], FLAGS) == library and not file.is_symlink() and _intact(library)
+
+
+def test_load_runs_the_file_it_checked_not_one_renamed_into_place_after(cache, tmp_path, monkeypatch):
+    """Checking a path, then loading it by its name, loads whatever is there by then."""
+    directory, source = cache
+    library = kernel_build.build("answer", [source], FLAGS)
+    planted = tmp_path / "planted.so"
+    _write_library(planted, 43)
+    checked = kernel_build._intact
+
+    def replaced_after_the_check(path):
+        handle = checked(path)
+        os.replace(planted, path)
+        return handle
+
+    monkeypatch.setattr(kernel_build, "_intact", replaced_after_the_check)
+    assert kernel_build.load("answer", [source], FLAGS).qb_answer() == 42
+    assert _answer(library) == 43  # (what loading the path, as before, ran)
+
+
+def test_libraries_loaded_one_after_another_are_each_their_own(cache, tmp_path):
+    """glibc returns a library already loaded under the same name (/proc/self/fd/N): a number
+    closed after the first load and reused for the second would load the first again."""
+    _, source = cache
+    other = tmp_path / "other.c"
+    other.write_text(SOURCE.replace("42", "43"))
+    assert kernel_build.load("answer", [source], FLAGS).qb_answer() == 42
+    assert kernel_build.load("other", [other], FLAGS).qb_answer() == 43
+
+
+def test_a_prebuilt_library_or_directory_that_is_a_symlink_is_not_loaded(cache, tmp_path, monkeypatch):
+    _, source = cache
+    package = tmp_path / "package"
+    shipped = package / "prebuilt"
+    monkeypatch.setattr(kernel_build, "PREBUILT", shipped)
+    monkeypatch.setattr(kernel_build, "LIBRARIES", {"answer": ((source,), FLAGS)})
+    (library,) = kernel_build.build_prebuilt(shipped)
+    package.chmod(0o755)
+    assert kernel_build.build("answer", [source], FLAGS) == library
+    elsewhere = tmp_path / "elsewhere.so"
+    os.replace(library, elsewhere)
+    library.symlink_to(elsewhere)
+    assert kernel_build.prebuilt("answer", (source,), FLAGS) is None
+    os.replace(elsewhere, library)
+    real = tmp_path / "real-prebuilt"
+    os.replace(shipped, real)
+    shipped.symlink_to(real)
+    assert kernel_build.prebuilt("answer", (source,), FLAGS) is None
+    shipped.unlink()
+    os.replace(real, shipped)
+    built = kernel_build.prebuilt("answer", (source,), FLAGS)
+    assert built is not None and built.path == library  # (the same files, no link: loaded)
+    os.close(built.handle)
