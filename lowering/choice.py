@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from qbackend.choice_cache import fastest_of
 from qbackend.patterns.base import QuantizedWeight, fake_value
 from qbackend.runnable import NodeSteps
 from qbackend.stack_room import in_fresh_chunk
@@ -36,6 +37,7 @@ ENVIRONMENT = "QBACKEND_KERNEL_CHOICE"
 BUDGET_SECONDS = 0.01
 MIN_ROUNDS, MAX_ROUNDS = 3, 30
 PATTERN = 4096  # the input values repeat with this period
+RECORD = fastest_of("own", "fallback")  # what is kept per layer signature: both times, the winner
 
 
 def mode(option: Optional[str]) -> str:
@@ -204,8 +206,8 @@ def choose(ctx: EmitContext, match, kernel, fallback_emit: Callable, fallback: s
     width = siblings(match)
     key = signature(kernel.name, match) if ctx.kernel_choice != "prior" and ctx.choices is not None else None
     key, merged = (f"{key} siblings={width}", f" ({width} siblings as one call)") if key is not None and width > 1 else (key, "")
-    record = ctx.choices.get(key) if key is not None else None
-    if record is not None and record.get("winner") in ("own", "fallback"):
+    record = ctx.choices.get(key, RECORD) if key is not None else None  # (an invalid one: measured again)
+    if record is not None:
         if record["winner"] == "own":
             result = kernel.emit(ctx, match)
         else:

@@ -34,7 +34,8 @@ from typing import Callable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from . import native
+from . import choice_cache, native
+from .choice_cache import Schema, count, mapping_of, number, one_of, optional, pair_of
 from .lowering.choice import mode as choice_mode
 from .lowering.common import static_shape
 from .lowering.sibling_linears import weight_only_input
@@ -50,6 +51,11 @@ PROBE_ROWS = (32, 128)
 LARGE_PROBE_ROWS, LARGE_PROBE_WEIGHT_ROWS = 512, 2048  # the bf16 kernel against the dense slices, on this many weight rows
 ROUNDS = 2  # timed calls of each candidate at each probe, interleaved, after one warm-up
 MIN_ROWS = 8  # a graph whose rows are known to be fewer runs the kernel alone (not measured)
+# ``_measured``'s record, checked where it is read (its row counts become the graph's arguments)
+RECORD = Schema({"bf16_from": optional(count(MIN_ROWS)), "dtype": optional(one_of(*DTYPES)), "from": optional(count(2)),
+                 "ms": mapping_of(pair_of(number(0.0, 3.6e6)))},
+                lambda r: (r.get("dtype") is None) == (r.get("from") is None)
+                and (r.get("from") or math.inf) >= (r.get("bf16_from") or 0))
 
 
 @functools.lru_cache(maxsize=None)
@@ -264,8 +270,6 @@ def dense_slices_pass(gm: GraphModule, kernel_choice: Optional[str] = None, comp
     mode = choice_mode(kernel_choice)
     if mode == "prior" or compute != "auto" or native.available() is not None:
         return None
-    from qbackend import choice_cache  # (it hashes the kernels' sources)
-
     plain = {native.PLAIN[name]: bits for name, bits in WEIGHT_ONLY.items()}  # (a graph to be traced calls the ops: kept)
     changed = []
     for node in list(gm.graph.nodes):
@@ -280,7 +284,7 @@ def dense_slices_pass(gm: GraphModule, kernel_choice: Optional[str] = None, comp
             continue
         group = f" g{args[3]}" if bits == 4 else ""
         key = f"weight-only dense int{bits} {args[0].shape[0]}x{in_features(bits, args)}{group}"
-        record = choice_cache.shared().get(key)
+        record = choice_cache.shared().get(key, RECORD)  # (an invalid one: measured again)
         if record is None and mode == "measure":
             record = _measured(bits, native.PLAIN[f"int{bits}_mm_int16"], args)
             choice_cache.shared().put(key, record)

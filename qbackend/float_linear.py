@@ -75,8 +75,8 @@ def _winner(gemms: dict, mode: str, x, weight, bias, rows: int) -> tuple[str, Op
     if mode == "prior" or len(gemms) < 2:
         return prior, None
     cache, key = choice_cache.shared(), _signature(x, weight, bias)
-    record = cache.get(key)
-    if record is None or record.get("winner") not in gemms:
+    record = cache.get(key, choice_cache.fastest_of(*gemms))  # (an invalid one: measured again)
+    if record is None:
         if mode != "measure":
             return prior, None
         seconds = _timed(gemms, x, weight, bias, rows)

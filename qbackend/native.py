@@ -245,6 +245,7 @@ DEPTHWISE_VNNI_GROUP = 32  # channels per step of the VNNI depthwise kernel (and
 # 0.63 (zmm vpdpbusd at a third of ymm's rate), a Zen 5 EPYC 1.9-2.0; between, ymm (its tiles
 # were tuned longer).
 ZMM_MIN_SPEEDUP = 1.3
+ZMM_SPEEDUPS = (0.0, 16.0)  # what a kept probe may hold: well past the 2x of zmm's width over ymm's
 
 
 def int8_build() -> str:
@@ -265,7 +266,8 @@ def zmm_speedup() -> float:
     if vnni is None:
         return 0.0
     from qbackend import choice_cache  # (it hashes this module's sources)
-    return choice_cache.shared().remembered("zmm_speedup", lambda: vnni.qb_vnni_zmm_speedup(1))
+    return choice_cache.shared().remembered("zmm_speedup", lambda: vnni.qb_vnni_zmm_speedup(1),
+                                            choice_cache.number(*ZMM_SPEEDUPS))
 
 
 # gemm_build's values -> the int8_build they belong to and their C function

@@ -207,7 +207,64 @@ def test_an_unknown_mode_is_refused(monkeypatch):
 
 def test_the_zmm_probe_is_measured_once_per_machine(cache_dir):
     probes = []
-    first = choice_cache.shared().remembered("probe", lambda: probes.append(1) or 1.5)
+    valid = choice_cache.number(0.0, 2.0)
+    first = choice_cache.shared().remembered("probe", lambda: probes.append(1) or 1.5, valid)
     choice_cache._shared = None
-    assert choice_cache.shared().remembered("probe", lambda: probes.append(1) or 0.5) == first == 1.5
+    assert choice_cache.shared().remembered("probe", lambda: probes.append(1) or 0.5, valid) == first == 1.5
     assert probes == [1]
+
+
+def _rewrite_records(cache_dir, change) -> None:
+    """Each kernel choice kept in the machine's file passed through ``change`` (a hand edit, a
+    torn write of another version), as the next process reads it."""
+    path = next(cache_dir.glob("*.json"))
+    saved = json.loads(path.read_text())
+    saved["entries"] = {name: change(dict(r)) if "winner" in r else r for name, r in saved["entries"].items()}
+    path.write_text(json.dumps(saved))
+    choice_cache._shared = None
+
+
+MALFORMED = {"a field missing": lambda r: {k: v for k, v in r.items() if k != "fallback"},
+             "a time that is text": lambda r: {**r, "own": "fast"},
+             "a time that is NaN": lambda r: {**r, "fallback": float("nan")},
+             "a winner the times contradict": lambda r: {**r, "winner": "fallback"},
+             "an unknown winner": lambda r: {**r, "winner": "float"},
+             "not a record": lambda r: [r["winner"]]}
+
+
+@pytest.mark.parametrize("change", MALFORMED.values(), ids=MALFORMED)
+def test_an_invalid_record_is_measured_again_and_overwritten(cache_dir, monkeypatch, change):
+    """A record with a field missing had raised a KeyError the lowering took for "failed to
+    emit": every later process ran those convs in float between quantize / dequantize pairs."""
+    compiled(monkeypatch, SimulatedMachine(own_us=100, onednn_us=300))
+    _rewrite_records(cache_dir, change)
+    again = SimulatedMachine(own_us=100, onednn_us=300)
+    captured = compiled(monkeypatch, again)
+    assert ops(captured) == OWN and again.layers == 3, str(captured.report)
+    records = [r for r in json.loads(next(cache_dir.glob("*.json")).read_text())["entries"].values() if "winner" in r]
+    assert [choice.RECORD.why_invalid(r) for r in records] == [None] * 3  # (rewritten)
+
+
+def test_an_invalid_record_in_cached_mode_leaves_the_fixed_table_to_decide(cache_dir, monkeypatch):
+    compiled(monkeypatch, SimulatedMachine(own_us=300, onednn_us=100))
+    _rewrite_records(cache_dir, MALFORMED["a field missing"])
+    again = SimulatedMachine(own_us=300, onednn_us=100)
+    captured = compiled(monkeypatch, again, mode="cached")
+    assert ops(captured) == OWN and again.layers == 0, str(captured.report)  # (the prior: own kernels at these sizes)
+
+
+def test_records_of_another_layout_or_qbackend_version_are_not_read(cache_dir, monkeypatch):
+    import qbackend
+
+    assert {k: choice_cache.machine()[k] for k in ("layout", "qbackend")} == {"layout": choice_cache.LAYOUT,
+                                                                          "qbackend": qbackend.__version__}
+    for field, value in (("LAYOUT", choice_cache.LAYOUT - 1), ("__version__", "0.0.1")):
+        with monkeypatch.context() as older:
+            older.setattr(choice_cache if field == "LAYOUT" else qbackend, field, value)
+            compiled(older, SimulatedMachine(own_us=300, onednn_us=100))
+        choice_cache._shared = None
+        again = SimulatedMachine(own_us=100, onednn_us=300)
+        assert ops(compiled(monkeypatch, again)) == OWN and again.layers == 3
+        for path in cache_dir.glob("*.json"):
+            path.unlink()
+        choice_cache._shared = None
