@@ -215,17 +215,21 @@ class KernelChain:
         if program is not False:  # (a known signature: run stepwise, or its caches are full this call)
             return self._stepwise(inputs)[0]
         outputs, values = self._stepwise(inputs)
-        if len(self._programs) >= MAX_PROGRAMS:
+        # (changed on a copy, then swapped in: threads preparing at once had evicted the same
+        # program twice, a KeyError; a program one of them prepared may be lost, never an error)
+        programs = dict(self._programs)
+        if len(programs) >= MAX_PROGRAMS:
             if self._calls < self._next_prepare:
                 return outputs
-            del self._programs[next(iter(self._programs))]
+            del programs[next(iter(programs))]
         try:
             program = self._program(inputs, values)
         except _Reallocated:
             return outputs
         except _NotAStep:
             program = None
-        self._programs[key] = program
+        programs[key] = program
+        self._programs = programs
         self._next_prepare = self._calls + PREPARE_EVERY
         return outputs
 

@@ -3,6 +3,7 @@ and the views between them as kernel chains (qbackend/kernel_chain.py): the byte
 separate calls on every step, C programs where the operands stay in place, the nodes one by one
 where a view copies, views that leave a chain."""
 import operator
+import threading
 
 import expecttest
 import pytest
@@ -317,12 +318,8 @@ def test_two_caches_in_one_buffer_run_the_nodes():
         assert all(torch.equal(a, w) for a, w in zip(actual, wanted))
 
 
-def test_past_the_kept_programs_the_oldest_goes_every_prepare_every_calls(monkeypatch):
-    from qbackend import kernel_chain
-
-    monkeypatch.setattr(kernel_chain, "MAX_PROGRAMS", 2)
-    monkeypatch.setattr(kernel_chain, "PREPARE_EVERY", 3)
-
+def _two_norms():
+    """A chain of two RMSNorms; inputs of 1-4 rows of 32 and the graph's own outputs for them."""
     def build(graph, x, constant):
         normed = graph.call_function(rms_norm.rms_norm, (x, constant("w1", torch.randn(32)), 1e-6))
         return (graph.call_function(rms_norm.rms_norm, (normed, constant("w2", torch.randn(32)), 1e-6)),)
@@ -333,8 +330,55 @@ def test_past_the_kept_programs_the_oldest_goes_every_prepare_every_calls(monkey
     chain_own_kernels(gm)
     gm.recompile()
     (chain,) = _chains(gm)
+    return gm, chain, inputs, expected
+
+
+def test_past_the_kept_programs_the_oldest_goes_every_prepare_every_calls(monkeypatch):
+    from qbackend import kernel_chain
+
+    monkeypatch.setattr(kernel_chain, "MAX_PROGRAMS", 2)
+    monkeypatch.setattr(kernel_chain, "PREPARE_EVERY", 3)
+    gm, chain, inputs, expected = _two_norms()
     kept = []
     for rows in (1, 2, 3, 3, 3, 4, 1):  # 1, 2 prepared; 3 waits three calls after 2's, then takes 1's place
         assert torch.equal(gm(inputs[rows])[0], expected[rows])
         kept.append(sorted(key[0][0][0] for key in chain._programs))
     assert kept == [[1], [1, 2], [1, 2], [1, 2], [2, 3], [2, 3], [2, 3]]
+
+
+def test_two_threads_preparing_past_the_kept_programs_both_get_their_outputs(monkeypatch):
+    """Both threads new signatures with the table full, each held where it evicts the oldest
+    program until the other got there too (the same program: the second deletion had raised a
+    KeyError out of the model's call)."""
+    from qbackend import kernel_chain
+
+    monkeypatch.setattr(kernel_chain, "MAX_PROGRAMS", 2)
+    monkeypatch.setattr(kernel_chain, "PREPARE_EVERY", 0)
+    gm, chain, inputs, expected = _two_norms()
+    for rows in (1, 2):
+        gm(inputs[rows])
+    barrier = threading.Barrier(2, timeout=30)
+
+    class Evicting(dict):  # (the table as it was: an eviction from it waits for the other thread's)
+        def __delitem__(self, key):
+            barrier.wait()
+            super().__delitem__(key)
+
+    chain._programs = Evicting(chain._programs)
+    results, errors = {}, []
+
+    def run(rows):
+        try:
+            results[rows] = gm(inputs[rows])[0]
+        except BaseException as error:  # (reported below: an exception in a thread would be lost)
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(rows,)) for rows in (3, 4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert all(torch.equal(results[rows], expected[rows]) for rows in (3, 4))
+    assert len(chain._programs) == 2 and all(torch.equal(gm(x)[0], expected[rows]) for rows, x in inputs.items())
