@@ -79,6 +79,12 @@ class StackRoom:
         self.fn = fn
         self.threads = _Judged()
 
+    def __getstate__(self):  # (a copy judges afresh: a threading.local does not copy)
+        return {"fn": self.fn}
+
+    def __setstate__(self, state):
+        self.__init__(state["fn"])
+
     @property
     def pad(self) -> int:
         """The pad the calling thread's next call runs from."""

@@ -4,6 +4,7 @@ The callers below sit at every depth across a 16 KB chunk (recursion in ~100-byt
 refined by pads in 16-byte steps), so some of them sit just below a chunk's end, where each
 Python call the workload makes maps and unmaps a fresh chunk (a page fault per call).
 """
+import copy
 import sys
 import threading
 from types import SimpleNamespace
@@ -141,3 +142,10 @@ def test_each_thread_judges_the_pads_from_its_own_depth(monkeypatch):
         thread.join()
     assert not errors, errors
     assert pads == {"faulting": [0, 0, 1, 2, 1, 1], "quiet": [0] * 6}
+
+
+def test_a_copy_runs_the_same_callable_and_judges_afresh():
+    room = StackRoom(lambda: 7)
+    room()
+    copied = copy.deepcopy(room)
+    assert copied() == 7 and copied.fn is room.fn and copied.threads is not room.threads
