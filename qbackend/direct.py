@@ -19,6 +19,7 @@ import collections
 import inspect
 import logging
 import operator
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -391,6 +392,16 @@ class CompiledGraphModule:
         self.recorded, self.symbols, self.symbolic = recorded, symbols, _symbolic_inputs(recorded, symbols)
         self.first_shape_lowered = False  # (the first signature the symbolic sizes admit has)
         self.binding = InputBinding(gm)
+        # threads calling one module: the table's order changes on every call, a lowering evicts
+        # (both had raised KeyErrors), and a signature is lowered once, by one of them
+        self._table, self._lowering = threading.Lock(), threading.Lock()
+
+    def __getstate__(self):  # (locks do not copy: a copy gets its own)
+        return {name: value for name, value in self.__dict__.items() if name not in ("_table", "_lowering")}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._table, self._lowering = threading.Lock(), threading.Lock()
 
     def _placeholders(self, args, kwargs) -> Optional[list]:
         inputs = self.binding.placeholders(args, kwargs)
@@ -427,13 +438,26 @@ class CompiledGraphModule:
         key = self._key(inputs)
         lowered = self.lowered.get(key)
         if lowered is None:
-            key, lowered = self._lower(inputs, key)
-            self.lowered[key] = lowered
-            specialised = [k for k in self.lowered if k != self.SYMBOLIC]  # (oldest use first)
-            if len(specialised) > SPECIALISED_LIMIT:
-                del self.lowered[specialised[0]]
-        self.lowered.move_to_end(key)
+            lowered = self._lowered(inputs, key)
+        else:
+            with self._table:
+                if key in self.lowered:  # (else another thread evicted it since: this call still runs it)
+                    self.lowered.move_to_end(key)
         return self.module.graph.process_outputs(lowered(*inputs))
+
+    def _lowered(self, inputs: list, key) -> Callable:
+        """The lowering for ``key``, made now unless another thread made it meanwhile, put in the table."""
+        with self._lowering:
+            lowered = self.lowered.get(key)
+            if lowered is None:
+                key, lowered = self._lower(inputs, key)
+            with self._table:
+                self.lowered[key] = lowered
+                self.lowered.move_to_end(key)
+                specialised = [k for k in self.lowered if k != self.SYMBOLIC]  # (oldest use first)
+                if len(specialised) > SPECIALISED_LIMIT:
+                    del self.lowered[specialised[0]]
+        return lowered
 
 
 def _is_aten_graph(model) -> bool:

@@ -4,6 +4,10 @@ for themselves and, from a second shape on, once for every size export's ranges 
 specialised lowering, at most ``SPECIALISED_LIMIT`` of them, for any other input), as Dynamo
 recompiles; ``torch.compile(dynamic=True)`` runs them in one graph; every size gives the
 reference's numerics."""
+import collections
+import copy
+import threading
+
 import pytest
 import torch
 
@@ -66,6 +70,62 @@ def test_specialised_lowerings_are_bounded_least_recently_used_first(resnet, mon
         for batch in (2, 3, 2, 4):
             assert_float_close(compiled(_images(batch)), resnet(_images(batch)), f"batch {batch}")
     assert [key[0][1][0] for key in compiled.lowered] == [2, 4]
+
+
+def test_a_thread_whose_lowering_another_evicts_meanwhile_still_runs_it(resnet, monkeypatch):
+    """Two threads calling one compiled module: one finds batch 2's lowering and is held there
+    until the other has lowered batch 3 and evicted batch 2's (one kept); both get their
+    outputs (marking the evicted lowering as used had raised a KeyError)."""
+    monkeypatch.setattr(direct, "SPECIALISED_LIMIT", 1)
+    compiled = qbackend.compile(resnet)
+    compiled.symbolic = None  # (every batch a lowering of its own)
+    with torch.no_grad():
+        compiled(_images(2))
+    found, evicted = threading.Event(), threading.Event()
+
+    class Table(collections.OrderedDict):
+        def get(self, key, default=None):
+            value = super().get(key, default)
+            if value is not None and key[0][1][0] == 2 and not found.is_set():
+                found.set()
+                evicted.wait(30)
+            return value
+
+        def __delitem__(self, key):
+            super().__delitem__(key)
+            evicted.set()
+
+    compiled.lowered = Table(compiled.lowered)
+    outputs, errors = {}, []
+
+    def run(batch):
+        try:
+            if batch == 3:
+                found.wait(30)
+            outputs[batch] = compiled(_images(batch))
+        except BaseException as error:  # (reported below: an exception in a thread would be lost)
+            errors.append(error)
+            evicted.set()
+
+    threads = [threading.Thread(target=run, args=(batch,)) for batch in (2, 3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert evicted.is_set() and lowering_keys(compiled) == [(3, 3, 32, 32)]
+    with torch.no_grad():
+        for batch, output in outputs.items():
+            assert_float_close(output, resnet(_images(batch)), f"batch {batch}")
+
+
+def test_a_copy_runs_the_lowerings_it_copied(resnet):
+    compiled = qbackend.compile(resnet)
+    with torch.no_grad():
+        compiled(_images(2))
+        copied = copy.deepcopy(compiled)
+        assert_float_close(copied(_images(2)), resnet(_images(2)), "batch 2")
+    assert lowering_keys(copied) == [(2, 3, 32, 32)] and copied._table is not compiled._table
 
 
 def test_torch_compile_dynamic_runs_every_batch_in_one_graph(resnet):
