@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import operator
+import threading
+from typing import Callable
 
 import torch
 from torch.fx import GraphModule, Interpreter
@@ -278,3 +280,25 @@ def dense_convs_on_onednn(monkeypatch):
 
     for build, limits in list(gemm.LIMITS.items()):
         monkeypatch.setitem(gemm.LIMITS, build, dataclasses.replace(limits, max_dense_macs=0))
+
+
+def in_threads(calls: list, on_error: Callable = lambda: None) -> list:
+    """Each of ``calls`` run in a thread of its own; their results in order. An exception in one
+    (lost in the thread otherwise) fails the caller, after ``on_error`` ran (e.g. a barrier's
+    abort: the threads waiting there for the failed one go on)."""
+    results, errors = [None] * len(calls), []
+
+    def run(k):
+        try:
+            results[k] = calls[k]()
+        except BaseException as error:
+            errors.append(error)
+            on_error()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    return results

@@ -15,7 +15,7 @@ import qbackend
 from qbackend import cleanup, kv_append, native, rms_norm
 from qbackend.kernel_chain import KernelChain, chain_own_kernels
 
-from .helpers import Captured, needs_own_kernels, short_graph
+from .helpers import Captured, in_threads, needs_own_kernels, short_graph
 from .tolerances import assert_weight_only_close
 
 pytestmark = needs_own_kernels
@@ -365,20 +365,6 @@ def test_two_threads_preparing_past_the_kept_programs_both_get_their_outputs(mon
             super().__delitem__(key)
 
     chain._programs = Evicting(chain._programs)
-    results, errors = {}, []
-
-    def run(rows):
-        try:
-            results[rows] = gm(inputs[rows])[0]
-        except BaseException as error:  # (reported below: an exception in a thread would be lost)
-            errors.append(error)
-            barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(rows,)) for rows in (3, 4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    results = dict(zip((3, 4), in_threads([lambda rows=rows: gm(inputs[rows])[0] for rows in (3, 4)], barrier.abort)))
     assert all(torch.equal(results[rows], expected[rows]) for rows in (3, 4))
     assert len(chain._programs) == 2 and all(torch.equal(gm(x)[0], expected[rows]) for rows, x in inputs.items())

@@ -6,6 +6,7 @@ recompiles; ``torch.compile(dynamic=True)`` runs them in one graph; every size g
 reference's numerics."""
 import collections
 import copy
+import functools
 import threading
 
 import pytest
@@ -16,7 +17,7 @@ from qbackend import direct
 from qbackend.direct import CompiledGraphModule
 from qbackend.models import bert_encoder_like, tiny_resnet
 
-from .helpers import lowering_keys, quantize
+from .helpers import in_threads, lowering_keys, quantize
 from .tolerances import assert_float_close
 
 SYMBOLIC = CompiledGraphModule.SYMBOLIC
@@ -96,23 +97,13 @@ def test_a_thread_whose_lowering_another_evicts_meanwhile_still_runs_it(resnet, 
             evicted.set()
 
     compiled.lowered = Table(compiled.lowered)
-    outputs, errors = {}, []
 
     def run(batch):
-        try:
-            if batch == 3:
-                found.wait(30)
-            outputs[batch] = compiled(_images(batch))
-        except BaseException as error:  # (reported below: an exception in a thread would be lost)
-            errors.append(error)
-            evicted.set()
+        if batch == 3:
+            found.wait(30)
+        return compiled(_images(batch))
 
-    threads = [threading.Thread(target=run, args=(batch,)) for batch in (2, 3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    outputs = dict(zip((2, 3), in_threads([functools.partial(run, batch) for batch in (2, 3)], evicted.set)))
     assert evicted.is_set() and lowering_keys(compiled) == [(3, 3, 32, 32)]
     with torch.no_grad():
         for batch, output in outputs.items():

@@ -2,6 +2,7 @@
 values are always the cat's, a view that does not end where its buffer is filled gets a new
 buffer (also when two threads extend one cache state at once), and only a cat of a graph input
 that fused attention and the graph's output read is rewritten."""
+import functools
 import threading
 
 import expecttest
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from qbackend import kv_append
 
-from .helpers import Captured, needs_own_kernels, short_graph
+from .helpers import Captured, in_threads, needs_own_kernels, short_graph
 from .tolerances import TOLERANCE
 
 
@@ -157,25 +158,13 @@ def racing(monkeypatch, calls: list, checks: int = 1) -> list:
             barrier.wait()
         return found
 
-    results, errors = [None] * len(calls), []
+    def run(call):
+        with torch.no_grad():  # (grad mode is per thread)
+            return call()
 
-    def run(k):
-        try:
-            with torch.no_grad():
-                results[k] = calls[k]()
-        except BaseException as error:  # (reported below: an assertion in a thread would be lost)
-            errors.append(error)
-            barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(calls))]
     with monkeypatch.context() as patched:
         patched.setattr(kv_append, "room", room)
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    assert not errors, errors
-    return results
+        return in_threads([functools.partial(run, call) for call in calls], barrier.abort)
 
 
 def in_place(grown: torch.Tensor, past: torch.Tensor) -> bool:

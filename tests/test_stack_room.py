@@ -5,6 +5,7 @@ refined by pads in 16-byte steps), so some of them sit just below a chunk's end,
 Python call the workload makes maps and unmaps a fresh chunk (a page fault per call).
 """
 import copy
+import functools
 import sys
 import threading
 from types import SimpleNamespace
@@ -13,6 +14,8 @@ import pytest
 
 from qbackend import stack_room
 from qbackend.stack_room import PADS, StackRoom, in_fresh_chunk
+
+from .helpers import in_threads
 
 pytestmark = pytest.mark.skipif(stack_room.getrusage is None, reason="no per-thread fault counter (Linux only)")
 
@@ -122,25 +125,16 @@ def test_each_thread_judges_the_pads_from_its_own_depth(monkeypatch):
     scripts = {"faulting": [50, 30, 1, 4, 1, 1], "quiet": [0] * 6}
     per_thread = {}
     monkeypatch.setattr(stack_room, "getrusage", lambda who: per_thread[threading.get_ident()](who))
-    room, barrier, pads, errors = StackRoom(lambda: None), threading.Barrier(len(scripts), timeout=30), {}, []
+    room, barrier, pads = StackRoom(lambda: None), threading.Barrier(len(scripts), timeout=30), {}
 
     def run(name):
-        try:
-            per_thread[threading.get_ident()], pads[name] = _Script(scripts[name]), []
-            for _ in scripts[name]:
-                pads[name].append(room.pad)
-                room()
-                barrier.wait()  # (every thread's call judged before the next)
-        except BaseException as error:  # (reported below: an assertion in a thread would be lost)
-            errors.append(error)
-            barrier.abort()
+        per_thread[threading.get_ident()], pads[name] = _Script(scripts[name]), []
+        for _ in scripts[name]:
+            pads[name].append(room.pad)
+            room()
+            barrier.wait()  # (every thread's call judged before the next)
 
-    threads = [threading.Thread(target=run, args=(name,)) for name in scripts]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
+    in_threads([functools.partial(run, name) for name in scripts], barrier.abort)
     assert pads == {"faulting": [0, 0, 1, 2, 1, 1], "quiet": [0] * 6}
 
 
