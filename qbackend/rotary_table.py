@@ -41,13 +41,17 @@ class RotaryTables:
         self.__name__ = "rotary_tables"  # (what the generated code calls it)
 
     def __call__(self, positions: torch.Tensor) -> tuple:
-        if self.tables is not None and positions.dtype in _POSITION_DTYPES:
+        tables = self.tables  # (read once: another thread may grow them meanwhile)
+        if tables is not None and positions.dtype in _POSITION_DTYPES:
             try:
-                return tuple(torch.embedding(table, positions).view(*positions.shape, *dims)
-                             for table, dims in zip(self.tables, self.trailing))
+                return self._read(tables, positions)
             except IndexError:  # (a position past the table, or negative)
                 pass
         return self._grown(positions)
+
+    def _read(self, tables: list, positions: torch.Tensor) -> tuple:
+        return tuple(torch.embedding(table, positions).view(*positions.shape, *dims)
+                     for table, dims in zip(tables, self.trailing))
 
     def _grown(self, positions: torch.Tensor) -> tuple:
         if positions.dtype not in _POSITION_DTYPES or positions.numel() == 0:
@@ -56,8 +60,10 @@ class RotaryTables:
         count = max(MIN_POSITIONS, 1 << high.bit_length())
         if low < 0 or count * self.row_bytes > MAX_TABLE_BYTES:
             return tuple(self.compute(positions))
-        self.tables = self._tabulated(count, positions.dtype)
-        return self(positions)
+        tables = self._tabulated(count, positions.dtype)
+        if self.tables is None or self.tables[0].size(0) < count:  # (a thread that grew them further meanwhile keeps its)
+            self.tables = tables
+        return self._read(tables, positions)
 
     def _tabulated(self, count: int, dtype: torch.dtype) -> list[torch.Tensor]:
         rows = max(1, TABLE_BLOCK_ELEMENTS // max(int(torch.Size(dims).numel()) for dims in self.trailing))

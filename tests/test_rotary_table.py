@@ -1,13 +1,15 @@
 """A rotary embedding's cos / sin read from tables (qbackend/rotary_table.py): the graph's
 values bit for bit at any positions, the tables grown when a position passes them, and the
 computations that depend on more than a position left alone."""
+import threading
+
 import expecttest
 import torch
 import torch.nn as nn
 
 from qbackend.rotary_table import RotaryTables
 
-from .helpers import Captured, short_graph
+from .helpers import Captured, in_threads, short_graph
 
 
 class RotaryEmbedding(nn.Module):
@@ -107,3 +109,35 @@ return (getitem_1, getitem_2)""")
                     assert torch.equal(actual, expected)
             assert _tables(captured) == [] and not any("tables" in note for note in captured.report.notes)
             assert any(n.target == "cos" for n in captured.lowered.graph.nodes), type(module).__name__
+
+
+def test_a_thread_that_tabulated_fewer_positions_keeps_the_larger_tables():
+    """Two threads past the tables at once, to positions 10 and 300 (tables of 256 and 512
+    rows); the one of 256 finishes last: the 512 rows stay (they had been replaced, so the
+    next far position tabulated again), and each thread reads its positions' values."""
+    def compute(positions):
+        return (positions[..., None].float() * torch.arange(1.0, 9.0),)
+
+    tables, near_waits, far_done = RotaryTables(compute, [(8,)], 32), threading.Event(), threading.Event()
+    tabulated = tables._tabulated
+
+    def held(count, dtype):  # (the near thread's rows come after the far thread's call)
+        if count == 256:
+            near_waits.set()
+            far_done.wait(30)
+        return tabulated(count, dtype)
+
+    tables._tabulated = held
+    positions = {"near": torch.tensor([[10]]), "far": torch.tensor([[300]])}
+
+    def far():
+        near_waits.wait(30)
+        try:
+            return tables(positions["far"])
+        finally:
+            far_done.set()
+
+    results = in_threads([lambda: tables(positions["near"]), far], far_done.set)
+    for (value,), where in zip(results, ("near", "far")):
+        assert torch.equal(value, compute(positions[where])[0])
+    assert tables.tables[0].shape[0] == 512
