@@ -140,7 +140,8 @@ class _Program:
         failed = native._load()[0].qb_run_chain(torch.get_num_threads(), len(self.steps), self.steps, bases)
         if failed:
             raise MemoryError(f"qbackend kernel chain: step {failed - 1} could not allocate its scratch")
-        grown = [base.narrow(GROWS, start, inputs[k].shape[GROWS] + added) for (base, start), (k, added) in zip(caches, self.appends)]
+        grown = [base.narrow(GROWS, start, inputs[k].shape[GROWS] + added)
+                 for (base, start, _), (k, added) in zip(caches, self.appends)]
         sources = {"input": inputs, "output": outputs, "append": grown}
         return tuple(_viewed(sources[source][k], view) for source, k, view in self.picks)
 

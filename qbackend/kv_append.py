@@ -64,10 +64,10 @@ def room_after(rows: int) -> int:
     return max(256, rows // 4)
 
 
-def room(past: torch.Tensor, added: int, dim: int) -> Optional[tuple[torch.Tensor, int]]:
-    """(the buffer ``past`` is a view of, the row ``past`` starts at) when ``added`` rows fit
-    into its room right after ``past``'s rows, and nothing else was written there yet: the
-    room is the caller's only once ``claim`` says so."""
+def room(past: torch.Tensor, added: int, dim: int) -> Optional[tuple[torch.Tensor, int, _Fill]]:
+    """(the buffer ``past`` is a view of, the row ``past`` starts at, the buffer's _Fill) when
+    ``added`` rows fit into its room right after ``past``'s rows, and nothing else was written
+    there yet: the room is the caller's only once ``claim`` says so."""
     base = past._base
     fill = getattr(base, _FILL, None)
     if fill is None or past.dtype != fill.dtype or past.stride() != fill.strides:
@@ -76,22 +76,21 @@ def room(past: torch.Tensor, added: int, dim: int) -> Optional[tuple[torch.Tenso
     if misaligned or start + shape[dim] != fill.rows or fill.rows + added > fill.shape[dim] \
             or shape[:dim] != fill.shape[:dim] or shape[dim + 1:] != fill.shape[dim + 1:]:
         return None
-    return base, start
+    return base, start, fill
 
 
-def claim(appends: list, dim: int) -> Optional[list[tuple[torch.Tensor, int]]]:
+def claim(appends: list, dim: int) -> Optional[list[tuple[torch.Tensor, int, _Fill]]]:
     """``room`` of each (past, rows added) in distinct buffers, taken for the caller (the
     buffers' fills advanced past the added rows, which the caller then writes): for all of
     them, or None when one has no room, two share a buffer, or another caller took one first."""
     found = [room(past, added, dim) for past, added in appends]
-    if any(f is None for f in found) or len({id(f[0]) for f in found}) < len(found):
+    if None in found or len({id(f[0]) for f in found}) < len(found):
         return None
-    fills = [(getattr(base, _FILL), start + past.size(dim), added) for (base, start), (past, added) in zip(found, appends)]
     with _CLAIMS:  # (``room`` read the fills unlocked: compare them again and advance, no thread between)
-        if any(fill.rows != seen for fill, seen, _ in fills):
+        if any(fill.rows != start + past.size(dim) for (_, start, fill), (past, _) in zip(found, appends)):
             return None
-        for fill, seen, added in fills:
-            fill.rows = seen + added
+        for (_, start, fill), (past, added) in zip(found, appends):
+            fill.rows = start + past.size(dim) + added
     return found
 
 
@@ -108,7 +107,7 @@ def append(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
     rows, added = past.size(d), new.size(d)
     found = claim([(past, added)], d)
     if found is not None:
-        [(base, start)] = found
+        [(base, start, _)] = found
     else:  # (a new buffer: this thread's alone until it returns a view of it)
         shape = list(new.shape)
         shape[d] = rows + added + room_after(rows + added)
