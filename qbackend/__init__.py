@@ -17,6 +17,7 @@ import functools
 import torch
 
 from .accuracy import AccuracyReport, accuracy_report
+from .archive_checks import ArchiveError
 from .deploy import load, save
 from .direct import compile
 from .legacy_int4 import from_old_cpu_int4
@@ -39,4 +40,4 @@ def explain(model, *example_inputs, device: str | None = None) -> Report:
     return functools.reduce(Report.merge, reports)
 
 
-__all__ = ["compile", "explain", "save", "load", "accuracy_report", "AccuracyReport", "Report", "smooth_quant", "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]
+__all__ = ["compile", "explain", "save", "load", "ArchiveError", "accuracy_report", "AccuracyReport", "Report", "smooth_quant", "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]

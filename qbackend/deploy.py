@@ -6,11 +6,12 @@ int8 weights it reads and its inputs' sizes, symbolic ones with export's ranges.
 them back into a ``qbackend.compile`` module, which lowers on the first call for the machine it
 runs on (its own kernels and measured choices are per CPU, so nothing lowered is saved), from
 the recorded values: for the first call's sizes, then, from a second shape on, for the
-symbolic sizes. Archives of the earlier format (``torch.export.save``) still load.
+symbolic sizes. Archives of the earlier format (``torch.export.save``) load with ``trusted=True``.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import zipfile
 from typing import Optional
 
@@ -18,10 +19,11 @@ import torch
 from torch.fx import GraphModule
 
 from .direct import EXPORT_GUARDS, CompiledGraphModule, compile, export_values, recorded_inputs
+from .archive_checks import ArchiveError
 from .graph_archive import graph_module, records
 from .runnable import copied_graph
 
-__all__ = ["save", "load"]
+__all__ = ["save", "load", "ArchiveError"]
 
 
 def save(model: GraphModule, path: str | os.PathLike) -> None:
@@ -44,13 +46,31 @@ def save(model: GraphModule, path: str | os.PathLike) -> None:
     torch.save(records(GraphModule(model, graph), recorded, symbols, values), path)
 
 
-def load(path: str | os.PathLike, options: Optional[dict] = None) -> CompiledGraphModule:
-    """The model ``save`` wrote, as ``qbackend.compile`` gives it: lowered on its first call."""
-    with zipfile.ZipFile(path) as archive:
-        exported = any(name.endswith("/archive_format") for name in archive.namelist())
-    if exported:  # (the earlier format: torch.export's archive)
+def load(path: str | os.PathLike, options: Optional[dict] = None, *, trusted: bool = False) -> CompiledGraphModule:
+    """The model ``save`` wrote, as ``qbackend.compile`` gives it: lowered on its first call.
+
+    The archive is read as data and checked record by record before anything is built from it
+    (``ArchiveError`` names what is wrong): no code it brings runs, and its graph calls only
+    the operators ``python -m qbackend.archive_operators`` lists. ``trusted=True`` is needed
+    only for the earlier format (``torch.export.save``'s archive), whose loader builds code
+    from the archive's contents: pass it only for files from a source you trust."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            exported = any(name.endswith("/archive_format") for name in archive.namelist())
+    except (zipfile.BadZipFile, EOFError) as error:
+        raise ArchiveError(str(path), f"not a qbackend archive ({error})") from error
+    if exported:
+        if not trusted:
+            raise ArchiveError(str(path), "an archive of torch.export's format, whose loader runs code the file names; "
+                                          "load it with trusted=True only if you trust its source, then qbackend.save "
+                                          "it again")
         return compile(_exported_archive(path), options)
-    gm, recorded, symbols = graph_module(torch.load(path, weights_only=True))
+    try:
+        saved = torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as error:
+        raise ArchiveError(str(path), f"not a readable qbackend archive ({type(error).__name__}: {str(error)[:200]})") \
+            from error
+    gm, recorded, symbols = graph_module(saved)
     return CompiledGraphModule(gm, options, recorded, symbols)
 
 

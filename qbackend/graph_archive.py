@@ -11,8 +11,8 @@ sympy over every node (ResNet-50: 3.8 s before the first lowering); these record
 """
 from __future__ import annotations
 
-import ast
-import importlib
+import collections
+import json
 import operator
 from dataclasses import dataclass
 from typing import Optional
@@ -21,12 +21,15 @@ import torch
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
+from . import archive_checks as check
+from .archive_checks import ArchiveError
+from .archive_operators import ALLOWED, PYTHON_TARGETS, overload_name, resolve
+
 FORMAT, VERSION = "qbackend graph", 1
-NAMESPACES = ("aten", "quantized_decomposed", "prims")  # the operators a converted graph calls
-TARGETS = {"operator.getitem": operator.getitem}  # the Python callables it calls
+TARGETS = {"operator.getitem": operator.getitem}  # the Python callables a converted graph calls
+assert set(TARGETS) == PYTHON_TARGETS
 RECORDED_VALUE = "qbackend_recorded_value"  # node meta: the value record ``load`` read
-_MEMORY_FORMATS = {str(f): f for f in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d,
-                                       torch.preserve_format)}
+NODE_KINDS = ("placeholder", "get_attr", "call_function", "output")
 
 
 @dataclass(frozen=True)
@@ -51,30 +54,24 @@ def _torch_name(value) -> str:
     return str(value).removeprefix("torch.")
 
 
-def _dtype(name: str) -> torch.dtype:
-    return _decode({"dtype": name}, {})
-
-
 def _target_name(target) -> str:
     for name, known in TARGETS.items():
         if target is known:
             return name
-    if isinstance(target, torch._ops.OpOverload) and target.namespace in NAMESPACES:
-        return f"{target.namespace}::{target._opname}.{target._overloadname}"
-    raise ValueError(f"qbackend.save: the graph calls {target!r}, which a saved graph cannot name "
-                     f"(operators of {', '.join(NAMESPACES)} and {', '.join(TARGETS)} only)")
+    if isinstance(target, torch._ops.OpOverload) and overload_name(target) in ALLOWED:
+        return overload_name(target)
+    raise ValueError(f"qbackend.save: the graph calls {target!r}, which qbackend.load does not allow "
+                     f"(python -m qbackend.archive_operators lists the operators it does)")
 
 
-def _target(name: str):
+def _target(name, where: str):
     if name in TARGETS:
         return TARGETS[name]
-    namespace, _, op = name.partition("::")
-    packet, _, overload = op.rpartition(".")
-    if namespace not in NAMESPACES or not packet:
-        raise ValueError(f"qbackend.load: the archive names {name!r}, not an operator it may call")
-    if namespace == "quantized_decomposed":
-        importlib.import_module("torch.ao.quantization.fx._decomposed")  # (registers them; torch's own, not torchao)
-    return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+    op = resolve(name) if isinstance(name, str) and name in ALLOWED else None
+    if op is None:
+        raise ArchiveError(where, f"{check._short(name)} is not an operator a saved graph may call "
+                                  f"(python -m qbackend.archive_operators lists them)")
+    return op
 
 
 def _encode(value):
@@ -101,26 +98,41 @@ def _encode(value):
     raise ValueError(f"qbackend.save: a graph argument of type {type(value).__name__} cannot be saved")
 
 
-def _decode(value, nodes: dict):
+def _decode(value, nodes: dict, where: str, depth: int = 0):
+    """An argument record as a graph argument, every part checked (earlier nodes only)."""
+    if depth > check.MAX_NESTING:
+        raise ArchiveError(where, "arguments nested too deeply")
     if isinstance(value, (list, tuple)):
-        return type(value)(_decode(item, nodes) for item in value)
-    if not isinstance(value, dict):
+        return type(value)(_decode(item, nodes, where, depth + 1) for item in value)
+    if value is None or isinstance(value, (bool, float)):
         return value
+    if isinstance(value, int):
+        return check.integer(value, where)
+    if isinstance(value, str):
+        if len(value) > check.MAX_STRING:
+            raise ArchiveError(where, "a string argument of over 4096 characters")
+        return value
+    if not isinstance(value, dict) or len(value) != 1:
+        raise ArchiveError(where, f"an argument of type {type(value).__name__}")
     (kind, item), = value.items()
     if kind == "node":
+        if not isinstance(item, str) or item not in nodes:
+            raise ArchiveError(where, f"reads {check._short(item)}, not an earlier node")
         return nodes[item]
     if kind == "dict":
-        return {key: _decode(entry, nodes) for key, entry in item}
-    if kind in ("dtype", "layout"):
-        found = getattr(torch, item, None)
-        if not isinstance(found, (torch.dtype, torch.layout)):
-            raise ValueError(f"qbackend.load: unknown {kind} {item!r}")
-        return found
-    if kind == "device":
-        return torch.device(item)
+        if not isinstance(item, list):
+            raise ArchiveError(where, "a dict record that is not a list of pairs")
+        pairs = [check.record(pair, ((str, int), object), where) for pair in item]
+        return {key: _decode(entry, nodes, where, depth + 1) for key, entry in pairs}
+    if kind == "dtype":
+        return check.choice(check.DTYPES, item, where)
+    if kind == "layout":
+        return check.choice(check.LAYOUTS, item, where)
     if kind == "memory_format":
-        return _MEMORY_FORMATS[item]
-    raise ValueError(f"qbackend.load: unknown argument record {kind!r}")
+        return check.choice(check.MEMORY_FORMATS, item, where)
+    if kind == "device":
+        return check.device(item, where)
+    raise ArchiveError(where, f"unknown argument record {check._short(kind)}")
 
 
 def records(gm: GraphModule, inputs: list[RecordedInput], symbols: dict[str, Symbol], values: dict) -> dict:
@@ -134,7 +146,7 @@ def records(gm: GraphModule, inputs: list[RecordedInput], symbols: dict[str, Sym
         if node.op == "call_function":
             target = _target_name(target)
         elif node.op == "get_attr":
-            constants[target] = operator.attrgetter(target)(gm).detach()
+            constants[target] = _dense(operator.attrgetter(target)(gm).detach())
         nodes.append((node.name, node.op, target, _encode(node.args), _encode(dict(node.kwargs)),
                       _value_record(values.get(node.name))))
     info = getattr(gm.graph._codegen, "pytree_info", None)
@@ -145,41 +157,141 @@ def records(gm: GraphModule, inputs: list[RecordedInput], symbols: dict[str, Sym
                                                  pytree.treespec_dumps(info.out_spec))}
 
 
-def graph_module(saved: dict) -> tuple[GraphModule, list[RecordedInput], dict[str, Symbol]]:
-    """(the module ``records`` described, its inputs, its symbols)."""
-    if saved.get("format") != FORMAT or saved.get("version") != VERSION:
-        raise ValueError(f"qbackend.load: not a {FORMAT} archive of version {VERSION}")
-    root, graph, nodes = torch.nn.Module(), torch.fx.Graph(), {}
-    for name, tensor in saved["constants"].items():
-        _set_attribute(root, name, tensor)
-    for name, op, target, args, kwargs, value in saved["nodes"]:
-        args, kwargs = _decode(args, nodes), _decode(kwargs, nodes)
-        if op == "call_function":
-            target = _target(target)
-        elif op not in ("placeholder", "get_attr", "output"):
-            raise ValueError(f"qbackend.load: a node of kind {op!r} in the archive")
-        node = graph.create_node(op, target, args, kwargs, name=name)
-        nodes[name] = node
-        node.meta[RECORDED_VALUE] = value
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """(``load`` takes no constant whose elements overlap: an expanded one is saved whole)"""
+    return tensor if check.dense(tensor) else tensor.contiguous()
+
+
+def graph_module(saved) -> tuple[GraphModule, list[RecordedInput], dict[str, Symbol]]:
+    """(the module ``records`` described, its inputs, its symbols), every record checked before
+    anything is built from it; ArchiveError names the first that is wrong."""
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT or saved.get("version") != VERSION:
+        raise ArchiveError("the archive", f"not a {FORMAT} archive of version {VERSION}")
+    symbols = _symbols(_field(saved, "symbols", dict))
+    inputs = [_recorded_input(entry, symbols, f"input {index}")
+              for index, entry in enumerate(_field(saved, "inputs", list))]
+    constants = _field(saved, "constants", dict)
+    root = torch.nn.Module()
+    for name, tensor in constants.items():
+        _set_attribute(root, check.dotted(name, "constant name"), check.constant(name, tensor, f"constant {name}"))
+    graph, nodes = torch.fx.Graph(), {}
+    # (sizes at the example sizes; a symbol export derived from data counts as 1 here)
+    reader = ValueReader({**{name: symbol.hint for name, symbol in symbols.items()}, None: 1})
+    for index, entry in enumerate(_field(saved, "nodes", list)):
+        name, op, target, args, kwargs, value = check.record(entry, (str, str, object, (list, tuple), dict, object),
+                                                             f"node {index}")
+        where = f"node {check.identifier(name, f'node {index} name')}"
+        if nodes and next(reversed(nodes.values())).op == "output" or op not in NODE_KINDS:
+            raise ArchiveError(where, f"a node of kind {check._short(op)}" + (" after the output" if op in NODE_KINDS else ""))
+        args, kwargs = _decode(args, nodes, where), _decode(kwargs, nodes, where)
+        if not isinstance(kwargs, dict):
+            raise ArchiveError(where, "keyword arguments that are not a dict record")
+        target = _node_target(op, target, kwargs, constants, where)
+        if op in ("placeholder", "get_attr", "output") and (kwargs or (op != "output" and args)):
+            raise ArchiveError(where, f"a {op} node with arguments")
+        node = graph.create_node(op, target, tuple(args), kwargs, name=name)
         if node.name != name:
-            raise ValueError(f"qbackend.load: node name {name!r} given twice")
-    if saved["pytree"] is not None:
-        orig_args, in_spec, out_spec = saved["pytree"]
-        graph._codegen = torch.fx.graph._PyTreeCodeGen(torch.fx.graph._PyTreeInfo(
-            orig_args, pytree.treespec_loads(in_spec), pytree.treespec_loads(out_spec)))
-    inputs = [RecordedInput(_dtype(dtype), torch.device(device), tuple(sizes))
-              for dtype, device, sizes in saved["inputs"]]
-    symbols = {name: Symbol(*bounds) for name, bounds in saved["symbols"].items()}
-    return GraphModule(root, graph), inputs, symbols
+            raise ArchiveError(where, "the name is given twice, or is a Python builtin")
+        nodes[name] = node
+        node.meta[RECORDED_VALUE] = _checked_value(value, reader, where)
+    if not nodes or next(reversed(nodes.values())).op != "output":
+        raise ArchiveError("nodes", "the graph has no output")
+    placeholders = sum(n.op == "placeholder" for n in nodes.values())
+    if len(inputs) != placeholders:
+        raise ArchiveError("inputs", f"{len(inputs)} recorded for {placeholders} placeholders")
+    if saved.get("pytree") is not None:
+        graph._codegen = _pytree_codegen(saved["pytree"], placeholders)
+    try:
+        return GraphModule(root, graph), inputs, symbols
+    except SyntaxError as error:  # (identifiers only, yet two may clash: a placeholder named self)
+        raise ArchiveError("nodes", f"the graph's names do not make a Python function ({error.msg})") from error
+
+
+def _field(saved: dict, name: str, kind: type):
+    value = saved.get(name)
+    if not isinstance(value, kind):
+        raise ArchiveError(name, f"expected a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _symbols(saved: dict) -> dict[str, Symbol]:
+    symbols = {}
+    for name, bounds in saved.items():
+        where = f"symbol {check.identifier(name, 'symbol name')}"
+        low, high, hint = check.record(bounds, (int, (int, type(None)), int), where)
+        if not 0 <= check.integer(low, where) <= check.integer(hint, where) or (
+                high is not None and check.integer(high, where) < hint):
+            raise ArchiveError(where, f"range {low}..{high} with example size {hint}")
+        symbols[name] = Symbol(low, high, hint)
+    return symbols
+
+
+def _recorded_input(entry, symbols: dict, where: str) -> RecordedInput:
+    dtype, device, sizes = check.record(entry, (str, str, list), where)
+    for size in sizes:
+        if isinstance(size, str) and size not in symbols or not isinstance(size, str) and check.integer(size, where) < 0:
+            raise ArchiveError(where, f"size {check._short(size)}: neither a symbol nor a size")
+    if len(sizes) > check.MAX_NESTING:
+        raise ArchiveError(where, f"{len(sizes)} dimensions")
+    return RecordedInput(check.choice(check.DTYPES, dtype, where), check.device(device, where), tuple(sizes))
+
+
+def _node_target(op: str, target, kwargs: dict, constants: dict, where: str):
+    if op == "placeholder":
+        return check.identifier(target, f"{where} target")
+    if op == "get_attr":
+        if target not in constants:
+            raise ArchiveError(where, f"reads {check._short(target)}, which is not a saved constant")
+        return target
+    if op == "output":
+        if target != "output":
+            raise ArchiveError(where, "an output node's target must be 'output'")
+        return target
+    function = _target(target, where)
+    names = {a.name for a in function._schema.arguments} if isinstance(function, torch._ops.OpOverload) else set()
+    for key in kwargs:
+        if check.identifier(key, f"{where} keyword") not in names:
+            raise ArchiveError(where, f"{target} takes no argument {key!r}")
+    return function
 
 
 def _set_attribute(root: torch.nn.Module, dotted: str, tensor: torch.Tensor) -> None:
     *path, name = dotted.split(".")
+    for part in path + [name]:
+        if hasattr(torch.nn.Module, part) or part.startswith("__"):
+            raise ArchiveError(f"constant {dotted}", f"{part!r} names an attribute every module has")
     for part in path:
-        if not hasattr(root, part):
+        if part not in root._modules:
+            if hasattr(root, part):
+                raise ArchiveError(f"constant {dotted}", f"{part!r} is a constant and a module")
             root.add_module(part, torch.nn.Module())
-        root = getattr(root, part)
+        root = root._modules[part]
+    if hasattr(root, name):
+        raise ArchiveError(f"constant {dotted}", "saved twice, or also a module")
     root.register_buffer(name, tensor)
+
+
+def _checked_value(record, reader: "ValueReader", where: str, depth: int = 0):
+    """``record`` if it is a value record (``_value_record``) whose sizes evaluate, at the
+    symbols' example sizes, to sizes within bounds."""
+    if depth > check.MAX_NESTING:
+        raise ArchiveError(where, "a value record nested too deeply")
+    if record is None:
+        return None
+    if isinstance(record, list):
+        return [_checked_value(item, reader, where, depth + 1) for item in record]
+    if isinstance(record, dict) and set(record) == {"size"}:
+        reader.size(record["size"], where)
+        return record
+    if isinstance(record, dict) and set(record) == {"dtype", "sizes", "strides"}:
+        check.choice(check.DTYPES, record["dtype"], where)
+        sizes, strides = record["sizes"], record["strides"]
+        if not (isinstance(sizes, list) and isinstance(strides, list) and len(sizes) == len(strides) <= check.MAX_NESTING):
+            raise ArchiveError(where, "a tensor record's sizes and strides")
+        if any(reader.size(d, where) < 0 for d in sizes + strides):
+            raise ArchiveError(where, "a negative size or stride")
+        return record
+    raise ArchiveError(where, f"not a value record: {check._short(record)}")
 
 
 def _size_record(size):
@@ -199,27 +311,62 @@ def _value_record(value):
     return None
 
 
-# what sympy prints for the size expressions export records (torch's FloorDiv and Mod among them)
-_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
-              ast.Mod: operator.mod, ast.Pow: operator.pow}
-_FUNCTIONS = {"FloorDiv": operator.floordiv, "Mod": operator.mod, "PythonMod": operator.mod, "Max": torch.sym_max,
-              "Min": torch.sym_min}
+def _pytree_codegen(saved, placeholders: int) -> torch.fx.graph._PyTreeCodeGen:
+    """The input / output structure: argument names as identifiers, specs read as plain JSON
+    (``pytree.treespec_loads`` imports any module an enum record names)."""
+    orig_args, in_spec, out_spec = check.record(saved, (list, str, str), "pytree")
+    orig_args = [check.identifier(name, "pytree argument") for name in orig_args]
+    in_spec, out_spec = _spec(in_spec, "pytree input"), _spec(out_spec, "pytree output")
+    if in_spec.num_leaves != placeholders:
+        raise ArchiveError("pytree input", f"{in_spec.num_leaves} inputs for {placeholders} placeholders")
+    if in_spec.type is tuple and in_spec.num_children == 2 and in_spec.child(1).type is dict:  # (args, kwargs)
+        keywords = in_spec.child(1).context
+        if len(orig_args) != in_spec.child(0).num_children + len(keywords):
+            raise ArchiveError("pytree input", f"{len(orig_args)} argument names for its structure")
+        for key in keywords:  # (written into the generated source as the call's keywords)
+            check.identifier(key, "pytree keyword input")
+    return torch.fx.graph._PyTreeCodeGen(torch.fx.graph._PyTreeInfo(orig_args, in_spec, out_spec))
 
 
-def _evaluate(tree: ast.AST, symbols: dict):
-    """An integer expression over ``symbols`` (ints or SymInts), read from its syntax tree (no
-    ``eval``: the archive is data, and only these forms are sizes)."""
-    if isinstance(tree, ast.Constant) and type(tree.value) is int:
-        return tree.value
-    if isinstance(tree, ast.Name) and tree.id in symbols:
-        return symbols[tree.id]
-    if isinstance(tree, ast.BinOp) and type(tree.op) in _OPERATORS:
-        return _OPERATORS[type(tree.op)](_evaluate(tree.left, symbols), _evaluate(tree.right, symbols))
-    if isinstance(tree, ast.UnaryOp) and isinstance(tree.op, ast.USub):
-        return -_evaluate(tree.operand, symbols)
-    if isinstance(tree, ast.Call) and isinstance(tree.func, ast.Name) and tree.func.id in _FUNCTIONS and not tree.keywords:
-        return _FUNCTIONS[tree.func.id](*(_evaluate(arg, symbols) for arg in tree.args))
-    raise ValueError(f"not a size expression: {ast.dump(tree)}")
+_SPEC_TYPES = ("builtins.tuple", "builtins.list", "builtins.dict", "collections.OrderedDict", "collections.namedtuple",
+               "torch.fx.immutable_collections.immutable_list", "torch.fx.immutable_collections.immutable_dict")
+
+
+def _spec(text: str, where: str) -> pytree.TreeSpec:
+    if len(text) > 1 << 20:
+        raise ArchiveError(where, "a structure of over 1 MB")
+    try:
+        protocol, schema = json.loads(text)
+    except (ValueError, TypeError, RecursionError) as error:
+        raise ArchiveError(where, f"not a structure record ({type(error).__name__})") from error
+    if protocol != 1:
+        raise ArchiveError(where, f"structure protocol {check._short(protocol)}")
+    return _spec_node(schema, where, 0)
+
+
+def _spec_node(schema, where: str, depth: int) -> pytree.TreeSpec:
+    """One level of pytree's JSON protocol 1: containers of this list, or a type registered in
+    this process by that name (no import), with a plain JSON context."""
+    if depth > check.MAX_NESTING or not isinstance(schema, dict) or set(schema) != {"type", "context", "children_spec"}:
+        raise ArchiveError(where, "not a structure record")
+    kind, context, children = schema["type"], schema["context"], schema["children_spec"]
+    if kind is None and context is None and children == []:
+        return pytree.LeafSpec()
+    if kind not in _SPEC_TYPES and kind not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE or not isinstance(children, list) \
+            or not isinstance(context, str):
+        raise ArchiveError(where, f"a structure of type {check._short(kind)}, which this process has not registered")
+    python_type = pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE[kind]
+    entry = pytree.SUPPORTED_SERIALIZED_TYPES[python_type]
+    try:
+        context = (json.loads(context) if entry.from_dumpable_context is None else entry.from_dumpable_context(context))
+    except Exception as error:  # (a malformed context: json's or the type's own error)
+        raise ArchiveError(where, f"a {kind} context that does not read ({type(error).__name__})") from error
+    if python_type in (dict, collections.OrderedDict, torch.fx.immutable_collections.immutable_dict) and not (
+            isinstance(context, list) and len(context) == len(children) and all(isinstance(k, (str, int)) for k in context)):
+        raise ArchiveError(where, "a dict's keys that are not a list of strings or ints, one per entry")
+    if python_type in (tuple, list, torch.fx.immutable_collections.immutable_list) and context is not None:
+        raise ArchiveError(where, f"a {kind} with a context")
+    return pytree.TreeSpec(python_type, context, [_spec_node(child, where, depth + 1) for child in children])
 
 
 class ValueReader:
@@ -231,12 +378,13 @@ class ValueReader:
         self.symbols, self.parsed = symbols, {}
         self.tensor = tensor or (lambda sizes, strides, dtype: torch.empty_strided(sizes, strides, dtype=dtype, device="meta"))
 
-    def size(self, record):
+    def size(self, record, where: str = "a size"):
         if isinstance(record, int):
-            return record
-        if record not in self.parsed:
-            self.parsed[record] = ast.parse(record, mode="eval").body
-        return _evaluate(self.parsed[record], self.symbols)
+            return check.integer(record, where)
+        tree = self.parsed.get(record) if isinstance(record, str) else None
+        if tree is None:
+            tree = self.parsed[record] = check.size_expression(record, where)
+        return check.evaluate(tree, self.symbols, where)
 
     def value(self, record):
         if isinstance(record, list):
@@ -244,4 +392,4 @@ class ValueReader:
         if record is None or "size" in record:
             return None if record is None else self.size(record["size"])
         return self.tensor([self.size(d) for d in record["sizes"]], [self.size(d) for d in record["strides"]],
-                           _dtype(record["dtype"]))
+                           check.DTYPES[record["dtype"]])
