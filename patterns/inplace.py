@@ -29,12 +29,26 @@ def _returns_fresh_tensor(node: Node) -> bool:
     return False
 
 
+def written_inputs(node: Node, schema: Optional[torch.FunctionSchema] = None) -> list:
+    """The nodes ``node`` writes into in place, as its op's schema marks them (``Tensor(a!)``),
+    passed by position or keyword (``out=``); ``schema``: the schema of a plain function that
+    stands for a registered op."""
+    if schema is None:
+        if not isinstance(node.target, torch._ops.OpOverload):
+            return []
+        schema = node.target._schema
+    written = []
+    for index, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        given = node.args[index] if index < len(node.args) else node.kwargs.get(arg.name)
+        written += [n for n in (given if isinstance(given, (list, tuple)) else [given]) if isinstance(n, Node)]
+    return written
+
+
 def schema_writes(user: Node, value: Node) -> bool:
     """The user's op schema marks the argument ``value`` is passed as written in place."""
-    if not isinstance(user.target, torch._ops.OpOverload):
-        return False
-    return any(given is value and arg.alias_info is not None and arg.alias_info.is_write
-               for arg, given in zip(user.target._schema.arguments, user.args))
+    return any(n is value for n in written_inputs(user))
 
 
 def _only_reads(user: Node, value: Node) -> bool:

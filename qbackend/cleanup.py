@@ -12,23 +12,24 @@ from torch.fx import GraphModule, Node
 
 from qbackend.lowering.common import static_shape
 from qbackend.lowering.signed_int8 import nan_as
-from qbackend.patterns.base import constant_value, fake_value
-from qbackend.patterns.inplace import schema_writes
+from qbackend.patterns.base import fake_value
 
 from . import fast_qdq, native
 from .attention_cleanup import (attention_inputs_uncopied, attention_masks_once, attention_output_quantized,
                                 attention_reads_projection, repeated_kv_read_once)
 from .batch_norm_quantize import batch_norms_quantized
 from .channel_shuffle import shuffles_in_one_pass
-from .constant_fills import FRESH, MAX_ELEMENTS, fold_write, fresh_value, is_view
+from .constant_fills import MAX_ELEMENTS, fresh_value
+from .constant_writes import FoldedConstants
 from .dead_code import eliminate_dead_code
 from .dense_swiglu import swiglus_fused
 from .dense_weight_only import dense_slices_pass
 from .direct_ops import direct_ops
 from .depthwise_norm import depthwise_norms_fused
 from .float_linear import float_linears
-from .freeze import drop_unused_constants, set_constant
+from .freeze import drop_unused_constants
 from .huge_pages import streamed_weights_on_huge_pages
+from .in_place import op_schema
 from .kernel_chain import chain_own_kernels
 from .kv_append import kv_cache_appends
 from .kv_int8 import kv_cache_int8
@@ -68,25 +69,9 @@ _FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, at
 _PURE_KERNELS = frozenset(function for name, function in native.PLAIN.items() if not name.endswith("_"))
 
 
-def _written_later(node: Node) -> bool:
-    """Some reader may write into ``node``'s value, directly or through a view of it (a folded
-    constant is shared by every call, so it must never change)."""
-    pending = [node]
-    while pending:
-        value = pending.pop()
-        for user in value.users:
-            if user.op == "output" or user.target in _PURE_KERNELS:
-                continue
-            if not isinstance(user.target, torch._ops.OpOverload) or schema_writes(user, value) or user.target._schema.is_mutable:
-                return True
-            if is_view(user):
-                pending.append(user)
-    return False
-
-
-def _foldable(gm: GraphModule, node: Node) -> bool:
+def _foldable(constants: FoldedConstants, node: Node) -> bool:
     if node.op == "call_function" and node.target in _PURE_KERNELS:  # (Swin V2's position-bias MLP: two linears)
-        return all(constant_value(gm, n) is not None for n in node.all_input_nodes) and not _written_later(node)
+        return all(constants.value(n) is not None for n in node.all_input_nodes)
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
     schema = node.target._schema
@@ -95,38 +80,29 @@ def _foldable(gm: GraphModule, node: Node) -> bool:
     inputs = node.all_input_nodes
     if not inputs:
         value = fake_value(node)
-        return node.target in _FACTORIES and value is not None and value.numel() <= MAX_ELEMENTS \
-            and not _written_later(node)
-    return all(constant_value(gm, n) is not None for n in inputs)
+        return node.target in _FACTORIES and value is not None and value.numel() <= MAX_ELEMENTS
+    return all(constants.value(n) is not None for n in inputs)
 
 
-def fold_constants(gm: GraphModule) -> int:
+def fold_constants(gm: GraphModule) -> list[str]:
     """Evaluate ops whose inputs are all constants (e.g. the float weight of a conv that was
-    not lowered: dequantize_per_channel of a frozen int8 weight) once, at compile time."""
-    folded, fresh = 0, set()  # (constants that view a fresh tensor whose writes are folded too: constant_fills.py)
+    not lowered: dequantize_per_channel of a frozen int8 weight) once, at compile time, and
+    the writes into such values that take constants only (constant_writes.py). Returns notes
+    for the report: the folded values the graph changes at run time, copied on every call."""
+    constants = FoldedConstants(gm)
     for node in list(gm.graph.nodes):
-        if fold_write(gm, node, fresh):
-            folded += 1
+        if constants.fold_write(node):
             continue
-        value = fresh_value(gm, node)
-        if value is None:
-            if not _foldable(gm, node):
-                continue
+        value, checked = fresh_value(gm, node), False
+        if value is None and _foldable(constants, node):
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: getattr(gm, n.target))
             value = node.target(*args, **kwargs)
-        if not isinstance(value, torch.Tensor):
-            continue
-        name = f"_folded_{node.name}"
-        if node.target in FRESH or (is_view(node) and any(n.target in fresh for n in node.all_input_nodes)):
-            fresh.add(name)
-        set_constant(gm, name, value)
-        with gm.graph.inserting_before(node):
-            constant = gm.graph.get_attr(name)
-        constant.meta = dict(node.meta)
-        node.replace_all_uses_with(constant)
-        gm.graph.erase_node(node)
-        folded += 1
-    return folded
+            checked = value is None and not op_schema(node.target).returns  # (an assert on constants holds on every call)
+        if isinstance(value, torch.Tensor) or checked:
+            constants.replace(node, value)
+        else:
+            constants.kept(node)
+    return constants.copy_per_call()
 
 
 def _channels_last_readers() -> set:
@@ -253,14 +229,14 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
     them); ``kernel_choice``: lowering/choice.py's mode; ``kv_cache``: kv_int8.py's option.
     Returns notes for the report."""
     eliminate_dead_code(gm)
-    fold_constants(gm)
+    copied = fold_constants(gm)
     eliminate_dead_code(gm)
     if fast_boundary:
         fast_boundary_qdq(gm, device)
     views_accept_any_layout(gm)
     if fast_boundary:
         contiguous_copies_dropped(gm)
-    notes = [float_linears(gm, device, kernel_choice) if fast_boundary else None, attention_masks_once(gm),
+    notes = [*copied, float_linears(gm, device, kernel_choice) if fast_boundary else None, attention_masks_once(gm),
              attention_output_quantized(gm) if fast_boundary else None, attention_inputs_uncopied(gm),
              repeated_kv_read_once(gm) if fast_boundary else None,
              attention_reads_projection(gm) if fast_boundary else None, kv_cache_appends(gm) if fast_boundary else None,

@@ -3,11 +3,12 @@
 Swin's shifted-window attention builds its window mask each call: ``x.new_zeros((H, W))``, a
 ``fill_`` of each of 9 regions through slice views, then view / permute / subtract /
 ``masked_fill``: ~30 ops of a value that depends on shapes only (with the combined attention
-mask, ~1 ms a call of swin_t). ``fold_constants`` folds pure ops of constants; this lets it
-start from such a fresh tensor and run its writes once: a ``new_zeros`` / ``new_ones`` /
-``new_full`` (its tensor argument gives dtype and device only) whose every write, through any
-chain of views, takes constants and whose result no one reads, and no view of which leaves
-the graph or reaches anything but ATen ops (a Python function could write into it).
+mask, ~1 ms a call of swin_t). ``fold_constants`` folds pure ops of constants and the writes
+into what it folded (constant_writes.py); this lets it start from such a fresh tensor: a
+``new_zeros`` / ``new_ones`` / ``new_full`` (its tensor argument gives dtype and device only)
+whose every write, through any chain of views, takes constants and whose result no one reads,
+and no view of which leaves the graph or reaches anything but ATen ops (a Python function
+could write into it).
 """
 from __future__ import annotations
 
@@ -69,17 +70,3 @@ def fresh_value(gm: GraphModule, node: Node) -> Optional[torch.Tensor]:
                 pending.append(user)
     args, kwargs = torch.fx.node.map_arg((node.args[1:], node.kwargs), lambda n: getattr(gm, n.target))
     return node.target(torch.empty(0, dtype=like.dtype), *args, **kwargs)  # (its argument's dtype; CPU, as its value)
-
-
-def fold_write(gm: GraphModule, node: Node, fresh: set) -> bool:
-    """Run ``node`` now and drop it where it writes into a folded fresh tensor (a constant named
-    in ``fresh``) with constants."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or node.users:
-        return False
-    written = [a for a in node.args if isinstance(a, Node) and a.op == "get_attr" and a.target in fresh and schema_writes(node, a)]
-    if len(written) != 1 or not all(constant_value(gm, n) is not None for n in node.all_input_nodes):
-        return False
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: getattr(gm, n.target))
-    node.target(*args, **kwargs)
-    gm.graph.erase_node(node)
-    return True

@@ -12,7 +12,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from qbackend.patterns.inplace import schema_writes
+from .in_place import first_write
 
 
 def _is_parameter_or_buffer(node: Node, value) -> bool:
@@ -25,9 +25,9 @@ def _is_parameter_or_buffer(node: Node, value) -> bool:
 
 
 def is_written(node: Node) -> bool:
-    """The graph mutates this input in place (e.g. a cache buffer): it must stay an input."""
-    return any(schema_writes(user, node) or (user.op == "call_method" and str(user.target).endswith("_"))
-               for user in node.users)
+    """The graph mutates this input in place (e.g. a cache buffer), directly or through a view
+    (``alias`` then ``add_`` in an export): it must stay an input."""
+    return first_write(node) is not None
 
 
 def set_constant(gm: GraphModule, name: str, value: torch.Tensor) -> None:
