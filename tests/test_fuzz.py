@@ -1,6 +1,7 @@
 """A fixed slice of the differential fuzzer (tests/fuzz): each seed's random model, quantized,
 compiled by qbackend and run on a random input layout and values, gives the reference's
-results and leaves its input as it was. ``python -m tests.fuzz --seeds 0:5000`` runs more."""
+results, the same again on its second and third calls, and leaves its input as it was.
+``python -m tests.fuzz --seeds 0:5000`` runs more."""
 import pytest
 
 from .fuzz.check import run_case
@@ -14,8 +15,10 @@ SLICE = range(0, 150)
 # the residual summed in place into the int8 tensor the conv itself reads (723 one run in three,
 # 1044); the own GEMM's clamp turned a float residual's NaN into -inf, an infinity into INT_MIN
 # (594, 761)
-# (and the tolerance table's atol: a LayerNorm of near-constant rows, 1671, 2239, 2611)
-REGRESSIONS = (58, 138, 161, 169, 173, 378, 517, 594, 723, 761, 1044, 1671, 2239, 2611)
+# (and the tolerance table's atol: a LayerNorm of near-constant rows, 1671, 2239, 2611); position
+# ids folded and then written in place, changing every next call's: T5's relative buckets (3: an
+# index out of range on the second call), a shift by a value of the input (109, 273)
+REGRESSIONS = (3, 58, 109, 138, 161, 169, 173, 273, 378, 517, 594, 723, 761, 1044, 1671, 2239, 2611)
 
 
 @pytest.mark.parametrize("seed", sorted(set(SLICE) | set(REGRESSIONS)))
