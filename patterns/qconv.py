@@ -7,7 +7,7 @@ from torch.fx import Node
 from . import examples
 from .base import ConvParams, GraphView, Match, NearMiss, Rule, per_dim, require
 from .post_ops import unary_post_op
-from .qdq import dequantized_activation, dequantized_weight, float_dtype, output_quantize, single_user
+from .qdq import dequantized_activation, dequantized_weight, float_dtype, per_channel_bias, output_quantize, single_user
 
 aten = torch.ops.aten
 
@@ -53,8 +53,7 @@ def conv_core(graph: GraphView, conv: Node):
     x = dequantized_activation(conv.args[0])
     weight = dequantized_weight(graph, conv.args[1])
     require(weight.int8.dim() == params.spatial_rank + 2, "weight rank does not match the conv rank")
-    bias = conv.args[2] if len(conv.args) > 2 else None
-    require(bias is None or isinstance(bias, Node), "bias is not a tensor")
+    bias = per_channel_bias(graph, conv.args[2] if len(conv.args) > 2 else None, weight.int8.shape[0])
     return params, x, weight, bias
 
 

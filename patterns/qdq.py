@@ -36,6 +36,9 @@ def _per_tensor_qparams(node: Node, what: str) -> QParams:
     # A reduced range (reduce_range=True: uint8 [0, 127]) reads the same; a kernel writing
     # it clamps its output to [qmin, qmax] (lowering/common.py).
     require(low <= qmin < qmax <= high, f"{what} range [{qmin}, {qmax}] is not within the {dtype} range {FULL_RANGE[dtype]}")
+    if static:  # (what a kernel divides by and adds: a graph from a file may hold anything)
+        require(0 < scale < float("inf") and qmin <= zero_point <= qmax,
+                f"{what} scale {scale} / zero point {zero_point}: not a positive finite scale and a zero point in range")
     return QParams(float(scale) if static else scale, int(zero_point) if static else zero_point, qmin, qmax, dtype)
 
 
@@ -62,8 +65,24 @@ def dequantized_weight(graph: GraphView, node, out_channels_axis: int = 0) -> Qu
     require(dtype == torch.int8 and int8.dtype == torch.int8, f"weight dtype is {dtype}, not int8")
     require(-128 <= qmin < qmax <= 127, f"weight range [{qmin}, {qmax}] is not within [-128, 127]")  # 7-bit: [-64, 63]
     require(axis == out_channels_axis, f"weight is quantized along axis {axis}, not the output-channel axis")
+    channels = int8.shape[axis] if int8.dim() > axis else -1
+    require(scales_t.shape == zero_points_t.shape == (channels,) and scales_t.is_floating_point(),
+            f"weight scales {list(scales_t.shape)} / zero points {list(zero_points_t.shape)}: not one per output channel")
+    require(bool(((scales_t > 0) & scales_t.isfinite()).all()), "weight scales are not all positive and finite")
     require(bool((zero_points_t == 0).all()), "weight zero points are not all 0 (asymmetric weight)")
     return QuantizedWeight(int8, scales_t.to(torch.float32), zero_points_t)
+
+
+def per_channel_bias(graph: GraphView, bias, channels: int) -> Optional[Node]:
+    """``bias`` if it is None or a float tensor of one value per output channel."""
+    if bias is None:
+        return None
+    require(isinstance(bias, Node), "bias is not a tensor")
+    value = graph.constant(bias)
+    value = value if value is not None else fake_value(bias)
+    require(value is not None and value.is_floating_point() and tuple(value.shape) == (channels,),
+            f"bias of shape {list(value.shape) if value is not None else '?'} for {channels} output channels")
+    return bias
 
 
 def single_user(node: Node) -> Optional[Node]:

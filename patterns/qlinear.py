@@ -7,7 +7,7 @@ from torch.fx import Node
 from . import examples
 from .base import GraphView, Match, NearMiss, Rule, require
 from .qconv import fold_tail
-from .qdq import dequantized_activation, dequantized_weight, float_dtype
+from .qdq import dequantized_activation, dequantized_weight, float_dtype, per_channel_bias
 
 aten = torch.ops.aten
 LINEAR_OPS = {aten.linear.default}
@@ -21,8 +21,7 @@ def linear_core(graph: GraphView, linear: Node, dynamic: bool = False):
     x = dequantized_activation(linear.args[0], dynamic=dynamic)
     weight = dequantized_weight(graph, linear.args[1])
     require(weight.int8.dim() == 2, "weight is not 2-D")
-    bias = linear.args[2] if len(linear.args) > 2 else None
-    require(bias is None or isinstance(bias, Node), "bias is not a tensor")
+    bias = per_channel_bias(graph, linear.args[2] if len(linear.args) > 2 else None, weight.int8.shape[0])
     return x, weight, bias
 
 

@@ -20,7 +20,7 @@ from qbackend.weight_quant import GroupQuantized
 
 from . import examples
 from .base import GraphView, Match, NearMiss, NoMatch, Rule, fake_value, require
-from .qdq import is_op
+from .qdq import is_op, per_channel_bias
 from .qlinear import LINEAR_ANCHORS
 
 aten = torch.ops.aten
@@ -65,11 +65,16 @@ def _integers(graph: GraphView, node, qmin: int, qmax: int, zero_point) -> tuple
     require(values.dim() == 2 and not values.is_floating_point(), "weight integers are not a 2-D integer tensor")
     bits = BITS_OF_RANGE.get(qmax - qmin)
     require(bits is not None, f"weight range [{qmin}, {qmax}] is neither 4-bit nor 8-bit")
+    # (the kernels pack the values into bits-wide fields: one outside the range would wrap)
+    require(values.numel() == 0 or qmin <= int(values.min()) and int(values.max()) <= qmax,
+            f"weight integers outside their range [{qmin}, {qmax}]")
     shift = -(1 << (bits - 1)) - qmin  # unsigned storage -> signed values
     zero = None
     if zero_point is not None:
         zero = graph.constant(zero_point)
         require(zero is not None, "weight zero points are not a constant")
+        require(not zero.is_floating_point() and (zero.numel() == 0 or qmin <= int(zero.min()) and int(zero.max()) <= qmax),
+                f"weight zero points are not integers in [{qmin}, {qmax}]")
         zero = (zero.to(torch.int16) + shift).to(torch.int8)
     return bits, (values.to(torch.int16) + shift).to(torch.int8), zero
 
@@ -83,6 +88,8 @@ def _grouped(graph: GraphView, qweight, scales, zero_points, qmin: int, qmax: in
     bits, values, zero = _integers(graph, qweight, qmin, qmax, zero_points)
     n, k = values.shape
     group_size = k if group_size is None else group_size
+    require(isinstance(group_size, int) and group_size > 0 and scale.is_floating_point(),
+            f"group size {group_size} or {scale.dtype} scales")
     require(k % group_size == 0, f"in_features {k} is not a multiple of the group size {group_size}")
     groups = k // group_size
     require(scale.numel() == n * groups, f"{what} scales have {scale.numel()} values, expected {n} x {groups}")
@@ -133,7 +140,6 @@ def select_weight_only(graph: GraphView, anchor: Node, bits: int) -> Match:
     require(not anchor.kwargs, f"arguments passed by keyword: {sorted(anchor.kwargs)}")
     x, weight_node = anchor.args[:2]
     bias = None if is_matmul or len(anchor.args) < 3 else anchor.args[2]
-    require(bias is None or isinstance(bias, Node), "bias is not a tensor")
     x_value = fake_value(x)
     require(x_value is not None and x_value.dtype in (torch.float32, torch.bfloat16, torch.float16),
             "activation is not a float32 / bfloat16 / float16 tensor")
@@ -141,6 +147,7 @@ def select_weight_only(graph: GraphView, anchor: Node, bits: int) -> Match:
     weight = weight_only_weight(graph, weight_node, transposed=is_matmul)
     require(weight.bits == bits, f"weight is int{weight.bits}, not int{bits}")
     require(x_value.shape[-1] == weight.shape[1], "activation width differs from the weight's in_features")
+    bias = per_channel_bias(graph, bias, weight.shape[0])
     return Match(None, anchor, (anchor,), float_input=x, bias=bias, weight_only=weight, float_dtype=x_value.dtype)
 
 

@@ -102,7 +102,10 @@ def float_linears(gm: GraphModule, device: str, kernel_choice: Optional[str] = N
         if x is None or x.dtype != torch.float32 or static_shape(x_node) is None:
             continue
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if gemms and weight is not None and weight.dim() == 2 and rows and (bias_node is None or bias is not None):
+        # (the packed GEMMs read the shapes as given: a graph from a file may hold any)
+        shapes_fit = weight is not None and weight.dim() == 2 and x.shape[-1] == weight.shape[1] and (
+            bias_node is None or bias is not None and tuple(bias.shape) == (weight.shape[0],))
+        if gemms and shapes_fit and rows:
             name, times = _winner(gemms, mode, x, weight, bias, rows)
             gemm = gemms[name]
             constant = f"_qb_packed_{node.name}"

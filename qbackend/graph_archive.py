@@ -23,7 +23,7 @@ from torch.fx import GraphModule, Node
 
 from . import archive_checks as check
 from .archive_checks import ArchiveError
-from .archive_operators import ALLOWED, PYTHON_TARGETS, overload_name, resolve
+from .operator_allowlist import ALLOWED, PYTHON_TARGETS, overload_name, resolve
 
 FORMAT, VERSION = "qbackend graph", 1
 TARGETS = {"operator.getitem": operator.getitem}  # the Python callables a converted graph calls
@@ -65,9 +65,11 @@ def _target_name(target) -> str:
 
 
 def _target(name, where: str):
+    if not isinstance(name, str):
+        raise ArchiveError(where, f"a target {check._short(name)}, not an operator's name")
     if name in TARGETS:
         return TARGETS[name]
-    op = resolve(name) if isinstance(name, str) and name in ALLOWED else None
+    op = resolve(name) if name in ALLOWED else None
     if op is None:
         raise ArchiveError(where, f"{check._short(name)} is not an operator a saved graph may call "
                                   f"(python -m qbackend.archive_operators lists them)")
@@ -186,7 +188,7 @@ def graph_module(saved) -> tuple[GraphModule, list[RecordedInput], dict[str, Sym
         args, kwargs = _decode(args, nodes, where), _decode(kwargs, nodes, where)
         if not isinstance(kwargs, dict):
             raise ArchiveError(where, "keyword arguments that are not a dict record")
-        target = _node_target(op, target, kwargs, constants, where)
+        target = _node_target(op, target, tuple(args), kwargs, constants, where)
         if op in ("placeholder", "get_attr", "output") and (kwargs or (op != "output" and args)):
             raise ArchiveError(where, f"a {op} node with arguments")
         node = graph.create_node(op, target, tuple(args), kwargs, name=name)
@@ -236,11 +238,11 @@ def _recorded_input(entry, symbols: dict, where: str) -> RecordedInput:
     return RecordedInput(check.choice(check.DTYPES, dtype, where), check.device(device, where), tuple(sizes))
 
 
-def _node_target(op: str, target, kwargs: dict, constants: dict, where: str):
+def _node_target(op: str, target, args: tuple, kwargs: dict, constants: dict, where: str):
     if op == "placeholder":
         return check.identifier(target, f"{where} target")
     if op == "get_attr":
-        if target not in constants:
+        if not isinstance(target, str) or target not in constants:
             raise ArchiveError(where, f"reads {check._short(target)}, which is not a saved constant")
         return target
     if op == "output":
@@ -248,11 +250,49 @@ def _node_target(op: str, target, kwargs: dict, constants: dict, where: str):
             raise ArchiveError(where, "an output node's target must be 'output'")
         return target
     function = _target(target, where)
-    names = {a.name for a in function._schema.arguments} if isinstance(function, torch._ops.OpOverload) else set()
-    for key in kwargs:
-        if check.identifier(key, f"{where} keyword") not in names:
-            raise ArchiveError(where, f"{target} takes no argument {key!r}")
+    if isinstance(function, torch._ops.OpOverload):
+        _check_call(function._schema, args, kwargs, where)
+    elif kwargs or len(args) != 2 or not isinstance(args[0], Node) or type(args[1]) is not int:
+        raise ArchiveError(where, f"{target} takes a node and an index")
     return function
+
+
+def _check_call(schema, args: tuple, kwargs: dict, where: str) -> None:
+    """The arguments bind to the operator's schema: count, names and kinds (what the graph
+    computes must be what the operator does, not a call that only the lowering would accept)."""
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    if len(args) > len(positional):
+        raise ArchiveError(where, f"{len(args)} arguments for {schema.name}, which takes {len(positional)} positional")
+    named = {a.name: a for a in schema.arguments}
+    for key in kwargs:
+        if check.identifier(key, f"{where} keyword") not in named or key in {a.name for a in positional[:len(args)]}:
+            raise ArchiveError(where, f"{schema.name} takes no keyword {key!r} here")
+    given = {**dict(zip((a.name for a in positional), args)), **kwargs}
+    for argument in schema.arguments:
+        if argument.name not in given:
+            if not argument.has_default_value() and argument.type.kind() != "OptionalType":
+                raise ArchiveError(where, f"{schema.name} needs its argument {argument.name}")
+        elif not _fits_type(argument.type, given[argument.name]):
+            raise ArchiveError(where, f"{schema.name}'s {argument.name} ({argument.type}) given {check._short(given[argument.name])}")
+
+
+_ENUMS = (torch.dtype, torch.layout, torch.memory_format)  # (a schema's ScalarType, Layout, MemoryFormat read as int)
+_KINDS = {  # schema type kind -> the Python values it takes (a number for a Tensor: wrapped, as torch does)
+    "TensorType": (Node, int, float), "IntType": (int, Node) + _ENUMS, "FloatType": (float, int, Node), "BoolType": (bool, Node),
+    "NumberType": (int, float, Node), "StringType": (str,), "DeviceObjType": (torch.device,),
+}
+
+
+def _fits_type(kind, value) -> bool:
+    name = kind.kind()
+    if name == "OptionalType":
+        return value is None or _fits_type(kind.getElementType(), value)
+    if name == "ListType":
+        element = kind.getElementType()
+        if element.kind() == "IntType" and isinstance(value, int):  # (an int for an int[N]: stride=1)
+            return True
+        return isinstance(value, (list, tuple)) and all(_fits_type(element, item) for item in value)
+    return isinstance(value, _KINDS.get(name, object))
 
 
 def _set_attribute(root: torch.nn.Module, dotted: str, tensor: torch.Tensor) -> None:
@@ -319,12 +359,14 @@ def _pytree_codegen(saved, placeholders: int) -> torch.fx.graph._PyTreeCodeGen:
     in_spec, out_spec = _spec(in_spec, "pytree input"), _spec(out_spec, "pytree output")
     if in_spec.num_leaves != placeholders:
         raise ArchiveError("pytree input", f"{in_spec.num_leaves} inputs for {placeholders} placeholders")
-    if in_spec.type is tuple and in_spec.num_children == 2 and in_spec.child(1).type is dict:  # (args, kwargs)
-        keywords = in_spec.child(1).context
-        if len(orig_args) != in_spec.child(0).num_children + len(keywords):
-            raise ArchiveError("pytree input", f"{len(orig_args)} argument names for its structure")
-        for key in keywords:  # (written into the generated source as the call's keywords)
-            check.identifier(key, "pytree keyword input")
+    if not (in_spec.type is tuple and in_spec.num_children == 2 and in_spec.child(0).type is tuple
+            and in_spec.child(1).type is dict):
+        raise ArchiveError("pytree input", "not export's (positional inputs, keyword inputs) structure")
+    keywords = in_spec.child(1).context
+    if len(orig_args) != in_spec.child(0).num_children + len(keywords):
+        raise ArchiveError("pytree input", f"{len(orig_args)} argument names for its structure")
+    for key in keywords:  # (written into the generated source as the call's keywords)
+        check.identifier(key, "pytree keyword input")
     return torch.fx.graph._PyTreeCodeGen(torch.fx.graph._PyTreeInfo(orig_args, in_spec, out_spec))
 
 

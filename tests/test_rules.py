@@ -3,6 +3,8 @@ with the stated reason. Built from the rule table, so a new row brings its own t
 import pytest
 import torch
 
+from qbackend.archive_operators import graph_ops
+from qbackend.operator_allowlist import ALLOWED
 from qbackend.patterns import RULES
 
 from .helpers import assert_matches_reference, compile_and_run, quantize
@@ -16,6 +18,7 @@ NEAR_MISSES = [pytest.param(rule, miss, id=f"{rule.name}-{miss.build.__name__}")
 def test_example_lowers_with_reference_numerics(rule):
     module, inputs = rule.example()
     converted = module if rule.example_is_quantized else quantize(module, inputs, **dict(rule.example_flags))
+    assert graph_ops(converted, inputs) <= ALLOWED  # (a saved archive of it loads: operator_allowlist.py)
     captured = assert_matches_reference(converted, inputs)
     used = {d.rule for d in captured.report.decisions + captured.report.moves if d.lowered}
     assert rule.name in used, str(captured.report)
@@ -25,6 +28,7 @@ def test_example_lowers_with_reference_numerics(rule):
 @pytest.mark.parametrize("rule,miss", NEAR_MISSES)
 def test_near_miss_is_rejected_with_reason(rule, miss):
     converted, inputs = miss.build()
+    assert graph_ops(converted, inputs) <= ALLOWED
     actual, expected, captured = compile_and_run(converted, inputs)
     assert_outputs_close(actual, expected, miss.build.__name__)  # runs as the reference does
     decisions = captured.report.decisions + captured.report.moves
