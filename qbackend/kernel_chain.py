@@ -52,7 +52,12 @@ KERNEL_TUPLES = frozenset({rms_norm.add_rms_norm})  # kernels returning several 
 
 
 def _conv_call(kernel: str) -> Callable:
-    def prepare(args: tuple, y: torch.Tensor) -> StepCall:
+    def prepare(args: tuple, y: torch.Tensor) -> Optional[StepCall]:
+        # (the plain call copies x and a residual to channels-last; a step reads them where they
+        # lie: a transposed view of rows, fuzz seed 61, gave other values from the second call)
+        if not all(t is None or t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+                   for t in (args[0], args[4] if CONVS[kernel] != X_TO_Y else None)):
+            return None
         call = native.PREPARED_CALLS[kernel](native._load()[0], *args, trusted=True)
         if CONVS[kernel] == X_TO_Y:
             operands = (args[0], y)
