@@ -44,7 +44,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # leaves the AVX2 ones; the AVX512-BF16 kernel there checks its CPU and compiler itself).
 VNNI_ONLY = (CSRC / "conv_gemm_int8_vnni.c", CSRC / "conv_gemm_int8_vnni512.c", CSRC / "depthwise_conv_int8_vnni.c",
              CSRC / "stem_conv_int8_vnni.c", CSRC / "grouped_conv_int8_vnni.c", CSRC / "weight_only_bf16.c")
-VNNI_SOURCES = VNNI_ONLY + (CSRC / "attention_f32.c", CSRC / "weight_only_int16.c")
+VNNI_SOURCES = VNNI_ONLY + (CSRC / "attention_f32.c", CSRC / "weight_only_int16.c", CSRC / "struct_layout.c")
 SOURCES = tuple(sorted(set(CSRC.glob("*.c")) - set(VNNI_ONLY)))
 VNNI_FLAGS = FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni")
 LIBRARIES = {"qbackend_kernels": (SOURCES, FLAGS), "qbackend_vnni": (VNNI_SOURCES, VNNI_FLAGS)}

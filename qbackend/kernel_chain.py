@@ -34,6 +34,7 @@ from qbackend.lowering.weight_only import unflatten_rows
 
 from . import kv_append, native, rms_norm, rotary, silu_mul
 from .chain_step import FOUR, X_TO_Y, KeyLength, StepCall
+from .kernels.structs import ChainStep, Operand
 
 aten = torch.ops.aten
 
@@ -80,16 +81,7 @@ def kernels() -> dict:
     return table
 
 
-class _Operand(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_int), ("offset", ctypes.c_long)]
-
-
-class _Step(ctypes.Structure):  # kernel_chain.c chain_step_t
-    _fields_ = [("kind", ctypes.c_int), ("function", ctypes.c_void_p), ("call", ctypes.c_void_p)] + [
-        (name, _Operand) for name in "abcdef"]
-
-
-NONE = _Operand(-1, 0)
+NONE = Operand(-1, 0)
 
 
 @dataclass(frozen=True)
@@ -121,7 +113,7 @@ class _Program:
     """A chain prepared for one input signature: the C steps, the arena's size, the outputs'."""
 
     def __init__(self, steps: list, arena_bytes: int, outputs: list, picks: list, prepared: list, inputs: list, appends: list):
-        self.steps = (_Step * len(steps))(*steps)
+        self.steps = (ChainStep * len(steps))(*steps)
         self.like = next(k for k, t in enumerate(inputs) if isinstance(t, torch.Tensor))  # (new_empty: faster than torch.empty)
         self.arena_bytes = arena_bytes
         self.outputs = outputs  # (shape, strides, dtype) per output buffer
@@ -329,26 +321,26 @@ class KernelChain:
         sizes_at = 1 + self.input_count + len(leaving)  # (bases: the arena, inputs, outputs, then each append's cache length)
         growing = {k: a for a, (k, _) in enumerate(appends)}
 
-        def operand(o) -> _Operand:
+        def operand(o) -> Operand:
             if o is None:
                 return NONE
             if isinstance(o, str):  # SCRATCH
-                return _Operand(0, scratch_at)
+                return Operand(0, scratch_at)
             if o[0] == "length":  # a cache's length per call (an append's value: plus the rows it adds), else fixed
                 _, origin, fixed = o
                 if origin is not None and origin[0] == "append":
-                    return _Operand(sizes_at + origin[1], appends[origin[1]][1])
+                    return Operand(sizes_at + origin[1], appends[origin[1]][1])
                 if origin is not None and origin[0] == "input" and origin[1] in growing:
-                    return _Operand(sizes_at + growing[origin[1]], 0)
-                return _Operand(-1, fixed)
+                    return Operand(sizes_at + growing[origin[1]], 0)
+                return Operand(-1, fixed)
             (kind, k), offset = o
             if kind == "input":
-                return _Operand(1 + k, offset)
+                return Operand(1 + k, offset)
             if k in leaving:
-                return _Operand(1 + self.input_count + leaving.index(k), offset)
-            return _Operand(0, place[k] + offset)
+                return Operand(1 + self.input_count + leaving.index(k), offset)
+            return Operand(0, place[k] + offset)
 
-        steps = [_Step(call.kind, call.function, call.call, *(operand(o) for o in operands), *[NONE] * (6 - len(operands)))
+        steps = [ChainStep(call.kind, call.function, call.call, *(operand(o) for o in operands), *[NONE] * (6 - len(operands)))
                  for call, operands in zip(calls, placed)]
         outputs = [(buffers[b][0].shape, buffers[b][0].stride(), buffers[b][0].dtype) for b in leaving]
         picks = []

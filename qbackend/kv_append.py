@@ -34,6 +34,7 @@ from torch.fx import GraphModule, Node
 from . import native
 from .attention_cleanup import reaches_only_strided_readers
 from .chain_step import KeyLength, StepCall, step_call
+from .kernels.structs import KvAppendCall
 
 aten = torch.ops.aten
 CATS = frozenset({torch.cat, aten.cat.default})
@@ -121,11 +122,6 @@ def append(past: torch.Tensor, new: torch.Tensor, dim: int) -> torch.Tensor:
 append.reads_any_strides = True  # (the values it appends, whatever their layout)
 
 
-class _Call(ctypes.Structure):  # csrc/kv_append.c kv_append_call_t
-    _fields_ = ([(name, ctypes.c_long) for name in ("batch", "heads", "added", "row_bytes")]
-                + [(name, ctypes.c_long * 3) for name in ("new_stride", "past_stride")])
-
-
 def chain_call(args: tuple, out: torch.Tensor) -> Optional[StepCall]:
     """``append`` of [B, H, rows, D] rows (the last dim dense) into ``past``'s room along dim 2
     as a kernel chain step (qb_kv_append_call). Operands: the new rows, the cache, its rows (a
@@ -136,8 +132,8 @@ def chain_call(args: tuple, out: torch.Tensor) -> Optional[StepCall]:
             or new.stride(3) != 1 or past.stride(3) != 1:
         return None
     size = new.element_size()
-    call = _Call(*new.shape[:3], new.shape[3] * size, (ctypes.c_long * 3)(*(size * s for s in new.stride()[:3])),
-                 (ctypes.c_long * 3)(*(size * s for s in past.stride()[:3])))
+    call = KvAppendCall(*new.shape[:3], new.shape[3] * size, (ctypes.c_long * 3)(*(size * s for s in new.stride()[:3])),
+                        (ctypes.c_long * 3)(*(size * s for s in past.stride()[:3])))
     return step_call(native.c_address("qb_kv_append_call"), call, (new, past, KeyLength(past), None))
 
 

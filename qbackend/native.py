@@ -41,6 +41,8 @@ import torch
 
 from . import kernel_build
 from .chain_step import SCRATCH, SIX, KeyLength, dense, plain_float32, step_call
+from .kernels.structs import (AttentionCall, ConvCall, DepthwiseCall, GlobalAvgPoolCall, GroupedCall, MaxPoolCall, StemCall,
+                               WeightOnlyCall, check_layouts)
 
 MAX_TAPS = 9  # kernel positions qconv takes (conv_gemm_int8.c MAX_TAPS): up to 3x3
 BLOCK = 64  # columns per weight block (the kernel's unit: K must be a multiple)
@@ -106,11 +108,13 @@ ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2, "swish": 3, "hardswish": 4}
 
 
 def _loaded(name: str = "qbackend_kernels") -> ctypes.CDLL:
-    """``kernel_build.load`` of library ``name`` on a CPU that can run the kernels (RuntimeError
-    or OSError with the reason)."""
+    """``kernel_build.load`` of library ``name`` on a CPU that can run the kernels, its structs
+    checked against their ctypes mirrors (RuntimeError or OSError with the reason)."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise RuntimeError(f"the CPU (capability {torch.backends.cpu.get_cpu_capability()}) has no AVX2")
-    return kernel_build.load(name, *kernel_build.LIBRARIES[name])
+    lib = kernel_build.load(name, *kernel_build.LIBRARIES[name])
+    check_layouts(lib)
+    return lib
 
 
 def _once(function):
@@ -196,17 +200,6 @@ def _declare_gemm(function) -> None:
     -1 (a scratch buffer could not be allocated)."""
     function.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5
     function.restype = ctypes.c_int
-
-
-class _ConvCall(ctypes.Structure):
-    """conv_gemm_int8.c ``conv_call_t``: what one call site fixes, made once per input shape."""
-
-    _fields_ = ([(name, ctypes.c_int) for name in ("N", "H", "W", "Cin", "OH", "OW", "KH", "KW", "stride_h", "stride_w",
-                                                    "pad_h", "pad_w", "dil_h", "dil_w", "Cout", "x_zp")]
-                + [("w", ctypes.c_void_p), ("mult", ctypes.c_void_p), ("add", ctypes.c_void_p),
-                   ("residual_is_float", ctypes.c_int), ("residual_scale", ctypes.c_float), ("activation", ctypes.c_int),
-                   ("low", ctypes.c_float), ("high", ctypes.c_float), ("out_inv_scale", ctypes.c_float),
-                   ("out_zp", ctypes.c_int), ("qmin", ctypes.c_int), ("qmax", ctypes.c_int)])
 
 
 @_once
@@ -333,12 +326,6 @@ def _weight_only_scratch(m: int, k: int) -> tuple[int, int, int]:
     return xq_bytes, xq_bytes + 4 * groups, xq_bytes + 8 * groups
 
 
-class _WeightOnlyCall(ctypes.Structure):  # csrc/weight_only_int16.c weight_only_call_t
-    _fields_ = ([(name, ctypes.c_int) for name in ("bits", "M", "N", "K", "group", "codes")]
-                + [(name, ctypes.c_void_p) for name in ("w", "scale", "offset")]
-                + [("scales_at", ctypes.c_long), ("sums_at", ctypes.c_long)])
-
-
 def weight_only_chain_call(args: tuple, y: torch.Tensor):
     """``int4_mm_int16`` / ``int8_mm_int16`` (the lowering's own packing: checked when the graph
     was built) as a kernel chain step, where x is dense float32 [M, K] as the call took it."""
@@ -349,8 +336,8 @@ def weight_only_chain_call(args: tuple, y: torch.Tensor):
         return None
     scales_at, sums_at, scratch_bytes = _weight_only_scratch(x.shape[0], k)
     offset, group, codes = (rest[0].data_ptr(), rest[1], rest[0].dtype == INT4_OFFSET_CODES) if bits == 4 else (None, k, False)
-    struct = _WeightOnlyCall(bits, x.shape[0], weight.shape[0], k, group, codes, weight.data_ptr(), scale.data_ptr(), offset,
-                             scales_at, sums_at)
+    struct = WeightOnlyCall(bits, x.shape[0], weight.shape[0], k, group, codes, weight.data_ptr(), scale.data_ptr(), offset,
+                            scales_at, sums_at)
     address = function_address(_weight_only_library().qb_weight_only_call)
     return step_call(address, struct, (x, SCRATCH, y, None), args[1:], scratch_bytes)
 
@@ -503,19 +490,6 @@ def _prepared(weight: torch.Tensor, trusted: bool, x: torch.Tensor, args: tuple,
     return prepared
 
 
-class _DepthwiseCall(ctypes.Structure):
-    """depthwise_conv_int8.c ``dwconv_call_t`` (and depthwise_conv_int8_vnni.c's): what one call
-    site fixes, made once per input shape."""
-
-    _fields_ = ([(name, ctypes.c_int) for name in ("N", "H", "W", "C", "stride_h", "stride_w", "pad_h", "pad_w", "OH", "OW",
-                                                    "x_zp")]
-                + [("weight", ctypes.c_void_p), ("mult", ctypes.c_void_p), ("add", ctypes.c_void_p), ("lo", ctypes.c_float),
-                   ("hi", ctypes.c_float), ("out_inv_scale", ctypes.c_float), ("out_zp", ctypes.c_int),
-                   ("qmin", ctypes.c_int), ("qmax", ctypes.c_int), ("activation", ctypes.c_int), ("float_out", ctypes.c_int),
-                   ("window", ctypes.c_int), ("norm_weight", ctypes.c_void_p), ("norm_bias", ctypes.c_void_p),
-                   ("norm_eps", ctypes.c_float)])  # (the LayerNorm: the VNNI kernel's only)
-
-
 DEPTHWISE_WINDOWS = (3, 5, 7)  # square windows the kernels take
 DEPTHWISE_STRIDES = (1, 2)
 
@@ -545,9 +519,9 @@ def _prepare_dwconv(lib, x, x_zero_point, weight, mult, add, stride, padding, lo
     if any(s not in DEPTHWISE_STRIDES for s in stride):  # (the VNNI kernel shares a row's quads: 4 / stride columns apart)
         raise ValueError(f"qbackend::qconv_depthwise: stride {list(stride)}; the kernels take {DEPTHWISE_STRIDES}")
     _check_levels("qconv_depthwise", x_zero_point, out_zero_point, qmin, qmax)
-    call = _DepthwiseCall(n, h, w, c, *stride, *padding, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
-                          add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax, ACTIVATIONS[activation],
-                          bool(float_out), window)
+    call = DepthwiseCall(n, h, w, c, *stride, *padding, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
+                         add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax, ACTIVATIONS[activation],
+                         bool(float_out), window)
     return _prepare(call, (n, c, oh, ow), torch.float32 if float_out else torch.uint8, function, (mult, add))
 
 
@@ -615,15 +589,6 @@ def _dwconv(lib, x, *args, trusted=False):
 GROUPED_LANES = 8  # grouped_conv_int8_vnni.c: output channels per vector
 
 
-class _GroupedCall(ctypes.Structure):
-    """grouped_conv_int8_vnni.c ``grouped_call_t``."""
-
-    _fields_ = ([(name, ctypes.c_int) for name in ("N", "H", "W", "C", "Cg", "stride", "OH", "OW", "x_zp")]
-                + [("weight", ctypes.c_void_p), ("mult", ctypes.c_void_p), ("add", ctypes.c_void_p), ("lo", ctypes.c_float),
-                   ("hi", ctypes.c_float), ("out_inv_scale", ctypes.c_float), ("out_zp", ctypes.c_int),
-                   ("qmin", ctypes.c_int), ("qmax", ctypes.c_int)])
-
-
 def grouped_refusal(channels: int, groups: int) -> Optional[str]:
     """Why the grouped kernel cannot take ``channels`` in and out in ``groups`` (None if it can)."""
     per_group = channels // groups if groups and channels % groups == 0 else 0
@@ -651,8 +616,8 @@ def _prepare_grouped_conv(x, x_zero_point, weight, mult, add, groups, stride, lo
     if not (math.isfinite(out_scale) and out_scale > 0) or math.isnan(low) or math.isnan(high):
         raise ValueError(f"qbackend::qconv_grouped: out scale {out_scale}, clamp [{low}, {high}]")
     _check_levels("qconv_grouped", x_zero_point, out_zero_point, qmin, qmax)
-    call = _GroupedCall(n, h, w, c, c // groups, stride, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
-                        add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
+    call = GroupedCall(n, h, w, c, c // groups, stride, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
+                       add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
     return _prepare(call, (n, c, oh, ow), torch.uint8, vnni.qb_grouped_conv_vnni, (mult, add))
 
 
@@ -682,7 +647,7 @@ def _dwconv_fake(x, x_zero_point, weight, mult, add, stride, padding, low, high,
 
 def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high, out_scale, out_zero_point,
                   qmin, qmax, float_out, activation, kernel_size, stride, padding, dilation, x_zero_point) -> Prepared:
-    """Check one call site's arguments and make its _ConvCall."""
+    """Check one call site's arguments and make its ConvCall."""
     _check_nchw_uint8(x, None, "qconv")
     oh, ow = _window("qconv", x.shape[2], x.shape[3], kernel_size, stride, padding, dilation)
     _check_levels("qconv", x_zero_point, out_zero_point, qmin, qmax)
@@ -699,9 +664,9 @@ def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high
         raise ValueError(f"qbackend::qconv: activation {activation!r} is not one of {list(ACTIVATIONS)}")
     if residual is not None and residual.dtype != torch.float32:  # a float32 residual, or a uint8 one checked like the input
         _check_nchw_uint8(residual, cout, "qconv (residual)")
-    call = _ConvCall(n, h, w, cin, oh, ow, *kernel_size, *stride, *padding, *dilation, cout, x_zero_point,
-                     weight.data_ptr(), mult.data_ptr(), add.data_ptr(), residual is not None and residual.dtype == torch.float32,
-                     residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
+    call = ConvCall(n, h, w, cin, oh, ow, *kernel_size, *stride, *padding, *dilation, cout, x_zero_point,
+                    weight.data_ptr(), mult.data_ptr(), add.data_ptr(), residual is not None and residual.dtype == torch.float32,
+                    residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
     build = gemm_build()
     isa, function = GEMM_BUILDS[build]
     gemm = getattr(lib if isa == "avx2" else _vnni_library()[0], function)
@@ -769,17 +734,6 @@ def stem_refusal(in_shape, out_channels: int, kernel_size, stride) -> Optional[s
     return None
 
 
-class _StemCall(ctypes.Structure):
-    """stem_conv_int8_vnni.c ``stem_call_t``."""
-
-    _fields_ = ([(name, ctypes.c_int) for name in ("N", "H", "W", "C", "OH", "OW", "KH", "KW", "stride_h", "stride_w",
-                                                    "pad_h", "pad_w", "Cout", "x_zp")]
-                + [("w", ctypes.c_void_p), ("mult", ctypes.c_void_p), ("add", ctypes.c_void_p), ("low", ctypes.c_float),
-                   ("high", ctypes.c_float), ("out_inv_scale", ctypes.c_float), ("out_zp", ctypes.c_int),
-                   ("qmin", ctypes.c_int), ("qmax", ctypes.c_int)]
-                + [(name, ctypes.c_int) for name in ("pool_kh", "pool_kw", "pool_sh", "pool_sw", "pool_ph", "pool_pw", "PH", "PW")])
-
-
 STEM_MAX_POOL_ROWS = 8  # a fused max pool's kernel height, at most (stem_conv_int8_vnni.c MAX_POOL_ROWS)
 NO_POOL = ((0, 0), (1, 1), (0, 0))  # qconv_stem's pool_kernel, pool_stride, pool_padding when no pool is fused
 
@@ -821,9 +775,9 @@ def _prepare_stem_conv(x, x_zero_point, weight, mult, add, kernel_size, stride, 
     steps = stem_steps(*kernel_size, c)[3]
     _check_constants("qconv_stem", (weight, torch.int8, cout * steps * 4), (mult, torch.float32, cout), (add, torch.float32, cout))
     ph, pw = _pooled_hw((oh, ow), pool_kernel, pool_stride, pool_padding)
-    call = _StemCall(n, h, w, c, oh, ow, *kernel_size, *stride, *padding, cout, x_zero_point, weight.data_ptr(),
-                     mult.data_ptr(), add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax,
-                     *pool_kernel, *pool_stride, *pool_padding, ph, pw)
+    call = StemCall(n, h, w, c, oh, ow, *kernel_size, *stride, *padding, cout, x_zero_point, weight.data_ptr(),
+                    mult.data_ptr(), add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax,
+                    *pool_kernel, *pool_stride, *pool_padding, ph, pw)
     return _prepare(call, (n, cout, ph, pw), torch.uint8, vnni.qb_stem_conv_vnni_call, (mult, add))
 
 
@@ -843,13 +797,6 @@ def _stem_conv_fake(x, x_zero_point, weight, mult, add, kernel_size, stride, pad
     return _channels_last_like(x, (n, mult.numel(), *hw), torch.uint8)
 
 
-class _MaxPoolCall(ctypes.Structure):
-    """max_pool_uint8.c ``max_pool_call_t``."""
-
-    _fields_ = [(name, ctypes.c_int) for name in ("N", "H", "W", "C", "KH", "KW", "stride_h", "stride_w", "pad_h", "pad_w",
-                                                   "dil_h", "dil_w", "OH", "OW")]
-
-
 @functools.lru_cache(maxsize=256)  # per input shape and pool geometry (the graph passes tuples)
 def _max_pool_prepared_for(lib, shape, kernel_size, stride, padding, dilation, ceil_mode=False) -> Prepared:
     """(ceil_mode: the kernel clips each window to the image, so a last, partial one is as any other)"""
@@ -857,7 +804,7 @@ def _max_pool_prepared_for(lib, shape, kernel_size, stride, padding, dilation, c
     oh, ow = _window("max_pool_u8", h, w, kernel_size, stride, padding, dilation, bool(ceil_mode))
     if any(2 * p > k for p, k in zip(padding, kernel_size)):
         raise ValueError(f"qbackend::max_pool_u8: padding {list(padding)} over half the kernel {list(kernel_size)}")
-    call = _MaxPoolCall(n, h, w, c, *kernel_size, *stride, *padding, *dilation, oh, ow)
+    call = MaxPoolCall(n, h, w, c, *kernel_size, *stride, *padding, *dilation, oh, ow)
     return _prepare(call, (n, c, oh, ow), torch.uint8, lib.qb_max_pool_u8_call, ())
 
 
@@ -877,12 +824,6 @@ def _max_pool_fake(x, kernel_size, stride, padding, dilation, ceil_mode=False):
     return _channels_last_like(x, (n, c, oh, ow), torch.uint8)
 
 
-class _GlobalAvgPoolCall(ctypes.Structure):
-    """global_avg_pool_uint8.c ``global_avg_pool_call_t``."""
-
-    _fields_ = [(name, ctypes.c_int) for name in ("N", "HW", "C", "zp", "qmin", "qmax")]
-
-
 GLOBAL_POOL_MAX_PIXELS = 1 << 23  # the kernel sums 8-bit values in int32
 
 
@@ -892,7 +833,7 @@ def _global_avg_pool_prepared_for(lib, shape, zero_point, qmin, qmax) -> Prepare
     _check_levels("global_avg_pool_u8", zero_point, zero_point, qmin, qmax)
     if not 0 < h * w <= GLOBAL_POOL_MAX_PIXELS:
         raise ValueError(f"qbackend::global_avg_pool_u8 takes 1 to {GLOBAL_POOL_MAX_PIXELS} pixels, got {h}x{w}")
-    call = _GlobalAvgPoolCall(n, h * w, c, zero_point, qmin, qmax)
+    call = GlobalAvgPoolCall(n, h * w, c, zero_point, qmin, qmax)
     return _prepare(call, (n, c, 1, 1), torch.uint8, lib.qb_global_avg_pool_u8_call, ())
 
 
@@ -910,18 +851,6 @@ def _global_avg_pool_fake(x, zero_point, qmin, qmax):
 
 
 ATTENTION_HEAD_DIM_STEP = 16  # attention_f32.c: head dims in 16-column vector pairs
-
-
-class _AttentionCall(ctypes.Structure):
-    """attention_f32.c ``attention_call_t``."""
-
-    _fields_ = ([(name, ctypes.c_int) for name in ("B", "H", "L", "S", "D")]
-                + [(name, ctypes.c_long * 3) for name in ("q_stride", "k_stride", "v_stride")]
-                + [("mask_stride", ctypes.c_long * 4), ("out_stride", ctypes.c_long * 3), ("scale", ctypes.c_float),
-                   ("quantized", ctypes.c_int),
-                   ("out_inv_scale", ctypes.c_float)]
-                + [(name, ctypes.c_int) for name in ("out_zero_point", "out_qmin", "out_qmax", "causal_rows")]
-                + [(name, ctypes.c_long * 2) for name in ("k_scale_stride", "v_scale_stride")])
 
 
 def attention_refusal(q, k, v, mask, mask_dtypes=(torch.float32,), is_causal=False) -> Optional[str]:
@@ -994,15 +923,15 @@ def _attention_quantize(lib, q, k, v, mask, scale, out_scale, zero_point, qmin, 
 
 @functools.lru_cache(maxsize=256)
 def _attention_call(shape: tuple, strides: tuple, mask_stride: tuple, out_stride: tuple, scale: float,
-                    quantize, causal_rows: int = 0, scale_strides=None) -> "_AttentionCall":
+                    quantize, causal_rows: int = 0, scale_strides=None) -> "AttentionCall":
     """The kernel's arguments for one call site, but the key length (made once: ~15 us of
     ctypes per call otherwise; a decode step's key length is new at every step). ``out_stride``:
     the output's batch, row and head strides."""
     out_scale, zero_point, qmin, qmax = quantize or (1.0, 0, 0, 0)
-    return _AttentionCall(*shape[:3], 0, shape[3], *((ctypes.c_long * 3)(*stride) for stride in strides),
-                          (ctypes.c_long * 4)(*mask_stride), (ctypes.c_long * 3)(*out_stride), scale, quantize is not None,
-                          1.0 / out_scale, zero_point, qmin, qmax, causal_rows,
-                          *((ctypes.c_long * 2)(*stride) for stride in scale_strides or ((0, 0), (0, 0))))
+    return AttentionCall(*shape[:3], 0, shape[3], *((ctypes.c_long * 3)(*stride) for stride in strides),
+                         (ctypes.c_long * 4)(*mask_stride), (ctypes.c_long * 3)(*out_stride), scale, quantize is not None,
+                         1.0 / out_scale, zero_point, qmin, qmax, causal_rows,
+                         *((ctypes.c_long * 2)(*stride) for stride in scale_strides or ((0, 0), (0, 0))))
 
 
 @_once
@@ -1061,7 +990,7 @@ def _attention_kernel(shape: tuple, s: int, pointers: tuple, strides: tuple, mas
     dtype = torch.float32 if quantize is None else torch.uint8
     if out is None:
         out = torch.empty(length, b, h, d, dtype=dtype).transpose(0, 1) if length_first else torch.empty(b, length, h, d, dtype=dtype)
-    call = _AttentionCall.from_buffer_copy(_attention_call(shape, strides, tuple(mask_stride), out.stride()[:3], scale,
+    call = AttentionCall.from_buffer_copy(_attention_call(shape, strides, tuple(mask_stride), out.stride()[:3], scale,
                                                            quantize, causal_rows, kv_int8 and kv_int8[2:]))
     call.S = s  # (on a copy: another thread may run the same call site meanwhile)
     floats, int8, _ = _attention_function()

@@ -23,6 +23,7 @@ from . import native
 from .chain_step import StepCall, dense, step_call
 from .dead_code import eliminate_dead_code
 from .float_ops import both_orders, float32, is_op, operands, single_user, through_noop_casts
+from .kernels.structs import RmsNormCall
 
 
 # (csrc/rms_norm_f32.c: threads, rows, n, a, b, weight, eps, sum, out)
@@ -75,10 +76,6 @@ def add_rms_norm(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, eps: fl
     return _run(weight, eps, a, b)
 
 
-class _Call(ctypes.Structure):  # csrc/rms_norm_f32.c rms_norm_call_t
-    _fields_ = [("rows", ctypes.c_long), ("n", ctypes.c_long), ("w", ctypes.c_void_p), ("eps", ctypes.c_float)]
-
-
 def chain_call(args: tuple, result) -> Optional[StepCall]:
     """``rms_norm`` / ``add_rms_norm`` as a kernel chain step: where the kernel computed it
     and its operands are dense (the step reads them in place)."""
@@ -87,7 +84,7 @@ def chain_call(args: tuple, result) -> Optional[StepCall]:
     if not (_applies(weight, a, *([b] if add else [])) and dense(a, b, weight, total, out)):
         return None
     n = weight.numel()
-    struct = _Call(a.numel() // n, n, weight.data_ptr(), eps)
+    struct = RmsNormCall(a.numel() // n, n, weight.data_ptr(), eps)
     return step_call(native.c_address("qb_rms_norm_call"), struct, (a, b, total, out), weight)
 
 

@@ -20,6 +20,7 @@ from qbackend.patterns.base import fake_value
 from . import native
 from .chain_step import StepCall, plain_float32, step_call
 from .float_ops import both_orders, calls_in_place_of, float32, is_op, operands, single_user
+from .kernels.structs import SiluMulCall
 
 
 # (csrc/silu_mul.c: threads, rows, n, a, a's row stride, b, b's row stride, out)
@@ -96,10 +97,6 @@ def silu_mul_bf16_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> t
     return out
 
 
-class _Call(ctypes.Structure):  # csrc/silu_mul.c silu_mul_call_t
-    _fields_ = [(name, ctypes.c_long) for name in ("rows", "n", "a_row", "b_row")]
-
-
 def chain_call(args: tuple, out: torch.Tensor) -> Optional[StepCall]:
     """``silu_mul`` as a kernel chain step, where the kernel computed it."""
     a, b = args
@@ -107,7 +104,7 @@ def chain_call(args: tuple, out: torch.Tensor) -> Optional[StepCall]:
     if strides is None or not out.is_contiguous():
         return None
     n = a.shape[-1]
-    return step_call(native.c_address("qb_silu_mul_call"), _Call(a.numel() // n, n, *strides), (a, b, out, None))
+    return step_call(native.c_address("qb_silu_mul_call"), SiluMulCall(a.numel() // n, n, *strides), (a, b, out, None))
 
 
 silu_mul.fresh_output = True  # (patterns/inplace.py: a later kernel may write into it)

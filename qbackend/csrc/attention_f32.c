@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "call_structs.h"
 #include "vec_math.h"
 
 #define KEYS 16        /* key columns per score tile */
@@ -41,22 +42,6 @@
  * hardware prefetchers alone read them at ~9 GB/s (2 threads, 2048 positions, 4 layers: 1.8 ms
  * from memory, 0.7 from L3). A prefetch past the end does not fault. */
 #define PREFETCH_KEYS 32
-
-/* What one call site fixes (qbackend/native.py _AttentionCall). Strides in elements, the last
- * dim contiguous; a mask stride of 0 broadcasts that dim. */
-typedef struct {
-  int B, H, L, S, D;
-  long q_stride[3], k_stride[3], v_stride[3]; /* batch, head, row */
-  long mask_stride[4];                        /* batch, head, row, column */
-  long out_stride[3];                         /* batch, row, head (grouped queries: the query heads' layout) */
-  float scale;
-  int quantized;       /* 0: float32 out; 1: uint8 out, round_half_even(o * out_inv_scale) + zero point, clamped */
-  float out_inv_scale; /* (a NaN lands on qmin: the caller asks for qmin == the reference's NaN byte, 0) */
-  int out_zero_point, out_qmin, out_qmax;
-  int causal_rows; /* 0; else causal (torch's is_causal: row i sees keys j <= i), row r at position r % causal_rows
-                      (grouped queries: each query head's positions one after another) */
-  long k_scale_stride[2], v_scale_stride[2]; /* batch, head (rows 1 apart): qb_attention_kv_int8's scales */
-} attention_call_t;
 
 /* Element ``offset`` of keys / values: float32, or int8 (kv_int8) */
 static inline __attribute__((always_inline)) const void* element(const void* p, long offset, int kv_int8) {

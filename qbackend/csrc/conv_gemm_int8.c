@@ -34,6 +34,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "call_structs.h"
 #include "padded_channels.h"
 #if defined(QB_VNNI) || defined(QB_ZMM)
 /* 8 pixels' activations in lockstep: GELU's polynomial and squarings are a chain of ~16
@@ -564,20 +565,6 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
   free(grid);
   return 0;
 }
-
-/* What one call site fixes: geometry, constants, epilogue (qbackend/native.py _ConvCall, made
- * once per call site and input shape). Passing it by pointer saves ctypes converting 33
- * arguments on every call (~8 us of a small conv's ~13). */
-typedef struct {
-  int N, H, W, Cin, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Cout, x_zp;
-  const int8_t* w;
-  const float *mult, *add;
-  int residual_is_float;
-  float residual_scale;
-  int activation;
-  float low, high, out_inv_scale;
-  int out_zp, qmin, qmax;
-} conv_call_t;
 
 static int run(int threads, const conv_call_t* c, int Cin, int Cout, const float* mult, const float* add, const uint8_t* x,
                const void* residual, uint8_t* y, float* yf) {

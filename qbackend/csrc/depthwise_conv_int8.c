@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "call_structs.h"
 #include "padded_channels.h"
 #include "vec_math.h"
 
@@ -98,17 +99,6 @@ static int dwconv(int threads, int N, int H, int W, int C, int K, int stride_h, 
   free(zero_row);
   return 0;
 }
-
-/* What one call site fixes (qbackend/native.py _DepthwiseCall, made once per call site and
- * input shape): passed by pointer instead of 23 arguments converted by ctypes on every call. */
-typedef struct {
-  int N, H, W, C, stride_h, stride_w, pad_h, pad_w, OH, OW, x_zp;
-  const int16_t* weight;
-  const float *mult, *add;
-  float lo, hi, out_inv_scale;
-  int out_zp, qmin, qmax;
-  int activation, float_out, window; /* (after the fields the VNNI kernel's struct shares) */
-} dwconv_call_t;
 
 static int run(int threads, const void* call, const uint8_t* x, void* y) {
   const dwconv_call_t* c = call;

@@ -35,6 +35,7 @@
 
 #include <omp.h>
 
+#include "call_structs.h"
 #include "layer_norm_rows.h"
 #include "padded_channels.h"
 #include "vec_math.h"
@@ -44,23 +45,6 @@
 #define QUAD_BYTES 128  /* a group's quad for one output column: 32 channels x 4 bytes */
 #define MAX_WINDOW 7
 #define PIXELS 8        /* output pixels a step: 16 accumulators, each weight vector loaded once for them */
-
-/* depthwise_conv_int8.c's dwconv_call_t with int8 weights:
- * weight [K kernel rows][Q quads][groups][4 vectors][8 lanes (4 in a 16-channel group)][4 bytes];
- * mult, add [groups][4 vectors][8 lanes (4 in a 16-channel group)]. */
-typedef struct {
-  int N, H, W, C, stride_h, stride_w, pad_h, pad_w, OH, OW, x_zp;
-  const int8_t* weight;
-  const float *mult, *add;
-  float lo, hi, out_inv_scale;
-  int out_zp, qmin, qmax;
-  int activation, float_out, window;
-  /* NULL, or (with float_out) each output pixel's C float values are layer-normalized with these
-   * and quantized with out_inv_scale .. qmax (ConvNeXt's depthwise conv -> LayerNorm -> quantize):
-   * the output is uint8 and the float rows stay in a thread's scratch row */
-  const float *norm_weight, *norm_bias;
-  float norm_eps;
-} dwconv_vnni_call_t;
 
 static inline int quads_of(int window) { return (window + 3) / 4; }
 
@@ -81,10 +65,10 @@ static inline void store_quad(const uint8_t* const in[4], __m256i zp, __mmask32 
  * 4 (Q - 1) / stride; output ow's quad q is quad m = ow + 4 q / stride (stride 1 or 2), so
  * quads are shared between outputs instead of built per output (7x7: 60 instead of 112 a row
  * of 56). Taps past a window's end read the next columns against zero weights. */
-static inline int quad_columns(const dwconv_vnni_call_t* c) { return c->OW + 4 * (quads_of(c->window) - 1) / c->stride_w; }
+static inline int quad_columns(const dwconv_call_t* c) { return c->OW + 4 * (quads_of(c->window) - 1) / c->stride_w; }
 
 /* The quads of input row ih of image n (or of a padding row): [group][m][QUAD_BYTES]. */
-static void build_quads(const dwconv_vnni_call_t* c, const uint8_t* x, int n, int ih, uint8_t* out) {
+static void build_quads(const dwconv_call_t* c, const uint8_t* x, int n, int ih, uint8_t* out) {
   const int C = c->C, W = c->W, M = quad_columns(c), groups = (C + GROUP - 1) / GROUP;
   const __m256i zp = _mm256_set1_epi8((char)c->x_zp);
   if (ih < 0 || ih >= c->H) {
@@ -168,7 +152,7 @@ static inline __attribute__((always_inline)) void output_pixels(
 
 /* One group of one output row; y / yf at the group's first channel of the row's first pixel. */
 static inline __attribute__((always_inline)) void output_group(
-    const dwconv_vnni_call_t* c, const epilogue_t* row_epilogue, const int8_t* weight, const float* mult, const float* add,
+    const dwconv_call_t* c, const epilogue_t* row_epilogue, const int8_t* weight, const float* mult, const float* add,
     int lanes, int K, const uint8_t* const group_rows[MAX_WINDOW], uint8_t* y, float* yf) {
   const int C = c->C, OW = c->OW;
   const size_t quad_offset = (size_t)4 / c->stride_w * QUAD_BYTES; /* from a quad to the next of the same output */
@@ -192,7 +176,7 @@ static inline __attribute__((always_inline)) void output_group(
 }
 
 /* output_group with its window and lane count as constants (each its own unrolled copy). */
-static void output_group_for(const dwconv_vnni_call_t* c, const epilogue_t* e, const int8_t* weight, const float* mult,
+static void output_group_for(const dwconv_call_t* c, const epilogue_t* e, const int8_t* weight, const float* mult,
                              const float* add, int full, const uint8_t* const group_rows[MAX_WINDOW], uint8_t* y, float* yf) {
 #define GROUP_CASE(K)                                                                  \
   case K:                                                                              \
@@ -208,7 +192,7 @@ static void output_group_for(const dwconv_vnni_call_t* c, const epilogue_t* e, c
 }
 
 /* One output row from the quads of its K input rows, its first pixel ``pixel`` pixels into out. */
-static void output_row(const dwconv_vnni_call_t* c, const uint8_t* const rows[MAX_WINDOW], size_t pixel, void* out) {
+static void output_row(const dwconv_call_t* c, const uint8_t* const rows[MAX_WINDOW], size_t pixel, void* out) {
   const int C = c->C, OW = c->OW, K = c->window, groups = (C + GROUP - 1) / GROUP;
   epilogue_t e;
   e.inv = _mm256_set1_ps(c->out_inv_scale), e.zp = _mm256_set1_ps((float)c->out_zp);
@@ -222,7 +206,7 @@ static void output_row(const dwconv_vnni_call_t* c, const uint8_t* const rows[MA
     for (int r = 0; r < K; r++) group_rows[r] = rows[r] + offset;
     uint8_t* y = c->float_out ? NULL : (uint8_t*)out + pixel * C + g * GROUP;
     float* yf = c->float_out ? (float*)out + pixel * C + g * GROUP : NULL;
-    output_group_for(c, &e, c->weight + (size_t)g * GROUP * 4, c->mult + (size_t)g * GROUP, c->add + (size_t)g * GROUP,
+    output_group_for(c, &e, (const int8_t*)c->weight + (size_t)g * GROUP * 4, c->mult + (size_t)g * GROUP, c->add + (size_t)g * GROUP,
                      C - g * GROUP >= GROUP, group_rows, y, yf);
   }
 }
@@ -231,7 +215,7 @@ static void output_row(const dwconv_vnni_call_t* c, const uint8_t* const rows[MA
  * LayerNorm the count of pixels whose statistics are past UNSAFE_SQUARES (their bytes are not
  * the reference's: the caller runs those layers another way). */
 static int run(int threads, const void* call, const uint8_t* x, void* y) {
-  const dwconv_vnni_call_t* c = call;
+  const dwconv_call_t* c = call;
   const int K = c->window, normed = c->norm_weight != NULL;
   if (K != 3 && K != 5 && K != 7) return -1;
   if (normed && (!c->float_out || c->C % 16)) return -1; /* (float rows to normalize, no padding channels) */
@@ -280,10 +264,10 @@ static int run(int threads, const void* call, const uint8_t* x, void* y) {
 }
 
 /* Channels that are not whole groups of 16 run on padded copies (padded_channels.h). */
-int qb_dwconv_vnni_call(int threads, const dwconv_vnni_call_t* c, const uint8_t* x, void* y) {
+int qb_dwconv_vnni_call(int threads, const dwconv_call_t* c, const uint8_t* x, void* y) {
   if (c->C % 16 == 0) return run(threads, c, x, y);
   if (c->norm_weight) return -1; /* (padding channels would enter the statistics) */
-  dwconv_vnni_call_t padded = *c;
+  dwconv_call_t padded = *c;
   padded.C = padded_channels(c->C, 16);
   return run_padded(run, threads, &padded, (size_t)c->N * c->H * c->W, (size_t)c->N * c->OH * c->OW, c->C, padded.C, x, y,
                     c->float_out ? sizeof(float) : 1);

@@ -11,11 +11,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "call_structs.h"
 #include "vec_math.h"
-
-typedef struct {
-  int N, HW, C, zp, qmin, qmax;
-} global_avg_pool_call_t;
 
 static inline uint8_t requantize(int64_t sum, const global_avg_pool_call_t* c) {
   return round_to_grid((float)(sum - (int64_t)c->HW * c->zp) / (float)c->HW, c->zp, c->qmin, c->qmax);

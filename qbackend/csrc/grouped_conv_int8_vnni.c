@@ -23,22 +23,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "call_structs.h"
 #include "vec_math.h"
 #include "vnni_dot.h"
 
 #define LANES 8  /* output channels per vector: a block */
 #define PIXELS 8 /* output pixels a step */
 #define TAPS 9
-
-/* One call site's arguments (qbackend/native.py _GroupedCall); weight is
- * [C / 8 blocks][9 taps][Cg / 4 quads][8 lanes][4 bytes], mult and add [C], in lane order. */
-typedef struct {
-  int N, H, W, C, Cg, stride, OH, OW, x_zp;
-  const int8_t* weight;
-  const float *mult, *add;
-  float lo, hi, out_inv_scale;
-  int out_zp, qmin, qmax;
-} grouped_call_t;
 
 /* one word broadcast (a block of one group), or two groups' words in alternate lanes (Cg == 4) */
 static inline __m256i word(const uint8_t* at) {

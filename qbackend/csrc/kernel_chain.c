@@ -10,25 +10,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* An address: bases[base] + offset bytes. A size, given per call (a decode step's KV cache
- * length), sits in bases as a number: the operand is then that size + offset. With base -1 the
- * operand is offset itself (0: no operand; else a size the program fixed). */
-typedef struct {
-  int base;    /* index into bases (the arena, the chain's inputs, its outputs, the call's sizes); -1: none */
-  long offset; /* bytes from it (a size: added to it) */
-} operand_t;
+#include "call_structs.h"
 
 /* FOUR: (threads, call, a, b, c, d) -> 0 or failure; X_TO_Y: (threads, call, x, y); SIX: (threads, call, a .. f) */
 enum kind { FOUR = 0, X_TO_Y = 1, SIX = 2 };
-
-typedef struct {
-  int kind;
-  const void* function; /* FOUR: qb_conv_call(_vnni) (x, residual, y, float y), qb_weight_only_call, qb_rms_norm_call,
-                           qb_rotary_call, qb_silu_mul_call, qb_kv_append_call; X_TO_Y: qb_dwconv(_vnni)_call,
-                           qb_stem_conv_vnni_call, the pools; SIX: qb_attention_call */
-  const void* call;           /* its prepared arguments */
-  operand_t a, b, c, d, e, f; /* X_TO_Y: x = a, y = b */
-} chain_step_t;
 
 typedef int (*four_fn)(int, const void*, void*, void*, void*, void*);
 typedef int (*x_to_y_fn)(int, const void*, const void*, void*);

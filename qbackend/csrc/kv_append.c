@@ -4,10 +4,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef struct {
-  long batch, heads, added, row_bytes; /* added rows of row_bytes each, per (batch, head) */
-  long new_stride[3], past_stride[3];  /* batch, head, row; bytes */
-} kv_append_call_t;
+#include "call_structs.h"
 
 int qb_kv_append_call(int threads, const kv_append_call_t* c, const char* added, char* past, const void* rows, void* unused) {
   (void)threads, (void)unused; /* (a decode step adds a few KB: one thread) */

@@ -9,9 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef struct {
-  int N, H, W, C, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, OH, OW;
-} max_pool_call_t;
+#include "call_structs.h"
 
 static inline int first_tap(int start, int dilation) { return start >= 0 ? 0 : (-start + dilation - 1) / dilation; }
 

@@ -6,6 +6,8 @@
 #include <immintrin.h>
 #include <math.h>
 
+#include "call_structs.h"
+
 #if defined(__clang__)
 #pragma STDC FP_CONTRACT OFF
 #elif defined(__GNUC__)
@@ -56,12 +58,6 @@ void qb_rms_norm_f32(int threads, long rows, long n, const float* a, const float
 }
 
 /* As a step of a kernel chain (qbackend/kernel_chain.py): b and sum NULL for a plain RMSNorm. */
-typedef struct {
-  long rows, n;
-  const float* w;
-  float eps;
-} rms_norm_call_t;
-
 int qb_rms_norm_call(int threads, const rms_norm_call_t* c, const float* a, const float* b, float* sum, float* out) {
   qb_rms_norm_f32(threads, c->rows, c->n, a, b, c->w, c->eps, sum, out);
   return 0;

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "call_structs.h"
 #include "vec_math.h"
 
 /* 8 values at p, float32 or bf16, as floats; and back. */
@@ -53,10 +54,6 @@ void qb_silu_mul_f32(int threads, long rows, long n, const float* a, long a_row,
 }
 
 /* As a step of a kernel chain (qbackend/kernel_chain.py). */
-typedef struct {
-  long rows, n, a_row, b_row;
-} silu_mul_call_t;
-
 int qb_silu_mul_call(int threads, const silu_mul_call_t* c, const float* a, const float* b, float* out, void* unused) {
   (void)unused;
   qb_silu_mul_f32(threads, c->rows, c->n, a, c->a_row, b, c->b_row, out);

@@ -26,20 +26,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "call_structs.h"
+
 #define PIECE 64     /* output pixels of a row per step (their leftover bytes: a small buffer) */
 #define MAX_LEFTOVER 64 /* leftover bytes per pixel: KH * L <= 3 * KH */
 #define MAX_STRIP 16384 /* bytes of the input under a piece of an output row (qb_stem_strip_bytes) */
 #define MAX_POOL_ROWS 8 /* a fused max pool's kernel height, at most */
-
-typedef struct {
-  int N, H, W, C, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, Cout, x_zp;
-  const int8_t* w;
-  const float *mult, *add;
-  float low, high, out_inv_scale;
-  int out_zp, qmin, qmax;
-  /* A max pool of the conv's output, fused (pool_kh 0: none): y is then the pool's PH x PW output. */
-  int pool_kh, pool_kw, pool_sh, pool_sw, pool_ph, pool_pw, PH, PW;
-} stem_call_t;
 
 typedef struct {
   int F, L, LQ, K4;      /* full words per window row, bytes left over per row, words they make, steps */

@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <omp.h>
 
+#include "call_structs.h"
 #include "int4_offsets.h"
 
 #define BLOCK 64
@@ -376,17 +377,6 @@ void qb_int8_mm(int threads, int M, int N, int K, const float* x, const int8_t* 
   FOR_ROW_BLOCKS(M, N, INT8_CALL)
   if (bad_rows) FLOAT_ROWS(M, N, K, x, y, (float)w[(size_t)n * K + k] * scale[n])
 }
-
-/* One weight-only call as a step of a kernel chain (qbackend/kernel_chain.py): the weight and
- * the sizes fixed per call site, x [M][K] and y [M][N] dense; the int16 activations, their
- * scales and sums at the given byte offsets of scratch (the chain's arena). */
-typedef struct {
-  int bits, M, N, K, group, codes; /* (codes: int4's offsets are int8 codes) */
-  const void* w;
-  const float* scale;
-  const void* offset; /* int4 only */
-  long scales_at, sums_at;
-} weight_only_call_t;
 
 int qb_weight_only_call(int threads, const weight_only_call_t* c, const float* x, char* scratch, float* y, void* unused) {
   (void)unused;

@@ -1,0 +1,137 @@
+/* The structs Python fills with ctypes (qbackend/kernels/structs.py), each written once here for
+ * every C file that reads it. A call site's fixed arguments travel in one of these by pointer
+ * instead of ~20-30 arguments ctypes would convert on every call (~8 us of a small conv's ~13).
+ * struct_layout.c lists each one's fields (a field added here goes there too) and exports their
+ * offsets and sizes, which Python compares with its mirror when it loads a library: a mirror
+ * that differs disables the library. */
+#ifndef QB_CALL_STRUCTS_H
+#define QB_CALL_STRUCTS_H
+
+#include <stdint.h>
+
+/* conv_gemm_int8.c: geometry, constants, epilogue of one call site and input shape. */
+typedef struct {
+  int N, H, W, Cin, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, Cout, x_zp;
+  const int8_t* w;
+  const float *mult, *add;
+  int residual_is_float;
+  float residual_scale;
+  int activation;
+  float low, high, out_inv_scale;
+  int out_zp, qmin, qmax;
+} conv_call_t;
+
+/* depthwise_conv_int8.c (weight int16) and depthwise_conv_int8_vnni.c (weight int8:
+ * [K kernel rows][Q quads][groups][4 vectors][8 lanes (4 in a 16-channel group)][4 bytes];
+ * mult, add [groups][4 vectors][8 lanes (4 in a 16-channel group)]). */
+typedef struct {
+  int N, H, W, C, stride_h, stride_w, pad_h, pad_w, OH, OW, x_zp;
+  const void* weight;
+  const float *mult, *add;
+  float lo, hi, out_inv_scale;
+  int out_zp, qmin, qmax;
+  int activation, float_out, window;
+  /* VNNI kernel only (the AVX2 one ignores them): NULL, or (with float_out) each output pixel's C
+   * float values are layer-normalized with these and quantized with out_inv_scale .. qmax
+   * (ConvNeXt's depthwise conv -> LayerNorm -> quantize): the output is uint8 and the float rows
+   * stay in a thread's scratch row */
+  const float *norm_weight, *norm_bias;
+  float norm_eps;
+} dwconv_call_t;
+
+/* grouped_conv_int8_vnni.c; weight is [C / 8 blocks][9 taps][Cg / 4 quads][8 lanes][4 bytes],
+ * mult and add [C], in lane order. */
+typedef struct {
+  int N, H, W, C, Cg, stride, OH, OW, x_zp;
+  const int8_t* weight;
+  const float *mult, *add;
+  float lo, hi, out_inv_scale;
+  int out_zp, qmin, qmax;
+} grouped_call_t;
+
+/* stem_conv_int8_vnni.c */
+typedef struct {
+  int N, H, W, C, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, Cout, x_zp;
+  const int8_t* w;
+  const float *mult, *add;
+  float low, high, out_inv_scale;
+  int out_zp, qmin, qmax;
+  /* A max pool of the conv's output, fused (pool_kh 0: none): y is then the pool's PH x PW output. */
+  int pool_kh, pool_kw, pool_sh, pool_sw, pool_ph, pool_pw, PH, PW;
+} stem_call_t;
+
+/* max_pool_uint8.c */
+typedef struct {
+  int N, H, W, C, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, OH, OW;
+} max_pool_call_t;
+
+/* global_avg_pool_uint8.c */
+typedef struct {
+  int N, HW, C, zp, qmin, qmax;
+} global_avg_pool_call_t;
+
+/* attention_f32.c. Strides in elements, the last dim contiguous; a mask stride of 0 broadcasts
+ * that dim. */
+typedef struct {
+  int B, H, L, S, D;
+  long q_stride[3], k_stride[3], v_stride[3]; /* batch, head, row */
+  long mask_stride[4];                        /* batch, head, row, column */
+  long out_stride[3];                         /* batch, row, head (grouped queries: the query heads' layout) */
+  float scale;
+  int quantized;       /* 0: float32 out; 1: uint8 out, round_half_even(o * out_inv_scale) + zero point, clamped */
+  float out_inv_scale; /* (a NaN lands on qmin: the caller asks for qmin == the reference's NaN byte, 0) */
+  int out_zero_point, out_qmin, out_qmax;
+  int causal_rows; /* 0; else causal (torch's is_causal: row i sees keys j <= i), row r at position r % causal_rows
+                      (grouped queries: each query head's positions one after another) */
+  long k_scale_stride[2], v_scale_stride[2]; /* batch, head (rows 1 apart): qb_attention_kv_int8's scales */
+} attention_call_t;
+
+/* weight_only_int16.c: one weight-only call as a step of a kernel chain: the weight and the
+ * sizes fixed per call site, x [M][K] and y [M][N] dense; the int16 activations, their scales
+ * and sums at the given byte offsets of scratch (the chain's arena). */
+typedef struct {
+  int bits, M, N, K, group, codes; /* (codes: int4's offsets are int8 codes) */
+  const void* w;
+  const float* scale;
+  const void* offset; /* int4 only */
+  long scales_at, sums_at;
+} weight_only_call_t;
+
+/* kernel_chain.c: an address: bases[base] + offset bytes. A size, given per call (a decode step's
+ * KV cache length), sits in bases as a number: the operand is then that size + offset. With base
+ * -1 the operand is offset itself (0: no operand; else a size the program fixed). */
+typedef struct {
+  int base;    /* index into bases (the arena, the chain's inputs, its outputs, the call's sizes); -1: none */
+  long offset; /* bytes from it (a size: added to it) */
+} operand_t;
+
+/* kernel_chain.c: one step (kind: its enum kind). */
+typedef struct {
+  int kind;
+  const void* function; /* FOUR: qb_conv_call(_vnni) (x, residual, y, float y), qb_weight_only_call, qb_rms_norm_call,
+                           qb_rotary_call, qb_silu_mul_call, qb_kv_append_call; X_TO_Y: qb_dwconv(_vnni)_call,
+                           qb_stem_conv_vnni_call, the pools; SIX: qb_attention_call */
+  const void* call;           /* its prepared arguments */
+  operand_t a, b, c, d, e, f; /* X_TO_Y: x = a, y = b */
+} chain_step_t;
+
+/* kv_append.c: the new rows of [B, H, rows, D] keys or values copied into the room kept after
+ * the cache's ``rows`` rows. */
+typedef struct {
+  long batch, heads, added, row_bytes; /* added rows of row_bytes each, per (batch, head) */
+  long new_stride[3], past_stride[3];  /* batch, head, row; bytes */
+} kv_append_call_t;
+
+/* rms_norm_f32.c, as a step of a kernel chain. */
+typedef struct {
+  long rows, n;
+  const float* w;
+  float eps;
+} rms_norm_call_t;
+
+/* silu_mul.c, as a step of a kernel chain. */
+typedef struct {
+  long rows, n, a_row, b_row;
+} silu_mul_call_t;
+
+#endif
