@@ -22,6 +22,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))
 
 from qbackend import native  # noqa: E402
+from qbackend.kernels import library  # noqa: E402
 from qbackend.lowering import depthwise, gemm, stem  # noqa: E402
 from qbackend.lowering.own_conv import scale_and_offset  # noqa: E402
 from qbackend.ops import resolve  # noqa: E402
@@ -59,7 +60,7 @@ def builds():
     """The GEMM builds this CPU runs (native.gemm_build's values; the depthwise kernel has the
     first two only)."""
     vnni = native._vnni_library()[0] is not None
-    return [build for build, (isa, _) in native.GEMM_BUILDS.items() if isa == "avx2" or vnni]
+    return [build for build, (isa, _) in library.GEMM_BUILDS.items() if isa == "avx2" or vnni]
 
 
 def conv_runners(batch, cin, h, w, cout, k, s, zp):
@@ -220,7 +221,7 @@ def timed_row(label, onednn, own, columns, builds=None):
 
 def _with_build(build, own):
     saved = native.int8_build, native.gemm_build
-    native.int8_build = lambda: native.GEMM_BUILDS[build][0]
+    native.int8_build = lambda: library.GEMM_BUILDS[build][0]
     native.gemm_build = lambda: build
     try:
         return own()

@@ -32,17 +32,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import os
 import threading
 import weakref
 from typing import NamedTuple, Optional
 
 import torch
 
-from . import kernel_build
 from .chain_step import SCRATCH, SIX, KeyLength, dense, plain_float32, step_call
+from .kernels import library
 from .kernels.structs import (AttentionCall, ConvCall, DepthwiseCall, GlobalAvgPoolCall, GroupedCall, MaxPoolCall, StemCall,
-                               WeightOnlyCall, check_layouts)
+                               WeightOnlyCall)
 
 MAX_TAPS = 9  # kernel positions qconv takes (conv_gemm_int8.c MAX_TAPS): up to 3x3
 BLOCK = 64  # columns per weight block (the kernel's unit: K must be a multiple)
@@ -87,62 +86,20 @@ OPS = {
     "layer_norm_and_quantize": "layer_norm_and_quantize(Tensor x, Tensor weight, Tensor bias, float eps, float scale, "
                                "int zero_point, int qmin, int qmax) -> (Tensor, Tensor)",
 }
-# $QBACKEND_KERNELS: which of the own kernels may run ("auto", the default: the best this CPU
-# has). "off": none (torch's kernels only); otherwise a GEMM build forced (GEMM_BUILDS below;
-# "avx2" also keeps the AVX512-VNNI library unloaded). For tests and for ruling the kernels out.
-# Read once per process, as the libraries are loaded once (gemm_build runs on every own-kernel
-# call: reading the environment there cost 0.7 of its 0.9 us).
-SWITCH = "QBACKEND_KERNELS"
-
-
-@functools.lru_cache(maxsize=None)
-def _switch() -> str:
-    chosen = os.environ.get(SWITCH) or "auto"
-    if chosen not in ("auto", "off") + tuple(GEMM_BUILDS):
-        raise ValueError(f"qbackend: ${SWITCH}={chosen!r}; valid: 'auto', 'off', {', '.join(map(repr, GEMM_BUILDS))}")
-    return chosen
-
-
 # qconv's unary post-ops besides its clamp (conv_gemm_int8.c ``enum activation``)
 ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2, "swish": 3, "hardswish": 4}
-
-
-def _loaded(name: str = "qbackend_kernels") -> ctypes.CDLL:
-    """``kernel_build.load`` of library ``name`` on a CPU that can run the kernels, its structs
-    checked against their ctypes mirrors (RuntimeError or OSError with the reason)."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        raise RuntimeError(f"the CPU (capability {torch.backends.cpu.get_cpu_capability()}) has no AVX2")
-    lib = kernel_build.load(name, *kernel_build.LIBRARIES[name])
-    check_layouts(lib)
-    return lib
-
-
-def _once(function):
-    """``function()``'s result, computed by one thread once (two threads loading at once had
-    registered the ops twice: "Tried to register an operator ... with the same name")."""
-    lock, result = threading.Lock(), []
-
-    @functools.wraps(function)
-    def once():
-        if not result:
-            with lock:
-                if not result:
-                    result.append(function())
-        return result[0]
-
-    return once
 
 
 _library = None  # the torch.library.Library that holds the op registrations (alive while the process is)
 
 
-@_once
+@library.once
 def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     global _library
-    if _switch() == "off":
-        return None, f"qbackend's own kernels are unavailable: switched off by ${SWITCH}=off"
+    if library.switch() == "off":
+        return None, f"qbackend's own kernels are unavailable: switched off by ${library.SWITCH}=off"
     try:
-        lib = _loaded()
+        lib = library.loaded()
     except (RuntimeError, OSError) as error:
         return None, f"qbackend's own kernels are unavailable: {error}"
     pointer, i32, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -202,7 +159,7 @@ def _declare_gemm(function) -> None:
     function.restype = ctypes.c_int
 
 
-@_once
+@library.once
 def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     """The AVX512-VNNI kernels' library (the GEMM's qb_conv_call_vnni, the depthwise
     qb_dwconv_vnni_call, the stem conv's qb_stem_conv_vnni_call, attention's AVX-512 build)
@@ -210,12 +167,12 @@ def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     lib, reason = _load()
     if lib is None:
         return None, reason
-    if _switch() == "avx2":
-        return None, f"the AVX512-VNNI kernels are switched off by ${SWITCH}=avx2"
+    if library.switch() == "avx2":
+        return None, f"the AVX512-VNNI kernels are switched off by ${library.SWITCH}=avx2"
     if not lib.qb_has_avx512_vnni():
         return None, "the CPU has no AVX512-VNNI"
     try:
-        vnni = _loaded("qbackend_vnni")
+        vnni = library.loaded("qbackend_vnni")
     except (RuntimeError, OSError) as error:
         return None, f"the AVX512-VNNI kernels could not be built or loaded: {error}"
     _declare_gemm(vnni.qb_conv_call_vnni)
@@ -263,19 +220,15 @@ def zmm_speedup() -> float:
                                             choice_cache.number(*ZMM_SPEEDUPS))
 
 
-# gemm_build's values -> the int8_build they belong to and their C function
-GEMM_BUILDS = {"avx2": ("avx2", "qb_conv_call"), "avx512_vnni": ("avx512_vnni", "qb_conv_call_vnni"),
-               "avx512_vnni_zmm": ("avx512_vnni", "qb_conv_call_vnni512")}
-
-
 def gemm_build() -> str:
     """The build of qbackend::qconv's GEMM that runs here: int8_build's, and for AVX512-VNNI the
     register width this core runs faster ("avx512_vnni": ymm, "avx512_vnni_zmm"). All take the
     same packed weights; lowering/gemm.py LIMITS holds where each beats oneDNN."""
-    build, forced = int8_build(), _switch()
-    if forced in GEMM_BUILDS:
-        if GEMM_BUILDS[forced][0] != build:
-            raise RuntimeError(f"qbackend: ${SWITCH}={forced} needs the {GEMM_BUILDS[forced][0]} kernels: {vnni_unavailable()}")
+    build, forced = int8_build(), library.switch()
+    if forced in library.GEMM_BUILDS:
+        needed = library.GEMM_BUILDS[forced][0]
+        if needed != build:
+            raise RuntimeError(f"qbackend: ${library.SWITCH}={forced} needs the {needed} kernels: {vnni_unavailable()}")
         return forced
     return "avx512_vnni_zmm" if build == "avx512_vnni" and zmm_speedup() >= ZMM_MIN_SPEEDUP else build
 
@@ -354,7 +307,7 @@ def _scratch(size: int) -> int:
     return buffer.data_ptr()
 
 
-@_once
+@library.once
 def _weight_only_library() -> ctypes.CDLL:
     """weight_only_int16.c's build: the AVX512-VNNI one where it loads (int4 sums as vpdpbusd
     pairs; the same bits), else the AVX2 one."""
@@ -668,7 +621,7 @@ def _prepare_conv(lib, x, weight, mult, add, residual, residual_scale, low, high
                     weight.data_ptr(), mult.data_ptr(), add.data_ptr(), residual is not None and residual.dtype == torch.float32,
                     residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
     build = gemm_build()
-    isa, function = GEMM_BUILDS[build]
+    isa, function = library.GEMM_BUILDS[build]
     gemm = getattr(lib if isa == "avx2" else _vnni_library()[0], function)
     return _prepare(call, (n, cout, oh, ow), torch.float32 if float_out else torch.uint8, gemm, (mult, add))
 
@@ -934,7 +887,7 @@ def _attention_call(shape: tuple, strides: tuple, mask_stride: tuple, out_stride
                          *((ctypes.c_long * 2)(*stride) for stride in scale_strides or ((0, 0), (0, 0))))
 
 
-@_once
+@library.once
 def _attention_function():
     """attention_f32.c's entries (float32 keys and values, int8 ones, the chain step's address):
     the AVX-512 build's where the AVX512-VNNI library loads (tiles of 12 query rows; the same
@@ -1244,7 +1197,7 @@ def quantize_dense(x: torch.Tensor, scale: float, zero_point: int, qmin: int, qm
 @functools.lru_cache(maxsize=None)
 def _wide_quantize() -> bool:
     """quantize_dense.c's AVX512 step: where ATen finds AVX512 and $QBACKEND_KERNELS is not avx2."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and _switch() != "avx2"
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and library.switch() != "avx2"
 
 
 def memory_order(x: torch.Tensor) -> Optional[list]:

@@ -2,6 +2,7 @@
 import pytest
 
 from qbackend import choice_cache, native
+from qbackend.kernels import library
 
 
 @pytest.fixture(autouse=True)
@@ -20,12 +21,12 @@ def _kernel_choice_from_the_fixed_tables(monkeypatch):
     monkeypatch.setenv("QBACKEND_KERNEL_CHOICE", "prior")
 
 
-@pytest.fixture(params=list(native.GEMM_BUILDS))
+@pytest.fixture(params=list(library.GEMM_BUILDS))
 def int8_build(request, monkeypatch):
     """Run the test on each build of qbackend's int8 kernels this CPU has (native.gemm_build:
     the AVX2 one always; where the CPU has AVX512-VNNI, its GEMM on ymm and on zmm registers).
     Returns native.int8_build's value."""
-    isa = native.GEMM_BUILDS[request.param][0]
+    isa = library.GEMM_BUILDS[request.param][0]
     if isa == "avx512_vnni" and native._vnni_library()[0] is None:
         pytest.skip(f"needs the AVX512-VNNI kernels: {native._vnni_library()[1]}")
     monkeypatch.setattr(native, "int8_build", lambda: isa)

@@ -6,6 +6,7 @@ import threading
 import pytest
 
 from qbackend import kernel_build, native
+from qbackend.kernels import library
 
 SOURCE = "int qb_answer(void) { return 42; }\n"
 FLAGS = ("-O1", "-shared", "-fPIC")
@@ -90,7 +91,7 @@ def test_threads_loading_at_once_load_once():
     calls = []
     barrier = threading.Barrier(8)
 
-    @native._once
+    @library.once
     def load():
         calls.append(1)
         return object()
@@ -111,14 +112,14 @@ def test_threads_loading_at_once_load_once():
 
 @pytest.fixture
 def switch(monkeypatch):
-    """Sets $QBACKEND_KERNELS for this test (native reads it once per process)."""
+    """Sets $QBACKEND_KERNELS for this test (kernels.library reads it once per process)."""
     def set_to(value):
-        monkeypatch.setenv(native.SWITCH, value)
-        native._switch.cache_clear()
+        monkeypatch.setenv(library.SWITCH, value)
+        library.switch.cache_clear()
 
     yield set_to
     monkeypatch.undo()
-    native._switch.cache_clear()
+    library.switch.cache_clear()
 
 
 def test_the_kernel_switch_names_its_valid_values(switch):
@@ -138,7 +139,7 @@ def test_a_forced_build_the_cpu_lacks_is_a_clear_error(switch):
 @pytest.mark.skipif(native.available() is not None, reason="needs the own kernels")
 def test_a_forced_build_is_the_one_that_runs(switch):
     switch(native.gemm_build())  # (forcing the build this CPU runs anyway)
-    assert native.gemm_build() == os.environ[native.SWITCH]
+    assert native.gemm_build() == os.environ[library.SWITCH]
     if native.int8_build() == "avx512_vnni":
         for build in ("avx512_vnni", "avx512_vnni_zmm"):  # either register width, whatever the probe said
             switch(build)

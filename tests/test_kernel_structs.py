@@ -4,8 +4,8 @@ import ctypes
 
 import pytest
 
-from qbackend import kernel_build, native
-from qbackend.kernels import structs
+from qbackend import kernel_build
+from qbackend.kernels import library, structs
 
 from .helpers import needs_own_kernels
 
@@ -22,7 +22,7 @@ def test_every_library_reports_the_layouts():
 
 @needs_own_kernels
 def test_the_loaded_library_matches_every_struct():
-    structs.check_layouts(native._loaded())  # (the loader checked it too: available() is None)
+    structs.check_layouts(library.loaded())  # (the loader checked it too: available() is None)
     assert len({s.c_name for s in structs.STRUCTS}) == len(structs.STRUCTS)
 
 
@@ -38,4 +38,4 @@ def test_a_library_whose_struct_differs_is_not_loaded(monkeypatch, mismatch):
     struct = mismatch()
     monkeypatch.setattr(structs, "STRUCTS", structs.STRUCTS + (struct,))
     with pytest.raises(RuntimeError, match=f"C struct {struct.c_name} .* its ctypes mirror {struct.__name__}"):
-        native._loaded()
+        library.loaded()
