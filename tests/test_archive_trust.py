@@ -277,3 +277,24 @@ def test_a_slice_of_the_archive_fuzzer(capsys):
 
     failed = main(["--cases", "60"])
     assert not failed, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name,edit", [
+    ("cnn", lambda c: c.update({"fc.bias": c["fc.bias"][:0]})),
+    ("encoder", lambda c: c.update({k: v[:0] for k, v in c.items() if k.endswith("out.bias")})),
+], ids=["conv_net_linear", "attention_output"])
+def test_a_bias_that_does_not_fit_its_weight_raises_as_eagerly(saved, tmp_path, name, edit):
+    """(found by the archive fuzzer: a size-0 bias went into oneDNN's qlinear and MKL's packed
+    sgemm, which read past it: a segfault) The rules and the float linear pass now take only
+    one float per output channel; the graph then runs as it is and raises as eagerly."""
+    records, args, kwargs, _ = saved[name]
+    records = copy.deepcopy(records)
+    edit(records["constants"])
+    torch.save(records, tmp_path / "bias.pt2")
+    loaded = qbackend.load(tmp_path / "bias.pt2")
+    with torch.no_grad():
+        with pytest.raises(RuntimeError) as eager:
+            loaded.module(*args, **kwargs)
+        with pytest.raises(RuntimeError) as compiled:
+            loaded(*args, **kwargs)
+    assert str(compiled.value) == str(eager.value)

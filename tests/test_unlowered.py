@@ -150,10 +150,14 @@ def test_the_xpu_flow_quantizes_the_attention_projections_too():
 
     torch.manual_seed(0)
     inputs = (torch.randn(2, 6, 32),)
-    for every_linear, lowered in ((True, ["mha", "mha", "fc"]), (False, ["fc"])):
+    for every_linear, quantized in ((True, ["mha", "mha", "fc"]), (False, ["fc"])):
         captured = assert_matches_reference(quantize_xpu(AttentionBlock().eval(), inputs, [inputs], every_linear=every_linear),
                                             inputs)
-        assert [d.source for d in captured.report.lowered if d.kind == "linear"] == lowered, str(captured.report)
+        # (the int8 linear rule matched each: lowered, or on a CPU without VNNI kept exact, its
+        # 8-bit pairs overflowing int16: lowering/capabilities.int8_pairs_saturate)
+        matched = [d.source for d in captured.report.decisions
+                   if d.kind == "linear" and (d.lowered or d.reason.startswith("qlinear matched but cpu cannot run it"))]
+        assert matched == quantized, str(captured.report)
 
 
 def test_keep_float_takes_patterns_and_refuses_a_name_matching_no_module():
