@@ -13,6 +13,7 @@ from .base import GraphView, NoMatch, QParams, QuantizedValue, QuantizedWeight, 
 # The integer range each activation dtype must use for the kernels to read it as-is: the
 # oneDNN int8 kernels saturate to the full range of their output type.
 FULL_RANGE = {torch.uint8: (0, 255), torch.int8: (-128, 127)}
+SMALLEST_SCALE = torch.finfo(torch.float32).tiny  # (a smaller one's float32 inverse is infinite)
 
 
 def is_op(node, name: str, packet: bool = False) -> bool:
@@ -36,9 +37,9 @@ def _per_tensor_qparams(node: Node, what: str) -> QParams:
     # A reduced range (reduce_range=True: uint8 [0, 127]) reads the same; a kernel writing
     # it clamps its output to [qmin, qmax] (lowering/common.py).
     require(low <= qmin < qmax <= high, f"{what} range [{qmin}, {qmax}] is not within the {dtype} range {FULL_RANGE[dtype]}")
-    if static:  # (what a kernel divides by and adds: a graph from a file may hold anything)
-        require(0 < scale < float("inf") and qmin <= zero_point <= qmax,
-                f"{what} scale {scale} / zero point {zero_point}: not a positive finite scale and a zero point in range")
+    if static:  # (what a kernel divides by, as a float32 inverse, and adds: a graph from a file may hold anything)
+        require(SMALLEST_SCALE <= scale < float("inf") and qmin <= zero_point <= qmax,
+                f"{what} scale {scale} / zero point {zero_point}: not a normal positive float32 scale and a zero point in range")
     return QParams(float(scale) if static else scale, int(zero_point) if static else zero_point, qmin, qmax, dtype)
 
 
@@ -68,7 +69,7 @@ def dequantized_weight(graph: GraphView, node, out_channels_axis: int = 0) -> Qu
     channels = int8.shape[axis] if int8.dim() > axis else -1
     require(scales_t.shape == zero_points_t.shape == (channels,) and scales_t.is_floating_point(),
             f"weight scales {list(scales_t.shape)} / zero points {list(zero_points_t.shape)}: not one per output channel")
-    require(bool(((scales_t > 0) & scales_t.isfinite()).all()), "weight scales are not all positive and finite")
+    require(bool(((scales_t >= SMALLEST_SCALE) & scales_t.isfinite()).all()), "weight scales are not all normal positive floats")
     require(bool((zero_points_t == 0).all()), "weight zero points are not all 0 (asymmetric weight)")
     return QuantizedWeight(int8, scales_t.to(torch.float32), zero_points_t)
 

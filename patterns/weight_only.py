@@ -58,11 +58,12 @@ def is_weight_matmul(node: Node) -> bool:
     return isinstance(source, Node) and (source.op == "get_attr" or any(is_op(source, n, packet=True) for n in WEIGHT_DEQUANTIZE))
 
 
-def _integers(graph: GraphView, node, qmin: int, qmax: int, zero_point) -> tuple[int, torch.Tensor, Optional[torch.Tensor]]:
+def _integers(graph: GraphView, node, qmin: int, qmax: int, zero_point, dtype) -> tuple[int, torch.Tensor, Optional[torch.Tensor]]:
     """(bits, signed values, signed zero points) of a constant integer weight in [qmin, qmax]."""
     values = graph.constant(node)
     require(values is not None, "weight integers are not a constant (computed or passed in at run time)")
     require(values.dim() == 2 and not values.is_floating_point(), "weight integers are not a 2-D integer tensor")
+    require(dtype is None or values.dtype == dtype, f"weight integers are {values.dtype}, the dequantize says {dtype}")
     bits = BITS_OF_RANGE.get(qmax - qmin)
     require(bits is not None, f"weight range [{qmin}, {qmax}] is neither 4-bit nor 8-bit")
     # (the kernels pack the values into bits-wide fields: one outside the range would wrap)
@@ -76,16 +77,16 @@ def _integers(graph: GraphView, node, qmin: int, qmax: int, zero_point) -> tuple
         require(not zero.is_floating_point() and (zero.numel() == 0 or qmin <= int(zero.min()) and int(zero.max()) <= qmax),
                 f"weight zero points are not integers in [{qmin}, {qmax}]")
         zero = (zero.to(torch.int16) + shift).to(torch.int8)
-    return bits, (values.to(torch.int16) + shift).to(torch.int8), zero
+    return bits, (values.to(torch.int16) + shift).to(torch.int8).contiguous(), zero
 
 
 def _grouped(graph: GraphView, qweight, scales, zero_points, qmin: int, qmax: int, group_size: Optional[int],
-             what: str) -> GroupQuantized:
+             what: str, dtype=None) -> GroupQuantized:
     """The constant weight, scales and zero points behind a dequantize (``group_size`` None:
     one group per row)."""
     scale = graph.constant(scales)
     require(scale is not None, "weight scales are not a constant")
-    bits, values, zero = _integers(graph, qweight, qmin, qmax, zero_points)
+    bits, values, zero = _integers(graph, qweight, qmin, qmax, zero_points, dtype)
     n, k = values.shape
     group_size = k if group_size is None else group_size
     require(isinstance(group_size, int) and group_size > 0 and scale.is_floating_point(),
@@ -99,8 +100,8 @@ def _grouped(graph: GraphView, qweight, scales, zero_points, qmin: int, qmax: in
 
 
 def _per_channel_group(graph: GraphView, node: Node) -> GroupQuantized:
-    qweight, scales, zero_points, qmin, qmax, _dtype, group_size = node.args[:7]
-    return _grouped(graph, qweight, scales, zero_points, qmin, qmax, group_size, "dequantize_per_channel_group")
+    qweight, scales, zero_points, qmin, qmax, dtype, group_size = node.args[:7]
+    return _grouped(graph, qweight, scales, zero_points, qmin, qmax, group_size, "dequantize_per_channel_group", dtype)
 
 
 def _affine(graph: GraphView, node: Node) -> GroupQuantized:
@@ -113,9 +114,9 @@ def _affine(graph: GraphView, node: Node) -> GroupQuantized:
 
 
 def _per_channel_int8(graph: GraphView, node: Node) -> GroupQuantized:
-    qweight, scales, zero_points, axis, qmin, qmax = node.args[:6]
+    qweight, scales, zero_points, axis, qmin, qmax, dtype = (tuple(node.args) + (None,) * 7)[:7]
     require(axis == 0, f"weight is quantized along axis {axis}, not the output-channel axis")
-    return _grouped(graph, qweight, scales, zero_points, qmin, qmax, None, "dequantize_per_channel")
+    return _grouped(graph, qweight, scales, zero_points, qmin, qmax, None, "dequantize_per_channel", dtype)
 
 
 def weight_only_weight(graph: GraphView, node, transposed: bool) -> GroupQuantized:

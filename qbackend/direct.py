@@ -191,7 +191,8 @@ def _archive_values(work: GraphModule, inputs: list, symbols: Optional[dict] = N
                 return False  # (only an assert records no value)
             else:
                 values[node] = reader.value(record)
-    except (ValueError, KeyError, ZeroDivisionError, SyntaxError) as error:
+    except (ValueError, KeyError, ZeroDivisionError, SyntaxError, RuntimeError, OverflowError) as error:
+        # (a size no tensor can have: RuntimeError from empty_strided; propagated values are used instead)
         log.debug("qbackend.compile: the archive's values do not evaluate (%s)", error)
         return False
     if symbols is None and not all(tuple(values[n].shape) == tuple(x.shape) and values[n].stride() == x.stride()

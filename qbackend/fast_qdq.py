@@ -136,6 +136,8 @@ def quantize_per_tensor_channels_last(x, scale: float, zero_point: int, qmin: in
 def dequantize_per_tensor(q, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, *, out_dtype=None):
     if out_dtype in (None, torch.float32) and q.dtype == dtype and _vectorised(q, dtype):
         return torch._make_per_tensor_quantized_tensor(q, scale, zero_point).dequantize()
+    if q.dtype != dtype:  # (the reference asserts it: a graph from a file may say another dtype)
+        raise AssertionError(f"Expecting input to have dtype {dtype}, but got dtype: {q.dtype}")
     y = q.to(out_dtype or torch.float32)
     y.sub_(zero_point)
     return y.mul_(scale)

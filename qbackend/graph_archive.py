@@ -198,6 +198,7 @@ def graph_module(saved) -> tuple[GraphModule, list[RecordedInput], dict[str, Sym
         node.meta[RECORDED_VALUE] = _checked_value(value, reader, where)
     if not nodes or next(reversed(nodes.values())).op != "output":
         raise ArchiveError("nodes", "the graph has no output")
+    _check_asserts(nodes.values())
     placeholders = sum(n.op == "placeholder" for n in nodes.values())
     if len(inputs) != placeholders:
         raise ArchiveError("inputs", f"{len(inputs)} recorded for {placeholders} placeholders")
@@ -255,6 +256,17 @@ def _node_target(op: str, target, args: tuple, kwargs: dict, constants: dict, wh
     elif kwargs or len(args) != 2 or not isinstance(args[0], Node) or type(args[1]) is not int:
         raise ArchiveError(where, f"{target} takes a node and an index")
     return function
+
+
+def _check_asserts(nodes) -> None:
+    """Each dtype assert holds for the value recorded for its input: the lowering runs on those
+    values and drops the asserts, so one that fails eagerly must not load."""
+    for node in nodes:
+        if node.target is torch.ops.aten._assert_tensor_metadata.default and "dtype" in node.kwargs:
+            record = node.args[0].meta.get(RECORDED_VALUE) if node.args and isinstance(node.args[0], Node) else None
+            if not isinstance(record, dict) or check.DTYPES.get(record.get("dtype")) != node.kwargs["dtype"]:
+                raise ArchiveError(f"node {node.name}", f"asserts dtype {node.kwargs['dtype']} of a value recorded as "
+                                                        f"{record.get('dtype') if isinstance(record, dict) else record}")
 
 
 def _check_call(schema, args: tuple, kwargs: dict, where: str) -> None:
