@@ -191,6 +191,8 @@ def graph_module(saved) -> tuple[GraphModule, list[RecordedInput], dict[str, Sym
         target = _node_target(op, target, tuple(args), kwargs, constants, where)
         if op in ("placeholder", "get_attr", "output") and (kwargs or (op != "output" and args)):
             raise ArchiveError(where, f"a {op} node with arguments")
+        if op == "output" and not (len(args) == 1 and isinstance(args[0], (list, tuple))):
+            raise ArchiveError(where, "an output node takes one sequence of outputs")
         node = graph.create_node(op, target, tuple(args), kwargs, name=name)
         if node.name != name:
             raise ArchiveError(where, "the name is given twice, or is a Python builtin")
@@ -204,6 +206,10 @@ def graph_module(saved) -> tuple[GraphModule, list[RecordedInput], dict[str, Sym
         raise ArchiveError("inputs", f"{len(inputs)} recorded for {placeholders} placeholders")
     if saved.get("pytree") is not None:
         graph._codegen = _pytree_codegen(saved["pytree"], placeholders)
+        outputs = len(next(reversed(nodes.values())).args[0])
+        if graph._codegen.pytree_info.out_spec.num_leaves != outputs:
+            raise ArchiveError("pytree output", f"a structure of {graph._codegen.pytree_info.out_spec.num_leaves} "
+                                                f"outputs for {outputs}")
     try:
         return GraphModule(root, graph), inputs, symbols
     except SyntaxError as error:  # (identifiers only, yet two may clash: a placeholder named self)
