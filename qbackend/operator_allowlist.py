@@ -160,7 +160,6 @@ aten::where.ScalarOther
 aten::where.self
 """.split())
 NAMESPACES = ("aten", "quantized_decomposed", "prims")  # (torchao's operators need torchao imported)
-PYTHON_TARGETS = frozenset({"operator.getitem"})  # the Python callables a converted graph calls
 ALLOWED = FLOWS | LAYERS | ARCHITECTURES
 
 # schema argument types through which an operator reaches beyond its tensors
