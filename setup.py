@@ -1,4 +1,4 @@
-"""The package build: qbackend's C kernels compiled into the wheel (``qbackend/prebuilt``), so a
+"""The package build: qbackend's C kernels compiled into the wheel (``qbackend/kernels/prebuilt``), so a
 machine that installs the wheel runs them without a C compiler. Without a compiler here the
 wheel carries the sources alone and they are built on first use, as from a source checkout;
 an editable install builds nothing (its kernels build on first use).
@@ -13,9 +13,9 @@ from setuptools.command.build_py import build_py
 
 
 def _kernel_build():
-    """qbackend/kernel_build.py by path: importing the package would import torch, which the
+    """qbackend/kernels/kernel_build.py by path: importing the package would import torch, which the
     build environment need not have."""
-    spec = importlib.util.spec_from_file_location("_qbackend_kernel_build", Path(__file__).parent / "qbackend" / "kernel_build.py")
+    spec = importlib.util.spec_from_file_location("_qbackend_kernel_build", Path(__file__).parent / "qbackend" / "kernels" / "kernel_build.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -25,12 +25,12 @@ class BuildPyWithKernels(build_py):
     def run(self):
         # (a build directory left from an earlier build keeps sources renamed since: the wheel would
         # carry them, and the prebuilt libraries' key, made from the tree's sources, would then miss)
-        shutil.rmtree(Path(self.build_lib) / "qbackend" / "csrc", ignore_errors=True)
+        shutil.rmtree(Path(self.build_lib) / "qbackend" / "kernels" / "csrc", ignore_errors=True)
         super().run()
         if getattr(self, "editable_mode", False):
             return
         try:
-            built = _kernel_build().build_prebuilt(Path(self.build_lib) / "qbackend" / "prebuilt")
+            built = _kernel_build().build_prebuilt(Path(self.build_lib) / "qbackend" / "kernels" / "prebuilt")
         except RuntimeError as error:
             self.warn(f"qbackend's C kernels are not prebuilt ({error}): they build on first use")
             return

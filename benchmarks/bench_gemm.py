@@ -21,7 +21,7 @@ import torch
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))
 
-from qbackend import native  # noqa: E402
+from qbackend.kernels import native  # noqa: E402
 from qbackend.kernels import library  # noqa: E402
 from qbackend.lowering import depthwise, gemm, stem  # noqa: E402
 from qbackend.lowering.own_conv import scale_and_offset  # noqa: E402

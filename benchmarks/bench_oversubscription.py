@@ -28,8 +28,8 @@ SIZE, GROUP = 4096, 128
 
 
 def worker(seconds: float) -> dict:
-    from qbackend import native
-    from qbackend.weight_quant import quantize
+    from qbackend.kernels import native
+    from qbackend.weight_only.weight_quant import quantize
 
     torch.manual_seed(0)
     dense = torch.randn(SIZE, SIZE)

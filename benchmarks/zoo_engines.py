@@ -84,7 +84,7 @@ def _converted(path: Path):
     import torch
     import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers the q / dq ops the archive calls)
 
-    from qbackend.static_module import mark_static
+    from qbackend.pipeline.static_module import mark_static
 
     return mark_static(torch.export.load(path).module())  # (quantize_x86 returns its module marked)
 
@@ -268,7 +268,7 @@ def _set_up_torch(scratch: Path) -> None:
     import torch
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401
 
-    from qbackend import choice_cache
+    from qbackend.kernels import choice_cache
 
     torch.set_num_threads(THREADS)
     torch.set_grad_enabled(False)

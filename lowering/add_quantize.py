@@ -1,5 +1,5 @@
 """A float sum and the quantize after it as one pass on CPU: qbackend's add_quantize kernel
-(qbackend/csrc/add_quantize.c; ConvNeXt's 56x56x96 residual at batch 1: 37 vs 59 us for ATen's
+(qbackend/kernels/csrc/add_quantize.c; ConvNeXt's 56x56x96 residual at batch 1: 37 vs 59 us for ATen's
 add and the quantize). The sum stays float for its other readers: in the add's target where
 the add was in place (ConvNeXt's `x += residual`: no new 1.2 MB tensor a call)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.patterns.base import fake_value
 
 from . import own_conv

@@ -1,5 +1,5 @@
 """Float attention on CPU (the SDPA rule's match): qbackend's own kernel
-(qbackend/csrc/attention_f32.c) where it takes the operands, else torch's fused
+(qbackend/kernels/csrc/attention_f32.c) where it takes the operands, else torch's fused
 scaled-dot-product attention.
 
 torch 2.13's CPU flash attention ran BERT-base's 128 x 128 heads (head dim 64) at ~25% of this
@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.patterns.base import fake_value
 
 from . import own_conv

@@ -7,7 +7,7 @@ from typing import Callable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from qbackend.freeze import set_constant
+from qbackend.pipeline.freeze import set_constant
 from qbackend.ops import Resolved, resolve
 
 
@@ -48,7 +48,7 @@ class EmitContext:
     weight_only_compute: str = "auto"  # how float activations meet weight-only kernels (weight_only.COMPUTE_CHOICES)
     weight_only_dense_rows: Optional[int] = None  # from this many rows on, weight-only linears run dense
     kernel_choice: str = "prior"  # own kernel or oneDNN: "measure", "cached" or "prior" (lowering/choice.py)
-    choices: object = None  # the machine's choice cache (qbackend.choice_cache.ChoiceCache) unless "prior"
+    choices: object = None  # the machine's choice cache (qbackend.kernels.choice_cache.ChoiceCache) unless "prior"
     notes: list = field(default_factory=list)  # what the last emit decided that the report should say
     kernel: str = ""  # the last emit's kernel, when its result node is not the kernel call
     erased: set = field(default_factory=set)  # nodes the emitted matches removed from the graph

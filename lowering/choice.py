@@ -4,7 +4,7 @@ on another.
 Where one of qbackend's own kernels and oneDNN can both run a match, both are emitted, each
 emitted piece of graph is run on inputs of the layer's shape and layout, interleaved, within a
 small budget, and the slower one is erased. The winner is kept per layer signature in
-the machine's choice cache (qbackend/choice_cache.py), so the next compile, in this process or
+the machine's choice cache (qbackend/kernels/choice_cache.py), so the next compile, in this process or
 another, decides the same way without timing. Modes (``Options.kernel_choice``, or
 ``QBACKEND_KERNEL_CHOICE``): "measure" (the default), "cached" (measured choices only, else the
 prior) and "prior" (the kernels' fixed tables, e.g. lowering/gemm.py LIMITS: reproducible
@@ -22,10 +22,10 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from qbackend.choice_cache import fastest_of
+from qbackend.kernels.choice_cache import fastest_of
 from qbackend.patterns.base import QuantizedWeight, fake_value
-from qbackend.runnable import NodeSteps
-from qbackend.stack_room import in_fresh_chunk
+from qbackend.pipeline.runnable import NodeSteps
+from qbackend.pipeline.stack_room import in_fresh_chunk
 
 from .base import EmitContext
 from .common import static_shape
@@ -136,7 +136,7 @@ def time_each(candidates: dict[str, tuple[Callable, list]]) -> dict[str, float]:
     """Median seconds per call of each candidate, timed in interleaved rounds after one warm-up
     call each (oneDNN builds its primitive on the first): at least MIN_ROUNDS, then until the
     samples no longer overlap or BUDGET_SECONDS per candidate are spent. The loop runs in a
-    fresh chunk of Python's frame stack, as the lowered graph runs (``qbackend.stack_room``)."""
+    fresh chunk of Python's frame stack, as the lowered graph runs (``qbackend.pipeline.stack_room``)."""
     return in_fresh_chunk(_time_rounds, candidates)
 
 

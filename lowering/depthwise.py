@@ -1,5 +1,5 @@
 """Depthwise 3x3, 5x5 and 7x7 int8 convs on CPU: qbackend's own kernels
-(qbackend/csrc/depthwise_conv_int8.c, AVX2; depthwise_conv_int8_vnni.c, AVX512-VNNI).
+(qbackend/kernels/csrc/depthwise_conv_int8.c, AVX2; depthwise_conv_int8_vnni.c, AVX512-VNNI).
 
 torch 2.13's onednn::qconv_pointwise cost ~50 us per call before any compute and ran
 depthwise 3x3 convs at 3-11 GMAC/s on an AVX2 EPYC: 100 us for a 384-channel 14x14 layer,
@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from qbackend import native
+from qbackend.kernels import native
 
 from . import own_conv
 from .base import EmitContext

@@ -1,5 +1,5 @@
 """int8 convs (groups 1, kernels up to 3x3) and int8 linears on CPU: qbackend's own int8 GEMM
-kernel (qbackend/csrc/conv_gemm_int8.c), with the requantization, a clamp, GELU, SiLU or
+kernel (qbackend/kernels/csrc/conv_gemm_int8.c), with the requantization, a clamp, GELU, SiLU or
 hardswish post-op and a uint8 or float32 residual fused.
 
 torch 2.13's onednn::qconv_pointwise / qlinear_pointwise cost ~50 us per call before any
@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.patterns.base import fake_value
 
 from . import own_conv

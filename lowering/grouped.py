@@ -1,5 +1,5 @@
 """Grouped 3x3 int8 convs on CPUs with AVX512-VNNI (ResNeXt's): qbackend's own kernel
-(qbackend/csrc/grouped_conv_int8_vnni.c), timed against oneDNN per layer (lowering/choice.py).
+(qbackend/kernels/csrc/grouped_conv_int8_vnni.c), timed against oneDNN per layer (lowering/choice.py).
 
 oneDNN ran ResNeXt-50's grouped convs at 45-170 GMAC/s on a Zen 4 where a dense 3x3 ran at 400:
 4 channels a group, 128 channels at 56x56, took 317 us a call. The kernel takes groups of 4
@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from qbackend import native
+from qbackend.kernels import native
 
 from . import own_conv
 from .base import EmitContext

@@ -1,5 +1,5 @@
 """LayerNorm and the quantize after it as one pass on CPU: qbackend's layer_norm_quantize
-kernel (qbackend/csrc/layer_norm_quantize.c). ATen's LayerNorm writes the float32 rows and
+kernel (qbackend/kernels/csrc/layer_norm_quantize.c). ATen's LayerNorm writes the float32 rows and
 the quantize reads them again; at ConvNeXt's 96 channels ATen also spends ~30 ns a row of its
 own (3136 rows: 64 us here against ~145 for the two ATen calls). A post-LN transformer's
 residual reads the normed rows too: the kernel then writes them as well."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.patterns.base import constant_value, fake_value
 
 from . import own_conv

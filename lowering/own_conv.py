@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 from torch.fx import Node
 
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.patterns.base import constant_value, fake_value
 
 from .signed_int8 import nan_as

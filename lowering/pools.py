@@ -1,4 +1,4 @@
-"""Int8 pools on CPU: qbackend's own kernels (qbackend/csrc/max_pool_uint8.c,
+"""Int8 pools on CPU: qbackend's own kernels (qbackend/kernels/csrc/max_pool_uint8.c,
 global_avg_pool_uint8.c).
 
 - Max pool: torch 2.13's quantized::max_pool2d runs on one thread here (0.39-0.43 ms for
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.patterns.base import fake_value
 
 from . import own_conv

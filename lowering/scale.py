@@ -1,12 +1,12 @@
 """Squeeze-excitation's channel scale and the quantize after it as one pass on CPU: qbackend's
-scale_quantize kernel (qbackend/csrc/scale_quantize.c; the reference's integers, one read of
+scale_quantize kernel (qbackend/kernels/csrc/scale_quantize.c; the reference's integers, one read of
 the float features where ATen's multiply writes them and its quantize reads them again:
 109 vs 123 us on EfficientNet's largest, 1x96x112x112)."""
 from __future__ import annotations
 
 from typing import Optional
 
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.patterns.base import fake_value
 
 from . import own_conv

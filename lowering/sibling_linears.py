@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from qbackend import native
-from qbackend.huge_pages import aligned_cat
+from qbackend.kernels import native
+from qbackend.llm.huge_pages import aligned_cat
 from qbackend.patterns.base import constant_value, fake_value
 from qbackend.patterns.inplace import schema_writes
 

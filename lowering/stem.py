@@ -1,5 +1,5 @@
 """int8 convs of inputs with fewer than 4 channels (a network's stem) on CPUs with
-AVX512-VNNI: qbackend's own kernel (qbackend/csrc/stem_conv_int8_vnni.c).
+AVX512-VNNI: qbackend's own kernel (qbackend/kernels/csrc/stem_conv_int8_vnni.c).
 
 oneDNN runs ResNet-18's 7x7 stride-2 stem (3 -> 64 channels) at ~280 GMAC/s here against
 420-490 for its 3x3 layers: a window row of 3 channels is 21 bytes, not a multiple of the 4
@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.patterns.base import fake_value
 
 from . import own_conv

@@ -11,17 +11,17 @@ from typing import Callable, Optional
 
 import torch
 
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.ops import Resolved, resolve
 from qbackend.patterns.base import fake_value
-from qbackend.weight_quant import GroupQuantized
+from qbackend.weight_only.weight_quant import GroupQuantized
 
 from .common import mark_sibling
 
 aten = torch.ops.aten
 
 # How activations meet the kernels (option): "int16" quantizes them per group for qbackend's own
-# kernels (qbackend/native.py), "bf16" / "activation" run torch's kernels in that dtype, "auto"
+# kernels (qbackend/kernels/native.py), "bf16" / "activation" run torch's kernels in that dtype, "auto"
 # picks int16 where the device has those kernels and they build, else the device's auto_compute.
 COMPUTE_CHOICES = ("auto", "int16", "bf16", "activation")
 

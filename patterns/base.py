@@ -14,7 +14,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 if TYPE_CHECKING:
-    from qbackend.weight_quant import GroupQuantized
+    from qbackend.weight_only.weight_quant import GroupQuantized
 
 
 @dataclass(frozen=True)

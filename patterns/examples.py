@@ -344,7 +344,7 @@ class GroupDequantLinear(nn.Module):
 
     def __init__(self, in_features, out_features, bits, group_size, form="per_channel_group", use="linear"):
         super().__init__()
-        from qbackend.weight_quant import quantize
+        from qbackend.weight_only.weight_quant import quantize
 
         importlib.import_module(self.REGISTERS.get(form, "torch.ao.quantization.fx._decomposed"))
         torch.manual_seed(in_features * 7 + out_features + bits)
@@ -539,7 +539,7 @@ def flat_heads_fused_attention():
 
 
 class SmoothedLinear(nn.Module):
-    """LayerNorm -> x * (1/s) -> linear, as ``qbackend.smooth_quant`` leaves an explicit
+    """LayerNorm -> x * (1/s) -> linear, as ``qbackend.smoothquant.smooth_quant`` leaves an explicit
     smoothing multiply; ``factors`` of shape [16] (per channel) or [1] (a near miss);
     ``also_return`` makes the scaled tensor a graph output too (a float consumer)."""
 

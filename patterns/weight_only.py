@@ -16,7 +16,7 @@ import torch
 from torch.fx import Node
 
 from qbackend.quantized_tensor import QuantizedLinearWeight
-from qbackend.weight_quant import GroupQuantized
+from qbackend.weight_only.weight_quant import GroupQuantized
 
 from . import examples
 from .base import GraphView, Match, NearMiss, NoMatch, Rule, fake_value, require

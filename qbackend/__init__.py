@@ -4,7 +4,7 @@
     qbackend.compile(converted_pt2e_module)                     # the same, without Dynamo's re-trace
     qbackend.explain(converted_pt2e_module, *example_inputs)   # what was lowered, and why not
     qbackend.quantize_weights(float_model, bits=4, group_size=128)  # weight-only int4 / int8
-    qbackend.smooth_quant(exported_module, calibration_batches)    # SmoothQuant pre-pass (PT2E)
+    qbackend.smoothquant.smooth_quant(exported_module, calibration_batches)    # SmoothQuant pre-pass (PT2E)
     qbackend.save(converted_pt2e_module, "model.pt2"); qbackend.load("model.pt2")  # deploy
     qbackend.accuracy_report(float_model, converted_pt2e_module, batches)  # per-layer error vs fp32
 
@@ -16,14 +16,14 @@ import functools
 
 import torch
 
-from .accuracy import AccuracyReport, accuracy_report
-from .archive_checks import ArchiveError
-from .deploy import load, save
-from .direct import compile
-from .legacy_int4 import from_old_cpu_int4
+from qbackend.flow.accuracy import AccuracyReport, accuracy_report
+from qbackend.archive.archive_checks import ArchiveError
+from qbackend.archive.deploy import load, save
+from qbackend.pipeline.direct import compile
+from qbackend.weight_only.legacy_int4 import from_old_cpu_int4
 from .quantized_tensor import QuantizedLinearWeight, quantize_weights
-from .report import Report
-from .smooth_quant import SmoothReport, smooth_quant
+from qbackend.pipeline.report import Report
+from qbackend.smoothquant.smooth_quant import SmoothReport, smooth_quant
 
 __version__ = "0.1.0"
 

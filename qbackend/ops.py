@@ -52,7 +52,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     # tensors are deprecated: when these go, the rule is disabled with this reason.
     "to_quantized_tensor": ("aten::_make_per_tensor_quantized_tensor",),
     "int_repr": ("aten::int_repr",),
-    # boundary q/dq in one vectorised pass (qbackend/fast_qdq.py), same deprecation caveat
+    # boundary q/dq in one vectorised pass (qbackend/passes/fast_qdq.py), same deprecation caveat
     "quantize_to_quantized_tensor": ("aten::quantize_per_tensor",),
     "dequantize_quantized_tensor": ("aten::dequantize.self",),
     # int8 data movement on plain integer tensors
@@ -61,7 +61,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "sdpa": ("aten::scaled_dot_product_attention",),
     # float linears with a constant weight (the quantizer left them float: ViT's attention
     # projections) on a weight packed once: MKL's sgemm, as Inductor's freezing runs them, or
-    # oneDNN's, whichever measures faster (qbackend/float_linear.py)
+    # oneDNN's, whichever measures faster (qbackend/passes/float_linear.py)
     "float_linear_packed": ("mkl::_mkl_linear",),
     "float_linear_pack": ("mkl::_mkl_reorder_linear_weight",),
     "float_linear_onednn": ("mkldnn::_linear_pointwise",),
@@ -234,7 +234,7 @@ def _weight_int4pack_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int,
 
 
 def _repack_old(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    from .legacy_int4 import unpack_old_cpu_int4
+    from qbackend.weight_only.legacy_int4 import unpack_old_cpu_int4
 
     cached = _repacked.get(id(packed))
     if cached is not None and cached[0] == packed._version:

@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from .direct import EXPORT_RANGES
-from .static_module import mark_static
+from qbackend.pipeline.direct import EXPORT_RANGES
+from qbackend.pipeline.static_module import mark_static
 
 # (inductor_int8, the peer's recipe, is for benchmarks and tests: importable, not exported)
 __all__ = ["quantize_x86", "quantize_xpu", "cpu_needs_reduce_range"]
@@ -139,7 +139,7 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
         target_cosine: the output cosine vs the float model to reach on the first
             ``ACCURACY_BATCHES`` calibration batches: while below it, one more conv / linear is
             kept float and the flow runs again, up to ``MAX_KEPT_FLOAT`` layers: of the layer
-            whose float input helps the output most (``qbackend.accuracy.input_sensitivity``)
+            whose float input helps the output most (``qbackend.flow.accuracy.input_sensitivity``)
             and the one adding the most noise of its own, the better on trial. The result's
             ``meta["accuracy"]`` holds the last report, ``meta["kept_float"]`` the layers kept.
         is_qat / is_dynamic: forwarded to
@@ -158,7 +158,7 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             when this CPU needs it (``cpu_needs_reduce_range``), else ``False``. Measured on
             all-MiniLM-L6-v2: embedding cosine vs fp32 0.9929 with 7-bit weights, 0.9791 with
             7-bit activations (per-tensor activations lose more); ResNet-18: equal.
-        smooth: None, or keyword arguments of ``qbackend.smooth_quant`` (e.g.
+        smooth: None, or keyword arguments of ``qbackend.smoothquant.smooth_quant`` (e.g.
             ``{"alpha": "search"}``): SmoothQuant runs on the exported graph with
             the same calibration batches before ``prepare_pt2e``; its report is
             ``result.meta["smooth_quant"]``.
@@ -176,10 +176,10 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             whose output is nearer the float model's on a calibration batch the ranges were
             not fitted to (a probe calibrated on the others of the first ``ACCURACY_BATCHES``),
             named with both cosines in ``result.meta["activation_ranges"]``
-            (qbackend/activation_ranges.py); histogram with fewer than 2 batches.
+            (qbackend/flow/activation_ranges.py); histogram with fewer than 2 batches.
         bias_correction: True (default): each quantized conv / linear's bias absorbs the mean
             shift its weights' rounding causes on the calibration data, as OpenVINO's NNCF
-            does (qbackend/bias_correction.py); ``result.meta["bias_correction"]`` counts them.
+            does (qbackend/flow/bias_correction.py); ``result.meta["bias_correction"]`` counts them.
             Not with ``is_qat``.
 
     Returns:
@@ -233,7 +233,7 @@ def _to_target_cosine(target, model, calibration: list, keep_float, convert):
     float input alone gains 0.001)."""
     import logging
 
-    from .accuracy import accuracy_report, input_sensitivity
+    from qbackend.flow.accuracy import accuracy_report, input_sensitivity
 
     kept, checked = list(keep_float), calibration[:ACCURACY_BATCHES]
     converted = convert(tuple(kept), calibration)
@@ -344,9 +344,9 @@ def _batch_norms_off_shared_convs(gm) -> int:
 
 def _calibrate(prepared, calibration, bias_correction=False) -> tuple[list, int]:
     """Runs every calibration batch through ``prepared``, then (``bias_correction``) corrects
-    its biases for their weights' rounding (qbackend/bias_correction.py); returns the first
+    its biases for their weights' rounding (qbackend/flow/bias_correction.py); returns the first
     ``ACCURACY_BATCHES`` and how many biases changed."""
-    from . import bias_correction as correction
+    from qbackend.flow import bias_correction as correction
 
     means = correction.InputMeans()
     recorders = correction.add_recorders(prepared, means) if bias_correction else []
@@ -368,7 +368,7 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
     from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e, prepare_qat_pt2e
 
-    from . import activation_ranges as ranges
+    from qbackend.flow import activation_ranges as ranges
 
     if activation_ranges not in ranges.CHOICES:
         raise ValueError(f"activation_ranges must be one of {ranges.CHOICES}, got {activation_ranges!r}")
@@ -381,7 +381,7 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
     calibration = _calibration_batches(calibration, num_batches, progress)
     smooth_report = None
     if smooth is not None:
-        from .smooth_quant import smooth_quant
+        from qbackend.smoothquant.smooth_quant import smooth_quant
 
         calibration = [positional_and_keyword(batch)[0] for batch in calibration]  # (SmoothQuant runs positional batches)
         # (the search simulates the weights' real range; every_linear composes X86InductorQuantizer first)
@@ -411,7 +411,7 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
     setattr(converted, EXPORT_RANGES, getattr(exported, EXPORT_RANGES, None))  # (convert drops them; batch 1's lowering needs them)
     if smooth_report is not None:
         converted.meta["smooth_quant"] = smooth_report
-    return mark_static(converted)  # (torch.compile then passes no weights per call: qbackend/static_module.py)
+    return mark_static(converted)  # (torch.compile then passes no weights per call: qbackend/pipeline/static_module.py)
 
 
 def inductor_int8(converted_module, example_inputs):

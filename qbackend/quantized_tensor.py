@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 from torch.utils._pytree import tree_map
 
-from .weight_quant import GroupQuantized, pack_int4, quantize
+from qbackend.weight_only.weight_quant import GroupQuantized, pack_int4, quantize
 
 aten = torch.ops.aten
 log = logging.getLogger("qbackend")

@@ -1,7 +1,7 @@
 """Fixtures shared by the test files."""
 import pytest
 
-from qbackend import choice_cache, native
+from qbackend.kernels import choice_cache, native
 from qbackend.kernels import library
 
 
@@ -36,7 +36,7 @@ def int8_build(request, monkeypatch):
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
-    """An empty directory for the machine's measured choices (qbackend/choice_cache.py)."""
+    """An empty directory for the machine's measured choices (qbackend/kernels/choice_cache.py)."""
     monkeypatch.setenv("QBACKEND_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(choice_cache, "_shared", None)
     return tmp_path

@@ -10,10 +10,10 @@ from torch.fx import GraphModule, Interpreter
 
 import pytest
 
-from qbackend import native
-from qbackend.backend import Options, compile_graph
-from qbackend.direct import CompiledGraphModule
-from qbackend.kernel_chain import KernelChain, Ref, kernels
+from qbackend.kernels import native
+from qbackend.pipeline.backend import Options, compile_graph
+from qbackend.pipeline.direct import CompiledGraphModule
+from qbackend.kernels.kernel_chain import KernelChain, Ref, kernels
 from qbackend.pt2e_flow import quantize_x86
 
 from .tolerances import assert_int8_close, assert_outputs_close

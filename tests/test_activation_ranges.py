@@ -1,4 +1,4 @@
-"""Activation ranges by measurement (qbackend/activation_ranges.py): the histogram observer's
+"""Activation ranges by measurement (qbackend/flow/activation_ranges.py): the histogram observer's
 ranges or each activation's min / max, chosen on a calibration batch the ranges were not
 fitted to."""
 import pytest

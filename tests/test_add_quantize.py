@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
 
-from qbackend import choice_cache, native
+from qbackend.kernels import choice_cache, native
 from qbackend.lowering import choice
 from qbackend.patterns import examples
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import qbackend
-from qbackend.operator_allowlist import ALLOWED, FLOWS, resolve, side_effect
+from qbackend.archive.operator_allowlist import ALLOWED, FLOWS, resolve, side_effect
 from qbackend.models import bert_encoder_like, tiny_resnet
 
 from .helpers import quantize
@@ -262,7 +262,7 @@ def test_every_allowed_operator_touches_only_its_tensors():
 
 
 def test_the_command_prints_every_allowed_operator(capsys):
-    from qbackend.archive_operators import main
+    from qbackend.archive.archive_operators import main
 
     assert main([]) == 0
     printed = {line.strip() for line in capsys.readouterr().out.splitlines() if line.startswith("    ")}

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qbackend import einsum, fast_qdq, native
+from qbackend.passes import einsum, fast_qdq
+from qbackend.kernels import native
 
 from .helpers import Captured, assert_matches_reference, compile_and_run, quantize, short_graph, needs_own_kernels
 from .tolerances import TOLERANCE
@@ -367,7 +368,7 @@ def test_multihead_attention_of_a_batch_reads_its_projection_in_place(batch_firs
     """Splitting a batch's projection into heads copies (``view(L, B * H, D)`` of [L, B, 3E]
     rows): the attention reads the heads where the projection wrote them instead, in the
     rows' order (batch first: [B, L, 3E], the in-projection reading its input untransposed,
-    qbackend/batch_major.py), and writes them in that order: the head merge is a view."""
+    qbackend/passes/batch_major.py), and writes them in that order: the head merge is a view."""
     torch.manual_seed(0)
     inputs = (torch.randn(3, 10, 32) if batch_first else torch.randn(10, 3, 32),)
     captured = assert_matches_reference(quantize(TorchMultiheadAttention(batch_first=batch_first).eval(), inputs, every_linear=False),

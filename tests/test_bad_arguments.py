@@ -3,10 +3,10 @@ pointer reaches C (#20): one table, every op, never a signal."""
 import pytest
 import torch
 
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.lowering import depthwise, gemm, grouped
 from qbackend.lowering.own_conv import scale_and_offset
-from qbackend.weight_quant import quantize as quantize_weight
+from qbackend.weight_only.weight_quant import quantize as quantize_weight
 
 from .helpers import needs_own_kernels
 from .test_stem_kernel import SHAPES, _case as stem_case, _needs_vnni_library

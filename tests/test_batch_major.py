@@ -1,4 +1,4 @@
-"""Linears in the row order their neighbours keep (qbackend/batch_major.py): a batch-first
+"""Linears in the row order their neighbours keep (qbackend/passes/batch_major.py): a batch-first
 MultiheadAttention runs on [B, L] rows, bit-identical, without the row copies of its
 transposes."""
 import copy
@@ -8,7 +8,7 @@ import torch
 from expecttest import assert_expected_inline
 from torch import nn
 
-from qbackend.batch_major import linears_in_row_order
+from qbackend.passes.batch_major import linears_in_row_order
 
 from .helpers import assert_matches_reference, dynamo_graph, quantize, short_graph
 from .test_attention import TorchMultiheadAttention

@@ -1,4 +1,4 @@
-"""A BatchNorm between a dequantize and a quantize in one pass (qbackend/batch_norm_quantize.py):
+"""A BatchNorm between a dequantize and a quantize in one pass (qbackend/passes/batch_norm_quantize.py):
 the kernel gives the bytes of ATen's chain (dequantize, inference batch_norm, relu, quantize)
 on the cat's inputs read in place, ATen's ops run what it does not take, and DenseNet-style
 layers (norm and ReLU before the conv, on the cat of the features so far) lower to it."""
@@ -9,8 +9,9 @@ import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qbackend import cleanup, native
-from qbackend.batch_norm_quantize import batch_norm_quantize, linear_terms
+from qbackend.pipeline import cleanup
+from qbackend.kernels import native
+from qbackend.passes.batch_norm_quantize import batch_norm_quantize, linear_terms
 
 from .helpers import assert_matches_reference, compile_and_run, needs_own_kernels, quantize, short_graph
 

@@ -1,4 +1,4 @@
-"""Bias correction (qbackend/bias_correction.py): each quantized conv / linear's bias absorbs the
+"""Bias correction (qbackend/flow/bias_correction.py): each quantized conv / linear's bias absorbs the
 mean output shift of its weights' rounding on the calibration data."""
 import functools
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from qbackend.patterns.qdq import is_op
-from qbackend.bias_correction import InputMeans
+from qbackend.flow.bias_correction import InputMeans
 from qbackend.pt2e_flow import quantize_x86
 
 from .helpers import assert_matches_reference, quantize

@@ -1,4 +1,4 @@
-"""The machine's choice cache (qbackend/choice_cache.py) is untrusted input: the file is read only
+"""The machine's choice cache (qbackend/kernels/choice_cache.py) is untrusted input: the file is read only
 where this user alone can write it and is what it claims, and each record kind is checked field
 by field where it is read; an invalid record is measured again and overwritten, never used."""
 import json
@@ -9,7 +9,8 @@ import threading
 import pytest
 import torch
 
-from qbackend import choice_cache, dense_weight_only, native
+from qbackend.kernels import choice_cache, native
+from qbackend.llm import dense_weight_only
 from qbackend.lowering import choice
 
 from . import test_float_linear as float_linear

@@ -1,4 +1,4 @@
-"""ShuffleNet's channel shuffle in one pass (qbackend/channel_shuffle.py): the kernel gives the
+"""ShuffleNet's channel shuffle in one pass (qbackend/passes/channel_shuffle.py): the kernel gives the
 reference's values for every layout it takes and ATen's ops run the rest; the lowered graph of
 ShuffleNetV2 blocks calls it in place of cat / view / transpose / contiguous / chunk, with the
 bytes of the graph without the rewrite; shuffles it cannot serve stay as they are."""
@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend import channel_shuffle, cleanup, fast_qdq
-from qbackend.channel_shuffle import _reference, shuffle_halves, shuffle_halves_quantized, shuffle_pair
+from qbackend.passes import channel_shuffle, fast_qdq
+from qbackend.pipeline import cleanup
+from qbackend.passes.channel_shuffle import _reference, shuffle_halves, shuffle_halves_quantized, shuffle_pair
 
 from .helpers import assert_matches_reference, compile_and_run, needs_own_kernels, quantize, short_graph
 

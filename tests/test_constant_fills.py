@@ -1,5 +1,5 @@
 """A tensor the graph builds by writing fixed values into a fresh one (Swin's window mask) is
-folded at compile time with the ops that read it (qbackend/constant_fills.py); a write of a
+folded at compile time with the ops that read it (qbackend/passes/constant_fills.py); a write of a
 value known only at run time, or a fresh tensor the graph returns, keeps the graph's ops. (On
 the ATen graphs of converted PT2E models, where Swin's mask appears.)"""
 import pytest
@@ -77,7 +77,7 @@ class ConstantMLPBias(nn.Module):
 
 
 def test_own_kernel_calls_on_constants_fold_with_what_reads_them():
-    from qbackend import native
+    from qbackend.kernels import native
 
     x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0))
     captured = assert_matches_reference(_converted(ConstantMLPBias(), x), (x,))

@@ -1,4 +1,4 @@
-"""Calls of a compiled model do not change each other (qbackend/constant_writes.py): a graph
+"""Calls of a compiled model do not change each other (qbackend/passes/constant_writes.py): a graph
 that writes in place into a value made of constants (T5's relative position buckets) has the
 write folded with it, or the value copied on every call; a model tensor the graph writes into
 is its state, updated and read as eager does. Through both paths, three calls each."""
@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 
 import qbackend
-from qbackend.cleanup import fold_constants
-from qbackend.dead_code import eliminate_dead_code
-from qbackend.direct import _frozen_copy
+from qbackend.pipeline.cleanup import fold_constants
+from qbackend.passes.dead_code import eliminate_dead_code
+from qbackend.pipeline.direct import _frozen_copy
 
 from .helpers import quantize, short_graph
 from .tolerances import assert_outputs_close

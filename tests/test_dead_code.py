@@ -1,4 +1,4 @@
-"""Writes whose results nobody reads survive dead-code elimination (qbackend/dead_code.py): a
+"""Writes whose results nobody reads survive dead-code elimination (qbackend/passes/dead_code.py): a
 static KV cache's ``index_copy_`` update, ``x[i] = v``, ``x += v``. FX's own elimination treats
 Tensor methods as pure and dropped them; the graphs then ran on stale values."""
 import pytest

@@ -1,5 +1,5 @@
 """A Llama decode step's own-kernel calls (weight-only matmuls, RMSNorm, rotary, SiLU-multiply)
-and the views between them as kernel chains (qbackend/kernel_chain.py): the bytes of the
+and the views between them as kernel chains (qbackend/kernels/kernel_chain.py): the bytes of the
 separate calls on every step, C programs where the operands stay in place, the nodes one by one
 where a view copies, views that leave a chain."""
 import operator
@@ -12,8 +12,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import qbackend
-from qbackend import cleanup, kv_append, native, rms_norm
-from qbackend.kernel_chain import KernelChain, chain_own_kernels
+from qbackend.pipeline import cleanup
+from qbackend.llm import kv_append, rms_norm
+from qbackend.kernels import native
+from qbackend.kernels.kernel_chain import KernelChain, chain_own_kernels
 
 from .helpers import Captured, in_threads, needs_own_kernels, short_graph
 from .tolerances import assert_weight_only_close
@@ -240,7 +242,7 @@ def test_signatures_past_the_prepared_ones_run_the_nodes(monkeypatch):
     """A chain keeps at most MAX_PROGRAMS signatures, and past them prepares once every
     PREPARE_EVERY calls: one new at every call would otherwise pay the preparing (a first run
     and a layout) each time."""
-    from qbackend import kernel_chain
+    from qbackend.kernels import kernel_chain
 
     monkeypatch.setattr(kernel_chain, "MAX_PROGRAMS", 3)
 
@@ -334,7 +336,7 @@ def _two_norms():
 
 
 def test_past_the_kept_programs_the_oldest_goes_every_prepare_every_calls(monkeypatch):
-    from qbackend import kernel_chain
+    from qbackend.kernels import kernel_chain
 
     monkeypatch.setattr(kernel_chain, "MAX_PROGRAMS", 2)
     monkeypatch.setattr(kernel_chain, "PREPARE_EVERY", 3)
@@ -350,7 +352,7 @@ def test_two_threads_preparing_past_the_kept_programs_both_get_their_outputs(mon
     """Both threads new signatures with the table full, each held where it evicts the oldest
     program until the other got there too (the same program: the second deletion had raised a
     KeyError out of the model's call)."""
-    from qbackend import kernel_chain
+    from qbackend.kernels import kernel_chain
 
     monkeypatch.setattr(kernel_chain, "MAX_PROGRAMS", 2)
     monkeypatch.setattr(kernel_chain, "PREPARE_EVERY", 0)

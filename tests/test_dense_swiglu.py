@@ -1,4 +1,4 @@
-"""A prompt's Llama MLP as one call over dense slices (qbackend/dense_swiglu.py): the bits of
+"""A prompt's Llama MLP as one call over dense slices (qbackend/llm/dense_swiglu.py): the bits of
 the unfused dense path, the bf16 SiLU-and-multiply it runs, the rewritten graph, and the MLPs
 it leaves alone."""
 import expecttest
@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import qbackend
-from qbackend import dense_swiglu, dense_weight_only, native, silu_mul
+from qbackend.llm import dense_swiglu, dense_weight_only, silu_mul
+from qbackend.kernels import native
 
 from .helpers import compile_and_run, needs_own_kernels, short_graph
 from .test_dense_weight_only import packed, simulated

@@ -1,13 +1,14 @@
 """Weight-only linears over many rows run as dense matmuls on slices of the weight written out
-(qbackend/dense_weight_only.py): the written-out weights, the numerics, where the measured
+(qbackend/llm/dense_weight_only.py): the written-out weights, the numerics, where the measured
 crossover puts the switch, and when the graph keeps the int16 kernels."""
 import expecttest
 import pytest
 import torch
 
-from qbackend import dense_weight_only, native
+from qbackend.llm import dense_weight_only
+from qbackend.kernels import native
 from qbackend.lowering import weight_only
-from qbackend.weight_quant import quantize
+from qbackend.weight_only.weight_quant import quantize
 
 from .helpers import compile_and_run, needs_own_kernels, short_graph
 from .test_weight_only import quantized_and_reference

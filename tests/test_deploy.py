@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qbackend
-from qbackend.direct import CompiledGraphModule
+from qbackend.pipeline.direct import CompiledGraphModule
 from qbackend.models import bert_encoder_like, tiny_resnet
 
 from .helpers import lowering_keys, quantize

@@ -1,11 +1,11 @@
 """ConvNeXt's depthwise conv -> LayerNorm over channels -> quantize as one kernel call
-(qbackend/depthwise_norm.py, qconv_depthwise_layer_norm): the bytes of the conv's float result
+(qbackend/passes/depthwise_norm.py, qconv_depthwise_layer_norm): the bytes of the conv's float result
 run through layer_norm_quantize, and the block lowered onto it."""
 import pytest
 import torch
 import torch.nn as nn
 
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.lowering import depthwise
 from qbackend.lowering.own_conv import scale_and_offset
 

@@ -6,9 +6,9 @@ import torch
 import torch.nn as nn
 
 import qbackend
-from qbackend import fast_qdq
-from qbackend.backend import Options, compile_graph
-from qbackend.direct import CompiledGraphModule, _with_shapes
+from qbackend.passes import fast_qdq
+from qbackend.pipeline.backend import Options, compile_graph
+from qbackend.pipeline.direct import CompiledGraphModule, _with_shapes
 from qbackend.lowering.common import static_shape
 from qbackend.models import bert_encoder_like, tiny_resnet
 
@@ -58,7 +58,7 @@ def test_values_reused_from_export_are_what_a_fake_tensor_pass_gives():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    from qbackend.direct import _frozen_copy, _reuse_export_values
+    from qbackend.pipeline.direct import _frozen_copy, _reuse_export_values
 
     model, inputs = _resnet()
     reused, propagated = _frozen_copy(model), _frozen_copy(model)
@@ -80,7 +80,7 @@ def test_meta_and_archive_values_are_what_a_fake_tensor_pass_gives(name, tmp_pat
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-    from qbackend.direct import _archive_values, _frozen_copy, _meta_values
+    from qbackend.pipeline.direct import _archive_values, _frozen_copy, _meta_values
 
     if name.startswith("resnet"):
         model, inputs = quantize(tiny_resnet(), (torch.randn(2, 3, 32, 32),), dynamic_batch=True), [torch.randn(3, 3, 32, 32)]

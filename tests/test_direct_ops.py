@@ -1,4 +1,4 @@
-"""Python-level spellings rewritten to the one ATen call they make (qbackend/direct_ops.py):
+"""Python-level spellings rewritten to the one ATen call they make (qbackend/passes/direct_ops.py):
 the graph after the rewrite, the same values at every position and token, and the calls
 whose arguments make the wrapper do more (max_norm, a tensor offset) left as they are."""
 import expecttest

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import qbackend
-from qbackend import direct
-from qbackend.direct import CompiledGraphModule
+from qbackend.pipeline import direct
+from qbackend.pipeline.direct import CompiledGraphModule
 from qbackend.models import bert_encoder_like, tiny_resnet
 
 from .helpers import in_threads, lowering_keys, quantize

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  registers the reference ops
 
-from qbackend import fast_qdq, native
+from qbackend.passes import fast_qdq
+from qbackend.kernels import native
 
 from .helpers import needs_own_kernels
 

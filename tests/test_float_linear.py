@@ -1,5 +1,5 @@
 """The linears the quantizer left float: MKL's or oneDNN's packed GEMM, measured on the machine
-that compiles (qbackend/float_linear.py), the choice cached like the int8 layers'."""
+that compiles (qbackend/passes/float_linear.py), the choice cached like the int8 layers'."""
 import torch
 
 from qbackend.lowering import choice

@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from qbackend import native, static_module
+from qbackend.kernels import native
+from qbackend.pipeline import static_module
 from qbackend.lowering import depthwise, gemm, stem
 from qbackend.models import tiny_resnet
 
@@ -68,7 +69,7 @@ def _placeholders(gm) -> int:
 
 
 def test_a_converted_model_passes_dynamo_no_weights_per_call():
-    """quantize_x86's result is one Dynamo specializes on (qbackend/static_module.py): its
+    """quantize_x86's result is one Dynamo specializes on (qbackend/pipeline/static_module.py): its
     tensors reach the backend as graph attributes, not as inputs gathered and checked on every
     call; a deepcopy keeps that, and the numerics are the reference's."""
     inputs = (torch.randn(2, 3, 32, 32),)

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend import native
+from qbackend.kernels import native
 
 from .helpers import assert_matches_reference, dense_convs_on_onednn, needs_own_kernels, onednn_linear_rows, quantize
 

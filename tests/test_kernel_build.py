@@ -1,11 +1,11 @@
-"""qbackend.kernel_build: the kernels' library is built once, and only this user's intact build loads."""
+"""qbackend.kernels.kernel_build: the kernels' library is built once, and only this user's intact build loads."""
 import ctypes
 import os
 import threading
 
 import pytest
 
-from qbackend import kernel_build, native
+from qbackend.kernels import kernel_build, native
 from qbackend.kernels import library
 
 SOURCE = "int qb_answer(void) { return 42; }\n"

@@ -1,12 +1,13 @@
-"""Runs of qbackend's own kernels as one C call (qbackend/kernel_chain.py): the same bytes as
+"""Runs of qbackend's own kernels as one C call (qbackend/kernels/kernel_chain.py): the same bytes as
 the separate calls, on every call; nothing the caller holds is reused; arena placement."""
 import expecttest
 import pytest
 import torch
 import torch.nn as nn
 
-from qbackend import cleanup, native
-from qbackend.kernel_chain import KernelChain, Ref, _plan
+from qbackend.pipeline import cleanup
+from qbackend.kernels import native
+from qbackend.kernels.kernel_chain import KernelChain, Ref, _plan
 
 from .helpers import compile_and_run, needs_own_kernels, quantize, short_graph
 from .test_own_conv_kernels import InvertedResidual
@@ -151,7 +152,7 @@ def test_concurrent_calls_from_two_threads_get_their_own_results():
 def test_a_graph_without_own_kernels_is_left_alone_without_loading_them(monkeypatch):
     """The pass runs on every lowered graph (XPU ones too): it must not build the C kernels to
     find there is nothing to chain."""
-    from qbackend.kernel_chain import chain_own_kernels
+    from qbackend.kernels.kernel_chain import chain_own_kernels
 
     def no_loading():
         raise AssertionError("the kernels were loaded")

@@ -1,5 +1,5 @@
 """Own kernel or oneDNN, measured on the machine that compiles (lowering/choice.py), and the
-choice cache that makes later compiles decide the same way (qbackend/choice_cache.py)."""
+choice cache that makes later compiles decide the same way (qbackend/kernels/choice_cache.py)."""
 import json
 import os
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend import choice_cache
-from qbackend.backend import Options
+from qbackend.kernels import choice_cache
+from qbackend.pipeline.backend import Options
 from qbackend.lowering import choice
 
 from .helpers import assert_matches_reference, needs_own_kernels, quantize

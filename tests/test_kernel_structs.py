@@ -4,7 +4,7 @@ import ctypes
 
 import pytest
 
-from qbackend import kernel_build
+from qbackend.kernels import kernel_build
 from qbackend.kernels import library, structs
 
 from .helpers import needs_own_kernels

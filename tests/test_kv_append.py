@@ -1,4 +1,4 @@
-"""A KV cache's cat as an append into room after the cached rows (qbackend/kv_append.py): the
+"""A KV cache's cat as an append into room after the cached rows (qbackend/llm/kv_append.py): the
 values are always the cat's, a view that does not end where its buffer is filled gets a new
 buffer (also when two threads extend one cache state at once), and only a cat of a graph input
 that fused attention and the graph's output read is rewritten."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qbackend import kv_append
+from qbackend.llm import kv_append
 
 from .helpers import Captured, in_threads, needs_own_kernels, short_graph
 from .tolerances import TOLERANCE
@@ -187,7 +187,7 @@ def test_two_threads_extending_one_cache_state_get_their_own_rows(monkeypatch):
 def test_two_threads_decoding_from_one_compiled_cache_state_get_their_own_rows(monkeypatch):
     """The same through torch.compile: the kernel chain's program claims both caches' room
     before its C call (each thread held after checking both); the loser runs the nodes."""
-    from qbackend.kernel_chain import _Program
+    from qbackend.kernels.kernel_chain import _Program
 
     torch._dynamo.reset()
     run, cache = torch.compile(DecodeStep(), backend="qbackend"), {"k": torch.tensor([]), "v": torch.tensor([])}

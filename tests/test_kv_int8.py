@@ -1,4 +1,4 @@
-"""The int8 KV cache option (qbackend/kv_int8.py): each append also keeps its buffer's rows as
+"""The int8 KV cache option (qbackend/llm/kv_int8.py): each append also keeps its buffer's rows as
 int8 with a scale per row, attention reads those, and its result is attention's on the
 dequantized keys and values, bit for bit; the float cache stays exact; anything the int8 rows
 do not cover runs float attention."""
@@ -6,8 +6,9 @@ import expecttest
 import pytest
 import torch
 
-from qbackend import kv_int8, native
-from qbackend.backend import Options
+from qbackend.llm import kv_int8
+from qbackend.kernels import native
+from qbackend.pipeline.backend import Options
 
 from .helpers import Captured, needs_own_kernels, short_graph
 from .test_kv_append import DecodeStep, _decode, _rows, in_place, racing

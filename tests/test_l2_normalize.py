@@ -1,10 +1,10 @@
-"""``F.normalize(x, dim=-1)`` as one call (qbackend/l2_normalize.py): torch's values within the
+"""``F.normalize(x, dim=-1)`` as one call (qbackend/passes/l2_normalize.py): torch's values within the
 norm's rounding on the strided head views attention reads, and the graphs it rewrites."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from qbackend import l2_normalize
+from qbackend.passes import l2_normalize
 
 from .helpers import assert_matches_reference, needs_own_kernels, quantize
 from .test_attention import ShiftedWindowAttention

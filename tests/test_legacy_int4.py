@@ -7,7 +7,7 @@ import torch
 
 import qbackend
 import qbackend.ops as qops
-from qbackend.legacy_int4 import current_isa, unpack_old_cpu_int4
+from qbackend.weight_only.legacy_int4 import current_isa, unpack_old_cpu_int4
 
 from .tolerances import assert_weight_only_close
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.lowering import capabilities, depthwise, gemm
 from qbackend.lowering.own_conv import scale_and_offset
 

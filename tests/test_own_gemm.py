@@ -8,7 +8,7 @@ import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  registers the reference ops
 import torch.nn as nn
 
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.lowering import gemm
 from qbackend.lowering.capabilities import linear_binary_post_op_refusal
 from qbackend.lowering.own_conv import scale_and_offset

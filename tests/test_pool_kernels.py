@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend import native
+from qbackend.kernels import native
 
 from .helpers import assert_matches_reference, needs_own_kernels, quantize
 from .tolerances import assert_int8_close

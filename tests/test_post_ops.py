@@ -4,7 +4,7 @@ graph with the kernel's reason where not, and numerics equal to the reference ei
 import pytest
 import torch
 
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.lowering import own_conv
 from qbackend.lowering.capabilities import conv_post_op_refusal, linear_post_op_refusal
 from qbackend.patterns.examples import POST_OP_CALLS, HandQuantized, post_op_of

@@ -31,7 +31,7 @@ def test_backend_found_by_name_in_a_fresh_process():
             expected = m(*example_inputs)
             actual = torch.compile(m, backend="qbackend")(*example_inputs)
         cos = torch.nn.functional.cosine_similarity(actual.flatten(), expected.flatten(), dim=0).item()
-        print("imported-by-dynamo", "qbackend.backend" in sys.modules, "cosine-ok", cos > 0.9999)
+        print("imported-by-dynamo", "qbackend.pipeline.backend" in sys.modules, "cosine-ok", cos > 0.9999)
     """))
     assert "imported-by-dynamo True cosine-ok True" in out, out
 
@@ -60,7 +60,7 @@ def test_importing_and_using_qbackend_changes_no_global_state():
             }
 
         before = snapshot()
-        import qbackend, qbackend.backend, qbackend.lowering, qbackend.patterns
+        import qbackend, qbackend.pipeline.backend, qbackend.lowering, qbackend.patterns
         after_import = snapshot()
         with torch.no_grad():
             torch.compile(m, backend="qbackend")(*example_inputs)
@@ -84,7 +84,7 @@ def test_importing_and_using_qbackend_changes_no_global_state():
     """))
     assert "CHANGED" not in out, out
     assert "safe ['QuantizedLinearWeight']" in out, out
-    from qbackend import native  # importing it registers nothing
+    from qbackend.kernels import native  # importing it registers nothing
 
     registered = sorted(f"{native.NAMESPACE}::{name}" for name in native.OPS) if native.available() is None else []
     assert f"new ops {registered} [] []" in out, out

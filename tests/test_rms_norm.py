@@ -1,4 +1,4 @@
-"""Llama's RMSNorm, and the residual add before it, as one call (qbackend/rms_norm.py): the
+"""Llama's RMSNorm, and the residual add before it, as one call (qbackend/llm/rms_norm.py): the
 graph's values (the mean of squares summed in another order), the chains it rewrites, and the
 near misses it leaves as they are."""
 import re
@@ -7,7 +7,7 @@ import expecttest
 import pytest
 import torch
 
-from qbackend import rms_norm
+from qbackend.llm import rms_norm
 
 from .helpers import lowered_lines, needs_own_kernels
 from .tolerances import TOLERANCE, assert_outputs_close

@@ -1,11 +1,11 @@
-"""Rotary position embedding as one call (qbackend/rotary.py): the graph's values bit for bit,
+"""Rotary position embedding as one call (qbackend/llm/rotary.py): the graph's values bit for bit,
 the calls it rewrites, and the results it leaves alone."""
 import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
 
-from qbackend import rotary
+from qbackend.llm import rotary
 
 from .helpers import lowered_lines, needs_own_kernels
 from .tolerances import TOLERANCE

@@ -1,4 +1,4 @@
-"""A rotary embedding's cos / sin read from tables (qbackend/rotary_table.py): the graph's
+"""A rotary embedding's cos / sin read from tables (qbackend/llm/rotary_table.py): the graph's
 values bit for bit at any positions, the tables grown when a position passes them, and the
 computations that depend on more than a position left alone."""
 import threading
@@ -7,7 +7,7 @@ import expecttest
 import torch
 import torch.nn as nn
 
-from qbackend.rotary_table import RotaryTables
+from qbackend.llm.rotary_table import RotaryTables
 
 from .helpers import Captured, in_threads, short_graph
 

@@ -3,8 +3,8 @@ with the stated reason. Built from the rule table, so a new row brings its own t
 import pytest
 import torch
 
-from qbackend.archive_operators import graph_ops
-from qbackend.operator_allowlist import ALLOWED
+from qbackend.archive.archive_operators import graph_ops
+from qbackend.archive.operator_allowlist import ALLOWED
 from qbackend.patterns import RULES
 
 from .helpers import assert_matches_reference, compile_and_run, quantize

@@ -1,4 +1,4 @@
-"""qbackend.runnable: the callable the backend returns calls each op's C++ entry point."""
+"""qbackend.pipeline.runnable: the callable the backend returns calls each op's C++ entry point."""
 import inspect
 import operator
 
@@ -7,9 +7,9 @@ import torch.nn as nn
 
 import qbackend
 
-from qbackend.backend import Options, compile_graph
-from qbackend.runnable import direct_calls
-from qbackend.stack_room import StackRoom
+from qbackend.pipeline.backend import Options, compile_graph
+from qbackend.pipeline.runnable import direct_calls
+from qbackend.pipeline.stack_room import StackRoom
 
 from .helpers import quantize
 from .tolerances import assert_outputs_close

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
 
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.patterns import examples
 
 from .helpers import assert_fused_into_quantize, compile_and_run, needs_own_kernels, short_graph

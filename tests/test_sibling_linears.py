@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import qbackend
 import qbackend.lowering as lowering
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.lowering import gemm
 
 from .tolerances import assert_weight_only_close

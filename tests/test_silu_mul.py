@@ -1,11 +1,11 @@
-"""SwiGLU's gate, silu(a) * b, as one call (qbackend/silu_mul.py): torch's values within the
+"""SwiGLU's gate, silu(a) * b, as one call (qbackend/llm/silu_mul.py): torch's values within the
 SiLU's rounding, the graphs it rewrites and those it leaves alone."""
 import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
 
-from qbackend import silu_mul
+from qbackend.llm import silu_mul
 
 from .helpers import lowered_lines, needs_own_kernels
 from .tolerances import TOLERANCE, assert_outputs_close

@@ -24,7 +24,7 @@ def _smooth(module, alpha=0.5, **options):
     gm = torch.export.export(module.eval(), inputs, strict=True).module()
     with torch.no_grad():
         before = gm(*inputs)
-        report = qbackend.smooth_quant(gm, [inputs, sm.outlier_inputs(seed=1)], alpha=alpha, **options)
+        report = qbackend.smoothquant.smooth_quant(gm, [inputs, sm.outlier_inputs(seed=1)], alpha=alpha, **options)
         after = gm(*inputs)
     relative = ((after - before).abs().max() / before.abs().max()).item()
     assert relative <= FLOAT_RELATIVE, f"float output moved by {relative:.2e}\n{report}"

@@ -209,7 +209,7 @@ class TransposedRows(nn.Module):
 
 def test_without_a_packed_gemm_a_float_linear_of_a_transposed_input_reads_it_contiguous(monkeypatch):
     """(else ATen runs it as a bmm against the weight expanded per row)"""
-    from qbackend import float_linear
+    from qbackend.passes import float_linear
     from qbackend.ops import Resolved
 
     monkeypatch.setattr(float_linear, "resolve", lambda logical, device: Resolved(logical, device, None, None, "no GEMM"))
@@ -221,11 +221,11 @@ def test_without_a_packed_gemm_a_float_linear_of_a_transposed_input_reads_it_con
 
 
 def _failing_lowering(monkeypatch):
-    import qbackend.backend
+    import qbackend.pipeline.backend
 
     def lower(*args, **kwargs):
         raise RuntimeError("a kernel refused its arguments")
-    monkeypatch.setattr(qbackend.backend, "lower", lower)
+    monkeypatch.setattr(qbackend.pipeline.backend, "lower", lower)
 
 
 def test_a_lowering_error_runs_the_graph_unlowered_with_a_warning_by_default(monkeypatch):

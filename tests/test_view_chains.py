@@ -4,7 +4,7 @@ import expecttest
 import torch
 from torch.fx import Graph, GraphModule
 
-from qbackend.view_chains import view_chains_collapsed
+from qbackend.passes.view_chains import view_chains_collapsed
 
 from .helpers import short_graph
 

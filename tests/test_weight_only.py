@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 
 import qbackend
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.quantized_tensor import QuantizedLinearWeight
-from qbackend.weight_quant import pack_int4, unpack_int4
+from qbackend.weight_only.weight_quant import pack_int4, unpack_int4
 
 from .helpers import compile_and_run, needs_own_kernels, short_graph
 from .tolerances import assert_weight_only_close
@@ -238,7 +238,7 @@ def test_other_compilers_see_through_the_tensor():
 @pytest.mark.parametrize("compute", ["bf16", "int16"])
 def test_int4_packing_in_row_chunks_gives_the_one_shot_bytes(compute):
     from qbackend.lowering.weight_only import PACK_ROWS, pack
-    from qbackend.weight_quant import quantize
+    from qbackend.weight_only.weight_quant import quantize
 
     n = PACK_ROWS + 48  # a second chunk that ends in a short block
     weight = quantize(torch.randn(n, 128), 4, 32)
@@ -276,7 +276,7 @@ def test_dense_from_a_row_count_when_asked(monkeypatch):
 
 @needs_own_kernels
 def test_weight_only_kernels_refuse_bad_inputs_with_a_clear_error():
-    from qbackend.weight_quant import quantize
+    from qbackend.weight_only.weight_quant import quantize
 
     weight = quantize(torch.randn(32, 128), 4, 64)
     int4 = native.op("int4_mm_int16")
@@ -297,7 +297,7 @@ def test_weight_only_kernels_refuse_bad_inputs_with_a_clear_error():
 @pytest.mark.parametrize("bits,group_size,codes", [(4, 32, False), (4, 128, False), (4, 128, True), (8, None, False)],
                          ids=["int4-g32", "int4-g128", "int4-g128-codes", "int8"])
 def test_nan_and_infinity_come_out_as_the_float_linear_gives_them(bits, group_size, codes):
-    from qbackend.weight_quant import quantize
+    from qbackend.weight_only.weight_quant import quantize
 
     torch.manual_seed(0)
     weight = quantize(torch.randn(16, 256), bits, group_size or 256)
@@ -337,7 +337,7 @@ def test_the_vnni_and_avx2_int4_kernels_give_the_same_bits(outputs, inputs, grou
     an odd count leaving one) and vpmaddwd sums are the same integers; a NaN row is redone. The
     offsets as int8 codes give the bits of the float offsets code * scale, in both builds."""
     from qbackend.lowering import weight_only
-    from qbackend.weight_quant import quantize
+    from qbackend.weight_only.weight_quant import quantize
 
     torch.manual_seed(outputs)
     weight = quantize(torch.randn(outputs, inputs), 4, group_size)

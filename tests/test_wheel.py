@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import qbackend
-from qbackend import native
+from qbackend.kernels import native
 from qbackend.models import tiny_resnet
 
 from .helpers import quantize

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from qbackend.backend import graph_device
+from qbackend.pipeline.backend import graph_device
 from qbackend.patterns.examples import (HandQuantized, attention_block, conv_flatten_linear, conv_relu,
                                         grouped_query_attention, linear_relu, linear_residual, normed_linear,
                                         residual_block, squeeze_excitation, two_branch_cat)

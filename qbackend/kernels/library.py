@@ -1,6 +1,6 @@
 """Loading qbackend's own kernel libraries: which may run (``$QBACKEND_KERNELS``), a library
 loaded with its structs checked (``loaded``), and the once-per-process guard the loaders share.
-Building and caching them is ``qbackend/kernel_build.py``'s."""
+Building and caching them is ``qbackend/kernels/kernel_build.py``'s."""
 from __future__ import annotations
 
 import ctypes
@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from qbackend import kernel_build
+from qbackend.kernels import kernel_build
 
 from .structs import check_layouts
 

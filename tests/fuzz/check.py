@@ -182,7 +182,7 @@ class _Lowered:
         self.graphs = []
 
     def __call__(self, gm, example_inputs):
-        from qbackend.backend import Options, compile_graph
+        from qbackend.pipeline.backend import Options, compile_graph
 
         runner, report, lowered = compile_graph(gm, example_inputs, Options(**OPTIONS))
         self.graphs.append((gm, list(example_inputs), lowered))
@@ -253,7 +253,7 @@ def run_case(seed: int) -> tuple[str, list[str]]:
         actual = compiled(x)
         again = [compiled(x) for _ in range(2)]  # (the prepared kernels; a call that changed a constant changes the next)
         if path == "qbackend.compile" and case.family == "int8":  # (the same lowering, kept to check)
-            from qbackend.direct import _with_shapes
+            from qbackend.pipeline.direct import _with_shapes
 
             lowered(_with_shapes(model, [x]), [x])
     problems, stepped = _int8_steps(lowered.graphs) if case.family == "int8" else ([], set())

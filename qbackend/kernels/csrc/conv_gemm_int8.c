@@ -1,0 +1,608 @@
+/* int8 convolution (kernels up to 3x3, groups 1) and int8 linear, as one GEMM over output
+ * pixels / rows: uint8 NHWC activations, per-channel int8 weights, bias, an optional residual
+ * (uint8 quantized or float32) added before the post-op (a clamp, GELU, SiLU or hardswish), and requantization
+ * to uint8 or a float32 output.
+ *
+ * Why: onednn::qconv_pointwise / qlinear_pointwise spend ~50 us per call before computing, and
+ * their AVX2 int8 kernels ran 1.05-1.3x this one's time on ResNet-18's 3x3 convs and BERT-base's
+ * linears at batch 1. out[p][o] = sum over kernel positions t and input channels i of
+ * x[p's input at t][i] * w[o][t][i]; vpmaddubsw multiplies uint8 activations by int8 weights
+ * and adds adjacent pairs in int16, which saturates unless the caller checked
+ * qmax_x * (|w[o][2j]| + |w[o][2j+1]|) <= 32767 (7-bit weights always pass); vpmaddwd by ones
+ * then widens to int32.
+ *
+ * On CPUs with AVX512-VNNI, conv_gemm_int8_vnni.c builds this file again as qb_conv_call_vnni with
+ * vpdpbusd, which adds each 4 uint8 x int8 products straight into int32: exact for any weights
+ * and one instruction instead of three; conv_gemm_int8_vnni512.c builds it a third time on zmm
+ * registers (qb_conv_call_vnni512). Which width is faster depends on the core: on a Zen 4 EPYC
+ * zmm vpdpbusd ran a third of ymm's instructions per ns (1.6x fewer products), on a Zen 5 EPYC
+ * 2 per cycle like ymm (2x the products). qbackend/kernels/native.py asks qb_vnni_zmm_speedup once.
+ *
+ * Weights, every build: [ceil(Cout / 16)][KH * KW * ceil(Cin / 4)][16 outputs][4 inputs], Cout
+ * and each kernel position's Cin padded with zero weights. A zmm block is one 64-byte row of 16
+ * outputs; a ymm block (BLOCK 8) is its half, the same row 32 bytes in. A broadcast 4-byte load of one pixel's 4 inputs
+ * meets each. Tiles: AVX2, 4 pixels x 24 outputs (12 accumulators: 4-6% faster than 4 x 16,
+ * while 5 or 6 pixels x 16 were slower); VNNI, whose AVX512VL has 32 ymm registers, 8 pixels x
+ * 24 outputs; zmm, 8 pixels x 48 outputs.
+ * No im2col: each pixel's 9 input rows are pointers into x, or into a row of the zero point
+ * where the window leaves the image.
+ */
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "call_structs.h"
+#include "padded_channels.h"
+#if defined(QB_VNNI) || defined(QB_ZMM)
+/* 8 pixels' activations in lockstep: GELU's polynomial and squarings are a chain of ~16
+ * dependent operations, and 4 chains left the FMA units waiting (32 ymm registers hold 8) */
+#define ACTIVATION_LANES 8
+#endif
+#include "vec_math.h"
+
+#define MAX_TAPS 9 /* up to 3x3 kernels */
+#define ROW_BLOCK_BYTES (128 * 1024)
+
+/* Weights up to this many bytes stream past pixel tiles whose inputs stay in L1 (see conv):
+ * 4x this CPU's L2 (glibc reads it from cpuid; 256 KB where unknown). A fixed 256 KB, tuned
+ * on another CPU, sent a Zen 4's (1 MB L2) 432 KB - 2.3 MB weights to row blocks, 10-48%
+ * slower there (128x384->1152 178 vs 160 us; 1568x384->1536 3364 vs 2479; a 3x3 512->512
+ * conv at 7x7 batch 8 4483 vs 2317). */
+static size_t weights_streamed(void) {
+  static size_t bytes = 0; /* (threads racing here store the same value) */
+  if (!bytes) {
+    long l2 = -1;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    bytes = 4 * (l2 > 0 ? (size_t)l2 : 256 * 1024);
+  }
+  return bytes;
+}
+
+/* A block: BLOCK output channels x 4 input channels of packed weights, one vector of int32 sums. */
+#define PACKED 16 /* output channels per row of the packed weights */
+#ifdef QB_ZMM
+#define BLOCK 16
+typedef __m512i block_t;
+static inline block_t block_zero(void) { return _mm512_setzero_si512(); }
+static inline block_t block_load(const int8_t* w) { return _mm512_loadu_si512(w); }
+static inline block_t block_broadcast(int32_t four) { return _mm512_set1_epi32(four); }
+#else
+#define BLOCK 8
+typedef __m256i block_t;
+static inline block_t block_zero(void) { return _mm256_setzero_si256(); }
+static inline block_t block_load(const int8_t* w) { return _mm256_loadu_si256((const __m256i*)w); }
+static inline block_t block_broadcast(int32_t four) { return _mm256_set1_epi32(four); }
+#endif
+#if defined(QB_ZMM)
+#define QB_CONV_CALL qb_conv_call_vnni512
+#define PIXEL_TILE 8 /* 8 x 3 accumulators of AVX512's 32 registers */
+#define WIDE_PIXELS 6 /* or 6 x 4, where Cout is a multiple of 64 (4 weight loads and 6 broadcasts per 24 sums) */
+static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) { return _mm512_dpbusd_epi32(acc, x, w); }
+#elif defined(QB_VNNI)
+#define QB_CONV_CALL qb_conv_call_vnni
+#define PIXEL_TILE 8 /* 8 x 3 accumulators of AVX512VL's 32 ymm registers */
+static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) { return _mm256_dpbusd_epi32(acc, x, w); }
+#else
+#define QB_CONV_CALL qb_conv_call
+#define PIXEL_TILE 4
+static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), _mm256_set1_epi16(1)));
+}
+
+/* Whether this CPU runs qb_conv_call_vnni: every AVX512 extension its build flags name (it is built
+ * in a file of its own, with those flags; this one must not need them). */
+int qb_has_avx512_vnni(void) {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+#endif
+
+/* The packed weights of the BLOCK outputs from o (a multiple of BLOCK), at step 0; a step is
+ * one PACKED-wide row further on. */
+static inline const int8_t* block_weights(const int8_t* w, int o, int total) {
+  return w + ((size_t)(o / PACKED) * total * PACKED + o % PACKED) * 4;
+}
+
+typedef struct {
+  const float *mult, *add; /* per output channel: acc * mult + add is the float result */
+  const uint8_t* residual; /* NULL, or uint8 [P][Cout] added as residual * residual_scale (+ folded zero point) */
+  const float* residual_f; /* NULL, or float [P][Cout] added as residual * residual_scale */
+  float* float_out;        /* NULL, or float [P][Cout] written instead of the uint8 output (no requantization) */
+  int activation;          /* enum activation, applied before the clamp */
+  __m256 residual_scale, low, high, out_inv_scale, out_zp;
+  __m256 qlow, qhigh; /* qmin, qmax as floats: the grid's clamp before the integer conversion (no byte clamp after it) */
+  /* NULL, or per output channel acc * grid_mult + grid_add lands on the output grid directly:
+   * set (in conv) where the post-op is a clamp, the output uint8 and any residual uint8 */
+  const float *grid_mult, *grid_add;
+  __m256 grid_residual_scale, grid_low, grid_high;
+} epilogue_t;
+
+/* The float result of 8 outputs before the post-op: acc * mult + add (+ residual). */
+static inline __m256 pre_activation_at(const epilogue_t* e, __m256i acc, __m256 mult, __m256 add, size_t at) {
+  __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), mult, add);
+  if (e->residual) {
+    const __m256i r = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(e->residual + at)));
+    f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(r), e->residual_scale, f);
+  } else if (e->residual_f) {
+    f = _mm256_fmadd_ps(_mm256_loadu_ps(e->residual_f + at), e->residual_scale, f);
+  }
+  return f;
+}
+
+static inline __m256 pre_activation8(const epilogue_t* e, __m256i acc, int o, int Cout, size_t pixel) {
+  return pre_activation_at(e, acc, _mm256_loadu_ps(e->mult + o), _mm256_loadu_ps(e->add + o), pixel * Cout + o);
+}
+
+/* The post-op's clamp. (max_ps / min_ps return their second operand for a NaN: this order
+ * keeps a NaN, as the reference's clamp does; a float residual may hold one, or an infinity) */
+static inline __m256 clamped8(const epilogue_t* e, __m256 f) { return _mm256_min_ps(e->high, _mm256_max_ps(e->low, f)); }
+
+/* A clamped result requantized, as int32 within [qmin, qmax]: clamped as floats first (an
+ * infinity converts to INT_MIN; a NaN lands on qmin, the 0 the reference's integer conversion
+ * stores: qmin is 0 in every uint8 flow), rounded half to even, as torch's quantize does. */
+static inline __m256i quantized8(const epilogue_t* e, __m256 f) {
+  return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_fmadd_ps(f, e->out_inv_scale, e->out_zp), e->qlow), e->qhigh));
+}
+
+/* 8 outputs after the post-op: clamped, then stored as floats or requantized to uint8. */
+static inline void finish8(const epilogue_t* e, __m256 f, int o, int Cout, size_t pixel, uint8_t* restrict y) {
+  f = clamped8(e, f);
+  if (e->float_out) {
+    _mm256_storeu_ps(e->float_out + pixel * Cout + o, f);
+    return;
+  }
+  const __m256i q32 = quantized8(e, f);
+  const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
+  _mm_storel_epi64((__m128i*)(y + pixel * Cout + o), _mm_packus_epi16(q16, q16));
+}
+
+/* 4 pixels' int32 results for the same 8 outputs (within [0, 255]) stored as bytes: one pack of
+ * all four (bytes: lane 0 holds each pixel's outputs 0-3, lane 1 its 4-7; a dword permute makes
+ * each pixel's 8 bytes one qword) instead of four narrowing sequences. */
+static inline void store4x8_bytes(const __m256i q[4], int Cout, uint8_t* restrict out) {
+  const __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  const __m256i pixels = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  const __m128i low = _mm256_castsi256_si128(pixels), high = _mm256_extracti128_si256(pixels, 1);
+  _mm_storel_epi64((__m128i*)out, low);
+  _mm_storeh_pd((double*)(out + Cout), _mm_castsi128_pd(low));
+  _mm_storel_epi64((__m128i*)(out + 2 * (size_t)Cout), high);
+  _mm_storeh_pd((double*)(out + 3 * (size_t)Cout), _mm_castsi128_pd(high));
+}
+
+/* finish8 for the same 8 outputs of 4 consecutive pixels, uint8 out. */
+static inline void finish4x8(const epilogue_t* e, const __m256 f[4], int o, int Cout, size_t pixel, uint8_t* restrict y) {
+  __m256i q[4];
+  for (int j = 0; j < 4; j++) q[j] = quantized8(e, clamped8(e, f[j]));
+  store4x8_bytes(q, Cout, y + pixel * Cout + o);
+}
+
+/* 8 outputs of a clamp-only epilogue on the output grid (e->grid_mult set), as int32 within
+ * [qmin, qmax]: one multiply-add (and the uint8 residual's) and one clamp. */
+static inline __attribute__((always_inline)) __m256i on_grid8(const epilogue_t* e, __m256i acc, __m256 mult, __m256 add,
+                                                              const uint8_t* residual) {
+  __m256 q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), mult, add);
+  if (residual) q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)residual))),
+                                    e->grid_residual_scale, q);
+  return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, e->grid_low), e->grid_high)); /* (the packs saturate nothing) */
+}
+
+/* 8 outputs of a clamp-only epilogue off the grid (a float output or residual). ``e`` is a local
+ * copy: read through a pointer, its constants would be reloaded after every uint8 store (which
+ * may alias them). */
+static inline void store8(const epilogue_t e, __m256i acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
+  finish8(&e, pre_activation8(&e, acc, o, Cout, pixel), o, Cout, pixel, y);
+}
+
+/* 8 of a block's sums: half 0 or 1 of a zmm block, a whole ymm block. */
+static inline __m256i block_half(block_t acc, int half) {
+#ifdef QB_ZMM
+  return half ? _mm512_extracti64x4_epi64(acc, 1) : _mm512_castsi512_si256(acc);
+#else
+  (void)half;
+  return acc;
+#endif
+}
+
+/* A whole tile's clamp-only epilogue on the output grid: each 8 outputs' constants loaded once
+ * for the tile's pixels, 4 pixels' bytes packed and stored together (8 at a time, reloading the
+ * constants and storing 8 bytes, it took half a small-K conv's cycles: a 25088 x 24 -> 144 1x1
+ * conv on one Zen 4 thread 1262 -> 1159 us; oneDNN 847). */
+static inline __attribute__((always_inline)) void store_tile_on_grid(const epilogue_t* e, block_t acc[PIXEL_TILE][4], int pixels,
+                                                                     int blocks, int o, int Cout, size_t p, uint8_t* restrict y) {
+#pragma GCC unroll 4
+  for (int b = 0; b < blocks; b++)
+#pragma GCC unroll 2
+    for (int half = 0; half < BLOCK / 8 && o + BLOCK * b + 8 * half < Cout; half++) {
+      const int o8 = o + BLOCK * b + 8 * half;
+      const __m256 mult = _mm256_loadu_ps(e->grid_mult + o8), add = _mm256_loadu_ps(e->grid_add + o8);
+      int i = 0;
+#pragma GCC unroll 2
+      for (; i + 4 <= pixels; i += 4) {
+        __m256i q[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+          q[j] = on_grid8(e, block_half(acc[i + j][b], half), mult, add, e->residual ? e->residual + (p + i + j) * Cout + o8 : NULL);
+        store4x8_bytes(q, Cout, y + (p + i) * Cout + o8);
+      }
+#pragma GCC unroll 4
+      for (; i < pixels; i++) {
+        const __m256i q32 = on_grid8(e, block_half(acc[i][b], half), mult, add, e->residual ? e->residual + (p + i) * Cout + o8 : NULL);
+        const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
+        _mm_storel_epi64((__m128i*)(y + (p + i) * Cout + o8), _mm_packus_epi16(q16, q16));
+      }
+    }
+}
+
+/* store_tile_on_grid's float32 counterpart: a tile's clamp-only float results (a conv before
+ * float ops: a squeeze-excitation's scale, a shuffle), each 8 outputs' constants loaded once
+ * for the tile's pixels. */
+static inline __attribute__((always_inline)) void store_tile_float(const epilogue_t* e, block_t acc[PIXEL_TILE][4], int pixels,
+                                                                   int blocks, int o, int Cout, size_t p) {
+#pragma GCC unroll 4
+  for (int b = 0; b < blocks; b++)
+#pragma GCC unroll 2
+    for (int half = 0; half < BLOCK / 8 && o + BLOCK * b + 8 * half < Cout; half++) {
+      const int o8 = o + BLOCK * b + 8 * half;
+      const __m256 mult = _mm256_loadu_ps(e->mult + o8), add = _mm256_loadu_ps(e->add + o8);
+#pragma GCC unroll 8
+      for (int i = 0; i < pixels; i++) {
+        const size_t at = (p + i) * Cout + o8;
+        _mm256_storeu_ps(e->float_out + at, clamped8(e, pre_activation_at(e, block_half(acc[i][b], half), mult, add, at)));
+      }
+    }
+}
+
+#ifdef QB_ZMM
+/* store8's constants broadcast to zmm (once per tile where a tile's pixels share them). */
+typedef struct {
+  __m512 residual_scale, low, high, inv_scale, zp;
+  __m512i order;
+  __m512 qlow, qhigh;
+} wide_epilogue_t;
+
+static inline wide_epilogue_t wide_epilogue(const epilogue_t* e) {
+  const wide_epilogue_t w = {_mm512_broadcast_f32x8(e->residual_scale), _mm512_broadcast_f32x8(e->low),
+                             _mm512_broadcast_f32x8(e->high), _mm512_broadcast_f32x8(e->out_inv_scale),
+                             _mm512_broadcast_f32x8(e->out_zp),
+                             /* packs work per 128-bit lane: dword 4 q + s holds block s's outputs 4 q .. 4 q + 3 */
+                             _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+                             _mm512_broadcast_f32x8(e->qlow), _mm512_broadcast_f32x8(e->qhigh)};
+  return w;
+}
+
+/* 16 channels' float result: acc * mult + add (+ residual), clamped (store8's arithmetic). */
+static inline __m512 float_result(const epilogue_t* e, const wide_epilogue_t* w, __m512i acc, __m512 mult, __m512 add,
+                                  int o, int Cout, size_t pixel) {
+  __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), mult, add);
+  if (e->residual) {
+    const __m512i r = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(e->residual + pixel * Cout + o)));
+    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), w->residual_scale, f);
+  } else if (e->residual_f) {
+    f = _mm512_fmadd_ps(_mm512_loadu_ps(e->residual_f + pixel * Cout + o), w->residual_scale, f);
+  }
+  return _mm512_min_ps(w->high, _mm512_max_ps(w->low, f)); /* (store8's operand order: a NaN stays) */
+}
+
+static inline __m512i quantized(const wide_epilogue_t* w, __m512 f) {
+  /* round half to even, clamped as floats first (store8) */
+  return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_fmadd_ps(f, w->inv_scale, w->zp), w->qlow), w->qhigh));
+}
+
+/* store8 on 16 channels, for a clamp-only epilogue. */
+static inline void store16(const epilogue_t e, __m512i acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
+  const wide_epilogue_t w = wide_epilogue(&e);
+  const __m512 f = float_result(&e, &w, acc, _mm512_loadu_ps(e.mult + o), _mm512_loadu_ps(e.add + o), o, Cout, pixel);
+  if (e.float_out) {
+    _mm512_storeu_ps(e.float_out + pixel * Cout + o, f);
+    return;
+  }
+  _mm_storeu_si128((__m128i*)(y + pixel * Cout + o), _mm512_cvtepi32_epi8(quantized(&w, f))); /* (within [qmin, qmax]) */
+}
+
+/* One pixel's 64 outputs from o (4 zmm blocks, clamp-only, uint8 out): float_result per block,
+ * then one saturating pack of all four to bytes (store8's: the same bytes) instead of four
+ * narrowing stores; the constants broadcast once per tile. */
+static inline void store64(const epilogue_t* e, const wide_epilogue_t* w, const __m512i acc[4], const __m512 mult[4],
+                           const __m512 add[4], int o, int Cout, size_t pixel, uint8_t* restrict y) {
+  __m512i q[4];
+  for (int b = 0; b < 4; b++) q[b] = quantized(w, float_result(e, w, acc[b], mult[b], add[b], o + 16 * b, Cout, pixel));
+  __m512i bytes = _mm512_packus_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3]));
+  _mm512_storeu_si512(y + pixel * Cout + o, _mm512_permutexvar_epi32(w->order, bytes));
+}
+#endif
+
+/* One block's sums for one pixel, clamp-only epilogue. A zmm block: store16 when its 16
+ * channels are real, else two 8-channel halves, skipping the half past Cout (the packing's zero weights). */
+static inline void store_block(const epilogue_t e, block_t acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
+#ifdef QB_ZMM
+  if (o + 16 <= Cout) {
+    store16(e, acc, o, Cout, pixel, y);
+    return;
+  }
+  store8(e, _mm512_castsi512_si256(acc), o, Cout, pixel, y);
+  if (o + 8 < Cout) store8(e, _mm512_extracti64x4_epi64(acc, 1), o + 8, Cout, pixel, y);
+#else
+  store8(e, acc, o, Cout, pixel, y);
+#endif
+}
+
+/* The epilogue of a tile whose post-op is an activation (GELU, SiLU, hardswish): 8 outputs of
+ * ACTIVATION_LANES pixels at a time, in lockstep (vec_math.h). One copy of this code, called once per
+ * tile; a short last group of pixels repeats its first pixel's sums and stores only its own. */
+static __attribute__((noinline)) void store_activated(const epilogue_t* shared, block_t acc[PIXEL_TILE][4], int pixels,
+                                                      int blocks, int o, int Cout, size_t p, uint8_t* restrict y) {
+  const epilogue_t e = *shared; /* (local: see store8) */
+  for (int b = 0; b < blocks; b++)
+    for (int half = 0; half < BLOCK / 8 && o + BLOCK * b + 8 * half < Cout; half++) {
+      const int o8 = o + BLOCK * b + 8 * half;
+      for (int first = 0; first < pixels; first += ACTIVATION_LANES) {
+        __m256 f[ACTIVATION_LANES];
+        for (int j = 0; j < ACTIVATION_LANES; j++) {
+          const int i = first + j < pixels ? first + j : first;
+          f[j] = pre_activation8(&e, block_half(acc[i][b], half), o8, Cout, p + i);
+        }
+        activate_lanes(e.activation, f, ACTIVATION_LANES);
+        for (int j0 = 0; j0 < ACTIVATION_LANES; j0 += 4) {
+          if (!e.float_out && first + j0 + 4 <= pixels)
+            finish4x8(&e, f + j0, o8, Cout, p + first + j0, y);
+          else
+            for (int j = j0; j < j0 + 4 && first + j < pixels; j++) finish8(&e, f[j], o8, Cout, p + first + j, y);
+        }
+      }
+    }
+}
+
+#ifndef WIDE_PIXELS
+#define WIDE_PIXELS 0 /* (no 4-block tiles) */
+#endif
+
+/* ``pixels`` (1 to PIXEL_TILE) output pixels times ``blocks`` (1-4) blocks of BLOCK outputs
+ * from ``o``; the sum runs over ``taps`` kernel positions, pixel i's input for tap t at rows[i][t]. */
+static inline __attribute__((always_inline)) void tile(int pixels, int blocks, int taps, int Cin, int Cout, size_t p, int o,
+                        const uint8_t* const rows[PIXEL_TILE][MAX_TAPS], const int8_t* restrict w,
+                        const epilogue_t* shared, uint8_t* restrict y) {
+  block_t acc[PIXEL_TILE][4];
+  for (int i = 0; i < pixels; i++)
+    for (int b = 0; b < blocks; b++) acc[i][b] = block_zero();
+  const int steps = Cin / 4, total = taps * steps;
+  const int8_t* wb[4];
+  for (int b = 0; b < blocks; b++) wb[b] = block_weights(w, o + BLOCK * b, total);
+  for (int t = 0; t < taps; t++) {
+    for (int k = 0; k < steps; k++) {
+      const size_t step = ((size_t)t * steps + k) * 4 * PACKED;
+      block_t wv[4];
+      for (int b = 0; b < blocks; b++) wv[b] = block_load(wb[b] + step);
+      for (int i = 0; i < pixels; i++) {
+        int32_t four;
+        memcpy(&four, rows[i][t] + 4 * k, 4);
+        const block_t xb = block_broadcast(four);
+        for (int b = 0; b < blocks; b++)
+          acc[i][b] = dot4_accumulate(acc[i][b], xb, wv[b]);
+      }
+    }
+  }
+  const epilogue_t e = *shared; /* copied once the sums are done: no registers taken from the loop above */
+#ifdef QB_ZMM
+  if (blocks == 4 && e.activation == CLAMP_ONLY && !e.float_out && o + 64 <= Cout) {
+    const wide_epilogue_t wide = wide_epilogue(&e);
+    __m512 mult[4], add[4];
+    for (int b = 0; b < 4; b++) mult[b] = _mm512_loadu_ps(e.mult + o + 16 * b), add[b] = _mm512_loadu_ps(e.add + o + 16 * b);
+    for (int i = 0; i < pixels; i++) store64(&e, &wide, acc[i], mult, add, o, Cout, p + i, y);
+    return;
+  }
+#endif
+  if (e.grid_mult) {
+    store_tile_on_grid(&e, acc, pixels, blocks, o, Cout, p, y);
+    return;
+  }
+  if (e.float_out && e.activation == CLAMP_ONLY) {
+    store_tile_float(&e, acc, pixels, blocks, o, Cout, p);
+    return;
+  }
+  if (e.activation != CLAMP_ONLY) { /* (``shared``: a pointer to ``e`` would make its copy a memcpy per tile) */
+    store_activated(shared, acc, pixels, blocks, o, Cout, p, y);
+    return;
+  }
+  for (int i = 0; i < pixels; i++)
+    for (int b = 0; b < blocks; b++) store_block(e, acc[i][b], o + BLOCK * b, Cout, p + i, y);
+}
+
+/* tile() with constant sizes, so that its loops unroll and its sums stay in registers */
+#define TILE_CASE(PIXELS, BLOCKS) \
+  case PIXELS: tile(PIXELS, BLOCKS, taps, g.Cin, Cout, p, o, rows, w, &e, y); break;
+#if PIXEL_TILE == 8
+#define TILE_CASES(PIXELS, BLOCKS)                                                               \
+  switch (PIXELS) {                                                                              \
+    TILE_CASE(1, BLOCKS) TILE_CASE(2, BLOCKS) TILE_CASE(3, BLOCKS) TILE_CASE(4, BLOCKS)          \
+    TILE_CASE(5, BLOCKS) TILE_CASE(6, BLOCKS) TILE_CASE(7, BLOCKS)                               \
+    default: tile(PIXEL_TILE, BLOCKS, taps, g.Cin, Cout, p, o, rows, w, &e, y);                  \
+  }
+#else
+#define TILE_CASES(PIXELS, BLOCKS)                                                               \
+  switch (PIXELS) {                                                                              \
+    TILE_CASE(1, BLOCKS) TILE_CASE(2, BLOCKS) TILE_CASE(3, BLOCKS)                               \
+    default: tile(PIXEL_TILE, BLOCKS, taps, g.Cin, Cout, p, o, rows, w, &e, y);                  \
+  }
+#endif
+#define WIDE_TILE_CASES(PIXELS)                                                                  \
+  switch (PIXELS) {                                                                              \
+    TILE_CASE(1, 4) TILE_CASE(2, 4) TILE_CASE(3, 4) TILE_CASE(4, 4) TILE_CASE(5, 4)              \
+    default: tile(WIDE_PIXELS, 4, taps, g.Cin, Cout, p, o, rows, w, &e, y);                      \
+  }
+
+/* The first block of output tile ``ot``: tiles are 3 blocks wide, but the last 4 of 3k + 1
+ * blocks go as 2 + 2 (a 1-block tile costs as many input loads as a 3-block one). */
+static inline int tile_start(int ot, int blocks) {
+  const int full = blocks % 3 == 1 && blocks > 1 ? blocks / 3 - 1 : blocks / 3;
+  return ot <= full ? 3 * ot : 3 * full + 2 * (ot - full);
+}
+
+typedef struct {
+  int N, H, W, Cin, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w;
+} geometry_t;
+
+/* rows[i][t]: the input row (Cin bytes) under tap t of output pixel p + i, or ``padding`` (the
+ * zero point) where the window leaves the image. One division for the tile's first pixel, then
+ * a walk along the output rows; a window inside the image is its first row plus tap_offsets
+ * (per-pixel divisions and per-tap checks had cost ~15% of a 64-channel 3x3 conv). */
+static void window_rows(const geometry_t* g, const uint8_t* x, const uint8_t* padding, const ptrdiff_t* tap_offsets,
+                        int p, int pixels, const uint8_t* rows[][MAX_TAPS]) {
+  int n = p / (g->OH * g->OW), oh = p / g->OW % g->OH, ow = p % g->OW;
+  const int taps = g->KH * g->KW, last_h = (g->KH - 1) * g->dil_h, last_w = (g->KW - 1) * g->dil_w;
+  for (int i = 0; i < pixels; i++) {
+    const int ih0 = oh * g->stride_h - g->pad_h, iw0 = ow * g->stride_w - g->pad_w;
+    if (ih0 >= 0 && ih0 + last_h < g->H && iw0 >= 0 && iw0 + last_w < g->W) {
+      const uint8_t* first = x + (((size_t)n * g->H + ih0) * g->W + iw0) * g->Cin;
+      for (int t = 0; t < taps; t++) rows[i][t] = first + tap_offsets[t];
+    } else {
+      for (int kh = 0; kh < g->KH; kh++)
+        for (int kw = 0; kw < g->KW; kw++) {
+          const int ih = ih0 + kh * g->dil_h, iw = iw0 + kw * g->dil_w;
+          rows[i][kh * g->KW + kw] = ih < 0 || ih >= g->H || iw < 0 || iw >= g->W
+                                         ? padding
+                                         : x + (((size_t)n * g->H + ih) * g->W + iw) * g->Cin;
+        }
+    }
+    if (++ow == g->OW) {
+      ow = 0;
+      if (++oh == g->OH) oh = 0, n++;
+    }
+  }
+}
+
+/* y[P][Cout] = requantize(post_op(conv(x, w) (+ residual))) over NHWC uint8 x, or the float
+ * result into yf when yf is not NULL; the residual is float32 when residual_is_float, else
+ * uint8. Weights: [ceil(Cout / 16)][KH * KW * Cin / 4][16][4] (kernel position, then input
+ * channel); padding reads x_zp.
+ * Cin % 4 == 0, Cout % 8 == 0 (QB_CONV_CALL pads other counts), KH * KW <= MAX_TAPS. */
+static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int KH, int KW, int stride_h, int stride_w,
+             int pad_h, int pad_w, int dil_h, int dil_w, int Cout, int x_zp, const uint8_t* x, const int8_t* w,
+             const float* mult, const float* add, const void* residual, int residual_is_float, float residual_scale,
+             int activation, float low, float high, float out_inv_scale, int out_zp, int qmin, int qmax, uint8_t* y,
+             float* yf) {
+  const geometry_t g = {N, H, W, Cin, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w};
+  epilogue_t e = {mult, add, residual_is_float ? NULL : residual, residual_is_float ? residual : NULL, yf, activation,
+                  _mm256_set1_ps(residual_scale), _mm256_set1_ps(low), _mm256_set1_ps(high),
+                  _mm256_set1_ps(out_inv_scale), _mm256_set1_ps((float)out_zp), _mm256_set1_ps((float)qmin),
+                  _mm256_set1_ps((float)qmax)};
+  float* grid = NULL;
+  if (activation == CLAMP_ONLY && !yf && !residual_is_float && out_inv_scale > 0) {
+    /* On the output grid, the float result's clamp and requantization are one multiply-add and
+     * one clamp (a third of the epilogue's work, which is what a 1x1 conv of 64 inputs waits on);
+     * rounding the folded constants moves a result by at most a float ulp before its rounding. */
+    grid = malloc(2 * (size_t)Cout * sizeof(float));
+    if (!grid) return -1;
+    for (int o = 0; o < Cout; o++) grid[o] = mult[o] * out_inv_scale, grid[Cout + o] = add[o] * out_inv_scale + out_zp;
+    e.grid_mult = grid, e.grid_add = grid + Cout;
+    e.grid_residual_scale = _mm256_set1_ps(residual_scale * out_inv_scale);
+    const float grid_low = low * out_inv_scale + out_zp, grid_high = high * out_inv_scale + out_zp;
+    e.grid_low = _mm256_set1_ps(grid_low > qmin ? grid_low : (float)qmin);
+    e.grid_high = _mm256_set1_ps(grid_high < qmax ? grid_high : (float)qmax);
+  }
+  uint8_t* padding = malloc((size_t)g.Cin);
+  if (!padding) {
+    free(grid);
+    return -1;
+  }
+  memset(padding, x_zp, (size_t)g.Cin);
+  const int taps = g.KH * g.KW, P = g.N * g.OH * g.OW;
+  const int blocks = (Cout + BLOCK - 1) / BLOCK; /* (zmm: the last may be half padding) */
+  const int wide = WIDE_PIXELS && blocks % 4 == 0, tile_pixels = wide ? WIDE_PIXELS : PIXEL_TILE;
+  const int output_tiles = wide ? blocks / 4 : blocks % 3 == 1 && blocks > 1 ? blocks / 3 + 1 : (blocks + 2) / 3;
+  const int pixel_tiles = (P + tile_pixels - 1) / tile_pixels;
+  /* A pixel tile's inputs stay in L1 while every output tile's weights stream past them (from
+   * L2, or L3 beyond it) when the weights are not too large (weights_streamed). Else the output tiles go round
+   * each block of pixel tiles whose inputs fit ROW_BLOCK_BYTES, so that block stays in L2: blocks
+   * of equal size, as many for each thread (the static schedule gives each thread whole blocks;
+   * a short last one left a thread 40% idle on ResNet's layer3 / 4 convs at batch 8). */
+  const int pixels_outer = (size_t)taps * g.Cin * Cout <= weights_streamed();
+  int row_blocks = 1;
+  if (!pixels_outer) {
+    const int fit = ROW_BLOCK_BYTES / (tile_pixels * g.Cin) < 1 ? 1 : ROW_BLOCK_BYTES / (tile_pixels * g.Cin);
+    row_blocks = (pixel_tiles + fit - 1) / fit;
+    row_blocks = (row_blocks + threads - 1) / threads * threads;
+    row_blocks = row_blocks > pixel_tiles ? pixel_tiles : row_blocks;
+  }
+  const int block_tiles = (pixel_tiles + row_blocks - 1) / row_blocks;
+  ptrdiff_t tap_offsets[MAX_TAPS]; /* from a window's first input row, for windows inside the image */
+  for (int kh = 0; kh < g.KH; kh++)
+    for (int kw = 0; kw < g.KW; kw++) tap_offsets[kh * g.KW + kw] = ((ptrdiff_t)kh * g.dil_h * g.W + kw * g.dil_w) * g.Cin;
+#pragma omp parallel num_threads(threads)
+  {
+    /* a pixel tile's input rows, kept while this thread's next tiles are the same pixels' */
+    const uint8_t* rows[PIXEL_TILE][MAX_TAPS];
+    int rows_of = -1;
+#pragma omp for schedule(static) collapse(3)
+    for (int block = 0; block < row_blocks; block++)
+      for (int outer = 0; outer < (pixels_outer ? block_tiles : output_tiles); outer++)
+        for (int inner = 0; inner < (pixels_outer ? output_tiles : block_tiles); inner++) {
+          const int pt = block * block_tiles + (pixels_outer ? outer : inner), ot = pixels_outer ? inner : outer;
+          if (pt >= pixel_tiles) continue;
+          const size_t p = (size_t)pt * tile_pixels;
+          const int b0 = wide ? 4 * ot : tile_start(ot, blocks);
+          const int width = wide ? 4 : (ot + 1 < output_tiles ? tile_start(ot + 1, blocks) : blocks) - b0;
+          const int o = b0 * BLOCK;
+          const int pixels = P - (int)p < tile_pixels ? P - (int)p : tile_pixels;
+          if (rows_of != pt) window_rows(&g, x, padding, tap_offsets, (int)p, pixels, rows);
+          rows_of = pt;
+          if (width == 4) {
+            WIDE_TILE_CASES(pixels)
+          } else if (width == 3) {
+            TILE_CASES(pixels, 3)
+          } else if (width == 2) {
+            TILE_CASES(pixels, 2)
+          } else {
+            TILE_CASES(pixels, 1)
+          }
+        }
+  }
+  free(padding);
+  free(grid);
+  return 0;
+}
+
+static int run(int threads, const conv_call_t* c, int Cin, int Cout, const float* mult, const float* add, const uint8_t* x,
+               const void* residual, uint8_t* y, float* yf) {
+  return conv(threads, c->N, c->H, c->W, Cin, c->OH, c->OW, c->KH, c->KW, c->stride_h, c->stride_w, c->pad_h, c->pad_w, c->dil_h,
+       c->dil_w, Cout, c->x_zp, x, c->w, mult, add, residual, c->residual_is_float, c->residual_scale, c->activation, c->low,
+       c->high, c->out_inv_scale, c->out_zp, c->qmin, c->qmax, y, yf);
+}
+
+/* 0, or -1 when a scratch buffer could not be allocated. Cin % 4 or Cout % 8 run on copies
+ * padded to whole 4-input groups and 8-output blocks (padded_channels.h), a residual and the
+ * constants (zero there) with them. */
+int QB_CONV_CALL(int threads, const conv_call_t* c, const uint8_t* x, const void* residual, uint8_t* y, float* yf) {
+  const int Cin = padded_channels(c->Cin, 4), Cout = padded_channels(c->Cout, 8);
+  const int pad_in = Cin != c->Cin, pad_out = Cout != c->Cout;
+  if (!pad_in && !pad_out) return run(threads, c, Cin, Cout, c->mult, c->add, x, residual, y, yf);
+  const size_t in_pixels = (size_t)c->N * c->H * c->W, out_pixels = (size_t)c->N * c->OH * c->OW;
+  const size_t out_item = yf ? sizeof(float) : 1, residual_item = c->residual_is_float ? sizeof(float) : 1;
+  uint8_t* x_padded = pad_in ? calloc(in_pixels * Cin, 1) : NULL;
+  float* constants = pad_out ? calloc(2 * (size_t)Cout, sizeof(float)) : NULL;
+  void* residual_padded = pad_out && residual ? calloc(out_pixels * Cout, residual_item) : NULL;
+  void* out_padded = pad_out ? malloc(out_pixels * Cout * out_item) : NULL;
+  void* out = yf ? (void*)yf : (void*)y;
+  int status = -1;
+  if ((!pad_in || x_padded) && (!pad_out || (constants && out_padded && (!residual || residual_padded)))) {
+    if (pad_in) copy_rows(x_padded, x, in_pixels, c->Cin, Cin, 1);
+    if (pad_out) {
+      memcpy(constants, c->mult, c->Cout * sizeof(float));
+      memcpy(constants + Cout, c->add, c->Cout * sizeof(float));
+      if (residual) copy_rows(residual_padded, residual, out_pixels, c->Cout, Cout, residual_item);
+    }
+    void* target = pad_out ? out_padded : out;
+    status = run(threads, c, Cin, Cout, pad_out ? constants : c->mult, pad_out ? constants + Cout : c->add,
+                 pad_in ? x_padded : x, pad_out ? residual_padded : residual, yf ? NULL : target, yf ? target : NULL);
+    if (pad_out && !status) copy_rows(out, out_padded, out_pixels, Cout, c->Cout, out_item);
+  }
+  free(x_padded);
+  free(constants);
+  free(residual_padded);
+  free(out_padded);
+  return status;
+}

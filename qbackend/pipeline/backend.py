@@ -1,0 +1,143 @@
+"""The torch.compile backend: capture -> freeze -> select/emit -> clean up.
+
+Registered as ``backend="qbackend"`` through the ``torch_dynamo_backends`` entry point, so
+users never import this module themselves. Importing it changes no global torch state.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch.fx import GraphModule
+
+from qbackend.passes.batch_major import linears_in_row_order
+from qbackend.pipeline.cleanup import cleanup, drop_inference_dropout
+from qbackend.passes.einsum import einsums_as_matmuls
+from qbackend.pipeline.freeze import freeze
+from qbackend.llm.kv_int8 import KV_CACHES
+from qbackend.pipeline.lower import lower
+from qbackend.lowering.choice import mode as choice_mode
+from qbackend.pipeline.remainder import MODES, compile_with_inductor
+from qbackend.pipeline.report import Report
+from qbackend.pipeline.runnable import runnable
+
+log = logging.getLogger("qbackend")
+
+
+@dataclass
+class Options:
+    """``torch.compile(m, backend="qbackend", options={...})``."""
+
+    device: Optional[str] = None  # lower for this device's table instead of the inputs' device
+    report: bool = False  # print the report to stderr (also: QBACKEND_REPORT=1)
+    report_sink: Optional[Callable[[Report], None]] = None  # receives each graph's report
+    # weight-only linears: "auto" (CPU: qbackend's int16 kernels where they build, else bf16),
+    # "int16", "bf16" or "activation" (lowering/weight_only.py COMPUTE_CHOICES)
+    weight_only_compute: str = "auto"
+    # weight-only linears: from this many rows (tokens) on, run a dense matmul on a dequantized
+    # copy kept in memory (+0.5x the fp32 weight in bf16); None: always the packed kernel
+    weight_only_dense_rows: Optional[int] = None
+    # the lowered graph will be traced again with fake tensors (export, another compiler): use
+    # only op names that have a Meta kernel (torch 2.13's legacy qconv1d/qconv3d have none)
+    need_meta: bool = False
+    # what runs the ops qbackend does not lower: "eager" (ATen calls, no compiler needed) or
+    # "inductor" (fused C++ loops around the oneDNN calls; Inductor's compile time, see remainder.py)
+    remainder: str = "eager"
+    # own kernel or oneDNN for a conv / linear both can run: "measure" (timed once per machine and
+    # layer, then cached on disk), "cached" (measured choices only) or "prior" (fixed tables);
+    # None: $QBACKEND_KERNEL_CHOICE, else "measure" (lowering/choice.py)
+    kernel_choice: Optional[str] = None
+    # an error while lowering raises (Dynamo reports it as a backend failure) instead of a
+    # warning and the graph run unlowered; None: QBACKEND_STRICT=1, else the opposite of
+    # torch._dynamo.config.suppress_errors where the user set it, else False (see strict_mode)
+    strict: Optional[bool] = None
+    # attention over a KV cache that grows by appends reads "float" keys and values (the
+    # reference's) or an "int8" copy of them, a quarter of the bytes at long contexts (kv_int8.py)
+    kv_cache: str = "float"
+
+    @classmethod
+    def parse(cls, options) -> "Options":
+        options = dict(options or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = set(options) - known
+        if unknown:
+            raise ValueError(f"qbackend: unknown option(s) {sorted(unknown)}; valid options: {sorted(known)}")
+        parsed = cls(**options)
+        if parsed.remainder not in MODES:
+            raise ValueError(f"qbackend: remainder={parsed.remainder!r}; valid: {', '.join(map(repr, MODES))}")
+        if parsed.kv_cache not in KV_CACHES:
+            raise ValueError(f"qbackend: kv_cache={parsed.kv_cache!r}; valid: {', '.join(map(repr, KV_CACHES))}")
+        choice_mode(parsed.kernel_choice)  # (raises on an unknown mode)
+        return parsed
+
+
+def strict_mode(strict: Optional[bool]) -> bool:
+    """Whether a lowering error raises: the option, else $QBACKEND_STRICT, else what the user set
+    Dynamo's ``suppress_errors`` to (Dynamo's default, unset, still falls back: a model runs)."""
+    if strict is not None:
+        return strict
+    if "QBACKEND_STRICT" in os.environ:
+        return os.environ["QBACKEND_STRICT"] == "1"
+    dynamo_config = sys.modules.get("torch._dynamo.config")
+    is_default = getattr(dynamo_config, "_is_default", None)
+    if is_default is None or is_default("suppress_errors"):
+        return False
+    return not dynamo_config.suppress_errors
+
+
+def graph_device(example_inputs, gm: GraphModule) -> str:
+    """The device of the graph's tensors: real inputs first, then parameters and buffers."""
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            return value.device.type
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    for value in gm.buffers():
+        return value.device.type
+    return "cpu"
+
+
+def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=None) -> tuple[Callable, Report, GraphModule]:
+    """(callable taking Dynamo's inputs, report, the lowered GraphModule). ``gm`` is not
+    modified. ``registry`` replaces the live op registry (tests simulate other torch versions)."""
+    device = options.device or graph_device(example_inputs, gm)
+    work = GraphModule(gm, copy.deepcopy(gm.graph))
+    runtime_inputs = freeze(work, example_inputs)
+    drop_inference_dropout(work)
+    einsums_as_matmuls(work)
+    row_order = linears_in_row_order(work)
+    inductor = options.remainder == "inductor"  # (Inductor traces the graph: ops with Meta kernels, its own q/dq)
+    report = lower(work, device, registry, options.weight_only_compute, options.weight_only_dense_rows,
+                   options.need_meta or inductor, options.kernel_choice)
+    if row_order:
+        report.notes.append(row_order)
+    report.notes.extend(cleanup(work, device, fast_boundary=not inductor, kernel_choice=options.kernel_choice,
+                                weight_only_compute=options.weight_only_compute, kv_cache=options.kv_cache))
+    compiled = inductor and compile_with_inductor(work, [example_inputs[i] for i in runtime_inputs], report)
+    return runnable(compiled or work, runtime_inputs, len(example_inputs)), report, work
+
+
+def qbackend(gm: GraphModule, example_inputs, options=None, **_mode):
+    """Entry point Dynamo calls with each captured graph."""
+    opts = Options.parse(options)
+    try:
+        compiled, report, _ = compile_graph(gm, example_inputs, opts)
+    except Exception as error:  # never crash the user's model: run it as captured, unless asked to
+        if strict_mode(opts.strict):
+            raise
+        warnings.warn(f"qbackend could not lower this graph and runs it unlowered: {type(error).__name__}: {error}")
+        log.exception("qbackend lowering failed")
+        compiled, report = gm.forward, Report(opts.device or "?", notes=[f"lowering failed: {type(error).__name__}: {error}"])
+    if opts.report_sink is not None:
+        opts.report_sink(report)
+    if opts.report or os.environ.get("QBACKEND_REPORT") == "1":
+        print(report, file=sys.stderr)
+    log.info("%s", report)
+    return compiled
