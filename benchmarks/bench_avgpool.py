@@ -14,7 +14,7 @@ import warnings
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  registers quantized_decomposed
 
-from qbackend.passes import fast_qdq
+from qbackend.kernels import fast_qdq
 
 SCALE, ZERO_POINT = 0.0123, 7
 aten, qd = torch.ops.aten, torch.ops.quantized_decomposed

@@ -21,7 +21,11 @@ import torch
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT_ROOT))
 
-from qbackend.kernels import native  # noqa: E402
+from qbackend.kernels import conv_gemm, pools  # noqa: E402
+from qbackend.kernels import depthwise as depthwise_kernel
+from qbackend.kernels import isa as kernel_isa
+from qbackend.kernels import quantize as quantize_kernel
+from qbackend.kernels import stem as stem_kernel
 from qbackend.kernels import library  # noqa: E402
 from qbackend.lowering import depthwise, gemm, stem  # noqa: E402
 from qbackend.lowering.own_conv import scale_and_offset  # noqa: E402
@@ -57,9 +61,9 @@ LINEARS = [
 
 
 def builds():
-    """The GEMM builds this CPU runs (native.gemm_build's values; the depthwise kernel has the
+    """The GEMM builds this CPU runs (kernel_isa.gemm_build's values; the depthwise kernel has the
     first two only)."""
-    vnni = native._vnni_library()[0] is not None
+    vnni = kernel_isa._vnni_library()[0] is not None
     return [build for build, (isa, _) in library.GEMM_BUILDS.items() if isa == "avx2" or vnni]
 
 
@@ -79,7 +83,7 @@ def conv_runners(batch, cin, h, w, cout, k, s, zp):
     packed_weight = packing(weight)
 
     def own():
-        return native.qconv(x, packed_weight(), mult, add, None, 0.0, 0.0, float("inf"), 0.05, 3, 0, 255, False, "none",
+        return conv_gemm.qconv(x, packed_weight(), mult, add, None, 0.0, 0.0, float("inf"), 0.05, 3, 0, 255, False, "none",
                             (k, k), (s, s), (pad, pad), (1, 1), zp)
     return onednn, own
 
@@ -99,7 +103,7 @@ def linear_runners(rows, cin, cout):
     x4, packed_weight = x.reshape(rows, cin, 1, 1), packing(weight)
 
     def own():
-        return native.qconv(x4, packed_weight(), mult, add, None, 0.0, -float("inf"), float("inf"), 0.05, 3, 0, 255)
+        return conv_gemm.qconv(x4, packed_weight(), mult, add, None, 0.0, -float("inf"), float("inf"), 0.05, 3, 0, 255)
     return onednn, own
 
 
@@ -108,7 +112,7 @@ def packing(weight, pack=gemm.pack):
     packed = {}
 
     def for_build():
-        build = native.int8_build()
+        build = kernel_isa.int8_build()
         if build not in packed:
             packed[build] = pack(weight)
         return packed[build]
@@ -132,7 +136,7 @@ def depthwise_runners(channels, size, stride):
     constants = packing(weight, lambda w: depthwise.pack(w, *mult_add, depthwise.vnni_built()))
 
     def own():
-        return native.qconv_depthwise(x, 0, *constants(), (stride, stride), (1, 1), 0.0, 6.0, 0.05, 0, 0, 255)
+        return depthwise_kernel.qconv_depthwise(x, 0, *constants(), (stride, stride), (1, 1), 0.0, 6.0, 0.05, 0, 0, 255)
     return onednn, own
 
 
@@ -142,8 +146,8 @@ STEMS = [("ResNet-18 stem 7x7 s2 + relu", 64, 7, 2, 3), ("MobileNetV2 stem 3x3 s
 
 def stem_rows() -> list:
     """The stem conv kernel (AVX512-VNNI only) against oneDNN's conv, on 224x224 images."""
-    if native.vnni_unavailable() is not None:
-        return [f"| (not run: {native.vnni_unavailable()}) | | | |"]
+    if kernel_isa.vnni_unavailable() is not None:
+        return [f"| (not run: {kernel_isa.vnni_unavailable()}) | | | |"]
     prepack, qconv, rows, fused = resolve("qconv_prepack", "cpu").op, resolve("qconv", "cpu").op, [], []
     for name, cout, k, s, pad in STEMS:
         for batch in (1, 8):
@@ -159,14 +163,14 @@ def stem_rows() -> list:
                 f"{name}, batch {batch}: 3->{cout}",
                 lambda x=x, packed=packed, w_scale=w_scale, w_zp=w_zp, s=s, pad=pad: qconv(
                     x, 0.02, 3, packed, w_scale, w_zp, None, [s, s], [pad, pad], [1, 1], 1, 0.05, 0, None, "relu", [], ""),
-                lambda args=args: native.qconv_stem(*args)))
+                lambda args=args: stem_kernel.qconv_stem(*args)))
             print(rows[-1], flush=True)
             if name.startswith("ResNet"):  # (its 3x3 stride-2 max pool: fused, lowering/stem.py fuse_max_pool)
                 pool = ((3, 3), (2, 2), (1, 1))
                 fused.append(torch_vs_own_row(
                     f"{name} + max pool 3x3 s2, batch {batch}",
-                    lambda args=args: native.max_pool_u8(native.qconv_stem(*args), *pool, (1, 1)),
-                    lambda args=args: native.qconv_stem(*args, *pool)))
+                    lambda args=args: pools.max_pool_u8(stem_kernel.qconv_stem(*args), *pool, (1, 1)),
+                    lambda args=args: stem_kernel.qconv_stem(*args, *pool)))
                 print(fused[-1], flush=True)
     return rows + ["", "| stem conv and its max pool | two calls: stem kernel, max pool kernel (us) | one call, pool fused (us) | "
                    "fused / two calls |", "|---|---|---|---|", *fused]
@@ -186,17 +190,17 @@ def other_kernel_rows() -> list:
         x = torch.randint(0, 256, (batch, 64, 112, 112), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
         rows.append(torch_vs_own_row(f"ResNet max pool 3x3 s2, batch {batch}: quantized::max_pool2d",
                                      lambda x=x: torch.ops.quantized.max_pool2d(x, [3, 3], [2, 2], [1, 1], [1, 1], False),
-                                     lambda x=x: native.max_pool_u8(x, (3, 3), (2, 2), (1, 1), (1, 1))))
+                                     lambda x=x: pools.max_pool_u8(x, (3, 3), (2, 2), (1, 1), (1, 1))))
         head = torch.randint(0, 256, (batch, 1280, 7, 7), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
         rows.append(torch_vs_own_row(
             f"MobileNetV2 head global average pool, batch {batch}: quantized-tensor copy, its pool, int_repr",
             lambda h=head: torch.nn.functional.adaptive_avg_pool2d(torch._make_per_tensor_quantized_tensor(h, 0.05, 3), 1).int_repr(),
-            lambda h=head: native.global_avg_pool_u8(h, 3, 0, 255)))
+            lambda h=head: pools.global_avg_pool_u8(h, 3, 0, 255)))
         image = torch.randn(batch, 3, 224, 224)
         rows.append(torch_vs_own_row(
             f"input quantize {batch}x3x224x224 to channels-last uint8: the reference's quantize + to channels-last",
             lambda i=image: quantize(i, 0.03, 127, 0, 255, torch.uint8).contiguous(memory_format=torch.channels_last),
-            lambda i=image: native.quantize_channels_last(i, 0.03, 127, 0, 255)))
+            lambda i=image: quantize_kernel.quantize_channels_last(i, 0.03, 127, 0, 255)))
     return rows
 
 
@@ -220,13 +224,13 @@ def timed_row(label, onednn, own, columns, builds=None):
 
 
 def _with_build(build, own):
-    saved = native.int8_build, native.gemm_build
-    native.int8_build = lambda: library.GEMM_BUILDS[build][0]
-    native.gemm_build = lambda: build
+    saved = kernel_isa.int8_build, kernel_isa.gemm_build
+    kernel_isa.int8_build = lambda: library.GEMM_BUILDS[build][0]
+    kernel_isa.gemm_build = lambda: build
     try:
         return own()
     finally:
-        native.int8_build, native.gemm_build = saved
+        kernel_isa.int8_build, kernel_isa.gemm_build = saved
 
 
 def main():
@@ -258,8 +262,8 @@ def main():
             "- Interleaved medians of the call as a lowered graph makes it (oneDNN: the prepacked op with a relu / "
             "requantize epilogue; qbackend: the plain function, uint8 out)\n"
             f"- GEMM builds: avx512_vnni on ymm registers, avx512_vnni_zmm on zmm; this CPU's probe "
-            f"(native.zmm_speedup: zmm / ymm products per second) {native.zmm_speedup():.2f}, so it runs "
-            f"{native.gemm_build()}\n\n### GEMM and depthwise vs oneDNN\n\n"
+            f"(kernel_isa.zmm_speedup: zmm / ymm products per second) {kernel_isa.zmm_speedup():.2f}, so it runs "
+            f"{kernel_isa.gemm_build()}\n\n### GEMM and depthwise vs oneDNN\n\n"
             + "\n".join(lines) + "\n\n### Stem conv (3 input channels) vs oneDNN\n\n" + "\n".join(stems)
             + "\n\n### Pools and input quantize\n\n" + "\n".join(others) + "\n")
     write_section(args.out, "qbackend's own int8 kernels vs torch's, per layer", cpu_key(), body)

@@ -28,7 +28,7 @@ SIZE, GROUP = 4096, 128
 
 
 def worker(seconds: float) -> dict:
-    from qbackend.kernels import native
+    from qbackend.kernels import registry
     from qbackend.weight_only.weight_quant import quantize
 
     torch.manual_seed(0)
@@ -38,7 +38,7 @@ def worker(seconds: float) -> dict:
     args = (weight.nibble_storage(), scale, (weight.float_offset() - 8 * scale).contiguous(), GROUP)
     x, dense_bf16 = torch.randn(1, SIZE), dense.bfloat16()
     kernels = {
-        "qbackend int4": lambda: native.op("int4_mm_int16")(x, *args),
+        "qbackend int4": lambda: registry.op("int4_mm_int16")(x, *args),
         "torch fp32 linear": lambda: torch.nn.functional.linear(x, dense),
         "torch bf16 linear": lambda: torch.nn.functional.linear(x.bfloat16(), dense_bf16),
     }

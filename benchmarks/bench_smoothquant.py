@@ -34,7 +34,7 @@ from common import (NUM_THREADS, Settings, log, machine_description, measure_bac
 from sentences import CALIBRATION, EVALUATION  # noqa: E402
 
 SEQ, EVAL_BATCH = 64, 4
-# qbackend.smoothquant.smooth_quant's ``alpha``: one for every linear, per layer (fnmatch over the module
+# qbackend.smooth_quant's ``alpha``: one for every linear, per layer (fnmatch over the module
 # path; unmatched linears are not smoothed), or the per-layer search against the int8 loss.
 PER_LAYER = {"*.attention.self.*": 0.7, "*.intermediate.dense": 0.7, "*.layer.[013].output.dense": 0.7}
 # Layer 0's FFN2 (it reads GELU's long-tailed output) matters most: of all 36 linears tried one
@@ -119,12 +119,12 @@ def accuracy(model, tokenizer, name, config, options=None):
 
 def float_change(model, tokenizer, smooth):
     """Largest change of the float model's output made by smoothing, relative to its largest
-    value (the exported module before and after ``qbackend.smoothquant.smooth_quant``)."""
+    value (the exported module before and after ``qbackend.smooth_quant``)."""
     calibration = batches(tokenizer, CALIBRATION, EVAL_BATCH)
     evaluation = batches(tokenizer, EVALUATION, EVAL_BATCH)
     exported = torch.export.export(model, calibration[0], strict=True).module()
     before = [exported(*b) for b in evaluation]
-    report = qbackend.smoothquant.smooth_quant(exported, calibration, **smooth)
+    report = qbackend.smooth_quant(exported, calibration, **smooth)
     after = [exported(*b) for b in evaluation]
     change = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(after, before))
     return change, len(report.smoothed)

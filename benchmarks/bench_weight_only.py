@@ -225,7 +225,7 @@ def report(rows, bandwidth, memory, quick, machine):
         " machine's 32 MB L3 then keeps part of the 68 MB of int4 weights. Speedups are against dense fp32"
         " eager timed the same way; `x BW limit` uses the faster of the two. cos is against the fp32 model's output.",
         "- `qbackend int4` / `int8` is the default (`weight_only_compute=\"auto\"`): on this CPU, qbackend's own kernels"
-        " (qbackend/kernels/native.py), which quantize the activations per group to int16 and multiply with integer AVX2"
+        " (qbackend/kernels/weight_only_mm.py), which quantize the activations per group to int16 and multiply with integer AVX2"
         " instructions. `torch's kernel in bf16` is `weight_only_compute=\"bf16\"`: torch's packed kernels with bf16"
         " activations (cast in, cast out), 6-13x (AVX2) to 30-120x (avx512_bf16) faster than their fp32 path"
         " (docs/design-notes.md).",

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from qbackend.kernels import native
+from qbackend.kernels import add_quantize, registry
 from qbackend.patterns.base import fake_value
 
 from . import own_conv
@@ -17,7 +17,7 @@ from .base import EmitContext
 
 def limits(match) -> Optional[str]:
     return (own_conv.uint8_quantize_refusal(match)
-            or native.add_quantize_refusal(fake_value(match.float_source), fake_value(match.op_args[0])) or native.available())
+            or add_quantize.add_quantize_refusal(fake_value(match.float_source), fake_value(match.op_args[0])) or registry.available())
 
 
 def emit(ctx: EmitContext, match):
@@ -27,9 +27,9 @@ def emit(ctx: EmitContext, match):
     args = (match.float_source, match.op_args[0], q.scale, q.zero_point, q.qmin, q.qmax)
     ctx.notes.append("qbackend's add-and-quantize kernel")
     if add.target is torch.ops.aten.add_.Tensor:
-        ctx.kernel = f"{native.NAMESPACE}::add_quantize_.default"
+        ctx.kernel = f"{registry.NAMESPACE}::add_quantize_.default"
         quantized = own_conv.call_kernel(ctx, "add_quantize_", args)
         add.replace_all_uses_with(match.float_source, delete_user_cb=lambda user: user is not match.result)
         return quantized
-    ctx.kernel = f"{native.NAMESPACE}::add_quantize.default"
+    ctx.kernel = f"{registry.NAMESPACE}::add_quantize.default"
     return own_conv.call_kernel_keeping_float(ctx, "add_quantize", args, add, match.result)

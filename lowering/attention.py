@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from qbackend.kernels import native
+from qbackend.kernels import attention, registry
 from qbackend.patterns.base import fake_value
 
 from . import own_conv
@@ -42,7 +42,7 @@ def _heads_batched(q, k, v, mask, make, value) -> tuple:
 
 def refusal(ctx: EmitContext, match) -> Optional[str]:
     """Why the kernel cannot run this attention (None if it can)."""
-    reason = native.available()
+    reason = registry.available()
     if reason is not None:
         return reason
     values = attention_operand_values(match)
@@ -50,7 +50,7 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
         return "the operands have no example values (shapes unknown)"
     q, k, v, mask, _, is_causal = values
     q, k, v, mask = _heads_batched(q, k, v, mask, lambda target, *args: target(*args), lambda t: t)
-    return native.attention_refusal(q, k, v, mask, mask_dtypes=(torch.float32, torch.bool), is_causal=is_causal)
+    return attention.attention_refusal(q, k, v, mask, mask_dtypes=(torch.float32, torch.bool), is_causal=is_causal)
 
 
 ADDITIVE = "qbackend_additive_mask"  # node meta of a bool mask: its additive form, once made
@@ -74,7 +74,7 @@ def emit(ctx: EmitContext, match):
     if mask is not None and fake_value(mask).dtype == torch.bool:
         mask = _additive(ctx, mask)
         ctx.notes.append("bool mask as an additive one")
-    ctx.kernel = f"{native.NAMESPACE}::attention_f32.default"
+    ctx.kernel = f"{registry.NAMESPACE}::attention_f32.default"
     ctx.notes.append("qbackend's float32 attention kernel")
     if is_causal:
         ctx.notes.append("causal: each block of query rows reads the keys up to its last position")

@@ -7,7 +7,7 @@ from typing import Callable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from qbackend.pipeline.freeze import set_constant
+from qbackend.graph_constants import set_constant
 from qbackend.ops import Resolved, resolve
 
 

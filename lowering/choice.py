@@ -24,8 +24,8 @@ from torch.fx import GraphModule, Node
 
 from qbackend.kernels.choice_cache import fastest_of
 from qbackend.patterns.base import QuantizedWeight, fake_value
-from qbackend.pipeline.runnable import NodeSteps
-from qbackend.pipeline.stack_room import in_fresh_chunk
+from qbackend.runtime.runnable import NodeSteps
+from qbackend.runtime.stack_room import in_fresh_chunk
 
 from .base import EmitContext
 from .common import static_shape
@@ -136,7 +136,7 @@ def time_each(candidates: dict[str, tuple[Callable, list]]) -> dict[str, float]:
     """Median seconds per call of each candidate, timed in interleaved rounds after one warm-up
     call each (oneDNN builds its primitive on the first): at least MIN_ROUNDS, then until the
     samples no longer overlap or BUDGET_SECONDS per candidate are spent. The loop runs in a
-    fresh chunk of Python's frame stack, as the lowered graph runs (``qbackend.pipeline.stack_room``)."""
+    fresh chunk of Python's frame stack, as the lowered graph runs (``qbackend.runtime.stack_room``)."""
     return in_fresh_chunk(_time_rounds, candidates)
 
 

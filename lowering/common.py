@@ -8,7 +8,7 @@ from typing import Callable, Optional
 import torch
 from torch.fx import Node
 
-from qbackend.passes import fast_qdq
+from qbackend.kernels import fast_qdq
 from qbackend.ops import qconv_for_rank
 from qbackend.patterns.attention import ScaledQueries, WindowedMask, combined
 from qbackend.patterns.base import Match, PostOp, QuantizedValue, fake_value

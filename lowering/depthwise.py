@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from qbackend.kernels import native
+from qbackend.kernels import depthwise, isa, registry
 
 from . import own_conv
 from .base import EmitContext
@@ -26,10 +26,10 @@ MAX_CHANNELS = 1 << 14  # the kernel keeps a row of zero-point bytes per channel
 
 def is_depthwise(match) -> bool:
     """A 2-D conv with one input channel per group, multiplier 1, a square window the kernels
-    take (native.DEPTHWISE_WINDOWS), no residual."""
+    take (depthwise.DEPTHWISE_WINDOWS), no residual."""
     p, w = match.conv, match.weight
     return (p is not None and w is not None and p.spatial_rank == 2 and match.accum is None and match.accum_float is None
-            and p.groups == w.int8.shape[0] and tuple(w.int8.shape[1:]) in {(1, k, k) for k in native.DEPTHWISE_WINDOWS})
+            and p.groups == w.int8.shape[0] and tuple(w.int8.shape[1:]) in {(1, k, k) for k in depthwise.DEPTHWISE_WINDOWS})
 
 
 def _window(match) -> int:
@@ -39,10 +39,10 @@ def _window(match) -> int:
 def refusal(ctx: EmitContext, match) -> Optional[str]:
     """Why this conv is not for the depthwise kernel (None if it is)."""
     if not is_depthwise(match):
-        return f"not a depthwise conv with a {' or '.join(f'{k}x{k}' for k in native.DEPTHWISE_WINDOWS)} window"
+        return f"not a depthwise conv with a {' or '.join(f'{k}x{k}' for k in depthwise.DEPTHWISE_WINDOWS)} window"
     p, w, k = match.conv, match.weight, _window(match)
     channels = w.int8.shape[0]
-    if list(p.dilation) != [1, 1] or any(s not in native.DEPTHWISE_STRIDES for s in p.stride) \
+    if list(p.dilation) != [1, 1] or any(s not in depthwise.DEPTHWISE_STRIDES for s in p.stride) \
             or any(not 0 <= q <= k // 2 for q in p.padding):
         return (f"stride {p.stride}, padding {p.padding}, dilation {p.dilation}: the kernel takes stride 1-2, padding"
                 f" 0-{k // 2}")
@@ -55,7 +55,7 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
 
 
 def vnni_built() -> bool:
-    return native.int8_build() == "avx512_vnni"
+    return isa.int8_build() == "avx512_vnni"
 
 
 def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, vnni: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,7 +82,7 @@ def pack_vnni(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tu
     """Each kernel row's K weights, zero-padded to whole quads of 4 bytes; in a group of 32
     channels, channel 32 g + 16 half + 4 vector + i sits in lane 4 half + i of its vector
     (vpunpck order); a last group of 16 has only the low halves."""
-    channels, group, window = weight.shape[0], native.DEPTHWISE_VNNI_GROUP, weight.shape[-1]
+    channels, group, window = weight.shape[0], depthwise.DEPTHWISE_VNNI_GROUP, weight.shape[-1]
     quads = -(-window // 4)
     rows = torch.nn.functional.pad(weight.reshape(channels, window, window), (0, 4 * quads - window))
     rows = rows.reshape(channels, window, quads, 4)  # [C, kernel row, quad, 4 bytes]
@@ -101,7 +101,7 @@ def emit(ctx: EmitContext, match):
     activation = own_conv.activation(match.post_op)
     low, high = own_conv.clamp_bounds(None if activation != "none" else match.post_op)
     weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match), vnni_built())
-    ctx.kernel = f"{native.NAMESPACE}::qconv_depthwise.default"
+    ctx.kernel = f"{registry.NAMESPACE}::qconv_depthwise.default"
     ctx.notes.append("qbackend's depthwise kernel")
     requantize = (out.scale, out.zero_point, out.qmin, out.qmax) if out is not None else (1.0, 0, 0, 255)
     return own_conv.call_kernel(ctx, "qconv_depthwise", (

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from qbackend.kernels import native
+from qbackend.kernels import common, conv_gemm, isa, registry
 from qbackend.patterns.base import fake_value
 
 from . import own_conv
@@ -32,7 +32,7 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class Limits:
-    """Up to where a GEMM build (native.gemm_build) beats oneDNN: linears of at most
+    """Up to where a GEMM build (isa.gemm_build) beats oneDNN: linears of at most
     ``max_rows`` rows; 1x1 convs and convs of inputs whose zero point is not 0 of at most
     ``max_conv_pixels`` output pixels; other convs (3x3 after a ReLU) of at most
     ``max_dense_macs`` multiply-adds (where oneDNN's fixed ~22 us per call weighs)."""
@@ -63,7 +63,7 @@ LIMITS = {"avx2": Limits(max_rows=256, max_conv_pixels=8192), "avx512_vnni": Lim
 
 
 def limits() -> Limits:
-    return LIMITS[native.gemm_build()]
+    return LIMITS[isa.gemm_build()]
 
 def _conv_output_shape(match) -> Optional[list[int]]:
     shape, p = static_shape(match.x.node), match.conv
@@ -71,7 +71,7 @@ def _conv_output_shape(match) -> Optional[list[int]]:
         return None
     kernel = match.weight.int8.shape[2:]
     return [shape[0], match.weight.int8.shape[0],
-            *(native.conv_output_size(*args) for args in zip(shape[2:], p.stride, p.padding, kernel, p.dilation))]
+            *(common.conv_output_size(*args) for args in zip(shape[2:], p.stride, p.padding, kernel, p.dilation))]
 
 
 def _output_pixels(match) -> Optional[int]:
@@ -88,7 +88,7 @@ def is_conv(match) -> bool:
 def conv_prior(match) -> Optional[str]:
     """Why the build's LIMITS (where it was faster than oneDNN on the CPUs measured) give this
     conv to oneDNN, or None."""
-    pixels, build = _output_pixels(match), native.gemm_build()
+    pixels, build = _output_pixels(match), isa.gemm_build()
     if math.prod(match.weight.int8.shape[2:]) > 1 and match.x.qparams.zero_point == 0:
         macs = pixels * match.weight.int8.numel()
         if macs > limits().max_dense_macs:
@@ -128,7 +128,7 @@ def _operands_refusal(match, output_shape: list[int]) -> Optional[str]:
 
 
 def _gemm_refusal(ctx: EmitContext, match) -> Optional[str]:
-    if native.int8_build() == "avx2":  # (the VNNI build adds in int32: no limit)
+    if isa.int8_build() == "avx2":  # (the VNNI build adds in int32: no limit)
         bound = match.x.qparams.qmax * _largest_adjacent_pair_sum(match.weight.int8)
         if bound > INT16_MAX:
             return f"its int16 pair sums could reach {bound} > {INT16_MAX} (8-bit weights; no AVX512-VNNI here)"
@@ -139,8 +139,8 @@ def _gemm_refusal(ctx: EmitContext, match) -> Optional[str]:
 def refusal(ctx: EmitContext, match) -> Optional[str]:
     """Why this conv is not for the kernel (None if it is)."""
     kernel = match.weight.int8.shape[2:]
-    if math.prod(kernel) > native.MAX_TAPS:
-        return f"a {'x'.join(map(str, kernel))} kernel: the kernel takes up to {native.MAX_TAPS} positions (3x3)"
+    if math.prod(kernel) > conv_gemm.MAX_TAPS:
+        return f"a {'x'.join(map(str, kernel))} kernel: the kernel takes up to {conv_gemm.MAX_TAPS} positions (3x3)"
     return _operands_refusal(match, _conv_output_shape(match)) or _gemm_refusal(ctx, match)
 
 
@@ -153,7 +153,7 @@ def is_linear(match) -> bool:
 def linear_prior(match) -> Optional[str]:
     """Why the build's LIMITS give this linear to oneDNN (more than max_rows rows), or None."""
     rows = math.prod(static_shape(match.x.node)[:-1])
-    return f"{rows} rows > {limits().max_rows} in LIMITS[{native.gemm_build()!r}]" if rows > limits().max_rows else None
+    return f"{rows} rows > {limits().max_rows} in LIMITS[{isa.gemm_build()!r}]" if rows > limits().max_rows else None
 
 
 def linear_refusal(ctx: EmitContext, match) -> Optional[str]:
@@ -163,10 +163,10 @@ def linear_refusal(ctx: EmitContext, match) -> Optional[str]:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight as [ceil(Cout/B)][KH*KW*ceil(Cin/4)][B][4], B = native.GEMM_BLOCK (every build;
+    """The weight as [ceil(Cout/B)][KH*KW*ceil(Cin/4)][B][4], B = conv_gemm.GEMM_BLOCK (every build;
     Cout and each kernel position's Cin padded with zero weights): one row feeds B outputs x 4
     inputs, a zmm vector or two ymm ones."""
-    block, ordered = native.GEMM_BLOCK, _in_kernel_order(weight)
+    block, ordered = conv_gemm.GEMM_BLOCK, _in_kernel_order(weight)
     ordered = torch.nn.functional.pad(ordered, (0, 0, 0, -ordered.shape[0] % block))
     return ordered.reshape(ordered.shape[0] // block, block, -1, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)
 
@@ -179,7 +179,7 @@ def _call(ctx: EmitContext, match, x: Node, residual: Optional[Node] = None, res
     activation = own_conv.activation(post)
     low, high = own_conv.clamp_bounds(None if activation != "none" else post)
     mult, add = own_conv.requantize_constants(ctx, match, shift)
-    ctx.kernel = f"{native.NAMESPACE}::qconv.default"
+    ctx.kernel = f"{registry.NAMESPACE}::qconv.default"
     requantize = (out.scale, out.zero_point, out.qmin, out.qmax) if out is not None else (1.0, 0, 0, 255)
     return own_conv.call_kernel(ctx, "qconv", (
         x, ctx.constant(pack(match.weight.int8), "gemm_w"), ctx.constant(mult.float(), "gemm_mult"),

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from qbackend.kernels import native
+from qbackend.kernels import depthwise, grouped, isa, registry
 
 from . import own_conv
 from .base import EmitContext
@@ -31,16 +31,16 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
     channels, per_group = w.int8.shape[0], w.int8.shape[1]
     if channels != per_group * p.groups:
         return f"{per_group * p.groups} input channels for {channels} outputs: the kernel keeps the channel count"
-    reason = native.grouped_refusal(channels, p.groups)
+    reason = grouped.grouped_refusal(channels, p.groups)
     if reason is not None:
         return reason
     if list(p.dilation) != [1, 1] or list(p.padding) != [1, 1] or p.stride[0] != p.stride[1] \
-            or p.stride[0] not in native.DEPTHWISE_STRIDES:
+            or p.stride[0] not in depthwise.DEPTHWISE_STRIDES:
         return f"stride {p.stride}, padding {p.padding}, dilation {p.dilation}: the kernel takes stride 1-2, padding 1"
     if match.output_quant is None:
         return "a float output (the kernel writes uint8)"
     reason = own_conv.refusal(ctx, match, (match.x.qparams, match.output_quant))
-    return reason or native.vnni_unavailable()
+    return reason or isa.vnni_unavailable()
 
 
 def lane_order(channels: int, per_group: int) -> torch.Tensor:
@@ -54,7 +54,7 @@ def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tuple[t
     """[C, Cg, 3, 3] int8 -> [C / 8][9 taps][Cg / 4 quads][8 lanes][4 bytes]; mult, add in lane order."""
     channels, per_group = weight.shape[:2]
     order = lane_order(channels, per_group)
-    lanes = native.GROUPED_LANES
+    lanes = grouped.GROUPED_LANES
     packed = weight[order].reshape(channels // lanes, lanes, per_group // 4, 4, 9).permute(0, 4, 2, 1, 3)
     return packed.contiguous().reshape(-1), mult[order].float().contiguous(), add[order].float().contiguous()
 
@@ -63,7 +63,7 @@ def emit(ctx: EmitContext, match):
     p, out = match.conv, match.output_quant
     low, high = own_conv.clamp_bounds(match.post_op)
     weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match))
-    ctx.kernel = f"{native.NAMESPACE}::qconv_grouped.default"
+    ctx.kernel = f"{registry.NAMESPACE}::qconv_grouped.default"
     ctx.notes.append("qbackend's grouped conv kernel")
     return own_conv.call_kernel(ctx, "qconv_grouped", (
         match.x.node, match.x.qparams.zero_point, ctx.constant(weight, "grouped_w"), ctx.constant(mult, "grouped_mult"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from qbackend.kernels import native
+from qbackend.kernels import layer_norm_quantize, registry
 from qbackend.patterns.base import constant_value, fake_value
 
 from . import own_conv
@@ -17,8 +17,8 @@ from .base import EmitContext
 def refusal(ctx: EmitContext, match) -> Optional[str]:
     weight, bias, eps = match.op_args
     return (own_conv.uint8_quantize_refusal(match)
-            or native.layer_norm_quantize_refusal(fake_value(match.float_source), constant_value(ctx.gm, weight),
-                                                  constant_value(ctx.gm, bias), float(eps)) or native.available())
+            or layer_norm_quantize.layer_norm_quantize_refusal(fake_value(match.float_source), constant_value(ctx.gm, weight),
+                                                  constant_value(ctx.gm, bias), float(eps)) or registry.available())
 
 
 def emit(ctx: EmitContext, match):
@@ -29,9 +29,9 @@ def emit(ctx: EmitContext, match):
     args = (match.float_source, weight, bias, float(eps), q.scale, q.zero_point, q.qmin, q.qmax)
     ctx.notes.append("qbackend's LayerNorm-and-quantize kernel")
     if len(norm.users) == 1:
-        ctx.kernel = f"{native.NAMESPACE}::layer_norm_quantize.default"
+        ctx.kernel = f"{registry.NAMESPACE}::layer_norm_quantize.default"
         return own_conv.call_kernel(ctx, "layer_norm_quantize", args)
-    ctx.kernel = f"{native.NAMESPACE}::layer_norm_and_quantize.default"
+    ctx.kernel = f"{registry.NAMESPACE}::layer_norm_and_quantize.default"
     return own_conv.call_kernel_keeping_float(ctx, "layer_norm_and_quantize", args, norm, match.result)
 
 

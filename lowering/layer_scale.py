@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from qbackend.pipeline.freeze import set_constant
+from qbackend.graph_constants import set_constant
 from qbackend.patterns.base import constant_value, fake_value
 from qbackend.patterns.qdq import is_op, single_user
 

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import torch
 from torch.fx import Node
 
-from qbackend.kernels import native
+from qbackend.kernels import registry
 from qbackend.patterns.base import constant_value, fake_value
 
 from .signed_int8 import nan_as
@@ -33,7 +33,7 @@ class OwnKernel:
 
 # Post-ops the kernels' epilogues run besides their clamp (vec_math.h: GELU by an erf / tanh,
 # SiLU by an exp, error < 2e-7; hardswish in torch's order of operations): post-op -> the
-# kernel's activation (native.ACTIVATIONS). EfficientNet's expand convs end in SiLU,
+# kernel's activation (common.ACTIVATIONS). EfficientNet's expand convs end in SiLU,
 # MobileNetV3's in hardswish, MaxViT's in GELU (which oneDNN's conv does not fuse).
 ACTIVATIONS = {"swish": lambda post: "swish", "hardswish": lambda post: "hardswish",
                "gelu": lambda post: {"none": "gelu", "tanh": "gelu_tanh"}[post.algorithm]}
@@ -65,7 +65,7 @@ def refusal(ctx, match, int8_values, activations=()) -> Optional[str]:
         return "asymmetric weights"
     if match.bias is not None and constant_value(ctx.gm, match.bias) is None:
         return "the bias is not a constant"
-    return native.available()
+    return registry.available()
 
 
 def uint8_quantize_refusal(match) -> Optional[str]:
@@ -109,8 +109,8 @@ def call_kernel_keeping_float(ctx, name: str, args: tuple, float_node: Node, qua
 def call_kernel(ctx, name: str, args: tuple) -> Node:
     """The kernel's call node, with the example value Dynamo records for other nodes: later
     rules read it (the next oneDNN conv prepacks for its input's shape)."""
-    node = ctx.gm.graph.call_function(native.own_kernel(name, traced=ctx.need_meta), args)
+    node = ctx.gm.graph.call_function(registry.own_kernel(name, traced=ctx.need_meta), args)
     values = [(constant_value(ctx.gm, a) if a.op == "get_attr" else fake_value(a)) if isinstance(a, Node) else a for a in args]
     if values[0] is not None:
-        node.meta["example_value"] = native.FAKES[name](*values)
+        node.meta["example_value"] = registry.FAKES[name](*values)
     return node

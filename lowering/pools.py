@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from qbackend.kernels import native
+from qbackend.kernels import registry
 from qbackend.patterns.base import fake_value
 
 from . import own_conv
@@ -33,12 +33,12 @@ def _input_refusal(match) -> Optional[str]:
         return f"the kernel takes a batched [N, C, H, W] input, not one of rank {value.dim()}"
     if match.x.qparams.dtype != torch.uint8:
         return "the kernel reads uint8"
-    return native.available()
+    return registry.available()
 
 
 def emit_max_pool(ctx: EmitContext, match):
     kernel_size, stride, padding, dilation, ceil_mode = match.op_args
-    ctx.kernel = f"{native.NAMESPACE}::max_pool_u8.default"
+    ctx.kernel = f"{registry.NAMESPACE}::max_pool_u8.default"
     ctx.notes.append("qbackend's max pool kernel (quantized::max_pool2d runs on one thread)")
     return own_conv.call_kernel(ctx, "max_pool_u8", (match.x.node, *(tuple(a) for a in (kernel_size, stride, padding, dilation)))
                                 + ((True,) if ceil_mode else ()))
@@ -50,7 +50,7 @@ def is_global_average(match) -> bool:
 
 def emit_global_average(ctx: EmitContext, match):
     x = match.x.qparams
-    ctx.kernel = f"{native.NAMESPACE}::global_avg_pool_u8.default"
+    ctx.kernel = f"{registry.NAMESPACE}::global_avg_pool_u8.default"
     ctx.notes.append("qbackend's global average pool kernel (torch pools int8 as a quantized-tensor copy)")
     return own_conv.call_kernel(ctx, "global_avg_pool_u8", (match.x.node, x.zero_point, x.qmin, x.qmax))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from qbackend.kernels import native
+from qbackend.kernels import registry, scale_quantize
 from qbackend.patterns.base import fake_value
 
 from . import own_conv
@@ -15,13 +15,13 @@ from .base import EmitContext
 
 def refusal(ctx: EmitContext, match) -> Optional[str]:
     return (own_conv.uint8_quantize_refusal(match)
-            or native.scale_quantize_refusal(fake_value(match.float_source), fake_value(match.op_args[0]))
-            or native.available())
+            or scale_quantize.scale_quantize_refusal(fake_value(match.float_source), fake_value(match.op_args[0]))
+            or registry.available())
 
 
 def emit(ctx: EmitContext, match):
     q = match.output_quant
-    ctx.kernel = f"{native.NAMESPACE}::scale_quantize.default"
+    ctx.kernel = f"{registry.NAMESPACE}::scale_quantize.default"
     ctx.notes.append("qbackend's scale-and-quantize kernel")
     return own_conv.call_kernel(ctx, "scale_quantize", (match.float_source, match.op_args[0], q.scale, q.zero_point,
                                                         q.qmin, q.qmax))

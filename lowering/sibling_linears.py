@@ -3,7 +3,7 @@ arguments (a transformer's Q, K and V projections) run as one qlinear over their
 weights; each sibling then reads its own columns as a view. The same holds for linears on
 qbackend's own GEMM kernel (gemm.py): its per-channel constants concatenate as they are, and
 the concatenated int8 weights are packed again (each member's packing pads its out_features to
-a multiple of native.GEMM_BLOCK).
+a multiple of conv_gemm.GEMM_BLOCK).
 
 Exact: every output column comes from its own weight row, scale and bias alone, so the merged
 call gives bit for bit the columns of the separate calls (int32 accumulation; on CPUs without
@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from qbackend.kernels import native
-from qbackend.llm.huge_pages import aligned_cat
+from qbackend.kernels import registry
+from qbackend.kernels.huge_pages import aligned_cat
 from qbackend.patterns.base import constant_value, fake_value
 from qbackend.patterns.inplace import schema_writes
 
@@ -64,9 +64,9 @@ def _own_kernel_output(node: Node) -> Optional[Node]:
 
 
 def _weight_only_kernels() -> tuple:
-    if native.available() is not None:
+    if registry.available() is not None:
         return ()
-    return tuple(form for name in ("int4_mm_int16", "int8_mm_int16") for form in native.own_kernel_forms(name))
+    return tuple(form for name in ("int4_mm_int16", "int8_mm_int16") for form in registry.own_kernel_forms(name))
 
 
 def weight_only_input(node: Node) -> Node:
@@ -93,7 +93,7 @@ def _group_key(node: Node, qlinear, own_kernels, weight_only) -> Optional[tuple]
 
 def _groups(ctx: EmitContext, weight_only: tuple) -> list[list[Node]]:
     qlinear = ctx.op("qlinear").op
-    own_kernels = native.own_kernel_forms("qconv") if native.available() is None else ()
+    own_kernels = registry.own_kernel_forms("qconv") if registry.available() is None else ()
     binary_ops = {r.op for r in (ctx.op("qlinear_binary"), ctx.op("qconv_binary")) if r}
     groups = defaultdict(list)
     for node in ctx.gm.graph.nodes:

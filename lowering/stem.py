@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from qbackend.kernels import native
+from qbackend.kernels import common, isa, registry
+from qbackend.kernels import stem as stem_kernel
 from qbackend.patterns.base import fake_value
 
 from . import own_conv
@@ -26,7 +27,7 @@ from .common import ANCHOR, static_shape
 # pixels (batch 1), 1.1-1.2x at 100352 (batch 8): those take the kernel up to this many pixels.
 MAX_NARROW_PIXELS = 25088
 WIDE = 64  # output channels of a full tile
-UNPOOLED_ARGS = 14  # a qconv_stem call's arguments before the pool's (native.OPS)
+UNPOOLED_ARGS = 14  # a qconv_stem call's arguments before the pool's (registry.OPS)
 
 
 def is_stem(match) -> bool:
@@ -38,15 +39,15 @@ def is_stem(match) -> bool:
 
 def refusal(ctx: EmitContext, match) -> Optional[str]:
     """Why this stem conv is not for the kernel (None if it is)."""
-    if native.vnni_unavailable() is not None:
-        return f"the kernel needs AVX512-VNNI ({native.vnni_unavailable()})"
+    if isa.vnni_unavailable() is not None:
+        return f"the kernel needs AVX512-VNNI ({isa.vnni_unavailable()})"
     p, w = match.conv, match.weight.int8
     shape = static_shape(match.x.node)
     if shape is None:
         return "the input's shape is not static"
     if list(p.dilation) != [1, 1]:
         return f"dilation {p.dilation}: the kernel takes 1"
-    reason = native.stem_refusal(shape, w.shape[0], tuple(w.shape[2:]), tuple(p.stride))
+    reason = stem_kernel.stem_refusal(shape, w.shape[0], tuple(w.shape[2:]), tuple(p.stride))
     if reason is not None:
         return reason
     return own_conv.refusal(ctx, match, (match.x.qparams, match.output_quant))
@@ -55,17 +56,17 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
 def prior(match) -> Optional[str]:
     """Why oneDNN runs it by the measurements above (narrow tiles at many pixels), or None."""
     shape, p, w = static_shape(match.x.node), match.conv, match.weight.int8
-    oh, ow = native._output_hw(*shape[2:], tuple(w.shape[2:]), tuple(p.stride), tuple(p.padding))
+    oh, ow = common.output_hw(*shape[2:], tuple(w.shape[2:]), tuple(p.stride), tuple(p.padding))
     if w.shape[0] % WIDE and shape[0] * oh * ow > MAX_NARROW_PIXELS:
         return f"{w.shape[0]} output channels at {shape[0] * oh * ow} output pixels: oneDNN is faster (the kernel's tiles are {WIDE} wide)"
     return None
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[Cout, C, KH, KW] -> [Cout / 16][K4][16][4] in the kernel's order (native.stem_steps):
+    """[Cout, C, KH, KW] -> [Cout / 16][K4][16][4] in the kernel's order (stem_kernel.stem_steps):
     each window row's first 4F bytes (column, channel), then the rows' leftover bytes, zero-padded."""
     cout, channels, kh, kw = weight.shape
-    full, _, leftover_words, steps = native.stem_steps(kh, kw, channels)
+    full, _, leftover_words, steps = stem_kernel.stem_steps(kh, kw, channels)
     rows = weight.permute(0, 2, 3, 1).reshape(cout, kh, kw * channels)
     leftover = rows[..., 4 * full:].reshape(cout, -1)
     ordered = torch.cat([rows[..., :4 * full].reshape(cout, -1),
@@ -77,7 +78,7 @@ def emit(ctx: EmitContext, match):
     p, out, w = match.conv, match.output_quant, match.weight.int8
     low, high = own_conv.clamp_bounds(match.post_op)
     mult, add = own_conv.requantize_constants(ctx, match)
-    ctx.kernel = f"{native.NAMESPACE}::qconv_stem.default"
+    ctx.kernel = f"{registry.NAMESPACE}::qconv_stem.default"
     ctx.notes.append(f"qbackend's stem conv kernel ({w.shape[1]} input channels: oneDNN pads each window row)")
     return own_conv.call_kernel(ctx, "qconv_stem", (
         match.x.node, match.x.qparams.zero_point, ctx.constant(pack(w), "stem_w"), ctx.constant(mult.float(), "stem_mult"),
@@ -95,7 +96,7 @@ def fuse_max_pool(ctx: EmitContext, report) -> None:
     (docs/benchmarks_gemm.md: 0.95x the two calls' time alone; in ResNet-18's graph at batch 8,
     1.50 ms where the two took 1.81). Graphs of plain-function calls (not traced again), as
     the kernel chain pass."""
-    stem, pool = native.PLAIN["qconv_stem"], native.PLAIN["max_pool_u8"]
+    stem, pool = registry.PLAIN["qconv_stem"], registry.PLAIN["max_pool_u8"]
     decisions = {d.node: d for d in report.decisions}
     graph = ctx.gm.graph
     for conv in [n for n in graph.nodes if n.op == "call_function" and n.target is stem]:
@@ -107,7 +108,7 @@ def fuse_max_pool(ctx: EmitContext, report) -> None:
             continue
         kernel, stride, padding, dilation = user.args[1:5]
         conv_hw = tuple(fake_value(conv).shape[2:])
-        if tuple(dilation) != (1, 1) or native.stem_pool_refusal(conv_hw, kernel, stride, padding) is not None:
+        if tuple(dilation) != (1, 1) or stem_kernel.stem_pool_refusal(conv_hw, kernel, stride, padding) is not None:
             continue
         with graph.inserting_before(user):
             fused = own_conv.call_kernel(ctx, "qconv_stem", (*conv.args, tuple(kernel), tuple(stride), tuple(padding)))

@@ -11,16 +11,29 @@ import importlib
 import torch
 import torch.nn as nn
 
+from qbackend.models import SelfAttention
+from qbackend.ops import graph_op
+from qbackend.weight_only.weight_quant import quantize
+
+from .post_ops import UNARY
+
 
 def _convert(module: nn.Module, inputs: tuple):
-    from qbackend.pt2e_flow import quantize_x86
+    """torchao's PT2E flow as its docs spell it (X86InductorQuantizer's default config, with
+    the reduced range that is exact on every CPU): the rows sit below qbackend's own flow
+    (qbackend.pt2e_flow), which imports them through the lowering."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
 
-    return quantize_x86(module, inputs, [inputs])
+    exported = torch.export.export(module.eval(), inputs, strict=True).module()
+    quantizer = xiq.X86InductorQuantizer().set_global(xiq.get_default_x86_inductor_quantization_config(reduce_range=True))
+    prepared = prepare_pt2e(exported, quantizer)
+    with torch.no_grad():
+        prepared(*inputs)
+    return convert_pt2e(prepared)
 
 
 def _first(gm, op_name: str):
-    from qbackend.ops import graph_op
-
     op = graph_op(op_name)
     return next(n for n in gm.graph.nodes if n.op == "call_function" and n.target is op)
 
@@ -92,8 +105,6 @@ def conv_transpose():
 
 def _per_tensor_weight(gm):
     """Swap the first per-channel weight dequantize for a per-tensor one (same int8 data)."""
-    from qbackend.ops import graph_op
-
     dq = _first(gm, "dequantize_per_channel")
     scales = getattr(gm, dq.args[1].target)
     dq.target = graph_op("dequantize_per_tensor")
@@ -193,8 +204,6 @@ POST_OP_CALLS = {
 
 def post_op_of(name: str):
     """The PostOp the post-op table reads from POST_OP_CALLS[name]."""
-    from .post_ops import UNARY
-
     op, args, kwargs = POST_OP_CALLS[name]
     return UNARY[op](torch.fx.Graph().call_function(op, (None, *args), kwargs))
 
@@ -247,8 +256,6 @@ def conv_maxpool_conv():
 def _rescale(gm, quant, factor=2.0):
     """Give a quantize and the dequantizes reading it another scale (a consistent graph whose
     qparams PT2E would not have chosen)."""
-    from qbackend.ops import graph_op
-
     assert quant.target is graph_op("quantize_per_tensor"), quant
     for node in (quant, *quant.users):
         node.args = (node.args[0], node.args[1] * factor, *node.args[2:])
@@ -344,8 +351,6 @@ class GroupDequantLinear(nn.Module):
 
     def __init__(self, in_features, out_features, bits, group_size, form="per_channel_group", use="linear"):
         super().__init__()
-        from qbackend.weight_only.weight_quant import quantize
-
         importlib.import_module(self.REGISTERS.get(form, "torch.ao.quantization.fx._decomposed"))
         torch.manual_seed(in_features * 7 + out_features + bits)
         q = quantize(torch.randn(out_features, in_features) * 0.1, bits, group_size)
@@ -469,8 +474,6 @@ def avgpool_requantize():
 
 def attention_block():
     """A small BERT-style self-attention (q / k / v / out projections around float attention)."""
-    from qbackend.models import SelfAttention
-
     return SelfAttention(hidden=32, heads=4), (torch.randn(2, 8, 32),)
 
 
@@ -539,7 +542,7 @@ def flat_heads_fused_attention():
 
 
 class SmoothedLinear(nn.Module):
-    """LayerNorm -> x * (1/s) -> linear, as ``qbackend.smoothquant.smooth_quant`` leaves an explicit
+    """LayerNorm -> x * (1/s) -> linear, as ``qbackend.smooth_quant`` leaves an explicit
     smoothing multiply; ``factors`` of shape [16] (per channel) or [1] (a near miss);
     ``also_return`` makes the scaled tensor a graph output too (a float consumer)."""
 

@@ -1,6 +1,6 @@
 """A smoothing multiply folded into the activation quantize: x * (1/s) -> q.
 
-``qbackend.smoothquant.smooth_quant`` leaves ``x * (1/s)`` (one factor per channel) where 1/s cannot be
+``qbackend.smooth_quant`` leaves ``x * (1/s)`` (one factor per channel) where 1/s cannot be
 folded into x's producer; PT2E then quantizes its output per tensor for the linear that reads
 it (whose weight columns already carry s). The multiply and the quantize become one call:
 the reference's float32 product, then the quantize of it (``fast_qdq``: ATen's vectorised

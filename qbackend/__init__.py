@@ -4,7 +4,7 @@
     qbackend.compile(converted_pt2e_module)                     # the same, without Dynamo's re-trace
     qbackend.explain(converted_pt2e_module, *example_inputs)   # what was lowered, and why not
     qbackend.quantize_weights(float_model, bits=4, group_size=128)  # weight-only int4 / int8
-    qbackend.smoothquant.smooth_quant(exported_module, calibration_batches)    # SmoothQuant pre-pass (PT2E)
+    qbackend.smooth_quant(exported_module, calibration_batches)    # SmoothQuant pre-pass (PT2E)
     qbackend.save(converted_pt2e_module, "model.pt2"); qbackend.load("model.pt2")  # deploy
     qbackend.accuracy_report(float_model, converted_pt2e_module, batches)  # per-layer error vs fp32
 
@@ -16,25 +16,26 @@ import functools
 
 import torch
 
-from qbackend.flow.accuracy import AccuracyReport, accuracy_report
 from qbackend.archive.archive_checks import ArchiveError
-from qbackend.archive.deploy import load, save
+from qbackend.deploy import load, save
+from qbackend.flow.accuracy import AccuracyReport, accuracy_report
 from qbackend.pipeline.direct import compile
-from qbackend.weight_only.legacy_int4 import from_old_cpu_int4
-from .quantized_tensor import QuantizedLinearWeight, quantize_weights
 from qbackend.pipeline.report import Report
+from qbackend.quantized_tensor import QuantizedLinearWeight, from_old_cpu_int4, quantize_weights
 from qbackend.smoothquant.smooth_quant import SmoothReport, smooth_quant
+from qbackend.version import VERSION
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 
-def explain(model, *example_inputs, device: str | None = None) -> Report:
-    """Compile ``model`` with qbackend, run it once on ``example_inputs`` and return the
-    report of every conv / linear: the rule and op it became, or why it was kept. It runs the
-    backend's own selection code, so it always agrees with what the backend does."""
+def explain(model, *example_inputs, device: str | None = None, **keyword_inputs) -> Report:
+    """Compile ``model`` with qbackend, run it once on ``example_inputs`` (and keyword inputs:
+    ``explain(m, **tokenizer_batch)``) and return the report of every conv / linear: the rule
+    and op it became, or why it was kept. It runs the backend's own selection code, so it always
+    agrees with what the backend does."""
     reports: list[Report] = []
     with torch.no_grad():  # (an exported graph goes to the backend directly: see qbackend.compile)
-        compile(model, options={"report_sink": reports.append, "device": device})(*example_inputs)
+        compile(model, options={"report_sink": reports.append, "device": device})(*example_inputs, **keyword_inputs)
     if not reports:
         return Report(device or "?", notes=["no graph reached the backend (nothing to compile)"], graphs=0)
     return functools.reduce(Report.merge, reports)

@@ -16,6 +16,8 @@ from typing import Callable, Optional
 
 import torch
 
+from qbackend.weight_only.legacy_int4 import unpack_old_cpu_int4
+
 # Dispatch keys a tensor of that device can reach. The CPU list holds MkldnnCPU because the
 # prepacked oneDNN weight is an Mkldnn tensor: ops like qconv2d_pointwise register only there;
 # and QuantizedCPU for the int8 pools that run on a quantized view of a uint8 tensor.
@@ -234,8 +236,6 @@ def _weight_int4pack_mm(x: torch.Tensor, packed: torch.Tensor, group_size: int,
 
 
 def _repack_old(packed: torch.Tensor, in_features: int) -> torch.Tensor:
-    from qbackend.weight_only.legacy_int4 import unpack_old_cpu_int4
-
     cached = _repacked.get(id(packed))
     if cached is not None and cached[0] == packed._version:
         return cached[1]

@@ -7,14 +7,20 @@ quantization passes globally, which must not happen as a side effect of
 importing this module.
 """
 
-import copy
 import fnmatch
 import math
 
 import torch
 
+from qbackend.flow import activation_ranges as ranges
+from qbackend.flow import bias_correction as correction
+from qbackend.flow.accuracy import accuracy_report, input_sensitivity
+from qbackend.flow.batches import BatchCheck, batch_dynamic, calibration_batches, positional_and_keyword
+from qbackend.flow.graph_copy import graph_copy
+from qbackend.lowering.capabilities import int8_pairs_saturate
 from qbackend.pipeline.direct import EXPORT_RANGES
 from qbackend.pipeline.static_module import mark_static
+from qbackend.smoothquant.smooth_quant import smooth_quant
 
 # (inductor_int8, the peer's recipe, is for benchmarks and tests: importable, not exported)
 __all__ = ["quantize_x86", "quantize_xpu", "cpu_needs_reduce_range"]
@@ -24,7 +30,6 @@ def cpu_needs_reduce_range() -> bool:
     """True on x86 CPUs whose int8 kernels add product pairs in int16 (no VNNI): there 8-bit
     activations times 8-bit weights overflow; 7-bit weights or 7-bit activations are exact
     (lowering/capabilities.py)."""
-    from .lowering.capabilities import int8_pairs_saturate
 
     return int8_pairs_saturate("cpu", "conv") or int8_pairs_saturate("cpu", "linear")
 
@@ -111,13 +116,13 @@ def quantize_xpu(model, example_inputs, calibration, *, every_linear=True, **flo
     read the signed activations as unsigned ones (exact, see ``lowering/signed_int8.py``).
     ``every_linear`` as ``quantize_x86`` takes it; ``flow``: the export and calibration
     keywords of ``quantize_x86`` (``dynamic_batch``, ``dynamic_shapes``, ``strict``,
-    ``num_batches``, ``progress``, ``activation_ranges``, ``bias_correction``)."""
+    ``num_batches``, ``progress``, ``activation_ranges``, ``bias_correction``, ``transform_fn``)."""
     return _convert(model, example_inputs, calibration, _xpu_quantizer(every_linear), is_qat=False, **flow)
 
 
 def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic=False, reduce_range=None, smooth=None,
                  keep_float=(), every_linear=True, dynamic_batch=False, dynamic_shapes=None, strict=True, num_batches=None,
-                 progress=None, target_cosine=None, activation_ranges="auto", bias_correction=True):
+                 progress=None, target_cosine=None, activation_ranges="auto", bias_correction=True, transform_fn=None):
     """Export, prepare, calibrate and convert ``model`` with X86InductorQuantizer.
 
     Args:
@@ -126,7 +131,12 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             of keyword inputs (a Hugging Face tokenizer's batch).
         calibration: an iterable of batches run through the prepared model (a list, a
             generator, a ``DataLoader``): each a tuple or list of positional inputs, a dict of
-            keyword inputs, or a single tensor.
+            keyword inputs, or a single tensor. Each must have the example's structure, dtypes
+            and ranks, and its sizes where export fixed them: a batch that does not raises
+            ValueError naming it; no batch at all raises too.
+        transform_fn: applied to every calibration batch first, as NNCF's
+            ``nncf.Dataset(loader, transform_fn)`` does: e.g. ``lambda batch: batch[0]`` for a
+            DataLoader of (input, target) pairs.
         dynamic_batch: dim 0 of every tensor input may take any size (one size shared by all
             inputs): the result runs, and ``qbackend.compile`` lowers it once, for every batch.
             An example batch of 1 is exported as 2 (export would fix a size of 1).
@@ -158,7 +168,7 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             when this CPU needs it (``cpu_needs_reduce_range``), else ``False``. Measured on
             all-MiniLM-L6-v2: embedding cosine vs fp32 0.9929 with 7-bit weights, 0.9791 with
             7-bit activations (per-tensor activations lose more); ResNet-18: equal.
-        smooth: None, or keyword arguments of ``qbackend.smoothquant.smooth_quant`` (e.g.
+        smooth: None, or keyword arguments of ``qbackend.smooth_quant`` (e.g.
             ``{"alpha": "search"}``): SmoothQuant runs on the exported graph with
             the same calibration batches before ``prepare_pt2e``; its report is
             ``result.meta["smooth_quant"]``.
@@ -205,8 +215,10 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
     keep_float = module_paths(model, keep_float)
     if target_cosine is None:
         quantizer = _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float, every_linear)
-        return _convert(model, example_inputs, calibration, quantizer, is_qat, smooth, num_batches=num_batches, **flow)
-    return _to_target_cosine(target_cosine, model, list(_calibration_batches(calibration, num_batches, False)), keep_float,
+        return _convert(model, example_inputs, calibration, quantizer, is_qat, smooth, num_batches=num_batches,
+                        transform_fn=transform_fn, **flow)
+    batches = list(calibration_batches(calibration, num_batches, False, transform_fn))
+    return _to_target_cosine(target_cosine, model, batches, keep_float,
                              lambda kept, batches: _convert(model, example_inputs, batches,
                                                             _x86_quantizer(is_qat, is_dynamic, reduce_range, kept,
                                                                            every_linear),
@@ -233,7 +245,6 @@ def _to_target_cosine(target, model, calibration: list, keep_float, convert):
     float input alone gains 0.001)."""
     import logging
 
-    from qbackend.flow.accuracy import accuracy_report, input_sensitivity
 
     kept, checked = list(keep_float), calibration[:ACCURACY_BATCHES]
     converted = convert(tuple(kept), calibration)
@@ -257,64 +268,13 @@ def _to_target_cosine(target, model, calibration: list, keep_float, convert):
     return converted
 
 
-def positional_and_keyword(inputs) -> tuple[tuple, dict]:
-    """A batch as (args, kwargs): a dict is keyword inputs, a tuple or list positional ones,
-    anything else (a tensor) the one positional input."""
-    if isinstance(inputs, dict):
-        return (), dict(inputs)
-    if isinstance(inputs, (tuple, list)):
-        return tuple(inputs), {}
-    return (inputs,), {}
-
-
-def _batch_dynamic(args: tuple, kwargs: dict) -> tuple[tuple, dict, object]:
-    """(args, kwargs, dynamic_shapes) with dim 0 of every tensor input one symbolic size from 1
-    up (batch 1, the common serving case, shares the graph); tensors of batch 1 repeated to 2,
-    as export would fix a dimension it sees as 1."""
-    if args and kwargs:
-        raise ValueError("dynamic_batch=True takes positional or keyword example inputs, not both")
-    batch = torch.export.Dim("batch", min=1)
-
-    def batched(value) -> bool:
-        return isinstance(value, torch.Tensor) and value.dim() > 0
-
-    def example(value):
-        return torch.cat([value, value]) if batched(value) and value.shape[0] == 1 else value
-
-    if not any(map(batched, (*args, *kwargs.values()))):
-        raise ValueError("dynamic_batch=True needs at least one tensor input with a batch dimension")
-    if kwargs:
-        return (), {k: example(v) for k, v in kwargs.items()}, {k: {0: batch} if batched(v) else None
-                                                                 for k, v in kwargs.items()}
-    return tuple(map(example, args)), {}, tuple({0: batch} if batched(v) else None for v in args)
-
-
 def _export(model, example_inputs, dynamic_batch, dynamic_shapes, strict):
     args, kwargs = positional_and_keyword(example_inputs)
     if dynamic_batch:
         if dynamic_shapes is not None:
             raise ValueError("pass dynamic_batch=True or dynamic_shapes, not both")
-        args, kwargs, dynamic_shapes = _batch_dynamic(args, kwargs)
+        args, kwargs, dynamic_shapes = batch_dynamic(args, kwargs)
     return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict).module()
-
-
-def _calibration_batches(calibration, num_batches, progress):
-    """The calibration batches to run: at most ``num_batches``, behind a tqdm bar if asked (or
-    by default when stderr is a terminal)."""
-    import itertools
-    import sys
-
-    if num_batches is not None:
-        if num_batches < 1:
-            raise ValueError(f"num_batches must be at least 1, got {num_batches}")
-        calibration = itertools.islice(calibration, num_batches)
-    if progress is None:
-        progress = sys.stderr.isatty()
-    if not progress:
-        return calibration
-    from tqdm.auto import tqdm
-
-    return tqdm(calibration, desc="calibrating", unit="batch", total=num_batches)
 
 
 def _batch_norms_off_shared_convs(gm) -> int:
@@ -346,8 +306,6 @@ def _calibrate(prepared, calibration, bias_correction=False) -> tuple[list, int]
     """Runs every calibration batch through ``prepared``, then (``bias_correction``) corrects
     its biases for their weights' rounding (qbackend/flow/bias_correction.py); returns the first
     ``ACCURACY_BATCHES`` and how many biases changed."""
-    from qbackend.flow import bias_correction as correction
-
     means = correction.InputMeans()
     recorders = correction.add_recorders(prepared, means) if bias_correction else []
     first = []
@@ -364,11 +322,9 @@ def _calibrate(prepared, calibration, bias_correction=False) -> tuple[list, int]
 
 def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None, *, dynamic_batch=False,
              dynamic_shapes=None, strict=True, num_batches=None, progress=None, activation_ranges="auto",
-             bias_correction=True):
+             bias_correction=True, transform_fn=None):
     from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e, prepare_qat_pt2e
-
-    from qbackend.flow import activation_ranges as ranges
 
     if activation_ranges not in ranges.CHOICES:
         raise ValueError(f"activation_ranges must be one of {ranges.CHOICES}, got {activation_ranges!r}")
@@ -378,17 +334,15 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
     exported = _export(model, example_inputs, dynamic_batch, dynamic_shapes, strict)
     model.eval()
     _batch_norms_off_shared_convs(exported)
-    calibration = _calibration_batches(calibration, num_batches, progress)
+    calibration = calibration_batches(calibration, num_batches, progress, transform_fn, BatchCheck(example_inputs, exported))
     smooth_report = None
     if smooth is not None:
-        from qbackend.smoothquant.smooth_quant import smooth_quant
-
         calibration = [positional_and_keyword(batch)[0] for batch in calibration]  # (SmoothQuant runs positional batches)
         # (the search simulates the weights' real range; every_linear composes X86InductorQuantizer first)
         weight = getattr(quantizer, "quantizers", [quantizer])[0].global_config.weight
         smooth_report = smooth_quant(exported, calibration, **{"weight_range": (weight.quant_min, weight.quant_max), **smooth})
     probing = activation_ranges == "auto" and not is_qat
-    unprepared = copy.deepcopy(exported) if probing else None  # (prepare_pt2e rewrites the graph it gets)
+    unprepared = graph_copy(exported) if probing else None  # (prepare_pt2e rewrites the graph it gets)
     prepare = prepare_qat_pt2e if is_qat else prepare_pt2e
     prepared = prepare(exported, quantizer)
     if is_qat:

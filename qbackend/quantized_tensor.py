@@ -19,6 +19,8 @@ from typing import Callable, Optional
 import torch
 from torch.utils._pytree import tree_map
 
+from qbackend.weight_only.legacy_int4 import unpack_old_cpu_int4
+from qbackend.kernels.weight_only_linear import pack, run
 from qbackend.weight_only.weight_quant import GroupQuantized, pack_int4, quantize
 
 aten = torch.ops.aten
@@ -64,7 +66,7 @@ class QuantizedLinearWeight(torch.Tensor):
         self.zero = zero  # [N, K / group_size]
         self.bits, self.group_size, self.weight_shape = bits, group_size, tuple(shape)
         self.transposed, self.compute = transposed, compute
-        self._packed: dict = {}  # (device, activation dtype) -> lowering.weight_only.PackedLinear
+        self._packed: dict = {}  # (device, activation dtype) -> kernels.weight_only_linear.PackedLinear
         # (made once: Dynamo's guard on each weight flattens it before every compiled call)
         self._flat_meta = self._meta()
 
@@ -120,8 +122,6 @@ class QuantizedLinearWeight(torch.Tensor):
 
     def packed_for(self, x: torch.Tensor):
         """The weight packed for x's device and dtype (cached)."""
-        from qbackend.lowering.weight_only import pack
-
         key, cache = (x.device.type, x.dtype), self._cache()
         if key not in cache:
             cache[key] = pack(self.group_quantized(), x.device.type, x.dtype, self.compute)
@@ -157,8 +157,6 @@ def _dense_fallback(func, args, kwargs):
 
 def _linear(x: torch.Tensor, weight_t, bias=None):
     """x @ weight_t (+ bias) where weight_t is the transposed view of a stored [out, in] weight."""
-    from qbackend.lowering.weight_only import run
-
     if not isinstance(weight_t, QuantizedLinearWeight) or not weight_t.transposed or isinstance(x, QuantizedLinearWeight):
         return NotImplemented
     if _is_fake(weight_t.qdata):  # other compilers get dequantize + matmul, which they can fold and fuse
@@ -231,8 +229,9 @@ def quantize_weights(model: torch.nn.Module, bits: int = 4, group_size: Optional
     group of ``group_size`` input columns (default 128); int8: symmetric per output channel
     (a ``group_size`` is refused: there are no groups). ``compute``: "auto" (the device's fast
     path: on CPU qbackend's int16 kernels, else bf16), "int16", "bf16" or "activation" (the
-    input's own dtype; lowering/weight_only.py). Linears whose in_features is not a multiple of
-    ``group_size`` are skipped. ``include(name, module)``: the former spelling of ``filter_fn``."""
+    input's own dtype; qbackend/kernels/weight_only_linear.py). Linears whose in_features is not a multiple of
+    ``group_size`` are kept float, with a warning naming them. ``include(name, module)``: the
+    former spelling of ``filter_fn``."""
     if bits not in (4, 8):
         raise ValueError(f"quantize_weights: bits must be 4 or 8, got {bits!r}")
     if bits == 8 and group_size is not None:
@@ -243,13 +242,34 @@ def quantize_weights(model: torch.nn.Module, bits: int = 4, group_size: Optional
         warnings.warn("quantize_weights(include=(name, module)) is deprecated: use filter_fn=(module, name), torchao's "
                       "order", DeprecationWarning, stacklevel=2)
         filter_fn = lambda module, name: include(name, module)  # noqa: E731
-    group = None if bits == 8 else (group_size or 128)
+    if group_size is not None and (not isinstance(group_size, int) or group_size < 1):
+        raise ValueError(f"quantize_weights: group_size must be a positive int, got {group_size!r}")
+    group, misfits = None if bits == 8 else (group_size or 128), []
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or isinstance(module.weight, QuantizedLinearWeight):
             continue
-        if (filter_fn is not None and not filter_fn(module, name)) or (group and module.in_features % group):
-            log.info("quantize_weights: %s kept float (in_features %d, group_size %s)", name, module.in_features, group)
+        if filter_fn is not None and not filter_fn(module, name):
+            continue
+        if group and module.in_features % group:
+            misfits.append(f"{name} (in_features {module.in_features})")
             continue
         weight = QuantizedLinearWeight.from_float(module.weight.detach(), bits, group, compute)
         module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if misfits:
+        warnings.warn(f"quantize_weights: {len(misfits)} linear(s) kept float, their in_features not a multiple of "
+                      f"group_size {group}: {', '.join(misfits[:4])}{', ...' if len(misfits) > 4 else ''}", stacklevel=2)
     return model
+
+
+def from_old_cpu_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                      dtype: torch.dtype = torch.float32, isa: Optional[str] = None) -> QuantizedLinearWeight:
+    """A checkpoint's (old packed weight, qScaleAndZeros [K/group, N, 2], group size) -> a
+    device-neutral QuantizedLinearWeight with the same values (w = (u - 8) * scale + zero)."""
+    groups, n_out, _ = scales_and_zeros.shape
+    in_features = groups * group_size
+    values = unpack_old_cpu_int4(packed, in_features, isa)
+    if values.shape[0] != n_out:
+        raise ValueError(f"packed weight has {values.shape[0]} output channels, scales_and_zeros {n_out}")
+    scale = scales_and_zeros[..., 0].t().float().contiguous()
+    offset = scales_and_zeros[..., 1].t().float().contiguous()
+    return QuantizedLinearWeight(pack_int4(values), scale, offset, 4, group_size, (n_out, in_features), dtype)

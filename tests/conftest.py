@@ -1,16 +1,15 @@
 """Fixtures shared by the test files."""
 import pytest
 
-from qbackend.kernels import choice_cache, native
-from qbackend.kernels import library
+from qbackend.kernels import choice_cache, isa, library
 
 
 @pytest.fixture(autouse=True)
 def _zmm_gemm_on_every_vnni_cpu(monkeypatch):
-    """Lowered graphs (pinned with expecttest) must not depend on native.zmm_speedup's probe of
+    """Lowered graphs (pinned with expecttest) must not depend on isa.zmm_speedup's probe of
     this core: every AVX512-VNNI CPU lowers as one that prefers zmm (the zmm build runs on
     all of them; ``int8_build`` below runs the kernels' numerics on every build)."""
-    monkeypatch.setattr(native, "zmm_speedup", lambda: native.ZMM_MIN_SPEEDUP)
+    monkeypatch.setattr(isa, "zmm_speedup", lambda: isa.ZMM_MIN_SPEEDUP)
 
 
 @pytest.fixture(autouse=True)
@@ -23,15 +22,15 @@ def _kernel_choice_from_the_fixed_tables(monkeypatch):
 
 @pytest.fixture(params=list(library.GEMM_BUILDS))
 def int8_build(request, monkeypatch):
-    """Run the test on each build of qbackend's int8 kernels this CPU has (native.gemm_build:
+    """Run the test on each build of qbackend's int8 kernels this CPU has (isa.gemm_build:
     the AVX2 one always; where the CPU has AVX512-VNNI, its GEMM on ymm and on zmm registers).
-    Returns native.int8_build's value."""
-    isa = library.GEMM_BUILDS[request.param][0]
-    if isa == "avx512_vnni" and native._vnni_library()[0] is None:
-        pytest.skip(f"needs the AVX512-VNNI kernels: {native._vnni_library()[1]}")
-    monkeypatch.setattr(native, "int8_build", lambda: isa)
-    monkeypatch.setattr(native, "gemm_build", lambda: request.param)
-    return isa
+    Returns isa.int8_build's value."""
+    build = library.GEMM_BUILDS[request.param][0]
+    if build == "avx512_vnni" and isa._vnni_library()[0] is None:
+        pytest.skip(f"needs the AVX512-VNNI kernels: {isa._vnni_library()[1]}")
+    monkeypatch.setattr(isa, "int8_build", lambda: build)
+    monkeypatch.setattr(isa, "gemm_build", lambda: request.param)
+    return build
 
 
 @pytest.fixture

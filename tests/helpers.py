@@ -10,7 +10,7 @@ from torch.fx import GraphModule, Interpreter
 
 import pytest
 
-from qbackend.kernels import native
+from qbackend.kernels import registry as kernel_registry
 from qbackend.pipeline.backend import Options, compile_graph
 from qbackend.pipeline.direct import CompiledGraphModule
 from qbackend.kernels.kernel_chain import KernelChain, Ref, kernels
@@ -26,7 +26,7 @@ def lowering_keys(compiled: CompiledGraphModule) -> list:
 
 
 # tests whose subject is qbackend's own kernels (the rest run either way: $QBACKEND_KERNELS=off)
-needs_own_kernels = pytest.mark.skipif(native.available() is not None, reason=f"needs qbackend's own kernels: {native.available()}")
+needs_own_kernels = pytest.mark.skipif(kernel_registry.available() is not None, reason=f"needs qbackend's own kernels: {kernel_registry.available()}")
 
 
 def quantize(module, inputs, calibration=None, **flags):
@@ -129,7 +129,7 @@ def chained_convs(gm: GraphModule) -> list:
 
 
 def op_name(target) -> str:
-    """An op's short name: ``aten.reshape``, ``native.qconv``."""
+    """An op's short name: ``aten.reshape``, ``conv_gemm.qconv``."""
     if isinstance(target, torch._ops.OpOverload):
         ns, name = target._schema.name.split("::")
         overload = target._overloadname
@@ -206,13 +206,14 @@ def short_graph(gm: GraphModule) -> str:
 
 def assert_fused_into_quantize(example, kernel: str, replaced: str, report_phrase: str) -> Captured:
     """A float op and its quantize (``example()``: module, inputs) lowered onto one own
-    kernel: the reference's values, ``native.<kernel>(`` in the graph and no ``replaced`` op
+    kernel: the reference's values, ``<family module>.<kernel>(`` in the graph and no ``replaced`` op
     left, and the report's count of such fusions."""
     torch.manual_seed(0)
     module, inputs = example()
     captured = assert_matches_reference(quantize(module, inputs), inputs)
     graph = short_graph(captured.lowered)
-    assert f"native.{kernel}(" in graph and replaced not in graph, graph
+    family = kernel_registry.PLAIN[kernel].__module__.split(".")[-1]
+    assert f"{family}.{kernel}(" in graph and replaced not in graph, graph
     assert report_phrase in str(captured.report), str(captured.report)
     return captured
 
@@ -268,7 +269,7 @@ def simulate_cpu(monkeypatch, saturates: bool):
 def onednn_only(monkeypatch):
     """Lower as without qbackend's own kernels (QBACKEND_KERNELS=off): for graph tests whose
     subject is oneDNN's ops or the int8 flow between them, the same graph on every CPU and build."""
-    monkeypatch.setattr(native, "available", lambda: "qbackend's own kernels are off for this test")
+    monkeypatch.setattr(kernel_registry, "available", lambda: "qbackend's own kernels are off for this test")
 
 
 def dense_convs_on_onednn(monkeypatch):

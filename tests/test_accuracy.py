@@ -119,3 +119,26 @@ def test_target_cosine_keeps_the_layer_whose_own_weights_lose_the_most():
     converted = quantize(model, batches[0], calibration=batches, target_cosine=target)
     assert converted.meta["kept_float"] == ["coarse"], str(converted.meta["accuracy"])
     assert converted.meta["accuracy"].output.cosine >= target
+
+
+class BatchNormAct(torch.nn.BatchNorm2d):
+    """timm's BatchNormAct2d: a batch norm that applies its activation too (children: drop, act)."""
+
+    def __init__(self, channels: int):
+        super().__init__(channels)
+        self.drop, self.act = torch.nn.Identity(), torch.nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.drop(super().forward(x)))
+
+
+def test_a_norm_that_applies_its_activation_is_compared_before_the_activation():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), BatchNormAct(16), torch.nn.Conv2d(16, 8, 3)).eval()
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-0.5, 0.5), model[1].running_var.uniform_(0.5, 2.0), model[1].bias.uniform_(-1, 1)
+    batches = _images(2)
+    report = qbackend.accuracy_report(model, quantize(model, batches[0], calibration=batches), batches)
+    first = next(layer for layer in report.layers if layer.path == "0")
+    # (compared with the post-activation output the cosine was ~0.7 while the model's output stays near 1)
+    assert first.cosine > 0.999 and report.output.cosine > 0.99, str(report)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
 
-from qbackend.kernels import choice_cache, native
+from qbackend.kernels import add_quantize, choice_cache, registry
 from qbackend.lowering import choice
 from qbackend.patterns import examples
 
@@ -28,7 +28,7 @@ def test_sum_and_integers_are_the_references(a_layout, b_layout, qparams):
     a, b = LAYOUTS[a_layout](a), LAYOUTS[b_layout](b)
     expected_sum = a + b
     expected = torch.ops.quantized_decomposed.quantize_per_tensor(expected_sum, *qparams, torch.uint8)
-    for q, total in (native.add_quantize(a, b, *qparams), native.op("add_quantize")(a, b, *qparams)):
+    for q, total in (add_quantize.add_quantize(a, b, *qparams), registry.op("add_quantize")(a, b, *qparams)):
         torch.testing.assert_close(total, expected_sum, rtol=0, atol=0, equal_nan=True)
         # NaN: the reference casts NaN to uint8 (undefined in C, 0 here); the kernel gives qmin
         assert q.flatten()[0] == qparams[2] and torch.equal(q.flatten()[1:], expected.flatten()[1:])
@@ -44,7 +44,7 @@ def test_the_in_place_form_writes_the_sum_into_its_target():
     torch.manual_seed(0)
     a, b = torch.randn(2, 8, 5, 5).contiguous(memory_format=torch.channels_last), torch.randn(2, 8, 5, 5)
     expected_sum = a + b
-    q = native.add_quantize_(a, b, 0.02, 128, 0, 255)
+    q = add_quantize.add_quantize_(a, b, 0.02, 128, 0, 255)
     assert torch.equal(a, expected_sum)
     assert torch.equal(q, torch.ops.quantized_decomposed.quantize_per_tensor(expected_sum, 0.02, 128, 0, 255, torch.uint8))
 
@@ -67,7 +67,7 @@ def test_an_in_place_residual_sum_lowers_onto_the_in_place_form():
     inputs = (torch.randn(2, 8, 6, 6),)
     captured = assert_matches_reference(quantize(InPlaceResidual(), inputs), inputs)
     graph = short_graph(captured.lowered)
-    assert "native.add_quantize_(" in graph and "aten.add" not in graph, graph
+    assert "add_quantize.add_quantize_(" in graph and "aten.add" not in graph, graph
 
 
 class ViewedInPlaceResidual(torch.nn.Module):
@@ -94,4 +94,4 @@ def test_an_in_place_sum_into_a_chain_of_views_lowers_onto_the_in_place_form(tmp
     inputs = (torch.randn(2, 8, 6, 6),)
     captured = assert_matches_reference(quantize(ViewedInPlaceResidual(), inputs), inputs, kernel_choice="measure")
     graph = short_graph(captured.lowered)
-    assert "native.qconv(reshape" in graph and "native.add_quantize_(permute" in graph and "aten.add" not in graph, graph
+    assert "conv_gemm.qconv(reshape" in graph and "add_quantize.add_quantize_(permute" in graph and "aten.add" not in graph, graph

@@ -262,7 +262,7 @@ def test_every_allowed_operator_touches_only_its_tensors():
 
 
 def test_the_command_prints_every_allowed_operator(capsys):
-    from qbackend.archive.archive_operators import main
+    from qbackend.archive_operators import main
 
     assert main([]) == 0
     printed = {line.strip() for line in capsys.readouterr().out.splitlines() if line.startswith("    ")}

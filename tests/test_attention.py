@@ -10,8 +10,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from qbackend.passes import einsum, fast_qdq
-from qbackend.kernels import native
+from qbackend.kernels import fast_qdq
+from qbackend.passes import einsum
+from qbackend.kernels import isa, registry
+from qbackend.kernels import attention as attention_kernel
 
 from .helpers import Captured, assert_matches_reference, compile_and_run, quantize, short_graph, needs_own_kernels
 from .tolerances import TOLERANCE
@@ -83,7 +85,7 @@ def test_attention_kernel_matches_torch(case):
         mask[..., :1] = -float("inf")  # a masked-out key: weight exactly 0
     for scale in (dim ** -0.5, 0.3):
         expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        for kernel in native.own_kernel_forms("attention_f32"):  # the registered op and the plain function
+        for kernel in registry.own_kernel_forms("attention_f32"):  # the registered op and the plain function
             actual = kernel(q, k, v, mask, scale)
             torch.testing.assert_close(actual, expected, **TOLERANCE["attention_f32"])
             # [B, L, H, D] memory: the head merge after attention is a view
@@ -100,16 +102,16 @@ def test_attention_quantize_writes_the_float_kernels_quantized_bytes(case):
     q[0, 0, 0, 0] = float("nan")
     mask = None if mask_shape is None else torch.randn(mask_shape) * 4
     for out_scale, zero_point, qmin, qmax in ((0.02, 128, 0, 255), (0.005, 40, 0, 127)):
-        floats = native.attention_f32(q, k, v, mask, dim ** -0.5)
+        floats = attention_kernel.attention_f32(q, k, v, mask, dim ** -0.5)
         expected = fast_qdq.quantize_per_tensor(floats, out_scale, zero_point, qmin, qmax, torch.uint8).transpose(1, 2)
         assert expected.min() == qmin and expected.max() == qmax  # (both clamps reached)
-        for kernel in native.own_kernel_forms("attention_quantize"):
+        for kernel in registry.own_kernel_forms("attention_quantize"):
             actual = kernel(q, k, v, mask, dim ** -0.5, out_scale, zero_point, qmin, qmax)
             assert actual.dtype == torch.uint8 and actual.is_contiguous()  # [B, L, H, D]
             assert torch.equal(actual, expected)
 
 
-@pytest.mark.skipif(native._vnni_library()[0] is None, reason=f"no AVX-512 build here: {native._vnni_library()[1]}")
+@pytest.mark.skipif(isa._vnni_library()[0] is None, reason=f"no AVX-512 build here: {isa._vnni_library()[1]}")
 @pytest.mark.parametrize("case", KERNEL_CASES + [(1, 4, 8, 300, 64, None)], ids=str)  # (+ a decode step's 8 grouped rows)
 def test_the_avx512_and_avx2_builds_give_the_same_bits(case, monkeypatch):
     """Tiles of 8 rows of zmm or 6 of ymm pairs: each output element is the same chain of FMAs."""
@@ -117,10 +119,10 @@ def test_the_avx512_and_avx2_builds_give_the_same_bits(case, monkeypatch):
     q, k, v = _heads(batch, heads, length, dim, 0), _heads(batch, heads, keys, dim, 1), _heads(batch, heads, keys, dim, 2)
     mask = None if mask_shape is None else torch.randn(mask_shape) * 4
     results = []
-    for build in (native._vnni_library()[0], native._load()[0]):
-        monkeypatch.setattr(native, "_attention_function", lambda: (build.qb_attention_f32, None, None))
-        results.append((native.attention_f32(q, k, v, mask, 0.3), native.attention_quantize(q, k, v, mask, 0.3, 0.02, 128, 0, 255),
-                        native.attention_f32(q, k, v, None, 0.3, is_causal=True)))
+    for build in (isa._vnni_library()[0], isa._load()[0]):
+        monkeypatch.setattr(attention_kernel, "_attention_function", lambda: (attention_kernel._declare(build).qb_attention_f32, None, None))
+        results.append((attention_kernel.attention_f32(q, k, v, mask, 0.3), attention_kernel.attention_quantize(q, k, v, mask, 0.3, 0.02, 128, 0, 255),
+                        attention_kernel.attention_f32(q, k, v, None, 0.3, is_causal=True)))
     for avx512, avx2 in zip(*results):
         assert torch.equal(avx512, avx2)
 
@@ -130,7 +132,7 @@ def test_attention_quantize_leaves_grouped_queries_to_the_float_kernel():
     """(its rows would come out in another order; tests/test_bad_arguments.py has the rest)"""
     q, kv = torch.randn(1, 2, 4, 16), torch.randn(1, 1, 6, 16)
     with pytest.raises(ValueError, match="grouped-query attention"):
-        native.attention_quantize(q, kv, kv, None, 0.25, 0.1, 128, 0, 255)
+        attention_kernel.attention_quantize(q, kv, kv, None, 0.25, 0.1, 128, 0, 255)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -146,7 +148,7 @@ def test_attention_kernel_rejects_what_it_cannot_compute(bad, message):
     args = dict(q=torch.randn(1, 2, 4, 16), k=torch.randn(1, 2, 6, 16), v=torch.randn(1, 2, 6, 16), mask=None)
     args.update(bad)
     with pytest.raises(ValueError, match=message):
-        native.op("attention_f32")(args["q"], args["k"], args["v"], args["mask"], 0.25)
+        registry.op("attention_f32")(args["q"], args["k"], args["v"], args["mask"], 0.25)
 
 
 def test_softmax_over_another_dim_is_not_attention():
@@ -173,7 +175,7 @@ quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(scaled_dot_product_
         graph = short_graph(captured.lowered)
         attention = [line for line in graph.splitlines() if "attention" in line]
         self.assertExpectedInline("\n".join(attention), """\
-attention_quantize = native.attention_quantize(transpose, transpose_1, transpose_2, l_mask_, 0.25, 0.0131, 65, 0, 127)
+attention_quantize = attention.attention_quantize(transpose, transpose_1, transpose_2, l_mask_, 0.25, 0.0131, 65, 0, 127)
 reshape_default_5 = attention_quantize.reshape([16, 32, 1, 1])""")
         assert "softmax" not in graph and "matmul" not in graph
 
@@ -202,9 +204,9 @@ class TestAttentionProjection(expecttest.TestCase):
         graph = short_graph(captured.lowered)
         # (the projection: the merged q / k / v linear on qbackend's GEMM, [16 rows, 96, 1, 1])
         self.assertExpectedInline(graph[graph.index("\nattention_from_projection") + 1:], """\
-attention_from_projection = native.attention_from_projection(qconv_4, ((16, 96, 1, 1), (2, 2, 8, 16), 8, (0, 32, 64), ((768, 16, 96), (768, 16, 96), (768, 16, 96))), l_mask_, 0.25, (0.0107, 58, 0, 127))
+attention_from_projection = attention.attention_from_projection(qconv_4, ((16, 96, 1, 1), (2, 2, 8, 16), 8, (0, 32, 64), ((768, 16, 96), (768, 16, 96), (768, 16, 96))), l_mask_, 0.25, (0.0107, 58, 0, 127))
 reshape_default_10 = attention_from_projection.reshape([16, 32, 1, 1])
-qconv_3 = native.qconv(reshape_default_10, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
+qconv_3 = conv_gemm.qconv(reshape_default_10, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
 reshape_default_8 = qconv_3.reshape([2, 8, 32])
 return (reshape_default_8)""")
         assert "1 attention call(s) read q / k / v inside their projection" in captured.report.notes, str(captured.report)
@@ -213,7 +215,7 @@ return (reshape_default_8)""")
     def test_cross_attention_keeps_the_views_of_its_two_projections(self):
         captured = assert_matches_reference(quantize(SelfAttention(cross=True), inputs()), inputs())
         graph = short_graph(captured.lowered)
-        assert "native.attention_quantize(transpose" in graph and "attention_from_projection" not in graph, graph
+        assert "attention.attention_quantize(transpose" in graph and "attention_from_projection" not in graph, graph
 
 
 @needs_own_kernels
@@ -227,10 +229,10 @@ def test_attention_from_projection_checks_what_it_reads(projection, mask, messag
     """What the lowering fixed (the views' geometry) holds only for the projection it saw."""
     geometry = ((2, 8, 48), (2, 1, 8, 16), 8, (0, 16, 32), ((384, 16, 48),) * 3)
     good = torch.randn(2, 8, 48)
-    expected = native.attention_f32(*(good.narrow(2, 16 * i, 16).view(2, 8, 1, 16).transpose(1, 2) for i in range(3)), None, 0.25)
-    torch.testing.assert_close(native.attention_from_projection(good, geometry, None, 0.25), expected, rtol=0, atol=0)
+    expected = attention_kernel.attention_f32(*(good.narrow(2, 16 * i, 16).view(2, 8, 1, 16).transpose(1, 2) for i in range(3)), None, 0.25)
+    torch.testing.assert_close(attention_kernel.attention_from_projection(good, geometry, None, 0.25), expected, rtol=0, atol=0)
     with pytest.raises((ValueError, RuntimeError), match=message):
-        native.attention_from_projection(projection, geometry, mask, 0.25)
+        attention_kernel.attention_from_projection(projection, geometry, mask, 0.25)
 
 
 class TwoAttentionsOneMask(nn.Module):
@@ -277,8 +279,8 @@ def test_a_boolean_mask_runs_on_the_kernel_made_additive_once():
     assert additive.args[0].target is torch.ops.aten.zeros_like.default and additive.args[2] == -math.inf
     assert additive.args[1].target is torch.ops.aten.logical_not.default and additive.args[1].args[0] in nodes
     # (the first reads its projection's views inside it: attention_from_projection, mask third)
-    masks = [n.args[3] if n.target in native.own_kernel_forms("attention_f32") else n.args[2] for n in nodes
-             if n.target in (*native.own_kernel_forms("attention_f32"), native.attention_from_projection)]
+    masks = [n.args[3] if n.target in registry.own_kernel_forms("attention_f32") else n.args[2] for n in nodes
+             if n.target in (*registry.own_kernel_forms("attention_f32"), attention_kernel.attention_from_projection)]
     assert len(masks) == 2 and all(mask is additive for mask in masks), captured.lowered.graph
 
 
@@ -291,7 +293,7 @@ def test_a_row_masked_whole_comes_out_zero_as_torchs():
     mask[0, 0, 1] = False
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     assert torch.equal(expected[0, :, 1], torch.zeros(3, 32))
-    for kernel in native.own_kernel_forms("attention_f32"):
+    for kernel in registry.own_kernel_forms("attention_f32"):
         actual = kernel(q, k, v, torch.where(mask, 0.0, -math.inf), 32 ** -0.5)
         torch.testing.assert_close(actual, expected, **TOLERANCE["attention_f32"])
 
@@ -308,7 +310,7 @@ def test_keys_past_a_masks_infinite_tail_are_not_read(mask_rows):
         mask[..., row, end:] = -math.inf
     k[:, :, 150:], v[:, :, 150:] = float("nan"), float("inf")  # (past every row's end)
     expected = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :150], v[:, :, :150], attn_mask=mask[..., :150])
-    for kernel in native.own_kernel_forms("attention_f32"):
+    for kernel in registry.own_kernel_forms("attention_f32"):
         actual = kernel(q, k, v, mask, 32 ** -0.5)
         assert actual.isfinite().all()
         torch.testing.assert_close(actual, expected, **TOLERANCE["attention_f32"])
@@ -327,7 +329,7 @@ def test_a_nan_or_infinite_score_makes_the_rows_softmax_makes_nan(where):
         q[0, 1, 7, :] = float("inf")  # scores of +-inf: inf - inf in the softmax
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.25)
     assert expected.isnan().any()
-    for kernel in native.own_kernel_forms("attention_f32"):
+    for kernel in registry.own_kernel_forms("attention_f32"):
         actual = kernel(q, k, v, None, 0.25)
         assert torch.equal(actual.isnan(), expected.isnan())
         torch.testing.assert_close(actual.nan_to_num(), expected.nan_to_num(), **TOLERANCE["attention_f32"])
@@ -373,14 +375,14 @@ def test_multihead_attention_of_a_batch_reads_its_projection_in_place(batch_firs
     inputs = (torch.randn(3, 10, 32) if batch_first else torch.randn(10, 3, 32),)
     captured = assert_matches_reference(quantize(TorchMultiheadAttention(batch_first=batch_first).eval(), inputs, every_linear=False),
                                         inputs)
-    [attention] = [n for n in captured.lowered.graph.nodes if n.target is native.attention_from_projection]
+    [attention] = [n for n in captured.lowered.graph.nodes if n.target is attention_kernel.attention_from_projection]
     projection, geometry = attention.args[:2]
     assert list(projection.users) == [attention], captured.lowered.graph  # (no views, no copies of it)
     # 3 x 2 heads of 16 a row; q[b, h, l, d] at b * 960 + l * 96 + h * 16 + d ([B, L, 3E] rows),
     # or at l * 288 + b * 96 + h * 16 + d ([L, B, 3E])
     rows, strides = ((3, 10, 96), (960, 16, 96)) if batch_first else ((10, 3, 96), (96, 16, 288))
     assert geometry == (rows, (3, 2, 10, 16), 10, (0, 32, 64), (strides,) * 3)
-    heads = native.attention_from_projection(torch.randn(rows), geometry, None, 0.25)
+    heads = attention_kernel.attention_from_projection(torch.randn(rows), geometry, None, 0.25)
     merged = heads.transpose(1, 2).reshape(30, 32) if batch_first else heads.permute(2, 0, 1, 3).reshape(30, 32)
     assert merged.data_ptr() == heads.data_ptr() and merged.is_contiguous()
 
@@ -407,7 +409,7 @@ def test_grouped_query_heads_of_one_projection_keep_their_views():
     inputs = (torch.randn(2, 8, 32),)
     captured = assert_matches_reference(quantize(GroupedQueryProjection().eval(), inputs), inputs)
     targets = [n.target for n in captured.lowered.graph.nodes]
-    assert native.attention_f32 in targets and native.attention_from_projection not in targets, captured.lowered.graph
+    assert attention_kernel.attention_f32 in targets and attention_kernel.attention_from_projection not in targets, captured.lowered.graph
 
 
 class DecodeStepAttention(nn.Module):
@@ -471,9 +473,9 @@ def test_causal_attention_matches_torchs(heads, kv_heads, length, cached):
     q = torch.randn(1, length, heads, 16, generator=generator).transpose(1, 2)
     k, v = (torch.randn(1, kv_heads, cached, 16, generator=generator) for _ in range(2))
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
-    torch.testing.assert_close(native.attention_f32(q, k, v, None, 0.25, True), expected, **TOLERANCE["attention_f32"])
+    torch.testing.assert_close(attention_kernel.attention_f32(q, k, v, None, 0.25, True), expected, **TOLERANCE["attention_f32"])
     with pytest.raises(ValueError, match="a mask and is_causal both given"):
-        native.attention_f32(q, k, v, torch.zeros(1, 1, length, cached), 0.25, True)
+        attention_kernel.attention_f32(q, k, v, torch.zeros(1, 1, length, cached), 0.25, True)
 
 
 @needs_own_kernels
@@ -485,7 +487,7 @@ def test_a_causal_fused_attention_call_runs_on_the_kernel():
     [(rule, op, reason)] = _attention_decisions(captured.report)
     assert (rule, op) == ("sdpa_fused", "qbackend::attention_f32.default"), str(captured.report)
     assert "causal: each block of query rows reads the keys up to its last position" in reason, reason
-    [call] = [n for n in captured.lowered.graph.nodes if n.target is native.attention_f32]
+    [call] = [n for n in captured.lowered.graph.nodes if n.target is attention_kernel.attention_f32]
     assert call.args[5:] == (True,)
 
 
@@ -623,7 +625,7 @@ def test_repeated_keys_and_values_go_to_the_kernel_unrepeated(tiled, write, dyna
     actual, expected, captured = _repeated_keys_run(RepeatedKeysAttention(tiled, write), dynamic)
     torch.testing.assert_close(actual, expected, **TOLERANCE["attention_f32"])
     lowered = captured.graphs[0][2]
-    [attention] = [node for node in lowered.graph.nodes if node.target is native.attention_f32]
+    [attention] = [node for node in lowered.graph.nodes if node.target is attention_kernel.attention_f32]
     assert all((arg.op == "placeholder") == unrepeated for arg in attention.args[1:3]), short_graph(lowered)
     notes = " ".join(captured.report.notes)
     assert ("1 attention call(s) read grouped keys / values unrepeated" in notes) == unrepeated, notes

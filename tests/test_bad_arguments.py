@@ -3,7 +3,7 @@ pointer reaches C (#20): one table, every op, never a signal."""
 import pytest
 import torch
 
-from qbackend.kernels import native
+from qbackend.kernels import registry
 from qbackend.lowering import depthwise, gemm, grouped
 from qbackend.lowering.own_conv import scale_and_offset
 from qbackend.weight_only.weight_quant import quantize as quantize_weight
@@ -132,14 +132,14 @@ TABLE = [
 
 
 def test_the_table_covers_every_registered_op():
-    assert sorted(op for op, _, _ in TABLE) == sorted(native.OPS)
+    assert sorted(op for op, _, _ in TABLE) == sorted(registry.OPS)
 
 
 @needs_own_kernels
 @pytest.mark.parametrize("op, good, bad", TABLE, ids=[row[0] for row in TABLE])
 def test_bad_arguments_get_a_clear_error(op, good, bad):
     args = good()
-    native.op(op)(*args)  # (the good call runs)
+    registry.op(op)(*args)  # (the good call runs)
     for index, value, message in bad:
         with pytest.raises(ValueError, match=message):
-            native.op(op)(*replaced(args, index, value))
+            registry.op(op)(*replaced(args, index, value))

@@ -10,8 +10,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qbackend.pipeline import cleanup
-from qbackend.kernels import native
-from qbackend.passes.batch_norm_quantize import batch_norm_quantize, linear_terms
+from qbackend.kernels import isa
+from qbackend.kernels.batch_norm_quantize import batch_norm_quantize
+from qbackend.passes.batch_norm_quantize import linear_terms
 
 from .helpers import assert_matches_reference, compile_and_run, needs_own_kernels, quantize, short_graph
 
@@ -90,7 +91,7 @@ class TestDenseGraph(expecttest.TestCase):
         x = torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(0))
         captured = compile_and_run(quantize(DenseBlock().eval(), (x,)), (x,))[2]
         lines = "\n".join(line for line in short_graph(captured.lowered).splitlines() if "norm" in line or "cat" in line or "relu" in line)
-        if native.int8_build() != "avx512_vnni":  # (the stem conv is qbackend's own kernel on VNNI CPUs only)
+        if isa.int8_build() != "avx512_vnni":  # (the stem conv is qbackend's own kernel on VNNI CPUs only)
             self.assertExpectedInline(lines, """\
 batch_norm_quantize = batch_norm_quantize.batch_norm_quantize([qconv], 0.0263, 60, <const>, <const>, True, 0.0299, 0, 0, 127)
 qconv_pointwise_default = onednn.qconv_pointwise(batch_norm_quantize, 0.0299, 0, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.0263, 60, uint8, 'hardtanh', [-1.58, 1.76], '')
@@ -101,8 +102,8 @@ dequantize_per_tensor_default_21 = fast_qdq.dequantize_per_tensor(cat_default_2,
             return
         self.assertExpectedInline(lines, """\
 batch_norm_quantize = batch_norm_quantize.batch_norm_quantize([qconv_stem], 0.0263, 60, <const>, <const>, True, 0.0299, 0, 0, 127)
-qconv = native.qconv(batch_norm_quantize, <const>, <const>, <const>, None, 0, -inf, inf, 0.0263, 60, 0, 127, False, 'none', (3, 3), (1, 1), (1, 1), (1, 1), 0)
+qconv = conv_gemm.qconv(batch_norm_quantize, <const>, <const>, <const>, None, 0, -inf, inf, 0.0263, 60, 0, 127, False, 'none', (3, 3), (1, 1), (1, 1), (1, 1), 0)
 batch_norm_quantize_1 = batch_norm_quantize.batch_norm_quantize([qconv_stem, qconv], 0.0263, 60, <const>, <const>, True, 0.0269, 0, 0, 127)
-qconv_1 = native.qconv(batch_norm_quantize_1, <const>, <const>, <const>, None, 0, -inf, inf, 0.0263, 60, 0, 127, False, 'none', (3, 3), (1, 1), (1, 1), (1, 1), 0)
+qconv_1 = conv_gemm.qconv(batch_norm_quantize_1, <const>, <const>, <const>, None, 0, -inf, inf, 0.0263, 60, 0, 127, False, 'none', (3, 3), (1, 1), (1, 1), (1, 1), 0)
 cat_default_2 = aten.cat([qconv_stem, qconv, qconv_1], 1)
 dequantize_per_tensor_default_21 = fast_qdq.dequantize_per_tensor(cat_default_2, 0.0263, 60, 0, 127, uint8)""")

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from qbackend.kernels import choice_cache, native
+from qbackend.kernels import choice_cache, isa
 from qbackend.llm import dense_weight_only
 from qbackend.lowering import choice
 
@@ -30,7 +30,7 @@ def _edited(cache: choice_cache.ChoiceCache, change) -> None:
     cache.path.write_text(json.dumps(saved))
 
 
-VALUE = choice_cache.number(*native.ZMM_SPEEDUPS)  # (native.zmm_speedup's check)
+VALUE = choice_cache.number(*isa.ZMM_SPEEDUPS)  # (isa.zmm_speedup's check)
 
 
 @pytest.mark.parametrize("kept", [float("nan"), float("inf"), 1e9, -1.0, True, "1.5", None])

@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend.passes import channel_shuffle, fast_qdq
+from qbackend.kernels import fast_qdq
+from qbackend.kernels import channel_shuffle
 from qbackend.pipeline import cleanup
-from qbackend.passes.channel_shuffle import _reference, shuffle_halves, shuffle_halves_quantized, shuffle_pair
+from qbackend.kernels.channel_shuffle import _reference, shuffle_halves, shuffle_halves_quantized, shuffle_pair
 
 from .helpers import assert_matches_reference, compile_and_run, needs_own_kernels, quantize, short_graph
 
@@ -128,14 +129,14 @@ getitem_4 = _operator.getitem(kernel_chain_0, 0)
 shuffle_halves = channel_shuffle.shuffle_halves_quantized(getitem, getitem_4, 0.01, 0, 0, 127)
 getitem_2 = _operator.getitem(shuffle_halves, 0)
 getitem_3 = _operator.getitem(shuffle_halves, 1)
-qconv_3 = native.qconv(getitem_3, <const>, <const>, <const>, None, 0, 0, inf, 0.00475, 0, 0, 127, False, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 0)
+qconv_3 = conv_gemm.qconv(getitem_3, <const>, <const>, <const>, None, 0, 0, inf, 0.00475, 0, 0, 127, False, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 0)
 kernel_chain_1 = kernel_chain(getitem_3) of 3 steps -> (qconv_4)
 getitem_5 = _operator.getitem(kernel_chain_1, 0)
 shuffle_pair = channel_shuffle.shuffle_pair(getitem_2, getitem_5)
 view_default_1 = shuffle_pair.view([1, 4, 2, 8, 8])
 quantize_per_tensor_default_8 = fast_qdq.quantize_per_tensor(view_default_1, 0.0124, 0, 0, 127, uint8)
 view_default = quantize_per_tensor_default_8.reshape([1, 8, 8, 8])
-qconv_5 = native.qconv(view_default, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 0)""")
+qconv_5 = conv_gemm.qconv(view_default, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 0)""")
 
 
 @pytest.mark.parametrize("case", ["three groups", "the shuffled tensor returned"])

@@ -77,10 +77,10 @@ class ConstantMLPBias(nn.Module):
 
 
 def test_own_kernel_calls_on_constants_fold_with_what_reads_them():
-    from qbackend.kernels import native
+    from qbackend.kernels import registry
 
     x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(0))
     captured = assert_matches_reference(_converted(ConstantMLPBias(), x), (x,))
-    kernels = [n for n in captured.lowered.graph.nodes if n.target in native.PLAIN.values()
+    kernels = [n for n in captured.lowered.graph.nodes if n.target in registry.PLAIN.values()
                or "qlinear" in str(n.target) or "sigmoid" in str(n.target)]
     assert len(kernels) == 1, short_graph(captured.lowered)  # (the linear of x alone)

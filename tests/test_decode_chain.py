@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import qbackend
 from qbackend.pipeline import cleanup
-from qbackend.llm import kv_append, rms_norm
-from qbackend.kernels import native
+from qbackend.kernels import kv_append, rms_norm
+from qbackend.kernels import attention
 from qbackend.kernels.kernel_chain import KernelChain, chain_own_kernels
 
 from .helpers import Captured, in_threads, needs_own_kernels, short_graph
@@ -151,11 +151,11 @@ class TestDecodeGraph(expecttest.TestCase):
         self.assertExpectedInline("\n".join(lines), """\
 cat_3 = kv_append.append(l_caches_0_k_, rotary_1, -2)
 cat_4 = kv_append.append(l_caches_0_v_, v, -2)
-attention_f32 = native.attention_f32(rotary, cat_3, cat_4, None, 0.177)
+attention_f32 = attention.attention_f32(rotary, cat_3, cat_4, None, 0.177)
 transpose_3 = attention_f32.transpose(1, 2)
 cat_7 = kv_append.append(l_caches_1_k_, rotary_3, -2)
 cat_8 = kv_append.append(l_caches_1_v_, v_1, -2)
-attention_f32_1 = native.attention_f32(rotary_2, cat_7, cat_8, None, 0.177)
+attention_f32_1 = attention.attention_f32(rotary_2, cat_7, cat_8, None, 0.177)
 transpose_7 = attention_f32_1.transpose(1, 2)
 kernel_chain_0 = kernel_chain(x, getitem_10, getitem_11, l_caches_0_k_, l_caches_0_v_, l_caches_1_k_, l_caches_1_v_) of 91 steps -> (cat_3, cat_4, cat_7, cat_8, getitem_9, int4_mm_int16_14)""")
 
@@ -268,7 +268,7 @@ def _attention_over_appends():
     q, k, v, cache_k, cache_v = (graph.placeholder(name) for name in ("q", "k", "v", "cache_k", "cache_v"))
     keys = graph.call_function(kv_append.append, (cache_k, k, -2))
     values = graph.call_function(kv_append.append, (cache_v, v, -2))
-    graph.output((graph.call_function(native.attention_f32, (q, keys, values, None, 0.25)), keys, values))
+    graph.output((graph.call_function(attention.attention_f32, (q, keys, values, None, 0.25)), keys, values))
     return torch.fx.GraphModule(root, graph)
 
 

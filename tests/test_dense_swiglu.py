@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import qbackend
-from qbackend.llm import dense_swiglu, dense_weight_only, silu_mul
-from qbackend.kernels import native
+from qbackend.kernels import silu_mul
+from qbackend.llm import dense_swiglu, dense_weight_only
+from qbackend.kernels import registry
 
 from .helpers import compile_and_run, needs_own_kernels, short_graph
 from .test_dense_weight_only import packed, simulated
@@ -52,7 +53,7 @@ def test_the_fused_mlp_gives_the_unfused_dense_paths_bits(bits, monkeypatch):
     unfused = dense_weight_only.kernel_or_dense(silu_mul.silu_mul(y[:, :inner], y[:, inner:]), *dense[1])
     assert torch.equal(dense_swiglu.swiglu(x, *dense), unfused)
     # fewer rows than the down linear's switch: the merged one dense, the down one on the kernel
-    kernel = native.PLAIN[f"int{bits}_mm_int16"]
+    kernel = registry.PLAIN[f"int{bits}_mm_int16"]
     y = dense_weight_only.dense_slices(x, bits, torch.bfloat16, *gate_up)
     expected = kernel(silu_mul.silu_mul(y[:, :inner], y[:, inner:]), *down)
     assert torch.equal(dense_swiglu.swiglu(x, dense[0], (25, 25, torch.bfloat16, bits, *down)), expected)
@@ -98,7 +99,7 @@ class TestSwigluInTheGraph(expecttest.TestCase):
 l_x_ = input
 reshape_default = l_x_.reshape([-1, 256])
 swiglu = dense_swiglu.swiglu(reshape_default, (16, 16, bfloat16, 4, <const>, <const>, <const>, 128), (16, 16, bfloat16, 4, <const>, <const>, <const>, 128))
-unflatten_rows_2 = weight_only.unflatten_rows(swiglu, l_x_)
+unflatten_rows_2 = weight_only_linear.unflatten_rows(swiglu, l_x_)
 return (unflatten_rows_2)""")
         assert "1 SwiGLU MLP(s) with dense gate / up and down linears run as one call" in str(captured.report)
         with torch.no_grad():

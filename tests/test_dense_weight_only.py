@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from qbackend.llm import dense_weight_only
-from qbackend.kernels import native
-from qbackend.lowering import weight_only
+from qbackend.kernels import dense_weight_only as dense_kernels  # (the kernels: dense slices, bf16 matmul)
+from qbackend.kernels import registry, weight_only_mm
+from qbackend.kernels import weight_only_linear
 from qbackend.weight_only.weight_quant import quantize
 
 from .helpers import compile_and_run, needs_own_kernels, short_graph
@@ -15,13 +16,13 @@ from .test_weight_only import quantized_and_reference
 from .tolerances import assert_weight_only_close
 
 pytestmark = needs_own_kernels
-needs_bf16_kernel = pytest.mark.skipif(dense_weight_only._bf16_kernel() is None, reason="needs a CPU with AVX512-BF16")
+needs_bf16_kernel = pytest.mark.skipif(dense_kernels._bf16_kernel() is None, reason="needs a CPU with AVX512-BF16")
 
 
 def packed(bits, n=96, k=256, group=64, seed=0):
     torch.manual_seed(seed)
     weight = quantize(torch.randn(n, k), bits, group if bits == 4 else None)
-    return weight, weight_only.pack(weight, "cpu", torch.float32, "int16").args
+    return weight, weight_only_linear.pack(weight, "cpu", torch.float32, "int16").args
 
 
 @pytest.mark.parametrize("bits, group", [(4, 32), (4, 64), (4, 128), (8, None)], ids=["int4 g32", "int4 g64", "int4 g128", "int8"])
@@ -29,8 +30,8 @@ def test_written_out_rows_are_the_dequantized_weight(bits, group):
     weight, args = packed(bits, group=group)
     expected = weight.dequantize(torch.float32)
     for start, rows in ((0, 96), (16, 32), (95, 1)):
-        f32 = dense_weight_only.written_out(bits, args, start, torch.empty(rows, 256))
-        bf16 = dense_weight_only.written_out(bits, args, start, torch.empty(rows, 256, dtype=torch.bfloat16))
+        f32 = dense_kernels.written_out(bits, args, start, torch.empty(rows, 256))
+        bf16 = dense_kernels.written_out(bits, args, start, torch.empty(rows, 256, dtype=torch.bfloat16))
         # int4: u * scale + (offset - 8 scale) in one multiply-add, so an ulp from (q * scale + offset)
         torch.testing.assert_close(f32, expected[start:start + rows], rtol=1e-6, atol=1e-6)
         assert (bf16.float() - f32).abs().max() <= f32.abs().max() * 2 ** -8  # (nearest even: half a bf16 ulp)
@@ -40,17 +41,17 @@ def test_written_out_rows_are_the_dequantized_weight(bits, group):
 
 def test_a_nan_weight_stays_nan_in_bf16():
     weight, (storage, scale, codes, group) = packed(4)
-    assert codes.dtype == native.INT4_OFFSET_CODES  # (integer zero points: offsets as int8 codes)
+    assert codes.dtype == weight_only_mm.INT4_OFFSET_CODES  # (integer zero points: offsets as int8 codes)
     nan_scale, nan_offset = scale.clone(), codes.float() * scale  # (the float offsets of the same weight)
     nan_scale[3, 0] = nan_offset[3, 0] = float("nan")
     for scale_, offset in ((nan_scale, codes), (scale, nan_offset)):
-        out = dense_weight_only.written_out(4, (storage, scale_, offset, group), 0, torch.empty(96, 256, dtype=torch.bfloat16))
+        out = dense_kernels.written_out(4, (storage, scale_, offset, group), 0, torch.empty(96, 256, dtype=torch.bfloat16))
         assert out[3, :group].isnan().all() and not out[3, group:].isnan().any() and not out[4].isnan().any()
 
 
 def test_bad_arguments_are_refused_before_the_kernel():
     _, (storage, scale, offset, group) = packed(4)
-    written_out = dense_weight_only.written_out
+    written_out = dense_kernels.written_out
     with pytest.raises(ValueError, match=r"rows \[90, 100\) of 96"):
         written_out(4, (storage, scale, offset, group), 90, torch.empty(10, 256))
     with pytest.raises(ValueError, match="contiguous bf16 / float32 buffer"):
@@ -76,7 +77,7 @@ def test_dense_slices_match_the_float_linear_on_the_dequantized_weight(bits, row
     weight, args = packed(bits)
     x = torch.randn(rows, 256)
     expected = x @ weight.dequantize(torch.float32).t()
-    kernel = native.PLAIN[f"int{bits}_mm_int16"]
+    kernel = registry.PLAIN[f"int{bits}_mm_int16"]
     assert_weight_only_close(dense_weight_only.dense_slices(x, bits, torch.float32, *args), expected, "fp32", "weight_only_int16")
     assert_weight_only_close(dense_weight_only.dense_slices(x, bits, torch.bfloat16, *args), expected, "bf16")
     assert torch.equal(dense_weight_only.kernel_or_dense(x, rows + 1, rows + 1, torch.bfloat16, bits, *args), kernel(x, *args))
@@ -110,7 +111,7 @@ class TestDenseSlicesInTheGraph(expecttest.TestCase):
 l_args_0_ = input
 reshape_default = l_args_0_.reshape([-1, 256])
 int4_mm_int16 = dense_weight_only.kernel_or_dense(reshape_default, 24, 24, bfloat16, 4, <const>, <const>, <const>, 128)
-unflatten_rows = weight_only.unflatten_rows(int4_mm_int16, l_args_0_)
+unflatten_rows = weight_only_linear.unflatten_rows(int4_mm_int16, l_args_0_)
 add_tensor = aten.add.Tensor(unflatten_rows, <const>)
 return (add_tensor)""")
         assert "weight-only dense int4 512x256 g128: dense bf16 from 24 rows" in report
@@ -164,7 +165,7 @@ def timings(by_rows, part=None):
 def test_the_measured_record_names_a_dtype_only_where_its_line_beats_the_kernels(monkeypatch):
     monkeypatch.setattr(dense_weight_only, "bf16_kernel_takes", lambda bits, args: False)
     weight, args = packed(4)
-    kernel = native.PLAIN["int4_mm_int16"]
+    kernel = registry.PLAIN["int4_mm_int16"]
     # int16 0.2 ms a row; bf16 3 ms + 0.05 a row (crossing at 20 rows); fp32 slower than bf16
     monkeypatch.setattr(dense_weight_only, "_timed", timings({32: {"int16": 6.4, "bf16": 4.6, "fp32": 9.0},
                                                              128: {"int16": 25.6, "bf16": 9.4, "fp32": 20.0}}))
@@ -178,7 +179,7 @@ def test_the_measured_record_names_a_dtype_only_where_its_line_beats_the_kernels
 def test_the_bf16_kernel_takes_the_rows_between_the_int16_kernel_and_the_dense_slices(monkeypatch):
     monkeypatch.setattr(dense_weight_only, "bf16_kernel_takes", lambda bits, args: True)
     weight, args = packed(4)
-    kernel = native.PLAIN["int4_mm_int16"]
+    kernel = registry.PLAIN["int4_mm_int16"]
     # bf16 kernel 1 ms + 0.08 a row: past int16's 0.2 a row at 8.3 rows; at 128 rows before the dense slices
     probes = {32: {"int16": 6.4, "bf16": 4.6, "fp32": 9.0, "bf16 kernel": 3.56},
               128: {"int16": 25.6, "bf16": 12.0, "fp32": 20.0, "bf16 kernel": 11.24}}
@@ -201,11 +202,11 @@ def test_the_bf16_kernel_multiplies_the_written_out_bf16_weight(bits, offsets):
     weight, args = packed(bits, n=100)
     if offsets == "float":  # (the same weights with float32 offsets)
         args = (args[0], args[1], args[2].float() * args[1], args[3])
-    bf16_weight = dense_weight_only.written_out(bits, args, 0, torch.empty(100, 256, dtype=torch.bfloat16))
+    bf16_weight = dense_kernels.written_out(bits, args, 0, torch.empty(100, 256, dtype=torch.bfloat16))
     for rows in (1, 5, 6, 13, 40):  # (tiles of 6 rows and of 4 weight rows, with their remainders: 100 = 25 x 4)
         x = torch.randn(rows, 256)
         expected = x.bfloat16().double() @ bf16_weight.double().t()  # (exact products; float32 sums in the kernel)
-        actual = dense_weight_only.bf16_mm(x, bits, *args)
+        actual = dense_kernels.bf16_mm(x, bits, *args)
         assert actual.dtype == torch.float32 and actual.shape == (rows, 100)
         torch.testing.assert_close(actual.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     assert_weight_only_close(dense_weight_only.kernel_or_dense(x, 8, 64, torch.bfloat16, bits, *args),
@@ -215,7 +216,7 @@ def test_the_bf16_kernel_multiplies_the_written_out_bf16_weight(bits, offsets):
 @needs_bf16_kernel
 def test_the_bf16_kernel_checks_its_arguments():
     _, (storage, scale, offset, group) = packed(4)
-    mm = dense_weight_only.bf16_mm
+    mm = dense_kernels.bf16_mm
     with pytest.raises(ValueError, match=r"float32 or bf16 CPU activations \[M, 256\]"):
         mm(torch.randn(4, 128), 4, storage, scale, offset, group)
     with pytest.raises(ValueError, match="the int4 storage must be"):

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend.kernels import native
+from qbackend.kernels import layer_norm_quantize
+from qbackend.kernels import depthwise as depthwise_kernel
 from qbackend.lowering import depthwise
 from qbackend.lowering.own_conv import scale_and_offset
 
@@ -21,9 +22,9 @@ def _case(n, c, h, w, window, stride, activation, mult_scale=0.01):
     packed = depthwise.pack(weight, *scale_and_offset(weight, torch.rand(c) * mult_scale + 0.001, 0.03, 7, torch.randn(c)), True)
     conv = (x, 7, *packed, (stride, stride), (window // 2, window // 2), float("-inf"), float("inf"))
     norm = (torch.randn(c), torch.randn(c), 1e-6, 0.03, 127, 0, 255)
-    floats = native.qconv_depthwise(*conv, 1.0, 0, 0, 255, True, activation, window)
-    expected = native.layer_norm_quantize(floats.permute(0, 2, 3, 1), *norm)
-    return native.qconv_depthwise_layer_norm(*conv, activation, window, *norm), expected
+    floats = depthwise_kernel.qconv_depthwise(*conv, 1.0, 0, 0, 255, True, activation, window)
+    expected = layer_norm_quantize.layer_norm_quantize(floats.permute(0, 2, 3, 1), *norm)
+    return depthwise_kernel.qconv_depthwise_layer_norm(*conv, activation, window, *norm), expected
 
 
 @pytest.mark.parametrize("n, c, h, w, window, stride, activation", [
@@ -60,5 +61,5 @@ def test_a_convnext_block_lowers_onto_the_fused_kernel():
     inputs = (torch.randn(2, 32, 8, 8),)
     captured = assert_matches_reference(quantize(ConvNeXtBlock().eval(), inputs), inputs)
     graph = short_graph(captured.lowered)
-    assert "native.qconv_depthwise_layer_norm(" in graph and "layer_norm_quantize" not in graph, graph
+    assert "depthwise.qconv_depthwise_layer_norm(" in graph and "layer_norm_quantize" not in graph, graph
     assert "1 depthwise conv(s) normalize and quantize their own output (LayerNorm fused)" in captured.report.notes

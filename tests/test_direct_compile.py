@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 import qbackend
-from qbackend.passes import fast_qdq
+from qbackend.kernels import fast_qdq
 from qbackend.pipeline.backend import Options, compile_graph
 from qbackend.pipeline.direct import CompiledGraphModule, _with_shapes
 from qbackend.lowering.common import static_shape

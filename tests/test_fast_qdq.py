@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  registers the reference ops
 
-from qbackend.passes import fast_qdq
-from qbackend.kernels import native
+from qbackend.kernels import fast_qdq
+from qbackend.kernels import registry
 
 from .helpers import needs_own_kernels
 
@@ -135,7 +135,7 @@ def assert_exact_but_at_ties(actual, expected, x, scale):
     own kernel, else (ATen's quantize) but at rounding ties."""
     special = ~x.isfinite() | (x.abs() > 1e20)
     assert torch.equal(actual[special], expected[special])
-    if native.available() is None:
+    if registry.available() is None:
         assert torch.equal(actual, expected)
     assert_equal_but_at_ties(actual[~special], expected[~special], x[~special], scale)
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from qbackend.kernels import native
+from qbackend.kernels import registry
 from qbackend.pipeline import static_module
 from qbackend.lowering import depthwise, gemm, stem
 from qbackend.models import tiny_resnet
@@ -24,7 +24,7 @@ def _compiled_tiny_resnet():
 
 def test_second_call_runs_no_weight_quantization_or_prepack(monkeypatch):
     """On oneDNN (qbackend's own kernels off: the profiler sees oneDNN's ops, not theirs)."""
-    monkeypatch.setattr(native, "available", lambda: "qbackend's own kernels are unavailable: switched off by the test")
+    monkeypatch.setattr(registry, "available", lambda: "qbackend's own kernels are unavailable: switched off by the test")
     _, compiled, inputs = _compiled_tiny_resnet()
     with torch.no_grad():
         compiled(*inputs)
@@ -38,8 +38,8 @@ def test_second_call_runs_no_weight_quantization_or_prepack(monkeypatch):
 
 def test_second_call_packs_no_weights_for_own_kernels(monkeypatch):
     """The own kernels' weights are packed while lowering, never on a call."""
-    if native.available() is not None:
-        pytest.skip(native.available())
+    if registry.available() is not None:
+        pytest.skip(registry.available())
     packs = []
     for module in (gemm, depthwise, stem):
         original = module.pack

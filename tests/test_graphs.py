@@ -36,7 +36,7 @@ class TestLoweredGraphs(expecttest.TestCase):
         self.assertExpectedInline(lowered_graph(*conv_relu()), """\
 l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor_channels_last(l_input_, 0.0509, 54, 0, 127, uint8)
-qconv = native.qconv(quantize_per_tensor_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0166, 0, 0, 127, False, 'none', (3, 3), (1, 1), (1, 1), (1, 1), 54)
+qconv = conv_gemm.qconv(quantize_per_tensor_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0166, 0, 0, 127, False, 'none', (3, 3), (1, 1), (1, 1), (1, 1), 54)
 qconv_pointwise_default = onednn.qconv_pointwise(qconv, 0.0166, 0, <const>, <const>, <const>, <const>, [2, 2], [0, 0], [1, 1], 1, 1, 0, float32, 'none', [], '')
 return (qconv_pointwise_default)""")
 
@@ -58,8 +58,8 @@ return (qconv2d_pointwise_binary)""")
         self.assertExpectedInline(lowered_graph(*seeded(inplace_residual_block)), """\
 l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor_channels_last(l_input_, 0.0509, 54, 0, 127, uint8)
-qconv = native.qconv(quantize_per_tensor_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0143, 0, 0, 127, False, 'none', (3, 3), (1, 1), (1, 1), (1, 1), 54)
-qconv_1 = native.qconv(qconv, <const>, <const>, <const>, None, 0, 0, inf, 0.00524, 0, 0, 127, False, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 0)
+qconv = conv_gemm.qconv(quantize_per_tensor_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0143, 0, 0, 127, False, 'none', (3, 3), (1, 1), (1, 1), (1, 1), 54)
+qconv_1 = conv_gemm.qconv(qconv, <const>, <const>, <const>, None, 0, 0, inf, 0.00524, 0, 0, 127, False, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 0)
 kernel_chain_0 = kernel_chain(quantize_per_tensor_default) of 2 steps -> (qconv_1)
 getitem = _operator.getitem(kernel_chain_0, 0)
 dequantize_per_tensor_default_3 = fast_qdq.dequantize_per_tensor(getitem, 0.00524, 0, 0, 127, uint8)
@@ -73,11 +73,11 @@ return (qconv2d_pointwise_binary)""")
 l_input_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_input_, 0.0474, 61, 0, 127, uint8)
 reshape_default = quantize_per_tensor_default.reshape([15, 16, 1, 1])
-qconv = native.qconv(reshape_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0109, 0, 0, 127, False, 'none')
+qconv = conv_gemm.qconv(reshape_default, <const>, <const>, <const>, None, 0, 0, inf, 0.0109, 0, 0, 127, False, 'none')
 reshape_default_1 = qconv.reshape([3, 5, 24])
 reshape_default_4 = qconv.reshape([15, 24, 1, 1])
 reshape_default_2 = reshape_default_1.reshape([15, 24, 1, 1])
-qconv_1 = native.qconv(reshape_default_4, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
+qconv_1 = conv_gemm.qconv(reshape_default_4, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
 kernel_chain_0 = kernel_chain(quantize_per_tensor_default) of 6 steps -> (qconv_1)
 getitem = _operator.getitem(kernel_chain_0, 0)
 reshape_default_3 = getitem.reshape([3, 5, 8])

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend.kernels import native
+from qbackend.kernels import registry
 from qbackend.lowering import grouped
 from qbackend.lowering.own_conv import scale_and_offset
 from qbackend.ops import resolve
@@ -45,7 +45,7 @@ def test_grouped_kernel_bytes_match_the_reference_and_onednn(case):
     expected = torch.clamp(torch.round(reference / out_scale) + out_zp, 0, 255).to(torch.uint8)
     mult, add = scale_and_offset(w, w_scale, x_scale, x_zp, bias)
     args = (x, x_zp, *grouped.pack(w, mult, add), groups, stride, 0.0, math.inf, out_scale, out_zp, 0, 255)
-    for kernel in native.own_kernel_forms("qconv_grouped"):
+    for kernel in registry.own_kernel_forms("qconv_grouped"):
         actual = kernel(*args)
         assert actual.is_contiguous(memory_format=torch.channels_last)
         assert_int8_close(actual, expected, f"{case}")
@@ -84,7 +84,7 @@ def test_a_resnext_block_runs_its_grouped_conv_on_the_kernel(groups, stride):
     inputs = (torch.randn(2, 64, 10, 10),)
     captured = assert_matches_reference(quantize(Bottleneck(groups=groups, stride=stride).eval(), inputs), inputs)
     ops = [d.op for d in captured.report.decisions if d.kind == "conv"]
-    assert f"{native.NAMESPACE}::qconv_grouped.default" in ops, str(captured.report)
+    assert f"{registry.NAMESPACE}::qconv_grouped.default" in ops, str(captured.report)
 
 
 def test_groups_of_two_channels_stay_on_onednn_and_say_why():

@@ -1,11 +1,11 @@
-"""Weight-only weights moved onto 2 MB pages in place (qbackend/llm/huge_pages.py): the bytes and
-addresses stay, exactly the whole 2 MB pages inside a tensor move, and what Linux refuses
+"""Weight-only weights moved onto 2 MB pages in place (qbackend/llm/huge_pages.py over
+qbackend/kernels/huge_pages.py): the bytes and addresses stay, exactly the whole 2 MB pages inside a tensor move, and what Linux refuses
 changes nothing."""
 import platform
 
 import torch
 
-from qbackend.llm import huge_pages
+from qbackend.kernels import huge_pages
 from qbackend.quantized_tensor import QuantizedLinearWeight
 from qbackend import quantize_weights
 

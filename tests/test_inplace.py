@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend.kernels import native
+from qbackend.kernels import registry
 
 from .helpers import assert_matches_reference, dense_convs_on_onednn, needs_own_kernels, onednn_linear_rows, quantize
 
@@ -51,7 +51,7 @@ class ResidualIsTheConvInput(nn.Module):
 @pytest.fixture
 def onednn_only(monkeypatch):
     """oneDNN's kernels, which write into their residual, rather than qbackend's own (which never do)."""
-    monkeypatch.setattr(native, "available", lambda: "turned off for this test")
+    monkeypatch.setattr(registry, "available", lambda: "turned off for this test")
 
 
 @pytest.mark.usefixtures("onednn_only")

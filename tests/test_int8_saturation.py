@@ -102,5 +102,5 @@ def test_seven_bit_outputs_of_the_own_gemm_kernel_stay_in_range(post_op):
     model = HandQuantized(rank=0, in_ch=256, out_ch=16, post_op=post_op)
     captured = assert_matches_reference(model, (torch.full((4, 256), 2.5),))
     graph = short_graph(captured.lowered)
-    assert "native.qconv(" in graph and f", 0, 127, False, '{post_op if post_op == 'gelu' else 'none'}')" in graph, graph
+    assert "conv_gemm.qconv(" in graph and f", 0, 127, False, '{post_op if post_op == 'gelu' else 'none'}')" in graph, graph
     assert "clamp_to_range" not in graph, graph

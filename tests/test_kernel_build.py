@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from qbackend.kernels import kernel_build, native
+from qbackend.kernels import isa, kernel_build, registry
 from qbackend.kernels import library
 
 SOURCE = "int qb_answer(void) { return 42; }\n"
@@ -125,25 +125,25 @@ def switch(monkeypatch):
 def test_the_kernel_switch_names_its_valid_values(switch):
     switch("fast")
     with pytest.raises(ValueError, match=r"QBACKEND_KERNELS='fast'; valid: 'auto', 'off', 'avx2'"):
-        native.gemm_build()
+        isa.gemm_build()
 
 
-@pytest.mark.skipif(native.available() is not None or native.vnni_unavailable() is None,
+@pytest.mark.skipif(registry.available() is not None or isa.vnni_unavailable() is None,
                     reason="needs the own kernels, and a CPU without AVX512-VNNI")
 def test_a_forced_build_the_cpu_lacks_is_a_clear_error(switch):
     switch("avx512_vnni_zmm")
     with pytest.raises(RuntimeError, match="needs the avx512_vnni kernels"):
-        native.gemm_build()
+        isa.gemm_build()
 
 
-@pytest.mark.skipif(native.available() is not None, reason="needs the own kernels")
+@pytest.mark.skipif(registry.available() is not None, reason="needs the own kernels")
 def test_a_forced_build_is_the_one_that_runs(switch):
-    switch(native.gemm_build())  # (forcing the build this CPU runs anyway)
-    assert native.gemm_build() == os.environ[library.SWITCH]
-    if native.int8_build() == "avx512_vnni":
+    switch(isa.gemm_build())  # (forcing the build this CPU runs anyway)
+    assert isa.gemm_build() == os.environ[library.SWITCH]
+    if isa.int8_build() == "avx512_vnni":
         for build in ("avx512_vnni", "avx512_vnni_zmm"):  # either register width, whatever the probe said
             switch(build)
-            assert native.gemm_build() == build
+            assert isa.gemm_build() == build
 
 
 def test_a_prebuilt_library_loads_only_intact_unwritable_and_for_these_sources(cache, tmp_path, monkeypatch):

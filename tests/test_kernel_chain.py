@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from qbackend.pipeline import cleanup
-from qbackend.kernels import native
+from qbackend.kernels import registry
 from qbackend.kernels.kernel_chain import KernelChain, Ref, _plan
 
 from .helpers import compile_and_run, needs_own_kernels, quantize, short_graph
@@ -63,9 +63,9 @@ class TestChainGraph(expecttest.TestCase):
 l_x_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.0645, 63, 0, 127, uint8)
 dequantize_per_tensor_default_3 = fast_qdq.dequantize_per_tensor(quantize_per_tensor_default, 0.0645, 63, 0, 127, uint8)
-qconv = native.qconv(quantize_per_tensor_default, <const>, <const>, <const>, None, 0, 0, 6, 0.0175, 0, 0, 127, False, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 63)
-qconv_depthwise = native.qconv_depthwise(qconv, 0, <const>, <const>, <const>, (1, 1), (1, 1), 0, 6, 0.0104, 0, 0, 127)
-qconv_1 = native.qconv(qconv_depthwise, <const>, <const>, <const>, dequantize_per_tensor_default_3, 1, -inf, inf, 1, 0, 0, 255, True, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 0)
+qconv = conv_gemm.qconv(quantize_per_tensor_default, <const>, <const>, <const>, None, 0, 0, 6, 0.0175, 0, 0, 127, False, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 63)
+qconv_depthwise = depthwise.qconv_depthwise(qconv, 0, <const>, <const>, <const>, (1, 1), (1, 1), 0, 6, 0.0104, 0, 0, 127)
+qconv_1 = conv_gemm.qconv(qconv_depthwise, <const>, <const>, <const>, dequantize_per_tensor_default_3, 1, -inf, inf, 1, 0, 0, 255, True, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 0)
 kernel_chain_0 = kernel_chain(quantize_per_tensor_default, dequantize_per_tensor_default_3) of 3 steps -> (qconv_1)
 getitem = _operator.getitem(kernel_chain_0, 0)
 return (getitem)""")
@@ -100,7 +100,7 @@ def test_a_new_input_shape_is_prepared_again():
         for _, kernel, args in chain.listing():  # the same steps, one by one
             values = {"input": [x8], "step": step_values}
             args = [values[a.source][a.index] if isinstance(a, Ref) else a for a in args]
-            step_values.append(native.own_kernel(kernel, traced=False)(*args))
+            step_values.append(registry.own_kernel(kernel, traced=False)(*args))
         (actual,) = chain(x8)
         assert torch.equal(actual, step_values[-1])
     assert len(chain._programs) == 2
@@ -157,7 +157,7 @@ def test_a_graph_without_own_kernels_is_left_alone_without_loading_them(monkeypa
     def no_loading():
         raise AssertionError("the kernels were loaded")
 
-    monkeypatch.setattr(native, "available", no_loading)
+    monkeypatch.setattr(registry, "available", no_loading)
     gm = torch.fx.symbolic_trace(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()))
     before = str(gm.graph)
     assert chain_own_kernels(gm) is None and str(gm.graph) == before

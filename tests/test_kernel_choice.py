@@ -254,13 +254,13 @@ def test_an_invalid_record_in_cached_mode_leaves_the_fixed_table_to_decide(cache
 
 
 def test_records_of_another_layout_or_qbackend_version_are_not_read(cache_dir, monkeypatch):
-    import qbackend
+    from qbackend import version
 
     assert {k: choice_cache.machine()[k] for k in ("layout", "qbackend")} == {"layout": choice_cache.LAYOUT,
-                                                                          "qbackend": qbackend.__version__}
-    for field, value in (("LAYOUT", choice_cache.LAYOUT - 1), ("__version__", "0.0.1")):
+                                                                          "qbackend": version.VERSION}
+    for field, value in (("LAYOUT", choice_cache.LAYOUT - 1), ("VERSION", "0.0.1")):
         with monkeypatch.context() as older:
-            older.setattr(choice_cache if field == "LAYOUT" else qbackend, field, value)
+            older.setattr(choice_cache if field == "LAYOUT" else version, field, value)
             compiled(older, SimulatedMachine(own_us=300, onednn_us=100))
         choice_cache._shared = None
         again = SimulatedMachine(own_us=100, onednn_us=300)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qbackend.llm import kv_append
+from qbackend.kernels import kv_append
 
 from .helpers import Captured, in_threads, needs_own_kernels, short_graph
 from .tolerances import TOLERANCE
@@ -124,7 +124,7 @@ class TestDecodeGraph(expecttest.TestCase):
         self.assertExpectedInline("\n".join(lines), """\
 cat = kv_append.append(l_cache_k_, l_k_, -2)
 cat_1 = kv_append.append(l_cache_v_, l_v_, -2)
-attention_f32 = native.attention_f32(l_q_, cat, cat_1, None, 0.25)
+attention_f32 = attention.attention_f32(l_q_, cat, cat_1, None, 0.25)
 kernel_chain_0 = kernel_chain(l_cache_k_, l_k_, l_cache_v_, l_v_, l_q_) of 3 steps -> (cat, cat_1, attention_f32)""")
 
     def test_a_cat_read_by_another_op_stays_a_cat(self):
@@ -138,7 +138,7 @@ kernel_chain_0 = kernel_chain(l_cache_k_, l_k_, l_cache_v_, l_v_, l_q_) of 3 ste
         self.assertExpectedInline("\n".join(lines), """\
 cat = torch.cat([l_cache_k_, l_k_], dim=-2)
 cat_1 = kv_append.append(l_cache_v_, l_v_, -2)
-attention_f32 = native.attention_f32(l_q_, cat, cat_1, None, 0.25)
+attention_f32 = attention.attention_f32(l_q_, cat, cat_1, None, 0.25)
 kernel_chain_0 = kernel_chain(l_cache_v_, l_v_, l_q_, cat) of 2 steps -> (cat_1, attention_f32)
 view = cat.view(-1)
 return (getitem_1, mul, cat, getitem)""")

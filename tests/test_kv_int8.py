@@ -6,8 +6,8 @@ import expecttest
 import pytest
 import torch
 
-from qbackend.llm import kv_int8
-from qbackend.kernels import native
+from qbackend.kernels import kv_int8
+from qbackend.kernels import attention
 from qbackend.pipeline.backend import Options
 
 from .helpers import Captured, needs_own_kernels, short_graph
@@ -50,8 +50,8 @@ def test_attention_on_int8_rows_is_attention_on_their_dequantized_values(query_r
     (k8, k_scales), (v8, v_scales) = kv_int8._int8_view(keys), kv_int8._int8_view(values)
     dequantized = (k8.float() * k_scales[..., None], v8.float() * v_scales[..., None])
     actual = kv_int8.attention_kv_int8(q, keys, values, mask, 0.25, is_causal)
-    assert torch.equal(actual, native.attention_f32(q, *dequantized, mask, 0.25, is_causal))
-    exact = native.attention_f32(q, keys, values, mask, 0.25, is_causal)
+    assert torch.equal(actual, attention.attention_f32(q, *dequantized, mask, 0.25, is_causal))
+    exact = attention.attention_f32(q, keys, values, mask, 0.25, is_causal)
     assert torch.nn.functional.cosine_similarity(actual.flatten(), exact.flatten(), 0) > 0.999
 
 
@@ -63,9 +63,9 @@ def test_views_the_int8_rows_do_not_cover_run_float_attention():
     assert kv_int8._int8_view(cropped) is not None
     plain = keys.clone()  # (not an append buffer's view)
     assert kv_int8._int8_view(plain) is None
-    assert torch.equal(kv_int8.attention_kv_int8(q, plain, values, None, 0.25), native.attention_f32(q, plain, values, None, 0.25))
+    assert torch.equal(kv_int8.attention_kv_int8(q, plain, values, None, 0.25), attention.attention_f32(q, plain, values, None, 0.25))
     keys._base.__dict__.pop(kv_int8._INT8_ROWS)  # (rows appended before the option was on)
-    assert torch.equal(kv_int8.attention_kv_int8(q, keys, values, None, 0.25), native.attention_f32(q, keys, values, None, 0.25))
+    assert torch.equal(kv_int8.attention_kv_int8(q, keys, values, None, 0.25), attention.attention_f32(q, keys, values, None, 0.25))
 
 
 @needs_own_kernels

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
 
-from qbackend.kernels import native
+from qbackend.kernels import layer_norm_quantize, registry
 from qbackend.patterns import examples
 
 from .helpers import assert_fused_into_quantize, assert_matches_reference, needs_own_kernels, quantize, short_graph
@@ -27,8 +27,8 @@ def test_kernel_gives_the_references_integers(shape, qparams):
     x = torch.randn(shape) * 3 + 2  # (an offset: the mean is subtracted before the squares)
     weight, bias = torch.randn(shape[-1]), torch.randn(shape[-1])
     expected = reference(x, weight, bias, 1e-6, *qparams).int()
-    for actual in (native.layer_norm_quantize(x, weight, bias, 1e-6, *qparams),
-                   native.op("layer_norm_quantize")(x, weight, bias, 1e-6, *qparams)):
+    for actual in (layer_norm_quantize.layer_norm_quantize(x, weight, bias, 1e-6, *qparams),
+                   registry.op("layer_norm_quantize")(x, weight, bias, 1e-6, *qparams)):
         assert actual.shape == x.shape and actual.dtype == torch.uint8 and actual.is_contiguous()
         off = (actual.int() - expected).abs()
         # float32 statistics summed in another order: a value on a rounding tie may round the other way
@@ -44,15 +44,15 @@ def test_rows_past_float32_statistics_give_atens_result(special):
     x[1, 3], x[4, 8], x[5, 0] = special, special, -special
     weight, bias = torch.randn(16), torch.randn(16)
     expected = reference(x, weight, bias, 1e-5, 0.02, 128, 0, 255)
-    assert torch.equal(native.layer_norm_quantize(x, weight, bias, 1e-5, 0.02, 128, 0, 255), expected)
+    assert torch.equal(layer_norm_quantize.layer_norm_quantize(x, weight, bias, 1e-5, 0.02, 128, 0, 255), expected)
 
 
 def test_a_strided_input_reads_as_its_values():
     torch.manual_seed(0)
     x = torch.randn(2, 16, 6, 6).permute(0, 2, 3, 1)  # (ConvNeXt: the conv's NCHW output seen as NHWC)
     weight, bias = torch.randn(16), torch.randn(16)
-    assert torch.equal(native.layer_norm_quantize(x, weight, bias, 1e-6, 0.02, 128, 0, 255),
-                       native.layer_norm_quantize(x.contiguous(), weight, bias, 1e-6, 0.02, 128, 0, 255))
+    assert torch.equal(layer_norm_quantize.layer_norm_quantize(x, weight, bias, 1e-6, 0.02, 128, 0, 255),
+                       layer_norm_quantize.layer_norm_quantize(x.contiguous(), weight, bias, 1e-6, 0.02, 128, 0, 255))
 
 
 def test_a_norm_before_a_quantized_linear_lowers_onto_the_kernel():
@@ -65,5 +65,5 @@ def test_a_norm_other_ops_read_too_writes_its_float_rows_as_well():
     module, inputs = examples.normed_linear(also_return=True)  # (the normed rows are an output too)
     captured = assert_matches_reference(quantize(module, inputs), inputs)
     graph = short_graph(captured.lowered)
-    assert "native.layer_norm_and_quantize(" in graph and "layer_norm.default" not in graph, graph
+    assert "layer_norm_quantize.layer_norm_and_quantize(" in graph and "layer_norm.default" not in graph, graph
     assert "1 LayerNorm fused into its quantize" in str(captured.report), str(captured.report)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from qbackend.passes import fast_qdq
+from qbackend.kernels import fast_qdq
 from qbackend.models import bert_encoder_like, resnet18_like, tiny_resnet
 from qbackend.patterns import RULES
 from qbackend.patterns.qconv import CONV_OPS

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend.kernels import native
+from qbackend.kernels import common, conv_gemm, isa, registry
+from qbackend.kernels import depthwise as depthwise_kernel
 from qbackend.lowering import capabilities, depthwise, gemm
 from qbackend.lowering.own_conv import scale_and_offset
 
@@ -42,7 +43,7 @@ def _depthwise_case(channels, post, stride, padding, qmax, window=3):
 
     def run():
         packed = depthwise.pack(w, *scale_and_offset(w, w_scale, x_scale, x_zp, bias), depthwise.vnni_built())
-        return native.op("qconv_depthwise")(x, x_zp, *packed, [stride] * 2, [padding] * 2, low, high, out_scale, out_zp, 0, qmax,
+        return registry.op("qconv_depthwise")(x, x_zp, *packed, [stride] * 2, [padding] * 2, low, high, out_scale, out_zp, 0, qmax,
                                             False, "none", window)
 
     return run, reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, low, high, out_scale, out_zp, 0, qmax)
@@ -97,7 +98,7 @@ def test_kernels_run_activations_and_write_float32(activation, float_out, channe
     assert (exact < -3).any() and (exact > 3).any()  # both tails and the middle of each activation
     expected = ACTIVATIONS[activation](exact).clamp(-1.0, 6.0)
     packed = depthwise.pack(w, *scale_and_offset(w, w_scale, x_scale, x_zp, bias), depthwise.vnni_built())
-    actual = native.op("qconv_depthwise")(x, x_zp, *packed, [1, 1], [window // 2] * 2, -1.0, 6.0, out_scale, out_zp, 0, 255,
+    actual = registry.op("qconv_depthwise")(x, x_zp, *packed, [1, 1], [window // 2] * 2, -1.0, 6.0, out_scale, out_zp, 0, 255,
                                           float_out, activation, window)
     assert actual.is_contiguous(memory_format=torch.channels_last)
     if float_out:
@@ -111,7 +112,7 @@ def test_an_unknown_depthwise_activation_is_refused():
     x = torch.zeros(1, 16, 4, 4, dtype=torch.uint8)
     packed = (torch.zeros(160, dtype=torch.int16), torch.zeros(16), torch.zeros(16))
     with pytest.raises(ValueError, match=r"activation 'mish' is not one of \['none', 'gelu', 'gelu_tanh', 'swish', 'hardswish'\]"):
-        native.op("qconv_depthwise")(x, 0, *packed, [1, 1], [1, 1], 0.0, 6.0, 1.0, 0, 0, 255, False, "mish")
+        registry.op("qconv_depthwise")(x, 0, *packed, [1, 1], [1, 1], 0.0, 6.0, 1.0, 0, 0, 255, False, "mish")
 
 
 @pytest.mark.parametrize("post", sorted(CLAMPS))
@@ -121,7 +122,7 @@ def test_depthwise_builds_give_the_same_bytes(post, monkeypatch):
     _needs_vnni_library()
     results = {}
     for build in ("avx2", "avx512_vnni"):
-        monkeypatch.setattr(native, "int8_build", lambda: build)
+        monkeypatch.setattr(isa, "int8_build", lambda: build)
         results[build] = _depthwise_case(64, post, 1, 1, 255)[0]()
     assert torch.equal(results["avx2"], results["avx512_vnni"])
 
@@ -173,11 +174,11 @@ class TestDepthwiseLowering(expecttest.TestCase):
         ops = [d.op for d in captured.report.decisions]
         assert ops == [GEMM_OP, DEPTHWISE_OP, GEMM_OP], str(captured.report)  # (the last one writes float32)
         graph = short_graph(captured.lowered)  # run eagerly: the kernels as plain functions
-        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_depthwise" in line][0], """qconv_depthwise = native.qconv_depthwise(qconv, 0, <const>, <const>, <const>, (2, 2), (1, 1), 0, 6, 0.00825, 0, 0, 127)""")
+        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_depthwise" in line][0], """qconv_depthwise = depthwise.qconv_depthwise(qconv, 0, <const>, <const>, <const>, (2, 2), (1, 1), 0, 6, 0.00825, 0, 0, 127)""")
         _, _, traced = compile_and_run(model, (x,), need_meta=True)  # to be traced: the registered ops
         targets = {node.target for node in traced.lowered.graph.nodes}
-        assert {native.op("qconv_depthwise"), native.op("qconv")} <= targets
-        assert not {native.qconv_depthwise, native.qconv} & targets
+        assert {registry.op("qconv_depthwise"), registry.op("qconv")} <= targets
+        assert not {depthwise_kernel.qconv_depthwise, conv_gemm.qconv} & targets
 
     @needs_own_kernels
     def test_squeeze_excitation_blocks_run_their_activations_on_qbackends_kernels(self):
@@ -206,7 +207,7 @@ class TestDepthwiseLowering(expecttest.TestCase):
         assert_outputs_close(actual, expected, "5x5")
         assert {d.source: d for d in captured.report.decisions}["depthwise.0"].op == DEPTHWISE_OP, str(captured.report)
         call = [line for line in short_graph(captured.lowered).splitlines() if "qconv_depthwise" in line][0]
-        self.assertExpectedInline(call, """qconv_depthwise = native.qconv_depthwise(qconv, 12, <const>, <const>, <const>, (1, 1), (2, 2), -inf, inf, 1, 0, 0, 255, True, 'swish', 5)""")
+        self.assertExpectedInline(call, """qconv_depthwise = depthwise.qconv_depthwise(qconv, 12, <const>, <const>, <const>, (1, 1), (2, 2), -inf, inf, 1, 0, 0, 255, True, 'swish', 5)""")
 
     def test_channels_that_are_not_whole_lanes_run_on_padded_copies(self):
         x = torch.randn(1, 8, 10, 10)
@@ -219,7 +220,7 @@ class TestDepthwiseLowering(expecttest.TestCase):
 def test_without_the_kernels_onednn_runs_it(monkeypatch):
     x = torch.randn(1, 8, 10, 10)
     model = quantize(InvertedResidual().eval(), (x,))
-    monkeypatch.setattr(native, "available", lambda: "qbackend's own kernels are unavailable: no C compiler found")
+    monkeypatch.setattr(registry, "available", lambda: "qbackend's own kernels are unavailable: no C compiler found")
     actual, expected, captured = compile_and_run(model, (x,))
     assert_outputs_close(actual, expected, "no kernels")
     decision = captured.report.decisions[1]
@@ -241,7 +242,7 @@ def test_1x1_kernel_gives_the_reference_integers(post, residual, cout, qmax, int
     low, high = CLAMPS[post]
     weight, (mult, add) = gemm.pack(w), scale_and_offset(w, w_scale, x_scale, x_zp, bias, -r_zp * r_scale if residual else 0.0)
     mult, add = mult.float(), add.float()
-    actual = native.op("qconv")(x, weight, mult, add, r, r_scale if residual else 0.0, low, high, out_scale, out_zp, 0, qmax)
+    actual = registry.op("qconv")(x, weight, mult, add, r, r_scale if residual else 0.0, low, high, out_scale, out_zp, 0, qmax)
     expected = reference(x, x_scale, x_zp, w, w_scale, bias, 1, 0, low, high, out_scale, out_zp, 0, qmax, r, r_scale, r_zp)
     assert actual.is_contiguous(memory_format=torch.channels_last)
     assert_int8_close(actual, expected, f"1x1 {post} residual={residual} cout={cout}")
@@ -262,7 +263,7 @@ def test_gemm_conv_gives_the_reference_integers(kernel, stride, padding, dilatio
     w = torch.randint(-64, 64, (cout, cin, *kernel), dtype=torch.int8)
     w_scale, bias = torch.rand(cout) * 0.01 + 0.001, torch.randn(cout)
     mult, add = (t.float() for t in scale_and_offset(w, w_scale, x_scale, x_zp, bias))
-    actual = native.op("qconv")(x, gemm.pack(w), mult, add, None, 0.0, 0.0, math.inf, out_scale, out_zp, 0, 255, False, "none",
+    actual = registry.op("qconv")(x, gemm.pack(w), mult, add, None, 0.0, 0.0, math.inf, out_scale, out_zp, 0, 255, False, "none",
                                 kernel, stride, padding, dilation, x_zp)
     expected = reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, 0.0, math.inf, out_scale, out_zp, 0, 255,
                          dilation=dilation)
@@ -290,7 +291,7 @@ def test_any_channel_counts_give_the_reference(kernel, padding, cin, cout, resid
     mult, add = (t.float() for t in scale_and_offset(w, w_scale, x_scale, x_zp, bias, shift))
     scale = {None: 0.0, "uint8": r_scale, "float": 1.0}[residual]
     geometry = (kernel, (1, 1), (padding, padding), (1, 1), x_zp)
-    conv = native.op("qconv")
+    conv = registry.op("qconv")
     floats = conv(x, gemm.pack(w), mult, add, r, scale, 0.0, math.inf, 1.0, 0, 0, 255, True, "none", *geometry)
     ints = conv(x, gemm.pack(w), mult, add, r, scale, 0.0, math.inf, out_scale, out_zp, 0, 255, False, "none", *geometry)
     xf, wf = (x.float() - x_zp) * x_scale, w.float() * w_scale[:, None, None, None]
@@ -322,7 +323,7 @@ def test_3x3_conv_after_a_relu_takes_the_gemm_up_to_max_dense_macs(monkeypatch):
         first, second = captured.report.decisions[:2]
         assert (first.op, first.reason) == (GEMM_OP, "qbackend's int8 GEMM kernel (288 output pixels)"), str(captured.report)
         return second.op
-    monkeypatch.setattr(native, "gemm_build", lambda: "avx512_vnni_zmm")
+    monkeypatch.setattr(isa, "gemm_build", lambda: "avx512_vnni_zmm")
     assert decisions(macs) == GEMM_OP
     assert decisions(macs - 1) == "onednn::qconv_pointwise"
     assert gemm.LIMITS["avx2"].max_dense_macs == gemm.LIMITS["avx512_vnni"].max_dense_macs == 0  # (ymm: never)
@@ -347,7 +348,7 @@ def test_1x1_refuses_weights_whose_pair_sums_could_saturate(monkeypatch):
     the decision is checked, not this CPU's result."""
     monkeypatch.setattr(capabilities, "int8_pairs_saturate", lambda *args: False)
     monkeypatch.setattr("qbackend.lowering.cpu.int8_pairs_saturate", lambda *args: False)
-    monkeypatch.setattr(native, "int8_build", lambda: "avx2")
+    monkeypatch.setattr(isa, "int8_build", lambda: "avx2")
     x = torch.randn(1, 8, 6, 6)
     model = quantize(nn.Sequential(nn.Conv2d(8, 16, 1), nn.ReLU(), nn.Conv2d(16, 8, 1)).eval(), (x,), reduce_range=False)
     _, _, captured = compile_and_run(model, (x,))
@@ -357,8 +358,8 @@ def test_1x1_refuses_weights_whose_pair_sums_could_saturate(monkeypatch):
 
 
 def _needs_vnni_library():
-    if native._vnni_library()[0] is None:
-        pytest.skip(f"needs the AVX512-VNNI GEMM: {native._vnni_library()[1]}")
+    if isa._vnni_library()[0] is None:
+        pytest.skip(f"needs the AVX512-VNNI GEMM: {isa._vnni_library()[1]}")
 
 
 def test_vnni_build_is_exact_where_the_avx2_build_saturates(monkeypatch):
@@ -370,8 +371,8 @@ def test_vnni_build_is_exact_where_the_avx2_build_saturates(monkeypatch):
     exact = torch.full((1, 8, 2, 2), 255.0 * 127 * 64)
 
     def run(build):
-        monkeypatch.setattr(native, "gemm_build", lambda: build)
-        return native.op("qconv")(x, gemm.pack(w), mult, add, None, 0.0, -math.inf, math.inf, 1.0, 0, 0, 255, True)
+        monkeypatch.setattr(isa, "gemm_build", lambda: build)
+        return registry.op("qconv")(x, gemm.pack(w), mult, add, None, 0.0, -math.inf, math.inf, 1.0, 0, 0, 255, True)
     assert not torch.equal(run("avx2"), exact)  # what the lowering keeps away from the AVX2 build
     assert torch.equal(run("avx512_vnni"), exact)
     assert torch.equal(run("avx512_vnni_zmm"), exact)
@@ -392,7 +393,7 @@ def test_8bit_weights_run_on_the_vnni_build():
 def test_bad_inputs_get_a_clear_error_not_a_crash():
     w = torch.zeros(16, 8, 1, 1, dtype=torch.int8)
     weight, (mult, add) = gemm.pack(w), (t.float() for t in scale_and_offset(w, torch.ones(16), 0.1, 0))
-    conv1x1 = native.op("qconv")
+    conv1x1 = registry.op("qconv")
     with pytest.raises(ValueError, match="takes uint8 CPU activations"):
         conv1x1(torch.zeros(1, 8, 4, 4), weight, mult, add, None, 0.0, 0.0, 6.0, 0.1, 0, 0, 255)
     with pytest.raises(ValueError, match="expected a contiguous CPU torch.float32 constant"):
@@ -414,13 +415,13 @@ def test_bad_inputs_get_a_clear_error_not_a_crash():
     dw = torch.zeros(16, 1, 3, 3, dtype=torch.int8)
     dw_weight, dw_mult, dw_add = depthwise.pack(dw, *scale_and_offset(dw, torch.ones(16), 0.1, 0), vnni=False)
     with pytest.raises(ValueError, match="activations of 32 channels for constants packed for 16"):
-        native.op("qconv_depthwise")(torch.zeros(1, 32, 4, 4, dtype=torch.uint8), 0, dw_weight, dw_mult, dw_add, [1, 1], [1, 1],
+        registry.op("qconv_depthwise")(torch.zeros(1, 32, 4, 4, dtype=torch.uint8), 0, dw_weight, dw_mult, dw_add, [1, 1], [1, 1],
                                  0.0, 6.0, 0.1, 0, 0, 255)
     with pytest.raises(ValueError, match="expected a contiguous CPU torch.int16 constant"):  # (int8 would mean VNNI packing)
-        native.op("qconv_depthwise")(torch.zeros(1, 16, 4, 4, dtype=torch.uint8), 0, torch.zeros(160), dw_mult, dw_add, [1, 1],
+        registry.op("qconv_depthwise")(torch.zeros(1, 16, 4, 4, dtype=torch.uint8), 0, torch.zeros(160), dw_mult, dw_add, [1, 1],
                                  [1, 1], 0.0, 6.0, 0.1, 0, 0, 255)
     with pytest.raises(ValueError, match=r"stride \[-1, -1\]: two ints from 1"):
-        native.op("qconv_depthwise")(torch.zeros(1, 16, 4, 4, dtype=torch.uint8), 0, dw_weight, dw_mult, dw_add, [-1, -1],
+        registry.op("qconv_depthwise")(torch.zeros(1, 16, 4, 4, dtype=torch.uint8), 0, dw_weight, dw_mult, dw_add, [-1, -1],
                                  [1, 1], 0.0, 6.0, 0.1, 0, 0, 255)
 
 
@@ -450,9 +451,9 @@ def test_prepared_calls_go_with_their_weight():
     w = torch.zeros(16, 8, 1, 1, dtype=torch.int8)
     weight, (mult, add) = gemm.pack(w), (t.float() for t in scale_and_offset(w, torch.ones(16), 0.1, 0))
     x = torch.zeros(1, 8, 2, 2, dtype=torch.uint8)
-    native.qconv(x, weight, mult, add, None, 0.0, 0.0, 6.0, 0.1, 0, 0, 255)
+    conv_gemm.qconv(x, weight, mult, add, None, 0.0, 0.0, 6.0, 0.1, 0, 0, 255)
     key = id(weight)
-    assert key in native._PREPARED
+    assert key in common.PREPARED
     del weight
     gc.collect()
-    assert key not in native._PREPARED
+    assert key not in common.PREPARED

@@ -8,7 +8,7 @@ import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  registers the reference ops
 import torch.nn as nn
 
-from qbackend.kernels import native
+from qbackend.kernels import registry
 from qbackend.lowering import gemm
 from qbackend.lowering.capabilities import linear_binary_post_op_refusal
 from qbackend.lowering.own_conv import scale_and_offset
@@ -44,7 +44,7 @@ def test_activation_in_the_epilogue_gives_the_reference_values(activation, int8_
     x, constants, exact = _gemm_case()
     expected = ACTIVATIONS[activation](exact)
     assert (exact < -3).any() and (exact > 3).any()  # both tails and the middle of each activation
-    kernel = native.op("qconv")
+    kernel = registry.op("qconv")
     floats = kernel(x, *constants, None, 0.0, float("-inf"), float("inf"), 1.0, 0, 0, 255, True, activation)
     torch.testing.assert_close(floats.reshape(exact.shape).double(), expected, atol=2e-6, rtol=1e-6)
     out_scale, out_zp = 0.02, 40
@@ -70,7 +70,7 @@ def test_both_loop_orders_give_the_exact_sums(cout, beyond, int8_build):
     cin = (limit // cout + 4) // 4 * 4 if beyond else 768
     assert (cin * cout > limit) == beyond
     x, constants, exact = _gemm_case(rows=301, cin=cin, cout=cout)
-    floats = native.op("qconv")(x, *constants, None, 0.0, float("-inf"), float("inf"), 1.0, 0, 0, 255, True)
+    floats = registry.op("qconv")(x, *constants, None, 0.0, float("-inf"), float("inf"), 1.0, 0, 0, 255, True)
     torch.testing.assert_close(floats.reshape(exact.shape).double(), exact, atol=2e-6, rtol=1e-6)
 
 
@@ -78,7 +78,7 @@ def test_both_loop_orders_give_the_exact_sums(cout, beyond, int8_build):
 def test_float_residual_is_added_before_the_post_op(int8_build):
     x, constants, exact = _gemm_case()
     residual = torch.randn(exact.shape)
-    floats = native.op("qconv")(x, *constants, residual.reshape(*exact.shape, 1, 1), 1.0, 0.0, float("inf"),
+    floats = registry.op("qconv")(x, *constants, residual.reshape(*exact.shape, 1, 1), 1.0, 0.0, float("inf"),
                                    1.0, 0, 0, 255, True)
     torch.testing.assert_close(floats.reshape(exact.shape).double(), (exact + residual.double()).clamp_min(0),
                                atol=2e-6, rtol=1e-6)
@@ -94,10 +94,10 @@ def test_nan_and_infinity_in_a_float_residual_come_out_as_the_reference_has_them
     residual.view(-1)[:6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30, float("nan")])
     expected = (exact.float() + residual).clamp_min(low)  # (clamp_min keeps a NaN)
     args = (residual.reshape(*exact.shape, 1, 1), 1.0, low, float("inf"))
-    floats = native.op("qconv")(x, *constants, *args, 1.0, 0, 0, 255, True).reshape(exact.shape)
+    floats = registry.op("qconv")(x, *constants, *args, 1.0, 0, 0, 255, True).reshape(exact.shape)
     assert torch.equal(floats.isnan(), expected.isnan()) and torch.equal(floats[expected.isinf()], expected[expected.isinf()])
     scale, zero_point = 0.05, 100
-    integers = native.op("qconv")(x, *constants, *args, scale, zero_point, 0, 255, False).reshape(exact.shape)
+    integers = registry.op("qconv")(x, *constants, *args, scale, zero_point, 0, 255, False).reshape(exact.shape)
     reference = torch.ops.quantized_decomposed.quantize_per_tensor(expected, scale, zero_point, 0, 255, torch.uint8)
     assert torch.equal(integers.view(-1)[:6], reference.view(-1)[:6])
 
@@ -130,7 +130,7 @@ def test_a_signed_output_with_a_float_residual_stays_on_onednn():
 @needs_own_kernels
 def test_bad_activation_or_residual_is_a_clear_error():
     x, constants, exact = _gemm_case()
-    kernel = native.op("qconv")
+    kernel = registry.op("qconv")
     with pytest.raises(ValueError, match="activation 'silu' is not one of"):
         kernel(x, *constants, None, 0.0, 0.0, 6.0, 1.0, 0, 0, 255, True, "silu")
     with pytest.raises(ValueError, match="residual"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend.kernels import native
+from qbackend.kernels import pools, registry
 
 from .helpers import assert_matches_reference, needs_own_kernels, quantize
 from .tolerances import assert_int8_close
@@ -31,18 +31,18 @@ def test_kernel_gives_torchs_bytes(geometry, channels, ceil_mode):
         x = torch.randint(0, 256, (2, channels, height, width), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
         kernel_size, stride, padding, dilation = geometry
         expected = torch.ops.quantized.max_pool2d(x, list(kernel_size), list(stride), list(padding), list(dilation), ceil_mode)
-        for actual in (native.max_pool_u8(x, *geometry, ceil_mode), native.op("max_pool_u8")(x, *geometry, ceil_mode)):
+        for actual in (pools.max_pool_u8(x, *geometry, ceil_mode), registry.op("max_pool_u8")(x, *geometry, ceil_mode)):
             assert actual.is_contiguous(memory_format=torch.channels_last)
             assert torch.equal(actual, expected)
 
 
 def test_bad_inputs_get_a_clear_error():
     with pytest.raises(ValueError, match="takes uint8 CPU activations"):
-        native.max_pool_u8(torch.zeros(1, 8, 4, 4), (2, 2), (2, 2), (0, 0), (1, 1))
+        pools.max_pool_u8(torch.zeros(1, 8, 4, 4), (2, 2), (2, 2), (0, 0), (1, 1))
     with pytest.raises(ValueError, match=r"padding \[2, 2\] over half the kernel \[2, 2\]"):
-        native.max_pool_u8(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), (2, 2), (2, 2), (2, 2), (1, 1))
+        pools.max_pool_u8(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), (2, 2), (2, 2), (2, 2), (1, 1))
     with pytest.raises(ValueError, match=r"dilation \[0, 0\]: two ints from 1"):  # (#20: SIGFPE in C)
-        native.op("max_pool_u8")(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), [2, 2], [2, 2], [0, 0], [0, 0])
+        registry.op("max_pool_u8")(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), [2, 2], [2, 2], [0, 0], [0, 0])
 
 
 def conv_pool_conv(ceil_mode):
@@ -72,7 +72,7 @@ def test_global_average_pool_gives_the_reference_integers(zero_point, channels):
     scale = 0.05
     pooled = nn.functional.adaptive_avg_pool2d(qd.dequantize_per_tensor(x, scale, zero_point, 0, 255, torch.uint8), 1)
     expected = qd.quantize_per_tensor(pooled, scale, zero_point, 0, 255, torch.uint8)
-    for actual in (native.global_avg_pool_u8(x, zero_point, 0, 255), native.op("global_avg_pool_u8")(x, zero_point, 0, 255)):
+    for actual in (pools.global_avg_pool_u8(x, zero_point, 0, 255), registry.op("global_avg_pool_u8")(x, zero_point, 0, 255)):
         assert actual.shape == (3, channels, 1, 1)
         assert_int8_close(actual, expected, f"zero point {zero_point}")
 

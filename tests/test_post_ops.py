@@ -4,7 +4,7 @@ graph with the kernel's reason where not, and numerics equal to the reference ei
 import pytest
 import torch
 
-from qbackend.kernels import native
+from qbackend.kernels import registry
 from qbackend.lowering import own_conv
 from qbackend.lowering.capabilities import conv_post_op_refusal, linear_post_op_refusal
 from qbackend.patterns.examples import POST_OP_CALLS, HandQuantized, post_op_of
@@ -33,7 +33,7 @@ def test_post_op(rank, name, quantized):
     out = "quantize(torch.uint8)" if quantized else "torch.float32 out"
     if refusal is None:
         assert decision.post_ops == [attr, out]
-    elif rank == 2 and attr in own_conv.ACTIVATIONS and native.available() is None:  # (GELU: MaxViT's convs)
+    elif rank == 2 and attr in own_conv.ACTIVATIONS and registry.available() is None:  # (GELU: MaxViT's convs)
         assert decision.post_ops == [attr, out]
         assert decision.reason.startswith(f"qbackend's conv kernel (oneDNN refuses the post-op: {refusal})"), decision.reason
     else:

@@ -84,9 +84,9 @@ def test_importing_and_using_qbackend_changes_no_global_state():
     """))
     assert "CHANGED" not in out, out
     assert "safe ['QuantizedLinearWeight']" in out, out
-    from qbackend.kernels import native  # importing it registers nothing
+    from qbackend.kernels import registry  # importing it registers nothing
 
-    registered = sorted(f"{native.NAMESPACE}::{name}" for name in native.OPS) if native.available() is None else []
+    registered = sorted(f"{registry.NAMESPACE}::{name}" for name in registry.OPS) if registry.available() is None else []
     assert f"new ops {registered} [] []" in out, out
     assert "lowered 3 of 3" in out and "done" in out, out
     assert "remainder (the ops around the lowered kernels) compiled by Inductor" in out, out

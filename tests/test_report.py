@@ -1,5 +1,6 @@
 """The report: explain() agrees with the backend, and the switches that show it."""
 import logging
+import re
 
 import pytest
 import torch
@@ -36,12 +37,23 @@ def test_report_lines_name_the_rule_op_and_source(converted, monkeypatch):
 
 
 def test_kept_line_gives_first_reason_and_rule_location():
+    from qbackend.patterns.examples import conv_per_tensor_weight
+
+    converted, inputs = conv_per_tensor_weight()
+    torch._dynamo.reset()
+    decision = qbackend.explain(converted, *inputs).decisions[0]  # (the conv whose weight is per tensor)
+    assert re.match(r"KEPT     conv   conv2d \(0\): weight is quantized per tensor.*  \(patterns/qconv\.py:\d+\)$", decision.line()), \
+        decision.line()
+
+
+def test_a_float_layer_says_it_is_float_and_names_no_rule():
     module = nn.Sequential(nn.ConvTranspose2d(4, 8, 3)).eval()
     inputs = (torch.randn(1, 4, 8, 8),)
     converted = quantize(module, inputs)
     torch._dynamo.reset()
     (decision,) = qbackend.explain(converted, *inputs).decisions
-    assert decision.line().startswith("KEPT     conv   conv_transpose2d (0): transposed convolution (conv_transpose) is not a conv  (patterns/qconv.py:")
+    assert decision.line() == ("KEPT     conv   conv_transpose2d (0): a float conv: neither its input nor its weight is dequantized "
+                               "(left float when the model was quantized: by the quantizer's recipe or keep_float)"), decision.line()
 
 
 def test_report_option_prints_to_stderr(converted, capsys):

@@ -7,7 +7,7 @@ import expecttest
 import pytest
 import torch
 
-from qbackend.llm import rms_norm
+from qbackend.kernels import rms_norm
 
 from .helpers import lowered_lines, needs_own_kernels
 from .tolerances import TOLERANCE, assert_outputs_close

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qbackend.llm import rotary
+from qbackend.kernels import rotary
 
 from .helpers import lowered_lines, needs_own_kernels
 from .tolerances import TOLERANCE
@@ -102,7 +102,7 @@ class TestRotaryGraph(expecttest.TestCase):
         self.assertExpectedInline(lines, """\
 rotary = rotary.rotary(l_q_, cos, sin)
 rotary_1 = rotary.rotary(l_k_, cos, sin)
-attention_f32 = native.attention_f32(rotary, rotary_1, l_v_, None, 0.25)
+attention_f32 = attention.attention_f32(rotary, rotary_1, l_v_, None, 0.25)
 kernel_chain_0 = kernel_chain(l_cos_, l_sin_, l_q_, l_k_, l_v_) of 5 steps -> (attention_f32)""")
         assert "2 rotary embedding(s) in one pass" in captured.report.notes
 
@@ -113,7 +113,7 @@ kernel_chain_0 = kernel_chain(l_cos_, l_sin_, l_q_, l_k_, l_v_) of 5 steps -> (a
 rotary = rotary.rotary(l_q_, cos, sin)
 cat_1 = torch.cat((neg_1, x1_1), dim=-1)
 mul_3 = _operator.mul(cat_1, sin)
-attention_f32 = native.attention_f32(rotary, k_embed, l_v_, None, 0.25)
+attention_f32 = attention.attention_f32(rotary, k_embed, l_v_, None, 0.25)
 return (attention_f32, k_embed)""")
 
     def test_keys_a_static_cache_copies_in_become_a_call(self):

@@ -3,7 +3,7 @@ with the stated reason. Built from the rule table, so a new row brings its own t
 import pytest
 import torch
 
-from qbackend.archive.archive_operators import graph_ops
+from qbackend.archive_operators import graph_ops
 from qbackend.archive.operator_allowlist import ALLOWED
 from qbackend.patterns import RULES
 

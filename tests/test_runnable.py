@@ -1,4 +1,4 @@
-"""qbackend.pipeline.runnable: the callable the backend returns calls each op's C++ entry point."""
+"""qbackend.runtime.runnable: the callable the backend returns calls each op's C++ entry point."""
 import inspect
 import operator
 
@@ -8,8 +8,8 @@ import torch.nn as nn
 import qbackend
 
 from qbackend.pipeline.backend import Options, compile_graph
-from qbackend.pipeline.runnable import direct_calls
-from qbackend.pipeline.stack_room import StackRoom
+from qbackend.runtime.runnable import direct_calls
+from qbackend.runtime.stack_room import StackRoom
 
 from .helpers import quantize
 from .tolerances import assert_outputs_close

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers quantized_decomposed)
 
-from qbackend.kernels import native
+from qbackend.kernels import registry, scale_quantize
 from qbackend.patterns import examples
 
 from .helpers import assert_fused_into_quantize, compile_and_run, needs_own_kernels, short_graph
@@ -32,7 +32,7 @@ def test_kernel_gives_the_references_integers(layout, shape, factor_batch, qpara
     factors = torch.rand(factor_batch, shape[1], 1, 1)
     before = x.clone()
     expected = reference(x, factors, *qparams)
-    for actual in (native.scale_quantize(x, factors, *qparams), native.op("scale_quantize")(x, factors, *qparams)):
+    for actual in (scale_quantize.scale_quantize(x, factors, *qparams), registry.op("scale_quantize")(x, factors, *qparams)):
         assert actual.stride() == x.stride() and actual.dtype == torch.uint8
         # NaN: the reference casts NaN to uint8 (undefined in C, 0 here); the kernel gives qmin
         assert actual.flatten()[0] == qparams[2]
@@ -54,7 +54,7 @@ def test_kernel_gives_the_references_integers(layout, shape, factor_batch, qpara
 ], ids=["float64", "rank 3", "per-pixel factors", "factor batch", "float64 factors", "qmin > qmax", "zero point",
         "negative qmin", "zero scale", "NaN scale"])
 def test_bad_arguments_get_a_clear_error(args, message):
-    for call in (native.scale_quantize, native.op("scale_quantize")):
+    for call in (scale_quantize.scale_quantize, registry.op("scale_quantize")):
         with pytest.raises((ValueError, RuntimeError), match=message):
             call(*args)
 
@@ -81,6 +81,6 @@ def test_a_signed_quantize_keeps_the_graphs_multiply():
     module, inputs = examples.squeeze_excitation()
     _, _, captured = compile_and_run(quantize_xpu(module, inputs, [inputs]), inputs)
     graph = short_graph(captured.lowered)
-    assert "native.scale_quantize(" not in graph and "nan_as=128" in graph, graph
+    assert "scale_quantize.scale_quantize(" not in graph and "nan_as=128" in graph, graph
     scale = [d for d in captured.report.moves if d.rule == "qscale"]
     assert scale and all("stores NaN as another level than qmin" in d.reason for d in scale), scale

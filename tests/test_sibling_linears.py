@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import qbackend
 import qbackend.lowering as lowering
-from qbackend.kernels import native
+from qbackend.kernels import isa
 from qbackend.lowering import gemm
 
 from .tolerances import assert_weight_only_close
@@ -40,7 +40,7 @@ class ResidualSibling(nn.Module):
         return self.out(torch.softmax(self.q(x), dim=-1)) + self.k(x)
 
 
-KERNELS = {"onednn": "= onednn.qlinear", "own": "= native.qconv("}  # kernel -> how its calls print
+KERNELS = {"onednn": "= onednn.qlinear", "own": "= conv_gemm.qconv("}  # kernel -> how its calls print
 
 
 def inputs(kernel="onednn"):
@@ -73,11 +73,11 @@ qlinear_pointwise_default_3 = onednn.qlinear_pointwise(quantize_per_tensor_defau
         torch.manual_seed(0)
         captured = assert_matches_reference(quantize(Projections(), inputs("own")), inputs("own"))
         self.assertExpectedInline("\n".join(_qlinear_lines(captured)), """\
-qconv_4 = native.qconv(reshape_default, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
+qconv_4 = conv_gemm.qconv(reshape_default, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
 slice_tensor = reshape_default_8.narrow(-1, 0, 16)
 slice_tensor_1 = reshape_default_8.narrow(-1, 16, 16)
 slice_tensor_2 = reshape_default_8.narrow(-1, 32, 24)
-qconv_3 = native.qconv(reshape_default_6, <const>, <const>, <const>, None, 0, 0, inf, 0.0154, 0, 0, 127, False, 'none')""")
+qconv_3 = conv_gemm.qconv(reshape_default_6, <const>, <const>, <const>, None, 0, 0, inf, 0.0154, 0, 0, 127, False, 'none')""")
         notes = {d.node: d.reason for d in captured.report.decisions}
         assert notes["linear"] == "qbackend's int8 GEMM kernel (16 rows); one call with linear_1, linear_2 (same input, weights concatenated)", str(captured.report)
         assert "one call" not in notes["linear_3"], str(captured.report)
@@ -103,7 +103,7 @@ def test_sibling_updated_in_place_keeps_its_own_call():
     assert not any("slice" in line for line in _qlinear_lines(captured)), short_graph(captured.lowered)
     notes = {d.source: d.reason for d in captured.report.decisions if d.kind == "linear"}
     onednn = (f"oneDNN, not qbackend's linear kernel: {inputs()[0].shape[:-1].numel()} rows > {gemm.limits().max_rows}"
-              f" in LIMITS[{native.gemm_build()!r}]")
+              f" in LIMITS[{isa.gemm_build()!r}]")
     assert notes == {"q": onednn, "k": onednn, "out": f"{onednn}; residual updated in place"}, str(captured.report)
 
 
@@ -149,7 +149,7 @@ class LlamaProjections(nn.Module):
 
 
 def _weight_only_lines(captured) -> list[str]:
-    return [line for line in short_graph(captured.lowered).splitlines() if "= native.int" in line or ".narrow(" in line]
+    return [line for line in short_graph(captured.lowered).splitlines() if "= weight_only_mm.int" in line or ".narrow(" in line]
 
 
 class TestWeightOnlySiblingGraph(expecttest.TestCase):
@@ -159,9 +159,9 @@ class TestWeightOnlySiblingGraph(expecttest.TestCase):
         model = qbackend.quantize_weights(LlamaProjections().eval(), bits=4, group_size=64)
         _, _, captured = compile_and_run(model, (torch.randn(1, 3, 128),))
         self.assertExpectedInline("\n".join(_weight_only_lines(captured)), """\
-int4_mm_int16_6 = native.int4_mm_int16(reshape_default, <const>, <const>, <const>, 64)
-int4_mm_int16_7 = native.int4_mm_int16(reshape_default_3, <const>, <const>, <const>, 64)
-int4_mm_int16_5 = native.int4_mm_int16(reshape_default_5, <const>, <const>, <const>, 64)""")
+int4_mm_int16_6 = weight_only_mm.int4_mm_int16(reshape_default, <const>, <const>, <const>, 64)
+int4_mm_int16_7 = weight_only_mm.int4_mm_int16(reshape_default_3, <const>, <const>, <const>, 64)
+int4_mm_int16_5 = weight_only_mm.int4_mm_int16(reshape_default_5, <const>, <const>, <const>, 64)""")
         notes = {d.source: d.reason for d in captured.report.decisions}
         assert notes["q"].endswith("one call with linear_1, linear_2 (same input, weights concatenated)"), str(captured.report)
         assert notes["up"].endswith("one call with linear_3 (same input, weights concatenated)"), str(captured.report)
@@ -177,7 +177,7 @@ def test_merged_weight_only_call_is_bit_exact(monkeypatch, bits):
     merged, expected, captured = compile_and_run(model, x)
     monkeypatch.setitem(lowering.FINISH, "cpu", ())
     separate, _, unmerged = compile_and_run(model, x)
-    calls = [sum("= native.int" in line for line in _weight_only_lines(c)) for c in (captured, unmerged)]
+    calls = [sum("= weight_only_mm.int" in line for line in _weight_only_lines(c)) for c in (captured, unmerged)]
     assert calls == [3, 6], calls
     assert torch.equal(merged, separate)
     assert_weight_only_close(merged, expected)

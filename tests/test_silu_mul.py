@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qbackend.llm import silu_mul
+from qbackend.kernels import silu_mul
 
 from .helpers import lowered_lines, needs_own_kernels
 from .tolerances import TOLERANCE, assert_outputs_close

@@ -24,7 +24,7 @@ def _smooth(module, alpha=0.5, **options):
     gm = torch.export.export(module.eval(), inputs, strict=True).module()
     with torch.no_grad():
         before = gm(*inputs)
-        report = qbackend.smoothquant.smooth_quant(gm, [inputs, sm.outlier_inputs(seed=1)], alpha=alpha, **options)
+        report = qbackend.smooth_quant(gm, [inputs, sm.outlier_inputs(seed=1)], alpha=alpha, **options)
         after = gm(*inputs)
     relative = ((after - before).abs().max() / before.abs().max()).item()
     assert relative <= FLOAT_RELATIVE, f"float output moved by {relative:.2e}\n{report}"
@@ -103,12 +103,12 @@ l_x_ = input
 layer_norm = aten.layer_norm(l_x_, [16], <const>, <const>, 1e-05, False)
 scale_quantize_per_tensor = fast_qdq.scale_quantize_per_tensor(layer_norm, <const>, 0.0532, 63, 0, 127, uint8)
 reshape_default = scale_quantize_per_tensor.reshape([10, 16, 1, 1])
-qconv = native.qconv(reshape_default, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'gelu')
+qconv = conv_gemm.qconv(reshape_default, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'gelu')
 reshape_default_1 = qconv.reshape([2, 5, 64])
 scale_quantize_per_tensor_1 = fast_qdq.scale_quantize_per_tensor(reshape_default_1, <const>, 0.0114, 5, 0, 127, uint8)
 reshape_default_2 = scale_quantize_per_tensor_1.reshape([10, 64, 1, 1])
 reshape_default_3 = layer_norm.reshape([10, 16, 1, 1])
-qconv_1 = native.qconv(reshape_default_2, <const>, <const>, <const>, reshape_default_3, 1, -inf, inf, 1, 0, 0, 255, True, 'none')
+qconv_1 = conv_gemm.qconv(reshape_default_2, <const>, <const>, <const>, reshape_default_3, 1, -inf, inf, 1, 0, 0, 255, True, 'none')
 reshape_default_4 = qconv_1.reshape([2, 5, 16])
 layer_norm_1 = aten.layer_norm(reshape_default_4, [16], <const>, <const>, 1e-05, False)
 return (layer_norm_1)""")

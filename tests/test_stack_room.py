@@ -1,4 +1,4 @@
-"""qbackend.pipeline.stack_room: no run of a lowered graph thrashes CPython's frame-stack chunks.
+"""qbackend.runtime.stack_room: no run of a lowered graph thrashes CPython's frame-stack chunks.
 
 The callers below sit at every depth across a 16 KB chunk (recursion in ~100-byte steps,
 refined by pads in 16-byte steps), so some of them sit just below a chunk's end, where each
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from qbackend.pipeline import stack_room
-from qbackend.pipeline.stack_room import PADS, StackRoom, in_fresh_chunk
+from qbackend.runtime import stack_room
+from qbackend.runtime.stack_room import PADS, StackRoom, in_fresh_chunk
 
 from .helpers import in_threads
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend.kernels import native
+from qbackend.kernels import isa, pools, registry
+from qbackend.kernels import stem as stem_kernel
 from qbackend.lowering import stem
 from qbackend.lowering.own_conv import scale_and_offset
 
@@ -47,10 +48,10 @@ def _case(shape, post, seed=0):
 def test_kernel_gives_the_reference_integers(shape, post):
     _needs_vnni_library()
     args, expected = _case(shape, post)
-    actual = native.op("qconv_stem")(*args)
+    actual = registry.op("qconv_stem")(*args)
     assert actual.is_contiguous(memory_format=torch.channels_last)
     assert_int8_close(actual, expected, f"{shape} {post}")
-    assert torch.equal(native.qconv_stem(*args), actual)  # the plain function eager graphs call
+    assert torch.equal(stem_kernel.qconv_stem(*args), actual)  # the plain function eager graphs call
 
 
 POOLS = {"ResNet's 3x3 s2 p1": ((3, 3), (2, 2), (1, 1)), "2x2 s2": ((2, 2), (2, 2), (0, 0)),
@@ -65,18 +66,18 @@ def test_fused_max_pool_gives_the_separate_pools_bytes(shape, pool):
     then qbackend's max pool kernel (itself exact against quantized::max_pool2d)."""
     _needs_vnni_library()
     args, _ = _case(shape, "relu")
-    separate = native.max_pool_u8(native.qconv_stem(*args), *pool, (1, 1))
-    fused = native.op("qconv_stem")(*args, *pool)
+    separate = pools.max_pool_u8(stem_kernel.qconv_stem(*args), *pool, (1, 1))
+    fused = registry.op("qconv_stem")(*args, *pool)
     assert fused.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(fused, separate)
-    assert torch.equal(native.qconv_stem(*args, *pool), separate)
+    assert torch.equal(stem_kernel.qconv_stem(*args, *pool), separate)
 
 
 def test_pack_puts_each_rows_leftover_bytes_after_the_whole_words():
     """A 3-channel 3x3 window: rows of 9 bytes, 2 words each from the input, the 3 rows' 9th
     bytes packed into one more word (and a zero): K4 = 3 * 2 + 1 steps."""
     weight = torch.arange(27, dtype=torch.int8).reshape(1, 3, 3, 3).repeat(16, 1, 1, 1)  # [o, c, kh, kw] = 9c + 3kh + kw
-    assert native.stem_steps(3, 3, 3) == (2, 1, 1, 7)
+    assert stem_kernel.stem_steps(3, 3, 3) == (2, 1, 1, 7)
     first_output = stem.pack(weight).reshape(1, 7, 16, 4)[0, :, 0].flatten().tolist()
     row = lambda kh: [9 * c + 3 * kh + kw for kw in range(3) for c in range(3)]  # noqa: E731 (column, channel)
     assert first_output == row(0)[:8] + row(1)[:8] + row(2)[:8] + [row(0)[8], row(1)[8], row(2)[8], 0]
@@ -111,7 +112,7 @@ class TestStemLowering(expecttest.TestCase):
                                "max_pool2d pooled in its kernel")
         assert pool.reason == "in conv2d's stem conv kernel (its output pooled as computed)"
         graph = short_graph(captured.lowered)
-        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_stem" in line][0], """qconv_stem_1 = native.qconv_stem(quantize_per_tensor_default, 58, <const>, <const>, <const>, (7, 7), (2, 2), (3, 3), 0, inf, 0.0165, 0, 0, 127, (3, 3), (2, 2), (1, 1))""")
+        self.assertExpectedInline([line for line in graph.splitlines() if "qconv_stem" in line][0], """qconv_stem_1 = stem.qconv_stem(quantize_per_tensor_default, 58, <const>, <const>, <const>, (7, 7), (2, 2), (3, 3), 0, inf, 0.0165, 0, 0, 127, (3, 3), (2, 2), (1, 1))""")
 
 
 class TwoPoolsStem(nn.Module):
@@ -165,7 +166,7 @@ def test_narrow_convs_at_many_pixels_stay_on_onednn():
 
 
 def test_without_avx512_vnni_onednn_runs_it(monkeypatch):
-    monkeypatch.setattr(native, "vnni_unavailable", lambda: "the CPU has no AVX512-VNNI")
+    monkeypatch.setattr(isa, "vnni_unavailable", lambda: "the CPU has no AVX512-VNNI")
     x = torch.randn(1, 3, 32, 32)
     actual, expected, captured = compile_and_run(quantize(Stem().eval(), (x,)), (x,))
     assert_outputs_close(actual, expected, "no VNNI")
@@ -177,7 +178,7 @@ def test_without_avx512_vnni_onednn_runs_it(monkeypatch):
 def test_bad_inputs_get_a_clear_error_not_a_crash():
     _needs_vnni_library()
     args, _ = _case(SHAPES["MobileNet 3x3 s2"], "relu")
-    op = native.op("qconv_stem")
+    op = registry.op("qconv_stem")
     with pytest.raises(ValueError, match="takes uint8 CPU activations"):
         op(args[0].float(), *args[1:])
     with pytest.raises(ValueError, match="expected a contiguous CPU torch.int8 constant"):

@@ -17,13 +17,30 @@ def test_float_model_runs_bit_exact():
     assert not captured.report.lowered and len(captured.report.kept) == 3
 
 
-def test_device_without_a_table_runs_unlowered_with_one_clear_line():
+def test_a_graph_on_a_device_without_a_table_runs_unlowered_with_a_warning(monkeypatch):
+    import qbackend
+    from qbackend.pipeline import backend
+
     module, inputs = residual_block()
-    actual, expected, captured = compile_and_run(quantize(module, inputs), inputs, device="vulkan")
-    assert torch.equal(actual, expected)
-    report = captured.report
-    assert report.notes == ["no lowering table for device 'vulkan' (qbackend knows ['cpu', 'xpu']); ran unlowered"]
+    converted = quantize(module, inputs)
+    monkeypatch.setattr(backend, "graph_device", lambda *args: "vulkan")  # (tensors of a device this machine lacks)
+    torch._dynamo.reset()
+    reports = []
+    with pytest.warns(UserWarning, match="on 'vulkan', which it has no table for: it runs unlowered"):
+        qbackend.compile(converted, options={"strict": False, "report_sink": reports.append})(*inputs)
+    (report,) = reports
+    assert report.notes == ["no lowering table for device 'vulkan' (qbackend knows ['cpu', 'xpu']); ran unlowered",
+                            "qbackend: this graph's tensors are on 'vulkan', which it has no table for: it runs unlowered"]
     assert not report.lowered
+    with pytest.warns(UserWarning), torch.no_grad():
+        assert torch.equal(qbackend.compile(converted, options={"strict": False})(*inputs), converted(*inputs))
+
+
+def test_a_device_option_without_a_table_is_an_error():
+    module, inputs = residual_block()
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"device='vulkan'; it lowers for 'cpu', 'xpu'"):
+        torch.compile(quantize(module, inputs), backend="qbackend", options={"device": "vulkan"})(*inputs)
 
 
 def test_unknown_option_is_a_clear_error():
@@ -64,7 +81,8 @@ def test_graph_break_gives_one_report_per_graph():
     torch._dynamo.reset()
     report = qbackend.explain(module, *inputs)
     assert report.graphs == 2 and len(report.decisions) == 2
-    assert all("weight is not quantized" in d.reason for d in report.kept), str(report)
+    assert all(d.reason.startswith("a float linear: neither its input nor its weight is dequantized") for d in report.kept), \
+        str(report)
 
 
 class SharedWeightConvs(nn.Module):
@@ -120,7 +138,8 @@ def test_a_linear_kept_float_by_the_quantizer_runs_float_with_its_reason():
     captured = assert_matches_reference(quantize(TwoLinears(), inputs, keep_float=["fc2"]), inputs)
     lines = {d.source: d.line() for d in captured.report.decisions}
     assert lines["fc1"].startswith("LOWERED"), lines
-    assert lines["fc2"].startswith("KEPT") and "weight is not quantized" in lines["fc2"], lines
+    assert lines["fc2"].startswith("KEPT") and "a float linear: neither its input nor its weight is dequantized" in lines["fc2"], \
+        lines
 
 
 class AttentionBlock(nn.Module):

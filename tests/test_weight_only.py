@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import qbackend
-from qbackend.kernels import native
+from qbackend.kernels import isa, registry, weight_only_mm
 from qbackend.quantized_tensor import QuantizedLinearWeight
 from qbackend.weight_only.weight_quant import pack_int4, unpack_int4
 
@@ -56,7 +56,7 @@ def test_compiled_and_eager_match_the_dequantized_float_model(bits, group_size, 
         expected = reference.float()(x.float()).to(dtype)  # exact up to fp32 rounding
         eager = model(x)
     # "auto" is qbackend's int16 kernel wherever it builds (this suite's machines: AVX2 + cc)
-    kernel = "int16" if compute == "auto" and native.available() is None else "bf16"
+    kernel = "int16" if compute == "auto" and registry.available() is None else "bf16"
     tolerance = "weight_only_int16" if kernel == "int16" and dtype == torch.float32 else "weight_only"
     assert_weight_only_close(actual, expected, "compiled", tolerance)
     assert_weight_only_close(eager, expected, "eager", tolerance)
@@ -66,7 +66,7 @@ def test_compiled_and_eager_match_the_dequantized_float_model(bits, group_size, 
 
 
 def test_auto_without_the_int16_kernels_runs_torchs_with_the_reason(monkeypatch):
-    monkeypatch.setattr(native, "available", lambda: "qbackend's own kernels are unavailable: no C compiler found")
+    monkeypatch.setattr(registry, "available", lambda: "qbackend's own kernels are unavailable: no C compiler found")
     model, reference = quantized_and_reference(4, 64)
     x = torch.randn(3, 256)
     actual, _, captured = compile_and_run(model, (x,))
@@ -88,7 +88,7 @@ class TestWeightOnlyGraphs(expecttest.TestCase):
         graph, report = self.lowered(model.gate, torch.randn(4, 256), weight_only_compute="int16")
         self.assertExpectedInline(graph, """\
 l_args_0_ = input
-int4_mm_int16 = native.int4_mm_int16(l_args_0_, <const>, <const>, <const>, 128)
+int4_mm_int16 = weight_only_mm.int4_mm_int16(l_args_0_, <const>, <const>, <const>, 128)
 add_tensor = aten.add.Tensor(int4_mm_int16, <const>)
 return (add_tensor)""")
         assert "float32 activations quantized per group to int16 for qbackend's kernel" in report
@@ -114,7 +114,7 @@ l_args_0_ = input
 reshape_default = l_args_0_.reshape([-1, 256])
 contiguous_default = aten.contiguous(reshape_default)
 _weight_int8pack_mm_default = aten._weight_int8pack_mm(contiguous_default, <const>, <const>)
-unflatten_rows = weight_only.unflatten_rows(_weight_int8pack_mm_default, l_args_0_)
+unflatten_rows = weight_only_linear.unflatten_rows(_weight_int8pack_mm_default, l_args_0_)
 return (unflatten_rows)""")
         assert "computed in" not in report
         actual, _, _ = compile_and_run(model.up, (x,), weight_only_compute="activation")
@@ -193,7 +193,7 @@ def test_int16_limits_fall_back_to_torchs_kernel_with_the_reason():
     assert decision.op == KERNELS["bf16", 4]
     assert "torch's kernel: in_features 96 is not a multiple of 64" in decision.reason
     with pytest.raises(ValueError, match="in_features 96 is not a multiple of 64"):
-        qbackend.lowering.weight_only.pack(model.weight.group_quantized(), "cpu", torch.float32, "int16")
+        qbackend.kernels.weight_only_linear.pack(model.weight.group_quantized(), "cpu", torch.float32, "int16")
 
 
 @needs_own_kernels
@@ -237,7 +237,7 @@ def test_other_compilers_see_through_the_tensor():
 @needs_own_kernels
 @pytest.mark.parametrize("compute", ["bf16", "int16"])
 def test_int4_packing_in_row_chunks_gives_the_one_shot_bytes(compute):
-    from qbackend.lowering.weight_only import PACK_ROWS, pack
+    from qbackend.kernels.weight_only_linear import PACK_ROWS, pack
     from qbackend.weight_only.weight_quant import quantize
 
     n = PACK_ROWS + 48  # a second chunk that ends in a short block
@@ -249,7 +249,7 @@ def test_int4_packing_in_row_chunks_gives_the_one_shot_bytes(compute):
 
 @needs_own_kernels
 def test_int16_kernel_reads_the_stored_nibbles_without_a_copy():
-    from qbackend.lowering.weight_only import pack
+    from qbackend.kernels.weight_only_linear import pack
 
     model, _ = quantized_and_reference(4, 32)
     weight = model.up.weight.group_quantized()
@@ -258,12 +258,12 @@ def test_int16_kernel_reads_the_stored_nibbles_without_a_copy():
 
 
 def test_dense_from_a_row_count_when_asked(monkeypatch):
-    from qbackend.lowering import weight_only
+    from qbackend.kernels import weight_only_linear
 
     model, reference = quantized_and_reference(4, 128)
     calls = []
-    original = weight_only.packed_or_dense
-    monkeypatch.setattr(weight_only, "packed_or_dense", lambda rows, dense, *a: calls.append((rows.shape[0], dense.dtype))
+    original = weight_only_linear.packed_or_dense
+    monkeypatch.setattr(weight_only_linear, "packed_or_dense", lambda rows, dense, *a: calls.append((rows.shape[0], dense.dtype))
                         or original(rows, dense, *a))
     for tokens in (1, 32):
         x = torch.randn(1, tokens, 256)
@@ -279,7 +279,7 @@ def test_weight_only_kernels_refuse_bad_inputs_with_a_clear_error():
     from qbackend.weight_only.weight_quant import quantize
 
     weight = quantize(torch.randn(32, 128), 4, 64)
-    int4 = native.op("int4_mm_int16")
+    int4 = registry.op("int4_mm_int16")
     scale, offset = weight.scale.float().contiguous(), weight.float_offset().contiguous()
     nibbles = weight.nibble_storage()
     assert int4(torch.randn(2, 128), nibbles, scale, offset, 64).shape == (2, 32)
@@ -290,7 +290,7 @@ def test_weight_only_kernels_refuse_bad_inputs_with_a_clear_error():
     with pytest.raises(ValueError, match="group size 48 is neither 32 nor a multiple of 64"):
         int4(torch.randn(2, 128), nibbles, scale, offset, 48)
     with pytest.raises(ValueError, match="in_features 40 is not a multiple of 64"):
-        native.op("int8_mm_int16")(torch.randn(2, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
+        registry.op("int8_mm_int16")(torch.randn(2, 40), torch.zeros(8, 40, dtype=torch.int8), torch.ones(8))
 
 
 @needs_own_kernels
@@ -311,13 +311,13 @@ def test_nan_and_infinity_come_out_as_the_float_linear_gives_them(bits, group_si
     x[3, a], x[3, b] = float("inf"), -float("inf")
     expected = x @ weight.dequantize().T  # NaN rows, and +-inf / NaN where the weights' signs say
     if bits == 4:
-        scale = weight.scale.float().contiguous()  # (the kernel's offset is for u = q + 8: lowering/weight_only.py)
+        scale = weight.scale.float().contiguous()  # (the kernel's offset is for u = q + 8: qbackend/kernels/weight_only_linear.py)
         offset = (-8 - weight.zero_point).to(torch.int8) if codes else (weight.float_offset() - 8 * scale).contiguous()
         args = (weight.nibble_storage(), scale, offset, group_size)
-        kernel = native.op("int4_mm_int16")
+        kernel = registry.op("int4_mm_int16")
     else:
         args = (weight.stored, weight.scale.float().flatten().contiguous())
-        kernel = native.op("int8_mm_int16")
+        kernel = registry.op("int8_mm_int16")
     actual = kernel(x, *args)
     for row in (1, 2, 3):  # exactly IEEE's NaN / inf pattern, row by row
         assert torch.equal(actual[row].isnan(), expected[row].isnan()), row
@@ -329,27 +329,27 @@ def test_nan_and_infinity_come_out_as_the_float_linear_gives_them(bits, group_si
     assert_weight_only_close(actual[[0, 4]], expected[[0, 4]], "finite rows", "weight_only_int16")
 
 
-@pytest.mark.skipif(native._vnni_library()[0] is None, reason=f"no AVX512-VNNI build here: {native._vnni_library()[1]}")
+@pytest.mark.skipif(isa._vnni_library()[0] is None, reason=f"no AVX512-VNNI build here: {isa._vnni_library()[1]}")
 @pytest.mark.parametrize("rows", [1, 3, 6], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("outputs,inputs,group_size", [(37, 512, 64), (40, 384, 128), (16, 512, 256), (24, 256, 32)], ids=str)
 def test_the_vnni_and_avx2_int4_kernels_give_the_same_bits(outputs, inputs, group_size, rows, monkeypatch):
     """vpdpbusd pairs (groups of 64 or more; one row as two halves of each thread's weight rows,
     an odd count leaving one) and vpmaddwd sums are the same integers; a NaN row is redone. The
     offsets as int8 codes give the bits of the float offsets code * scale, in both builds."""
-    from qbackend.lowering import weight_only
+    from qbackend.kernels import weight_only_linear
     from qbackend.weight_only.weight_quant import quantize
 
     torch.manual_seed(outputs)
     weight = quantize(torch.randn(outputs, inputs), 4, group_size)
-    args = weight_only.pack(weight, "cpu", torch.float32, "int16").args
+    args = weight_only_linear.pack(weight, "cpu", torch.float32, "int16").args
     x = torch.randn(rows, inputs) * torch.logspace(-3, 3, inputs)  # (groups of very different ranges)
     x[-1, 5] = float("nan") if rows > 1 else x[-1, 5]
-    assert args[2].dtype == native.INT4_OFFSET_CODES  # (integer zero points)
+    assert args[2].dtype == weight_only_mm.INT4_OFFSET_CODES  # (integer zero points)
     float_offsets = (*args[:2], args[2].float() * args[1], args[3])
     results = []
-    for build in (native._vnni_library()[0], native._load()[0]):
-        monkeypatch.setattr(native, "_weight_only_library", lambda: build)
-        results += [native.int4_mm_int16(x, *args), native.int4_mm_int16(x, *float_offsets)]
+    for build in (isa._vnni_library()[0], isa._load()[0]):
+        monkeypatch.setattr(weight_only_mm, "_weight_only_library", lambda: weight_only_mm._declare(build))
+        results += [weight_only_mm.int4_mm_int16(x, *args), weight_only_mm.int4_mm_int16(x, *float_offsets)]
     for other in results[1:]:
         assert torch.equal(results[0].isnan(), other.isnan())
         assert torch.equal(results[0].nan_to_num(), other.nan_to_num())

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import qbackend
-from qbackend.kernels import native
+from qbackend.kernels import registry
 from qbackend.models import tiny_resnet
 
 from .helpers import quantize
@@ -35,7 +35,7 @@ def _setuptools_builds_wheels() -> bool:
     return tuple(int(part) for part in setuptools.__version__.split(".")[:2]) >= (70, 1)
 
 
-@pytest.mark.skipif(native.available() is not None, reason="the own kernels do not run on this machine")
+@pytest.mark.skipif(registry.available() is not None, reason="the own kernels do not run on this machine")
 def test_an_installed_wheel_runs_the_own_kernels_without_a_compiler(tmp_path):
     # this environment's setuptools when it builds wheels itself (70.1+), else pip's isolated build
     isolation = ("--no-build-isolation",) if _setuptools_builds_wheels() else ()
@@ -55,14 +55,14 @@ def test_an_installed_wheel_runs_the_own_kernels_without_a_compiler(tmp_path):
         torch.save({"x": x, "expected": model(x)}, tmp_path / "io.pt")
     script = textwrap.dedent(f"""
         import json, torch, qbackend
-        from qbackend import kernel_build, native
+        from qbackend.kernels import kernel_build, registry
         assert qbackend.__file__.startswith({str(tmp_path / "venv")!r}), qbackend.__file__
         reports = []
         loaded = qbackend.load({str(tmp_path / "model.pt2")!r}, options={{"report_sink": reports.append}})
         io = torch.load({str(tmp_path / "io.pt")!r})
         with torch.no_grad():
             y = loaded(io["x"])
-        assert native.available() is None, native.available()
+        assert registry.available() is None, registry.available()
         own = [d for d in reports[0].decisions if d.lowered and "qbackend::" in str(d)]
         cosine = torch.nn.functional.cosine_similarity(y.flatten(), io["expected"].flatten(), dim=0).item()
         print(json.dumps({{"own_kernels": len(own), "cosine": cosine,

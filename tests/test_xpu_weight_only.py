@@ -56,7 +56,7 @@ def test_cpu_build_has_no_xpu_weight_only_kernels(bits, group_size):
 
 
 def test_float_offsets_are_refused_on_xpu():
-    from qbackend.weight_only.legacy_int4 import from_old_cpu_int4
+    from qbackend.quantized_tensor import from_old_cpu_int4
 
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (32, 64), dtype=torch.int32), 8)
     linear = torch.nn.Linear(64, 32, bias=False)

@@ -60,7 +60,7 @@ def _target_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload) and overload_name(target) in ALLOWED:
         return overload_name(target)
     raise ValueError(f"qbackend.save: the graph calls {target!r}, which qbackend.load does not allow "
-                     f"(python -m qbackend.archive.archive_operators lists the operators it does)")
+                     f"(python -m qbackend.archive_operators lists the operators it does)")
 
 
 def _target(name, where: str):
@@ -71,7 +71,7 @@ def _target(name, where: str):
     op = resolve(name) if name in ALLOWED else None
     if op is None:
         raise ArchiveError(where, f"{check._short(name)} is not an operator a saved graph may call "
-                                  f"(python -m qbackend.archive.archive_operators lists them)")
+                                  f"(python -m qbackend.archive_operators lists them)")
     return op
 
 

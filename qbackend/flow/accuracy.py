@@ -16,7 +16,10 @@ from typing import Iterable, Optional
 
 import torch
 from torch.fx import GraphModule, Interpreter
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from qbackend.flow.batches import positional_and_keyword
+from qbackend.pipeline.direct import InputBinding, qdq_name
 from qbackend.pipeline.report import source_of
 
 aten = torch.ops.aten
@@ -108,10 +111,8 @@ class AccuracyReport:
 def _float_input(layer) -> object:
     """The float tensor a conv / linear reads, before the quantize / dequantize pair in front
     of it (the tensor itself where there is none: a layer kept float)."""
-    from qbackend.pipeline.direct import _qdq_name
-
     x = layer.args[0]
-    if _qdq_name(x) == "dequantize_per_tensor" and _qdq_name(x.args[0]) == "quantize_per_tensor":
+    if qdq_name(x) == "dequantize_per_tensor" and qdq_name(x.args[0]) == "quantize_per_tensor":
         return x.args[0].args[0]
     return x
 
@@ -138,8 +139,8 @@ class _LayerOutputs(Interpreter):
             value = super().run_node(node)
         for layer in self.watched.get(node, ()):
             self.inputs[layer] = value
-        if _is_layer(node):
-            self.outputs[(source_of(node), LAYER_OPS[node.target])].append((self.inputs.pop(node, None), value))
+        if _is_layer(node):  # (a copy, as the float side's: before an in-place activation after it)
+            self.outputs[(source_of(node), LAYER_OPS[node.target])].append((self.inputs.pop(node, None), value.clone()))
         return value
 
 
@@ -148,31 +149,39 @@ def _flat_tensors(value) -> list[torch.Tensor]:
 
 
 def _record_layer_outputs(modules: dict) -> tuple[dict, list]:
-    """Forward hooks on the float model's leaf modules: path -> its (input, output) per call. A
-    batch norm reading a module's output replaces that output (prepare_pt2e folds it into the
-    conv before it, whose converted node then gives the norm's result)."""
+    """Forward hooks on the float model's leaf modules (and batch norms): path -> its (input,
+    output) per call, each output as the layer made it (before any activation after it, as the
+    converted side records it). A batch norm reading a module's output replaces that output by
+    its normalization alone (prepare_pt2e folds that into the conv before it, whose converted
+    node then gives it): computed from the norm's own statistics, since a subclass may apply
+    more (timm's BatchNormAct2d: its activation, a node of its own in the converted graph)."""
     outputs: dict = collections.defaultdict(list)
     produced: dict = {}  # id of an output tensor -> (path, call index); the tensors stay alive in ``outputs``
 
     def record(module, inputs, out, path):
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and inputs and id(inputs[0]) in produced:
+        if isinstance(module, _BatchNorm) and inputs and id(inputs[0]) in produced:
             source, index = produced[id(inputs[0])]
-            outputs[source][index] = (outputs[source][index][0], out)
+            outputs[source][index] = (outputs[source][index][0], _normalized(module, inputs[0], out))
         if isinstance(out, torch.Tensor):
             produced[id(out)] = (path, len(outputs[path]))
-        outputs[path].append((inputs[0] if inputs else None, out))
+        # (a copy: an in-place activation after the layer, ReLU(inplace=True), would change it)
+        outputs[path].append((inputs[0] if inputs else None, out.clone() if isinstance(out, torch.Tensor) else out))
 
     hooks = [module.register_forward_hook(lambda m, i, o, path=path: record(m, i, o, path))
-             for path, module in modules.items() if not any(True for _ in module.children())]
+             for path, module in modules.items() if isinstance(module, _BatchNorm) or not any(True for _ in module.children())]
     return outputs, hooks
+
+
+def _normalized(norm: _BatchNorm, x: torch.Tensor, out):
+    """What an eval-mode batch norm computes from ``x``, without what a subclass adds after it."""
+    if norm.running_mean is None or norm.running_var is None:
+        return out
+    return torch.nn.functional.batch_norm(x, norm.running_mean, norm.running_var, norm.weight, norm.bias, False, 0.0, norm.eps)
 
 
 def _bound(quantized: GraphModule, batches: Iterable) -> list[tuple[tuple, dict, list]]:
     """Each batch as (args, kwargs) for the float model and the placeholders of ``quantized``
     (batches as calibration takes them: tuples, dicts of keyword inputs, tensors)."""
-    from qbackend.pipeline.direct import InputBinding
-    from qbackend.pt2e_flow import positional_and_keyword  # (no torchao: pt2e_flow imports it inside its functions)
-
     binding, bound = InputBinding(quantized), []
     for batch in batches:
         args, kwargs = positional_and_keyword(batch)

@@ -15,11 +15,13 @@ max too.
 """
 from __future__ import annotations
 
-import copy
 import math
 from typing import Callable, Optional
 
 import torch
+
+from qbackend.flow.accuracy import output_cosine
+from qbackend.flow.graph_copy import graph_copy
 
 CHOICES = ("auto", "histogram", "min_max")
 
@@ -31,7 +33,7 @@ def min_max_ranges(prepared: torch.fx.GraphModule) -> Optional[torch.fx.GraphMod
 
     if not any(type(module) is HistogramObserver for module in prepared.modules()):
         return None
-    result = copy.deepcopy(prepared)
+    result = graph_copy(prepared)
     replaced = {}  # one observer under several names (a shared qspec: a pool's output, a cat's inputs) stays one
     for name, histogram in list(result.named_modules(remove_duplicate=False)):
         if type(histogram) is not HistogramObserver:
@@ -51,8 +53,6 @@ def chosen(model: torch.nn.Module, probe: Callable[[list], torch.fx.GraphModule]
     ``probe(batches[:-1])`` is the model prepared and calibrated on them. Fewer than 2
     batches, or no histogram observers: ("histogram", {})."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
-
-    from qbackend.flow.accuracy import output_cosine
 
     if len(batches) < 2:
         return "histogram", {}

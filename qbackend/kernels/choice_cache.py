@@ -30,6 +30,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from qbackend import version
 from qbackend.kernels import kernel_build
 from qbackend.kernels.kernel_build import trusted  # (else another user could steer choices)
 
@@ -123,11 +124,9 @@ def cpu_description() -> tuple[str, tuple[str, ...]]:
 
 def machine() -> dict:
     """What a measurement depends on besides the layer itself."""
-    import qbackend  # (the package imports this module: read when it is whole)
-
     model, flags = cpu_description()
     return {"cpu": model, "isa": list(flags), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "kernels": kernel_build.sources_digest()[:16], "qbackend": qbackend.__version__, "layout": LAYOUT}
+            "kernels": kernel_build.sources_digest()[:16], "qbackend": version.VERSION, "layout": LAYOUT}
 
 
 class ChoiceCache:

@@ -24,17 +24,17 @@ import ctypes
 import functools
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_aggregate, map_arg
 
-from qbackend.lowering.weight_only import unflatten_rows
+from qbackend.kernels.weight_only_linear import unflatten_rows
 
-from qbackend.llm import kv_append, rms_norm, rotary, silu_mul
-from qbackend.kernels import native
-from qbackend.kernels.chain_step import FOUR, X_TO_Y, KeyLength, StepCall
+from qbackend.kernels import kv_append, rms_norm, rotary, silu_mul
+from qbackend.kernels import attention, conv_gemm, depthwise, isa, library, pools, registry, stem, weight_only_mm
+from qbackend.kernels.chain_step import FOUR, X_TO_Y, KeyLength
 from qbackend.kernels.structs import ChainStep, Operand
 
 aten = torch.ops.aten
@@ -53,33 +53,25 @@ VIEW_FUNCTIONS = frozenset({unflatten_rows, aten.slice.Tensor, aten.view.default
 KERNEL_TUPLES = frozenset({rms_norm.add_rms_norm})  # kernels returning several tensors (read through getitem)
 
 
-def _conv_call(kernel: str) -> Callable:
-    def prepare(args: tuple, y: torch.Tensor) -> Optional[StepCall]:
-        # (the plain call copies x and a residual to channels-last; a step reads them where they
-        # lie: a transposed view of rows, fuzz seed 61, gave other values from the second call)
-        if not all(t is None or t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
-                   for t in (args[0], args[4] if CONVS[kernel] != X_TO_Y else None)):
-            return None
-        call = native.PREPARED_CALLS[kernel](native._load()[0], *args, trusted=True)
-        if CONVS[kernel] == X_TO_Y:
-            operands = (args[0], y)
-        else:  # (x, residual, uint8 y, float32 y: the call knows its output's dtype)
-            float_out = call.dtype == torch.float32
-            operands = (args[0], args[4], None if float_out else y, y if float_out else None)
-        return StepCall(CONVS[kernel], native.function_address(call.function), call.address, operands, call)
-    return prepare
-
-
 @functools.cache
 def kernels() -> dict:
     """name -> (the plain function graphs call, its chain step: (args, result) -> StepCall or None)."""
-    table = {name: (native.PLAIN[name], _conv_call(name)) for name in CONVS}
-    table.update({name: (native.PLAIN[name], native.weight_only_chain_call) for name in ("int4_mm_int16", "int8_mm_int16")})
-    table.update({"rms_norm": (rms_norm.rms_norm, rms_norm.chain_call), "add_rms_norm": (rms_norm.add_rms_norm, rms_norm.chain_call),
-                  "rotary": (rotary.rotary, rotary.chain_call), "silu_mul": (silu_mul.silu_mul, silu_mul.chain_call),
-                  "attention_f32": (native.attention_f32, native.attention_chain_call),
-                  "kv_append": (kv_append.append, kv_append.chain_call)})
-    return table
+    return {"qconv": (conv_gemm.qconv, conv_gemm.chain_call), "qconv_depthwise": (depthwise.qconv_depthwise, depthwise.chain_call),
+            "qconv_stem": (stem.qconv_stem, stem.chain_call), "max_pool_u8": (pools.max_pool_u8, pools.max_pool_chain_call),
+            "global_avg_pool_u8": (pools.global_avg_pool_u8, pools.global_avg_pool_chain_call),
+            "int4_mm_int16": (weight_only_mm.int4_mm_int16, weight_only_mm.chain_call),
+            "int8_mm_int16": (weight_only_mm.int8_mm_int16, weight_only_mm.chain_call),
+            "rms_norm": (rms_norm.rms_norm, rms_norm.chain_call), "add_rms_norm": (rms_norm.add_rms_norm, rms_norm.chain_call),
+            "rotary": (rotary.rotary, rotary.chain_call), "silu_mul": (silu_mul.silu_mul, silu_mul.chain_call),
+            "attention_f32": (attention.attention_f32, attention.chain_call),
+            "kv_append": (kv_append.append, kv_append.chain_call)}
+
+
+@library.once
+def _run_chain():
+    """kernel_chain.c's runner: (threads, steps, the steps, their bases) -> 0, or 1 + the step that
+    could not allocate its scratch."""
+    return isa.c_function("qb_run_chain", (ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p), ctypes.c_int)
 
 
 NONE = Operand(-1, 0)
@@ -135,7 +127,7 @@ class _Program:
         # (made per call: ctypes lets go of the GIL, so another thread may run this program meanwhile)
         bases = self.bases_type(arena.data_ptr(), *(t.data_ptr() if isinstance(t, torch.Tensor) else None for t in inputs),
                                 *(y.data_ptr() for y in outputs), *(inputs[k].shape[GROWS] for k, _ in self.appends))
-        failed = native._load()[0].qb_run_chain(torch.get_num_threads(), len(self.steps), self.steps, bases)
+        failed = _run_chain()(torch.get_num_threads(), len(self.steps), self.steps, bases)
         if failed:
             raise MemoryError(f"qbackend kernel chain: step {failed - 1} could not allocate its scratch")
         grown = [base.narrow(GROWS, start, inputs[k].shape[GROWS] + added)
@@ -374,7 +366,7 @@ def _joins(node: Node, kernel: str) -> bool:
     if kernel == "kv_append":
         cache = node.args[0]
         return isinstance(cache, Node) and cache.op == "placeholder" and len(cache.users) == 1 and all(
-            user.op == "output" or (user.target is native.attention_f32 and node not in (user.args[0], *user.args[3:]))
+            user.op == "output" or (user.target is attention.attention_f32 and node not in (user.args[0], *user.args[3:]))
             for user in node.users)
     return True
 
@@ -443,7 +435,7 @@ def chain_own_kernels(gm: GraphModule) -> Optional[str]:
     """Replace each run of own-kernel calls by one chain call; a note for the report (None: no chain)."""
     kernel_targets = {plain: name for name, (plain, _) in kernels().items()}
     runs = _runs(gm, kernel_targets)  # (before anything loads the kernels: most graphs have no run)
-    if not runs or native.available() is not None:
+    if not runs or registry.available() is not None:
         return None
     for number, run_nodes in enumerate(runs):
         _replace(gm, run_nodes, kernel_targets, number)

@@ -17,10 +17,10 @@ from .structs import check_layouts
 # $QBACKEND_KERNELS: which of the own kernels may run ("auto", the default: the best this CPU
 # has). "off": none (torch's kernels only); otherwise a GEMM build forced (GEMM_BUILDS below;
 # "avx2" also keeps the AVX512-VNNI library unloaded). For tests and for ruling the kernels out.
-# Read once per process, as the libraries are loaded once (native.gemm_build runs on every
+# Read once per process, as the libraries are loaded once (isa.gemm_build runs on every
 # own-kernel call: reading the environment there cost 0.7 of its 0.9 us).
 SWITCH = "QBACKEND_KERNELS"
-# native.gemm_build's values -> the native.int8_build they belong to and their C function
+# isa.gemm_build's values -> the isa.int8_build they belong to and their C function
 GEMM_BUILDS = {"avx2": ("avx2", "qb_conv_call"), "avx512_vnni": ("avx512_vnni", "qb_conv_call_vnni"),
                "avx512_vnni_zmm": ("avx512_vnni", "qb_conv_call_vnni512")}
 

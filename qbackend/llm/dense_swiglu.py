@@ -19,9 +19,9 @@ from torch.fx import GraphModule, Node
 
 from qbackend.passes.dead_code import eliminate_dead_code
 from qbackend.llm.dense_weight_only import dense_slices, in_features, kernel_or_dense, slice_rows, written_out
-from qbackend.lowering.weight_only import unflatten_rows
+from qbackend.kernels.weight_only_linear import unflatten_rows
 from qbackend.patterns.base import constant_value
-from qbackend.llm.silu_mul import silu_mul, silu_mul_bf16_into
+from qbackend.kernels.silu_mul import silu_mul, silu_mul_bf16_into
 
 aten = torch.ops.aten
 

@@ -24,8 +24,6 @@ slices (and the MLP they make one call of, dense_swiglu.py) are as fast or faste
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 import statistics
 import time
@@ -34,15 +32,19 @@ from typing import Callable, Optional
 import torch
 from torch.fx import GraphModule, Node
 
-from qbackend.kernels import choice_cache, native
+from qbackend.kernels import choice_cache, registry
 from qbackend.kernels.choice_cache import Schema, count, mapping_of, number, one_of, optional, pair_of
+from qbackend.kernels.dense_weight_only import bf16_kernel_takes, bf16_mm, in_features, written_out
 from qbackend.lowering.choice import mode as choice_mode
 from qbackend.lowering.common import static_shape
 from qbackend.lowering.sibling_linears import weight_only_input
 from qbackend.patterns.base import constant_value
-from qbackend.pipeline.stack_room import in_fresh_chunk
+from qbackend.runtime.stack_room import in_fresh_chunk
+
 
 CHUNK_BYTES = 4 << 20  # a written-out slice: stays in the caches while multiplied; little transient memory
+
+
 # ...over many rows the matmul is compute-bound and fewer, larger slices win: 4 MB more per 128 rows,
 # up to 16 MB (Zen 4, the 4 shapes of a Llama layer: 512 rows 130 -> 125 ms; 64 rows: 16 MB 23.0 ms, 4 MB 19.9)
 CHUNK_GROWTH_ROWS, MAX_CHUNK_BYTES = 128, 16 << 20
@@ -51,115 +53,13 @@ PROBE_ROWS = (32, 128)
 LARGE_PROBE_ROWS, LARGE_PROBE_WEIGHT_ROWS = 512, 2048  # the bf16 kernel against the dense slices, on this many weight rows
 ROUNDS = 2  # timed calls of each candidate at each probe, interleaved, after one warm-up
 MIN_ROWS = 8  # a graph whose rows are known to be fewer runs the kernel alone (not measured)
+
+
 # ``_measured``'s record, checked where it is read (its row counts become the graph's arguments)
 RECORD = Schema({"bf16_from": optional(count(MIN_ROWS)), "dtype": optional(one_of(*DTYPES)), "from": optional(count(2)),
                  "ms": mapping_of(pair_of(number(0.0, 3.6e6)))},
                 lambda r: (r.get("dtype") is None) == (r.get("from") is None)
                 and (r.get("from") or math.inf) >= (r.get("bf16_from") or 0))
-
-
-@functools.lru_cache(maxsize=None)
-def _kernels():
-    """(int4, int8) C functions, or None where the own kernels are not built."""
-    int4 = native.c_function("qb_int4_dequantize", (ctypes.c_int,) * 5 + (ctypes.c_void_p,) * 3 + (ctypes.c_int, ctypes.c_void_p))
-    int8 = native.c_function("qb_int8_dequantize", (ctypes.c_int,) * 3 + (ctypes.c_void_p,) * 2 + (ctypes.c_int, ctypes.c_void_p))
-    return None if int4 is None else (int4, int8)
-
-
-def _check(name: str, tensor: torch.Tensor, dtype: torch.dtype, shape: tuple) -> None:
-    if tensor.dtype != dtype or tuple(tensor.shape) != shape or not tensor.is_contiguous() or tensor.device.type != "cpu":
-        raise ValueError(f"qbackend dense weight-only: {name} must be a contiguous CPU {dtype} tensor of shape {shape}, "
-                         f"got {tensor.dtype} {tuple(tensor.shape)}")
-
-
-def _checked_weight(bits: int, args: tuple, k: int) -> tuple[int, bool]:
-    """(group size, whether the int4 offsets are int8 codes) of the weight ``args`` hold (int4:
-    storage, scale, offset, group size; int8: weight, scale; a group of K), its tensors checked."""
-    n = args[0].shape[0]
-    if bits == 8:
-        _check("the int8 weight", args[0], torch.int8, (n, k))
-        _check("the scales", args[1], torch.float32, (n,))
-        return k, False
-    group, codes = args[3], args[2].dtype == native.INT4_OFFSET_CODES
-    _check("the int4 storage", args[0], torch.uint8, (n, k // 2))
-    _check("the scales", args[1], torch.float32, (n, k // group))
-    _check("the offsets", args[2], native.INT4_OFFSET_CODES if codes else torch.float32, (n, k // group))
-    return group, codes
-
-
-def written_out(bits: int, args: tuple, start: int, out: torch.Tensor) -> torch.Tensor:
-    """Rows [start, start + len(out)) of the weight the int16 kernel's ``args`` hold (int4:
-    storage, scale, offset, group size; int8: weight, scale), as ``out``'s dtype (bf16 or
-    float32), into ``out``."""
-    kernels = _kernels()
-    if kernels is None:
-        raise RuntimeError(native.available())
-    rows, k = out.shape
-    weight = args[0]
-    n = weight.shape[0]
-    if out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous() or not 0 <= start <= start + rows <= n:
-        raise ValueError(f"qbackend dense weight-only: rows [{start}, {start + rows}) of {n} into a contiguous bf16 / "
-                         f"float32 buffer, got {out.dtype} {tuple(out.shape)}")
-    bf16 = int(out.dtype == torch.bfloat16)
-    if bits == 4:
-        group = args[3]
-        if k % 16 or group % 16 or k % group:
-            raise ValueError(f"qbackend dense weight-only: int4 K {k} and group {group} must be multiples of 16, K of group")
-        _, codes = _checked_weight(bits, args, k)
-        kernels[0](torch.get_num_threads(), rows, k, group, int(codes), weight[start:].data_ptr(), args[1][start:].data_ptr(),
-                   args[2][start:].data_ptr(), bf16, out.data_ptr())
-    else:
-        if k % 16:
-            raise ValueError(f"qbackend dense weight-only: int8 K {k} must be a multiple of 16")
-        _checked_weight(bits, args, k)
-        kernels[1](torch.get_num_threads(), rows, k, weight[start:].data_ptr(), args[1][start:].data_ptr(), bf16,
-                   out.data_ptr())
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _bf16_kernel():
-    """csrc/weight_only_bf16.c's qb_weight_only_bf16_mm where the CPU has AVX512-BF16, else None."""
-    lib = native._vnni_library()[0]
-    if lib is None or not lib.qb_has_avx512_bf16():
-        return None
-    function = lib.qb_weight_only_bf16_mm
-    function.argtypes = [ctypes.c_int] * 7 + [ctypes.c_void_p] * 5 + [ctypes.c_long]
-    function.restype = ctypes.c_int
-    return function
-
-
-def bf16_kernel_takes(bits: int, args: tuple) -> bool:
-    """Whether the AVX512-BF16 kernel runs this weight-only weight here."""
-    return _bf16_kernel() is not None and in_features(bits, args) % 32 == 0 and (bits == 8 or args[3] % 32 == 0)
-
-
-def bf16_mm(x: torch.Tensor, bits: int, *args) -> torch.Tensor:
-    """x [M, K] (float32, rounded to bf16, or bf16) times the weight ``args`` hold (int4:
-    storage, scale, offset, group size; int8: weight, scale), transposed: float32 [M, N], on the
-    AVX512-BF16 kernel (csrc/weight_only_bf16.c)."""
-    kernel = _bf16_kernel()
-    if kernel is None:
-        raise RuntimeError("qbackend's AVX512-BF16 weight-only kernel needs a CPU with AVX512-BF16 and the VNNI kernels")
-    n, k = args[0].shape[0], in_features(bits, args)
-    if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
-        raise ValueError(f"qbackend bf16 weight-only kernel: float32 or bf16 CPU activations [M, {k}], got {x.dtype} "
-                         f"{tuple(x.shape)}")
-    group = args[3] if bits == 4 else k
-    if k % 32 or group % 32 or k % group:
-        raise ValueError(f"qbackend bf16 weight-only kernel: K {k} and group {group} must be multiples of 32, K of group")
-    _, codes = _checked_weight(bits, args, k)
-    offset = args[2].data_ptr() if bits == 4 else None
-    x_bf16, y = x.to(torch.bfloat16).contiguous(), torch.empty(x.shape[0], n)
-    if x.shape[0] and kernel(torch.get_num_threads(), bits, x.shape[0], n, k, group, int(codes), x_bf16.data_ptr(),
-                             args[0].data_ptr(), args[1].data_ptr(), offset, y.data_ptr(), n):
-        raise MemoryError("qbackend bf16 weight-only kernel: a thread could not allocate its buffer of weight rows")
-    return y
-
-
-def in_features(bits: int, args: tuple) -> int:
-    """K of the weight ``args`` hold (int4 storage: two columns a byte)."""
-    return args[0].shape[1] * (2 if bits == 4 else 1)
 
 
 def slice_rows(m: int, k: int, dtype: torch.dtype) -> int:
@@ -192,7 +92,7 @@ def kernel_or_dense(x: torch.Tensor, bf16_from: int, dense_from: int, dtype: tor
         return dense_slices(x, bits, dtype, *args)
     if rows >= bf16_from:
         return bf16_mm(x, bits, *args)
-    return native.PLAIN[f"int{bits}_mm_int16"](x, *args)
+    return registry.PLAIN[f"int{bits}_mm_int16"](x, *args)
 
 
 def _timed(candidates: dict, rows: int, k: int) -> dict:
@@ -268,9 +168,9 @@ def dense_slices_pass(gm: GraphModule, kernel_choice: Optional[str] = None, comp
     AVX512-BF16 kernel and densely from their measured crossovers on (see the module doc); the
     report's note, or None."""
     mode = choice_mode(kernel_choice)
-    if mode == "prior" or compute != "auto" or native.available() is not None:
+    if mode == "prior" or compute != "auto" or registry.available() is not None:
         return None
-    plain = {native.PLAIN[name]: bits for name, bits in WEIGHT_ONLY.items()}  # (a graph to be traced calls the ops: kept)
+    plain = {registry.PLAIN[name]: bits for name, bits in WEIGHT_ONLY.items()}  # (a graph to be traced calls the ops: kept)
     changed = []
     for node in list(gm.graph.nodes):
         bits = plain.get(node.target) if node.op == "call_function" else None
@@ -286,7 +186,7 @@ def dense_slices_pass(gm: GraphModule, kernel_choice: Optional[str] = None, comp
         key = f"weight-only dense int{bits} {args[0].shape[0]}x{in_features(bits, args)}{group}"
         record = choice_cache.shared().get(key, RECORD)  # (an invalid one: measured again)
         if record is None and mode == "measure":
-            record = _measured(bits, native.PLAIN[f"int{bits}_mm_int16"], args)
+            record = _measured(bits, registry.PLAIN[f"int{bits}_mm_int16"], args)
             choice_cache.shared().put(key, record)
         bf16 = record.get("bf16_from") if record and bf16_kernel_takes(bits, args) else None  # (measured with it; off since)
         if not bf16 and not (record and record.get("dtype")):

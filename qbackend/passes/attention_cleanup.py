@@ -13,8 +13,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from qbackend.lowering.common import additive_mask
 from qbackend.patterns.base import fake_value
 
-from qbackend.passes import fast_qdq
-from qbackend.kernels import native
+from qbackend.kernels import fast_qdq
+from qbackend.kernels import registry
+from qbackend.kernels import attention as attention_kernel
 from qbackend.passes.view_chains import positions, replayed, view_chain, writes
 
 aten = torch.ops.aten
@@ -56,9 +57,9 @@ _ANY_STRIDES = {aten.scaled_dot_product_attention.default, torch._C._nn.scaled_d
 def _reads_any_strides(target) -> bool:
     """torch's attention, or ours in any form (it passes strides to the kernel, copying only a
     last dim that is not contiguous); or a function that says it (kv_append.append)."""
-    return (target in _ANY_STRIDES or target in (native.attention_f32, native.attention_quantize)
+    return (target in _ANY_STRIDES or target in (attention_kernel.attention_f32, attention_kernel.attention_quantize)
             or getattr(target, "reads_any_strides", False)
-            or str(target) in (f"{native.NAMESPACE}.attention_f32.default", f"{native.NAMESPACE}.attention_quantize.default"))
+            or str(target) in (f"{registry.NAMESPACE}.attention_f32.default", f"{registry.NAMESPACE}.attention_quantize.default"))
 
 
 def _copies_values_of(user: Node, value: Node) -> bool:
@@ -126,7 +127,7 @@ def attention_output_quantized(gm: GraphModule) -> Optional[str]:
     batch 1: the quantize took 10-32 us a layer, the kernel writes a quarter of the bytes."""
     fused = 0
     for attention in list(gm.graph.nodes):
-        if attention.op != "call_function" or attention.target is not native.attention_f32 or attention.kwargs \
+        if attention.op != "call_function" or attention.target is not attention_kernel.attention_f32 or attention.kwargs \
                 or len(attention.args) != 5:  # (a causal one: attention_quantize takes none)
             continue
         quantize = _output_quantize(attention)
@@ -137,11 +138,11 @@ def attention_output_quantized(gm: GraphModule) -> Optional[str]:
         values = [fake_value(n) if isinstance(n, Node) else None for n in (q, k, v, mask)]
         if any(value is None for value in values[:3]) or (mask is not None and values[3] is None):
             continue
-        if native.attention_quantize_refusal(*values, *out_grid) is not None:
+        if attention_kernel.attention_quantize_refusal(*values, *out_grid) is not None:
             continue
         with gm.graph.inserting_before(quantize):
-            rows = gm.graph.call_function(native.attention_quantize, (q, k, v, mask, scale, *out_grid))
-            rows.meta["example_value"] = native.FAKES["attention_quantize"](*values, scale, *out_grid)
+            rows = gm.graph.call_function(attention_kernel.attention_quantize, (q, k, v, mask, scale, *out_grid))
+            rows.meta["example_value"] = registry.FAKES["attention_quantize"](*values, scale, *out_grid)
             heads = gm.graph.call_function(aten.transpose.int, (rows, 1, 2))  # (the [B, H, L, D] value the graph had)
             heads.meta["example_value"] = rows.meta["example_value"].transpose(1, 2)
         quantize.replace_all_uses_with(heads)
@@ -208,8 +209,8 @@ def attention_reads_projection(gm: GraphModule) -> Optional[str]:
     operand checks."""
     rewritten = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.kwargs or node.target not in (native.attention_f32, native.attention_quantize) \
-                or (node.target is native.attention_f32 and len(node.args) != 5):  # (a causal one: the views stay)
+        if node.op != "call_function" or node.kwargs or node.target not in (attention_kernel.attention_f32, attention_kernel.attention_quantize) \
+                or (node.target is attention_kernel.attention_f32 and len(node.args) != 5):  # (a causal one: the views stay)
             continue
         q, k, v, mask, scale, *out_grid = node.args
         geometry = _projection_geometry([q, k, v])
@@ -218,7 +219,7 @@ def attention_reads_projection(gm: GraphModule) -> Optional[str]:
         projection = view_chain(q, _PROJECTION_VIEWS)[0]
         quantize = tuple(out_grid) if out_grid else None
         with gm.graph.inserting_before(node):
-            fused = gm.graph.call_function(native.attention_from_projection, (projection, geometry, mask, scale, quantize))
+            fused = gm.graph.call_function(attention_kernel.attention_from_projection, (projection, geometry, mask, scale, quantize))
         fused.meta = dict(node.meta)
         node.replace_all_uses_with(fused)
         gm.graph.erase_node(node)
@@ -285,7 +286,7 @@ def repeated_kv_read_once(gm: GraphModule) -> Optional[str]:
     order = {node: i for i, node in enumerate(nodes)}
     replaced = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not native.attention_f32 or node.kwargs or len(node.args) < 5:
+        if node.op != "call_function" or node.target is not attention_kernel.attention_f32 or node.kwargs or len(node.args) < 5:
             continue
         keys, values = _repeated_heads(node.args[1]), _repeated_heads(node.args[2])
         if keys is None or values is None:
@@ -295,7 +296,7 @@ def repeated_kv_read_once(gm: GraphModule) -> Optional[str]:
         if any(t is None for t in (q, k, v)) or (node.args[3] is not None and mask is None):
             continue
         is_causal = bool(node.args[5]) if len(node.args) > 5 else False
-        if native.attention_refusal(q, k, v, mask, is_causal=is_causal) is not None:
+        if attention_kernel.attention_refusal(q, k, v, mask, is_causal=is_causal) is not None:
             continue
         first = min(order[node.args[1].args[0].args[0]], order[node.args[2].args[0].args[0]])  # (the new axes)
         if any(writes(between) for between in nodes[first:order[node]]):  # (into the cache, or a view of it: any write)

@@ -10,30 +10,19 @@ reference rounds it).
 """
 from __future__ import annotations
 
-import ctypes
 from typing import NamedTuple, Optional
 
 import torch
 from torch.fx import GraphModule, Node
 
+from qbackend.graph_constants import set_constant
+from qbackend.kernels import fast_qdq
+from qbackend.kernels.batch_norm_quantize import batch_norm_quantize, kernel
 from qbackend.patterns.base import constant_value, fake_value
 
-from qbackend.passes import fast_qdq
-from qbackend.kernels import native
-from qbackend.passes.channel_shuffle import pixel_stride
-from qbackend.pipeline.freeze import set_constant
 
 aten = torch.ops.aten
 _RELUS = (aten.relu.default, aten.relu_.default)
-# (csrc/batch_norm_quantize.c: threads, pixels, pieces, channels, strides, inputs, in zero point, in scale, alpha,
-# beta, relu, out inverse scale, out zero point, qmin, qmax, out)
-_SIGNATURE = ((ctypes.c_int, ctypes.c_long, ctypes.c_int) + (ctypes.c_void_p,) * 3 + (ctypes.c_int, ctypes.c_float)
-              + (ctypes.c_void_p,) * 2 + (ctypes.c_int, ctypes.c_float) + (ctypes.c_int,) * 3 + (ctypes.c_void_p,))
-
-
-def _kernel():
-    """The C function, or None where the own kernels are not built."""
-    return native.c_function("qb_batch_norm_quantize", _SIGNATURE)
 
 
 def linear_terms(weight, bias, mean, var, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,59 +32,6 @@ def linear_terms(weight, bias, mean, var, eps: float) -> tuple[torch.Tensor, tor
     alpha = (1 / torch.sqrt(var + torch.tensor(eps, dtype=torch.float32))) * (torch.ones_like(var) if weight is None else weight.float())
     beta = (torch.zeros_like(var) if bias is None else bias.float()) - mean.float() * alpha
     return alpha.contiguous(), beta.contiguous()
-
-
-def _reference(pieces, in_scale, in_zero_point, alpha, beta, relu, out_scale, out_zero_point, qmin, qmax):
-    x = fast_qdq.dequantize_per_tensor(torch.cat(list(pieces), 1), in_scale, in_zero_point, 0, 255, torch.uint8)
-    y = x * alpha.view(1, -1, 1, 1) + beta.view(1, -1, 1, 1)
-    return fast_qdq.quantize_per_tensor_channels_last(torch.relu(y) if relu else y, out_scale, out_zero_point, qmin, qmax,
-                                                      torch.uint8, nan_as=qmin)
-
-
-def _layout(pieces, channels: int) -> Optional[tuple[list, list, list]]:
-    """(channels, pixel stride, data pointer) of each piece where the kernel applies: plain uint8
-    CPU [N, C_p, H, W] tensors of one N, H, W, channels contiguous in each pixel, ``channels`` in
-    all. (Read for every piece of every call: DenseNet passes ~600 a call.)"""
-    if _kernel() is None or not pieces:
-        return None
-    counts, strides, pointers = [], [], []
-    grid = None
-    for piece in pieces:
-        if type(piece) is not torch.Tensor or piece.dtype is not torch.uint8 or not piece.is_cpu or piece.dim() != 4:
-            return None
-        n, c, h, w = piece.shape
-        if grid is None:
-            grid = (n, h, w)
-        elif grid != (n, h, w):
-            return None
-        stride = pixel_stride(piece)
-        if stride is None:
-            return None
-        counts.append(c)
-        strides.append(stride)
-        pointers.append(piece.data_ptr())
-    return (counts, strides, pointers) if sum(counts) == channels else None
-
-
-def batch_norm_quantize(pieces, in_scale: float, in_zero_point: int, alpha: torch.Tensor, beta: torch.Tensor, relu: bool,
-                        out_scale: float, out_zero_point: int, qmin: int, qmax: int) -> torch.Tensor:
-    """quantize(relu?(dequantize(cat(pieces, 1)) * alpha + beta)) per channel, uint8 channels-last;
-    torch's ops where the kernel does not apply (the same values)."""
-    layout = _layout(pieces, alpha.numel())
-    if layout is None or not (0 <= qmin <= qmax <= 255) or not 0 <= in_zero_point <= 255:
-        return _reference(pieces, in_scale, in_zero_point, alpha, beta, relu, out_scale, out_zero_point, qmin, qmax)
-    counts, strides, pointers = layout
-    n, _, h, w = pieces[0].shape
-    out = torch.empty((n, alpha.numel(), h, w), dtype=torch.uint8, memory_format=torch.channels_last)
-    if out.numel():
-        count = len(pieces)
-        _kernel()(torch.get_num_threads(), n * h * w, count, (ctypes.c_long * count)(*counts), (ctypes.c_long * count)(*strides),
-                  (ctypes.c_void_p * count)(*pointers), in_zero_point, in_scale, alpha.data_ptr(), beta.data_ptr(), relu,
-                  1.0 / out_scale, out_zero_point, qmin, qmax, out.data_ptr())
-    return out
-
-
-batch_norm_quantize.fresh_output = True  # (patterns/inplace.py: a later kernel may write into it)
 
 
 class _Chain(NamedTuple):
@@ -142,7 +78,7 @@ def _chain(gm: GraphModule, quantize: Node) -> Optional[tuple[_Chain, tuple, tup
 
 def batch_norms_quantized(gm: GraphModule) -> Optional[str]:
     """Rewrite each dequantize -> batch_norm -> [relu] -> quantize chain (module docstring)."""
-    if _kernel() is None:
+    if kernel() is None:
         return None
     graph, rewritten = gm.graph, 0
     for quantize in list(graph.nodes):

@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 from qbackend.patterns.base import constant_value
 from qbackend.patterns.inplace import written_inputs
 
-from qbackend.pipeline.freeze import set_constant
+from qbackend.graph_constants import set_constant
 from qbackend.passes.in_place import aliased_input, first_write, writes
 
 aten = torch.ops.aten

@@ -21,7 +21,7 @@ from qbackend.lowering.common import static_shape
 from qbackend.patterns.base import constant_value, fake_value
 
 from qbackend.kernels import choice_cache
-from qbackend.pipeline.freeze import set_constant
+from qbackend.graph_constants import set_constant
 from qbackend.ops import resolve
 
 aten = torch.ops.aten

@@ -15,7 +15,7 @@ from torch.fx import Node
 
 from qbackend.patterns.inplace import written_inputs
 
-from qbackend.kernels import native
+from qbackend.kernels import registry
 from qbackend.passes.dead_code import _IN_PLACE_OPERATORS
 
 
@@ -23,8 +23,8 @@ def op_schema(target) -> Optional[torch.FunctionSchema]:
     """The schema of an op, or of the op an own kernel's plain function stands for."""
     if isinstance(target, torch._ops.OpOverload):
         return target._schema
-    name = next((name for name, function in native.PLAIN.items() if function is target), None)
-    return None if name is None else native.op(name)._schema  # (in a graph: the kernels are loaded)
+    name = next((name for name, function in registry.PLAIN.items() if function is target), None)
+    return None if name is None else registry.op(name)._schema  # (in a graph: the kernels are loaded)
 
 
 def aliased_input(node: Node) -> Optional[Node]:

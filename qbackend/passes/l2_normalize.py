@@ -7,55 +7,18 @@ rewrites each into one call, which reads the strided head views of a merged proj
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import numbers
 from typing import Optional
 
 import torch
 from torch.fx import GraphModule, Node
 
+from qbackend.kernels.l2_normalize import kernel, l2_normalize
+from qbackend.passes.float_ops import calls_in_place_of, float32, single_user
 from qbackend.patterns.base import fake_value
 
-from qbackend.kernels import native
-from qbackend.passes.float_ops import calls_in_place_of, float32, single_user
 
 aten = torch.ops.aten
-LEADING = 3  # leading dims the kernel indexes rows by
-
-# (csrc/l2_normalize_f32.c: threads, sizes[3], strides[3], n, eps, x, out)
-_SIGNATURE = (ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p)
-
-
-def _kernel():
-    """The C function, or None where the own kernels are not built."""
-    return native.c_function("qb_l2_normalize_f32", _SIGNATURE)
-
-
-@functools.lru_cache(maxsize=256)
-def _rows(shape: tuple, stride: tuple) -> Optional[tuple]:
-    """The kernel's (sizes, strides) of the leading dims for one call site (made once), or None
-    where it does not take the tensor: more than LEADING leading dims, the last not contiguous."""
-    if not 1 <= len(shape) <= LEADING + 1 or 0 in shape or (stride[-1] != 1 and shape[-1] > 1):
-        return None
-    pad = LEADING + 1 - len(shape)
-    return (ctypes.c_long * LEADING)(*(1,) * pad, *shape[:-1]), (ctypes.c_long * LEADING)(*(0,) * pad, *stride[:-1])
-
-
-def l2_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``F.normalize(x, dim=-1, eps=eps)``, dense; torch's ops where the kernel does not apply
-    (other dtypes or devices, fake tensors under tracing, ranks above 4)."""
-    rows = None
-    if _kernel() is not None and type(x) is torch.Tensor and x.dtype == torch.float32 and x.device.type == "cpu":
-        rows = _rows(tuple(x.shape), x.stride())
-    if rows is None:
-        return torch.nn.functional.normalize(x, dim=-1, eps=eps)
-    out = torch.empty(x.shape, dtype=torch.float32)
-    _kernel()(torch.get_num_threads(), *rows, x.shape[-1], eps, x.data_ptr(), out.data_ptr())
-    return out
-
-
-l2_normalize.fresh_output = True  # (patterns/inplace.py: a later kernel may write into it)
 
 
 def _called(node, target) -> bool:
@@ -84,4 +47,4 @@ def _normalized(node: Node) -> Optional[tuple]:
 
 def l2_normalizes_fused(gm: GraphModule) -> Optional[str]:
     """Rewrite each normalize (see ``_normalized``) into one call."""
-    return None if _kernel() is None else calls_in_place_of(gm, _normalized, l2_normalize, "L2 normalization(s)")
+    return None if kernel() is None else calls_in_place_of(gm, _normalized, l2_normalize, "L2 normalization(s)")

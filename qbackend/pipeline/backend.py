@@ -22,10 +22,11 @@ from qbackend.passes.einsum import einsums_as_matmuls
 from qbackend.pipeline.freeze import freeze
 from qbackend.llm.kv_int8 import KV_CACHES
 from qbackend.pipeline.lower import lower
+from qbackend.lowering import TABLES
 from qbackend.lowering.choice import mode as choice_mode
 from qbackend.pipeline.remainder import MODES, compile_with_inductor
 from qbackend.pipeline.report import Report
-from qbackend.pipeline.runnable import runnable
+from qbackend.runtime.runnable import runnable
 
 log = logging.getLogger("qbackend")
 
@@ -74,6 +75,8 @@ class Options:
         if parsed.kv_cache not in KV_CACHES:
             raise ValueError(f"qbackend: kv_cache={parsed.kv_cache!r}; valid: {', '.join(map(repr, KV_CACHES))}")
         choice_mode(parsed.kernel_choice)  # (raises on an unknown mode)
+        if parsed.device is not None and parsed.device not in TABLES:
+            raise ValueError(f"qbackend: device={parsed.device!r}; it lowers for {', '.join(map(repr, TABLES))}")
         return parsed
 
 
@@ -124,11 +127,33 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
     return runnable(compiled or work, runtime_inputs, len(example_inputs)), report, work
 
 
+def unlowered_why(gm: GraphModule, report: Report) -> Optional[str]:
+    """Why nothing was lowered where the user expected int8 kernels, or None: a device qbackend
+    has no table for; or convs / linears, none lowered, and no quantize / dequantize op in the
+    graph (a model never converted; or a graph break that hands this graph weights dequantized
+    upstream)."""
+    if report.device not in TABLES:
+        return f"qbackend: this graph's tensors are on {report.device!r}, which it has no table for: it runs unlowered"
+    layers = [d for d in report.decisions if d.kind in ("conv", "linear")]
+    if not layers or any(d.lowered for d in layers):
+        return None
+    if any(n.op == "call_function" and "quantize" in str(n.target) for n in gm.graph.nodes):
+        return None
+    return (f"qbackend: this graph's {len(layers)} conv / linear ops are float and it holds no quantize / dequantize op: "
+            "nothing to lower to int8 (was the model converted with quantize_x86 / convert_pt2e, or quantize_weights?)")
+
+
 def qbackend(gm: GraphModule, example_inputs, options=None, **_mode):
     """Entry point Dynamo calls with each captured graph."""
     opts = Options.parse(options)
     try:
         compiled, report, _ = compile_graph(gm, example_inputs, opts)
+        why = unlowered_why(gm, report)
+        if why is not None:
+            if strict_mode(opts.strict):
+                raise ValueError(why)
+            warnings.warn(why)
+            report.notes.append(why)
     except Exception as error:  # never crash the user's model: run it as captured, unless asked to
         if strict_mode(opts.strict):
             raise

@@ -14,8 +14,8 @@ from qbackend.lowering.common import static_shape
 from qbackend.lowering.signed_int8 import nan_as
 from qbackend.patterns.base import fake_value
 
-from qbackend.passes import fast_qdq
-from qbackend.kernels import native
+from qbackend.kernels import fast_qdq
+from qbackend.kernels import layer_norm_quantize, registry
 from qbackend.passes.attention_cleanup import attention_inputs_uncopied, attention_masks_once, attention_output_quantized, attention_reads_projection, repeated_kv_read_once
 from qbackend.passes.batch_norm_quantize import batch_norms_quantized
 from qbackend.passes.channel_shuffle import shuffles_in_one_pass
@@ -27,7 +27,7 @@ from qbackend.llm.dense_weight_only import dense_slices_pass
 from qbackend.passes.direct_ops import direct_ops
 from qbackend.passes.depthwise_norm import depthwise_norms_fused
 from qbackend.passes.float_linear import float_linears
-from qbackend.pipeline.freeze import drop_unused_constants
+from qbackend.graph_constants import drop_unused_constants
 from qbackend.llm.huge_pages import streamed_weights_on_huge_pages
 from qbackend.passes.in_place import op_schema
 from qbackend.kernels.kernel_chain import chain_own_kernels
@@ -66,7 +66,7 @@ _FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, at
 
 # qbackend's own kernels as the lowered graph calls them (plain functions) that only read their
 # inputs and return new tensors: every form but the in-place ``add_quantize_``
-_PURE_KERNELS = frozenset(function for name, function in native.PLAIN.items() if not name.endswith("_"))
+_PURE_KERNELS = frozenset(function for name, function in registry.PLAIN.items() if not name.endswith("_"))
 
 
 def _foldable(constants: FoldedConstants, node: Node) -> bool:
@@ -109,8 +109,8 @@ def _channels_last_readers() -> set:
     """The ops that read their first argument (a conv input) channels-last: oneDNN's 2-D int8
     convs and qbackend's conv kernels."""
     readers = {r.op for r in (resolve(name, "cpu") for name in ("qconv", "qconv_tensor", "qconv_binary", "qconv_binary_tensor")) if r}
-    if native.available() is None:
-        readers.update(form for name in ("qconv", "qconv_depthwise", "qconv_stem") for form in native.own_kernel_forms(name))
+    if registry.available() is None:
+        readers.update(form for name in ("qconv", "qconv_depthwise", "qconv_stem") for form in registry.own_kernel_forms(name))
     return readers
 
 
@@ -169,7 +169,7 @@ def views_accept_any_layout(gm: GraphModule) -> None:
 
 
 # own kernels' results that are contiguous whatever their inputs: (plain function, tuple index or None)
-_CONTIGUOUS_RESULTS = {(native.layer_norm_and_quantize, 0), (native.layer_norm_and_quantize, 1), (native.layer_norm_quantize, None)}
+_CONTIGUOUS_RESULTS = {(layer_norm_quantize.layer_norm_and_quantize, 0), (layer_norm_quantize.layer_norm_and_quantize, 1), (layer_norm_quantize.layer_norm_quantize, None)}
 
 
 def _always_contiguous(node) -> bool:

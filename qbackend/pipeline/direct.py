@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from torch.fx import GraphModule
 
 from qbackend.pipeline.backend import qbackend
-from qbackend.pipeline.freeze import set_constant
+from qbackend.graph_constants import set_constant
 from qbackend.archive.graph_archive import RECORDED_VALUE, RecordedInput, Symbol, ValueReader
 
 log = logging.getLogger("qbackend")
@@ -72,7 +72,7 @@ _QDQ_OUT_DTYPE = {
 }
 
 
-def _qdq_name(node) -> Optional[str]:
+def qdq_name(node) -> Optional[str]:
     target = node.target
     if node.op != "call_function" or getattr(target, "namespace", None) != "quantized_decomposed":
         return None
@@ -130,8 +130,8 @@ def export_values(gm: GraphModule) -> Optional[dict]:
             constant = operator.attrgetter(node.target)(gm)
             if isinstance(constant, torch.Tensor):
                 values[node] = like(constant, constant.dtype)
-        elif _qdq_name(node) is not None and node.args[0] in values:
-            values[node] = like(values[node.args[0]], _QDQ_OUT_DTYPE[_qdq_name(node)](node))
+        elif qdq_name(node) is not None and node.args[0] in values:
+            values[node] = like(values[node.args[0]], _QDQ_OUT_DTYPE[qdq_name(node)](node))
         elif node.op != "output" and node.target != EXPORT_GUARDS:
             return None
     return values

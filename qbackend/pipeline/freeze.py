@@ -12,6 +12,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
+from qbackend.graph_constants import set_constant
 from qbackend.passes.in_place import first_write
 
 
@@ -28,22 +29,6 @@ def is_written(node: Node) -> bool:
     """The graph mutates this input in place (e.g. a cache buffer), directly or through a view
     (``alias`` then ``add_`` in an export): it must stay an input."""
     return first_write(node) is not None
-
-
-def set_constant(gm: GraphModule, name: str, value: torch.Tensor) -> None:
-    """A graph constant: a (non-persistent) buffer, so FX knows it, mirrored in the instance
-    __dict__. The generated code reads ``self.<name>`` on every call; through
-    nn.Module.__getattr__ that costs ~1.5 us per buffer (0.3 ms per call on MobileNetV2), a
-    __dict__ hit costs nothing."""
-    gm.register_buffer(name, value, persistent=False)
-    gm.__dict__[name] = value
-
-
-def drop_unused_constants(gm: GraphModule) -> None:
-    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
-    for name in [n for n in gm._buffers if n not in used and n in gm.__dict__]:
-        del gm._buffers[name]
-        del gm.__dict__[name]
 
 
 def freeze(gm: GraphModule, example_inputs) -> list[int]:

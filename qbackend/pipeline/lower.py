@@ -97,7 +97,21 @@ def decide(view: GraphView, ctx: EmitContext, table: dict, anchor: Node, kind: s
     refused = [a for a in decision.tried if a.matched]
     first = refused[0] if refused else decision.tried[-1]
     decision.reason, decision.where = first.reason, first.where
+    if not refused and kind in ("conv", "linear") and not any(map(_dequantized, anchor.args[:2])):
+        decision.reason, decision.where = (f"a float {kind}: neither its input nor its weight is dequantized (left float "
+                                           "when the model was quantized: by the quantizer's recipe or keep_float)"), ""
     return decision
+
+
+def _dequantized(value) -> bool:
+    """``value`` comes from a dequantize op, directly or through a transpose (``x @ w.t()``)."""
+    for _ in range(2):
+        if not isinstance(value, Node) or value.op != "call_function":
+            return False
+        if "dequantize" in str(value.target):
+            return True
+        value = value.args[0] if value.args else None
+    return False
 
 
 def _op_name(node: Node) -> str:

@@ -1,7 +1,7 @@
 """SmoothQuant as a pre-pass on an exported graph, before ``prepare_pt2e``.
 
     gm = torch.export.export(model, inputs, strict=True).module()
-    report = qbackend.smoothquant.smooth_quant(gm, calibration_batches, alpha="search")
+    report = qbackend.smooth_quant(gm, calibration_batches, alpha="search")
     print(report)            # every linear: smoothed or not, alpha, where 1/s went and why
     prepared = prepare_pt2e(gm, quantizer) ...
 

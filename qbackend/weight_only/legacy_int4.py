@@ -17,8 +17,6 @@ from typing import Optional
 
 import torch
 
-from qbackend.quantized_tensor import QuantizedLinearWeight
-from qbackend.weight_only.weight_quant import pack_int4
 
 ISAS = ("avx512", "avx2", "default")
 BLOCK_N = {"avx512": 64, "avx2": 32, "default": 32}
@@ -65,16 +63,3 @@ def unpack_old_cpu_int4(packed: torch.Tensor, in_features: int, isa: Optional[st
     values = torch.where(high, values >> 4, values & 0xF)
     return (values - 8).to(torch.int8)
 
-
-def from_old_cpu_int4(packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-                      dtype: torch.dtype = torch.float32, isa: Optional[str] = None) -> QuantizedLinearWeight:
-    """A checkpoint's (old packed weight, qScaleAndZeros [K/group, N, 2], group size) -> a
-    device-neutral QuantizedLinearWeight with the same values (w = (u - 8) * scale + zero)."""
-    groups, n_out, _ = scales_and_zeros.shape
-    in_features = groups * group_size
-    values = unpack_old_cpu_int4(packed, in_features, isa)
-    if values.shape[0] != n_out:
-        raise ValueError(f"packed weight has {values.shape[0]} output channels, scales_and_zeros {n_out}")
-    scale = scales_and_zeros[..., 0].t().float().contiguous()
-    offset = scales_and_zeros[..., 1].t().float().contiguous()
-    return QuantizedLinearWeight(pack_int4(values), scale, offset, 4, group_size, (n_out, in_features), dtype)

@@ -16,7 +16,7 @@
  * and one instruction instead of three; conv_gemm_int8_vnni512.c builds it a third time on zmm
  * registers (qb_conv_call_vnni512). Which width is faster depends on the core: on a Zen 4 EPYC
  * zmm vpdpbusd ran a third of ymm's instructions per ns (1.6x fewer products), on a Zen 5 EPYC
- * 2 per cycle like ymm (2x the products). qbackend/kernels/native.py asks qb_vnni_zmm_speedup once.
+ * 2 per cycle like ymm (2x the products). qbackend/kernels/isa.py asks qb_vnni_zmm_speedup once.
  *
  * Weights, every build: [ceil(Cout / 16)][KH * KW * ceil(Cin / 4)][16 outputs][4 inputs], Cout
  * and each kernel position's Cin padded with zero weights. A zmm block is one 64-byte row of 16

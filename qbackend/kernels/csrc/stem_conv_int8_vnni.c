@@ -198,7 +198,7 @@ static void pooled_row(const stem_call_t* c, const steps_t s, const requant_t* r
 
 /* Returns 0, or -1 where a thread's buffer for the pooled rows could not be allocated.
  * Cout % 16 == 0, KH * (KW * C % 4) <= MAX_LEFTOVER and qb_stem_strip_bytes <= MAX_STRIP
- * (qbackend/kernels/native.py checks). With a pool: each thread computes its range of pooled rows,
+ * (qbackend/kernels/stem.py checks). With a pool: each thread computes its range of pooled rows,
  * each conv row it needs once (rows shared by two ranges twice): the conv output, 6.4 MB for
  * ResNet-18 at batch 8, is never written out and read back. */
 int qb_stem_conv_vnni_call(int threads, const stem_call_t* c, const uint8_t* x, uint8_t* y) {

@@ -48,7 +48,7 @@ static inline __m256 reciprocal(__m256 d) {
   return _mm256_mul_ps(r, _mm256_fnmadd_ps(d, r, _mm256_set1_ps(2.0f)));
 }
 
-/* The unary post-ops the int8 kernels' epilogues apply before their clamp (qbackend/kernels/native.py
+/* The unary post-ops the int8 kernels' epilogues apply before their clamp (qbackend/kernels/common.py
  * ACTIVATIONS). */
 enum activation { CLAMP_ONLY = 0, GELU_ERF = 1, GELU_TANH = 2, SWISH = 3, HARDSWISH = 4 };
 

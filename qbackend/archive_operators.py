@@ -1,4 +1,4 @@
-"""``python -m qbackend.archive.archive_operators [--generate [--write]]``: the operators a saved graph
+"""``python -m qbackend.archive_operators [--generate [--write]]``: the operators a saved graph
 may call (``operator_allowlist.py``), by source; ``--generate`` runs the flows and exports that
 give them (needs torchao; torchvision and transformers where installed), ``--write`` puts the
 result in ``operator_allowlist.py``.
@@ -13,6 +13,9 @@ from pathlib import Path
 
 import torch
 
+from qbackend import models
+from qbackend.patterns import RULES
+from qbackend.pt2e_flow import quantize_x86, quantize_xpu
 from qbackend.archive.operator_allowlist import ARCHITECTURES, FLOWS, LAYERS, NAMESPACES, overload_name, resolve, side_effect
 
 def graph_ops(gm: torch.nn.Module, inputs: tuple = ()) -> set[str]:
@@ -26,10 +29,6 @@ def graph_ops(gm: torch.nn.Module, inputs: tuple = ()) -> set[str]:
 
 def generate_flows() -> set[str]:
     """The operators of the rule examples, near misses and in-house models through the flows."""
-    from qbackend import models
-    from qbackend.patterns import RULES
-    from qbackend.pt2e_flow import quantize_x86, quantize_xpu
-
     found = set()
     for rule in RULES:
         if rule.example is not None:
@@ -187,7 +186,7 @@ def _write(groups: dict) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qbackend.archive.archive_operators", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m qbackend.archive_operators", description=__doc__.splitlines()[0])
     parser.add_argument("--generate", action="store_true", help="run the flows and exports, print the lists they give")
     parser.add_argument("--write", action="store_true", help="with --generate: write them into operator_allowlist.py")
     args = parser.parse_args(argv)

@@ -20,7 +20,7 @@ from torch.fx import GraphModule
 from qbackend.pipeline.direct import EXPORT_GUARDS, CompiledGraphModule, compile, export_values, recorded_inputs
 from qbackend.archive.archive_checks import ArchiveError
 from qbackend.archive.graph_archive import graph_module, records
-from qbackend.pipeline.runnable import copied_graph
+from qbackend.runtime.runnable import copied_graph
 
 __all__ = ["save", "load", "ArchiveError"]
 
@@ -50,7 +50,7 @@ def load(path: str | os.PathLike, options: Optional[dict] = None, *, trusted: bo
 
     The archive is read as data and checked record by record before anything is built from it
     (``ArchiveError`` names what is wrong): no code it brings runs, and its graph calls only
-    the operators ``python -m qbackend.archive.archive_operators`` lists. ``trusted=True`` is needed
+    the operators ``python -m qbackend.archive_operators`` lists. ``trusted=True`` is needed
     only for the earlier format (``torch.export.save``'s archive), whose loader builds code
     from the archive's contents: pass it only for files from a source you trust."""
     try:

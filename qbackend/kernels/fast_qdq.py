@@ -1,7 +1,7 @@
 """Quantize / dequantize for the q/dq that stay in a lowered graph (model boundaries, ops left
 unlowered), much faster than ``quantized_decomposed``.
 
-On CPU, quantize runs qbackend's kernel (``native.quantize_dense``: one pass, bit-exact,
+On CPU, quantize runs qbackend's kernel (``quantize.quantize_dense``: one pass, bit-exact,
 a NaN stored as the reference's 0, as fast as ATen's quantize) where it is built; else ATen's
 vectorised quantized-tensor kernels, whose integer tensor is a view of the quantized tensor's
 bytes (no copy), 5x faster than the step-by-step float path below, but a NaN lands on qmax and
@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from qbackend.kernels import native
+from qbackend.kernels import quantize
 from qbackend.ops import resolve
 
 QUANTIZED_DTYPE = {torch.uint8: torch.quint8, torch.int8: torch.qint8}
@@ -82,9 +82,9 @@ def _to_grid_(y: torch.Tensor, zero_point: int, qmin: int, qmax: int) -> torch.T
 
 
 def _own_kernel(x, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, nan_as: int) -> Optional[torch.Tensor]:
-    """native.quantize_dense's result, None where it does not apply (a fake tensor under
+    """quantize.quantize_dense's result, None where it does not apply (a fake tensor under
     tracing, another device or dtype, a non-dense view, the kernels not built)."""
-    return native.quantize_dense(x, scale, zero_point, qmin, qmax, dtype, nan_as) if type(x) is torch.Tensor else None
+    return quantize.quantize_dense(x, scale, zero_point, qmin, qmax, dtype, nan_as) if type(x) is torch.Tensor else None
 
 
 def _nan_stored_as(q: torch.Tensor, x: torch.Tensor, nan_as: int) -> torch.Tensor:
@@ -110,7 +110,7 @@ def _quantize_without_own_kernel(x, scale: float, zero_point: int, qmin: int, qm
         # permuted input is quantized in its memory order and the result permuted back, so
         # the integers keep the input's strides (measured: 1.3 ms of copies per BERT-base
         # encoder call at batch 8, attention's output and the reshape after its quantize)
-        order = native.memory_order(x)
+        order = quantize.memory_order(x)
         if order is not None:
             inverse = sorted(range(x.dim()), key=order.__getitem__)
             return _quantized_integers(x.permute(order), scale, zero_point, qmin, qmax, dtype)[1].permute(inverse)
@@ -125,7 +125,7 @@ def quantize_per_tensor_channels_last(x, scale: float, zero_point: int, qmin: in
     out in one pass (qbackend's kernel: the reference's arithmetic, bit-exact); otherwise a CPU
     input is made channels-last first."""
     if dtype == torch.uint8 and type(x) is torch.Tensor and nan_as == qmin:  # (the kernel stores a NaN as qmin)
-        y = native.quantize_channels_last(x, scale, zero_point, qmin, qmax)
+        y = quantize.quantize_channels_last(x, scale, zero_point, qmin, qmax)
         if y is not None:
             return y
     if x.dim() == 4 and x.device.type == "cpu":  # (elsewhere the device's own conv picks its layout)

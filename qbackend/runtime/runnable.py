@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch.fx import GraphModule
 
-from qbackend.pipeline.stack_room import StackRoom
+from qbackend.runtime.stack_room import StackRoom
 
 
 def _entry_point(op: torch._ops.OpOverload) -> Callable:

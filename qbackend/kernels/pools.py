@@ -1,0 +1,92 @@
+"""uint8 pools: a max pool (``csrc/max_pool_uint8.c``; torch's quantized::max_pool2d runs on one
+thread) and a global average pool (``csrc/global_avg_pool_uint8.c``; torch's needs a
+quantized-tensor copy): ``qbackend::max_pool_u8``, ``qbackend::global_avg_pool_u8``."""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from qbackend.kernels import isa
+from qbackend.kernels.chain_step import X_TO_Y
+from qbackend.kernels.common import (X_TO_Y_SIGNATURE, Kernel, Prepared, channels_last_like, check_levels, check_nchw_uint8,
+                                     checked_window, make_prepared, output_hw, prepared_chain_call, run_x_to_y)
+from qbackend.kernels.structs import GlobalAvgPoolCall, MaxPoolCall
+
+SCHEMAS = {
+    "max_pool_u8": "max_pool_u8(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation, bool ceil_mode=False) -> Tensor",
+    "global_avg_pool_u8": "global_avg_pool_u8(Tensor x, int zero_point, int qmin, int qmax) -> Tensor",
+}
+
+
+@functools.lru_cache(maxsize=256)  # per input shape and pool geometry (the graph passes tuples)
+def _max_pool_prepared_for(shape, kernel_size, stride, padding, dilation, ceil_mode=False) -> Prepared:
+    """(ceil_mode: the kernel clips each window to the image, so a last, partial one is as any other)"""
+    n, c, h, w = shape
+    oh, ow = checked_window("max_pool_u8", h, w, kernel_size, stride, padding, dilation, bool(ceil_mode))
+    if any(2 * p > k for p, k in zip(padding, kernel_size)):
+        raise ValueError(f"qbackend::max_pool_u8: padding {list(padding)} over half the kernel {list(kernel_size)}")
+    call = MaxPoolCall(n, h, w, c, *kernel_size, *stride, *padding, *dilation, oh, ow)
+    return make_prepared(call, (n, c, oh, ow), torch.uint8, isa.c_function("qb_max_pool_u8_call", X_TO_Y_SIGNATURE, ctypes.c_int), ())
+
+
+def _max_pool_prepared(x, kernel_size, stride, padding, dilation, ceil_mode=False, *, trusted=False) -> Prepared:
+    check_nchw_uint8(x, None, "max_pool_u8")
+    return _max_pool_prepared_for(tuple(x.shape), *(tuple(a) for a in (kernel_size, stride, padding, dilation)),
+                                  bool(ceil_mode))
+
+
+def _max_pool(x, *args):
+    return run_x_to_y(_max_pool_prepared(x, *args), x, "max_pool_u8")
+
+
+def _max_pool_fake(x, kernel_size, stride, padding, dilation, ceil_mode=False):
+    n, c, h, w = x.shape
+    oh, ow = output_hw(h, w, kernel_size, stride, padding, dilation, ceil_mode)
+    return channels_last_like(x, (n, c, oh, ow), torch.uint8)
+
+
+def max_pool_u8(x, kernel_size, stride, padding, dilation, ceil_mode=False):
+    """``qbackend::max_pool_u8`` without the dispatcher round trip."""
+    return _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+GLOBAL_POOL_MAX_PIXELS = 1 << 23  # the kernel sums 8-bit values in int32
+
+
+@functools.lru_cache(maxsize=256)  # per input shape and zero point
+def _global_avg_pool_prepared_for(shape, zero_point, qmin, qmax) -> Prepared:
+    n, c, h, w = shape
+    check_levels("global_avg_pool_u8", zero_point, zero_point, qmin, qmax)
+    if not 0 < h * w <= GLOBAL_POOL_MAX_PIXELS:
+        raise ValueError(f"qbackend::global_avg_pool_u8 takes 1 to {GLOBAL_POOL_MAX_PIXELS} pixels, got {h}x{w}")
+    call = GlobalAvgPoolCall(n, h * w, c, zero_point, qmin, qmax)
+    return make_prepared(call, (n, c, 1, 1), torch.uint8, isa.c_function("qb_global_avg_pool_u8_call", X_TO_Y_SIGNATURE, ctypes.c_int), ())
+
+
+def _global_avg_pool_prepared(x, zero_point, qmin, qmax, *, trusted=False) -> Prepared:
+    check_nchw_uint8(x, None, "global_avg_pool_u8")
+    return _global_avg_pool_prepared_for(tuple(x.shape), zero_point, qmin, qmax)
+
+
+def _global_avg_pool(x, *args):
+    return run_x_to_y(_global_avg_pool_prepared(x, *args), x, "global_avg_pool_u8")
+
+
+def _global_avg_pool_fake(x, zero_point, qmin, qmax):
+    return channels_last_like(x, (x.shape[0], x.shape[1], 1, 1), torch.uint8)
+
+
+def global_avg_pool_u8(x, zero_point, qmin, qmax):
+    """``qbackend::global_avg_pool_u8`` without the dispatcher round trip."""
+    return _global_avg_pool(x, zero_point, qmin, qmax)
+
+
+max_pool_chain_call = prepared_chain_call(_max_pool_prepared, X_TO_Y)
+global_avg_pool_chain_call = prepared_chain_call(_global_avg_pool_prepared, X_TO_Y)
+KERNELS = {
+    "max_pool_u8": Kernel(SCHEMAS["max_pool_u8"], _max_pool, _max_pool_fake, max_pool_u8),
+    "global_avg_pool_u8": Kernel(SCHEMAS["global_avg_pool_u8"], _global_avg_pool, _global_avg_pool_fake, global_avg_pool_u8),
+}
+max_pool_u8.fresh_output = global_avg_pool_u8.fresh_output = True  # (patterns/inplace.py)
