@@ -15,7 +15,7 @@ def _zmm_gemm_on_every_vnni_cpu(monkeypatch):
 @pytest.fixture(autouse=True)
 def _kernel_choice_from_the_fixed_tables(monkeypatch):
     """Lowered graphs (pinned with expecttest) must not depend on which kernel is faster on
-    this machine: kernels are chosen by their fixed tables (tests/test_kernel_choice.py
+    this machine: kernels are chosen by their fixed tables (tests/kernels/test_kernel_choice.py
     measures)."""
     monkeypatch.setenv("QBACKEND_KERNEL_CHOICE", "prior")
 

@@ -16,7 +16,7 @@ from qbackend.pipeline.direct import CompiledGraphModule
 from qbackend.kernels.kernel_chain import KernelChain, Ref, kernels
 from qbackend.pt2e_flow import quantize_x86
 
-from .tolerances import assert_int8_close, assert_outputs_close
+from tests.tolerances import assert_int8_close, assert_outputs_close
 
 
 def lowering_keys(compiled: CompiledGraphModule) -> list:

@@ -7,7 +7,7 @@ from qbackend.models import bert_encoder_like, resnet18_like, tiny_resnet
 from qbackend.patterns import RULES
 from qbackend.patterns.qconv import CONV_OPS
 
-from .helpers import assert_matches_reference, quantize
+from tests.helpers import assert_matches_reference, quantize
 
 
 @pytest.mark.parametrize("build,shape", [(tiny_resnet, (2, 3, 32, 32)), (resnet18_like, (1, 3, 224, 224))],

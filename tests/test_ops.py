@@ -3,8 +3,8 @@ and a missing op disables its rules with a reason instead of failing."""
 from qbackend.ops import ALIASES, TorchRegistry, resolve
 from qbackend.patterns.examples import residual_block
 
-from .helpers import assert_matches_reference, onednn_only, quantize
-from .xpu_builds import Generation as FakeRegistry
+from tests.helpers import assert_matches_reference, onednn_only, quantize
+from tests.xpu_builds import Generation as FakeRegistry
 
 
 OLD_TORCH = FakeRegistry({"onednn::qconv2d_pointwise.default": {"MkldnnCPU", "Meta"}})
@@ -84,7 +84,7 @@ def test_older_torch_lowers_through_the_2d_name_end_to_end(monkeypatch):
 
 # --- simulated torch generations: which op each device resolves to -------------------------
 
-from .xpu_builds import CURRENT_XPU, PER_RANK_NAMES, RENAMED_CPU_ONLY, Generation, SimulatedXpuBuild  # noqa: E402
+from tests.xpu_builds import CURRENT_XPU, PER_RANK_NAMES, RENAMED_CPU_ONLY, Generation, SimulatedXpuBuild  # noqa: E402
 
 GENERATIONS = {"2.1-2.7": Generation(PER_RANK_NAMES), "2.8+": Generation(RENAMED_CPU_ONLY), "current": SimulatedXpuBuild()}
 CONVS = ("qconv1d", "qconv", "qconv3d", "qconv_binary", "qlinear", "qlinear_binary")

@@ -16,7 +16,7 @@ import qbackend
 from qbackend.kernels import registry
 from qbackend.models import tiny_resnet
 
-from .helpers import quantize
+from tests.helpers import quantize
 
 ROOT = Path(__file__).resolve().parents[1]
 

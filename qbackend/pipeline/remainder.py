@@ -62,7 +62,7 @@ def compile_with_inductor(gm: GraphModule, inputs: list, report: Report) -> Opti
         # Dynamo's tracing context, whose fake mode refuses the real prepacked weights. Without
         # Inductor's pattern passes: qbackend has matched what it can, and in torch 2.13 the
         # attention pass rewrites a softmax over dim -2 into SDPA (over -1), silently wrong
-        # (tests/test_remainder.py); its scheduler still fuses the float ops.
+        # (tests/pipeline/test_remainder.py); its scheduler still fuses the float ops.
         with torch.inference_mode(), torch._guards.tracing(None), inductor_config.patch(pattern_matcher=False):
             compiled = compile_fx(work, inputs)
     except Exception as error:  # e.g. no C++ compiler: the eager graph is still correct

@@ -1,0 +1,128 @@
+"""``qbackend.save`` / ``qbackend.load``: a converted model saved once runs in a fresh process
+without torchao, calibration or Dynamo (until a second shape asks for the symbolic lowering),
+with the reference's numerics and the symbolic sizes it was exported with; the archive is data
+that names operators only."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import qbackend
+from qbackend.pipeline.direct import CompiledGraphModule
+from qbackend.models import bert_encoder_like, tiny_resnet
+
+from tests.helpers import lowering_keys, quantize
+from tests.tolerances import assert_float_close
+
+
+def test_a_fresh_process_runs_the_saved_model_without_torchao(tmp_path):
+    model = quantize(tiny_resnet(), (torch.randn(2, 3, 32, 32),), dynamic_batch=True)
+    inputs = [torch.randn(batch, 3, 32, 32) for batch in (1, 3, 5)]
+    with torch.no_grad():
+        torch.save({"inputs": inputs, "expected": [model(x) for x in inputs]}, tmp_path / "io.pt")
+    qbackend.save(model, tmp_path / "model.pt2")
+    script = textwrap.dedent(f"""
+        import sys, torch, qbackend
+        from tests.helpers import lowering_keys
+        from tests.tolerances import assert_float_close
+        loaded = qbackend.load({str(tmp_path / "model.pt2")!r})
+        io = torch.load({str(tmp_path / "io.pt")!r})
+        with torch.no_grad():
+            for x, expected in zip(io["inputs"], io["expected"]):
+                assert_float_close(loaded(x), expected, f"batch {{len(x)}}")
+                if len(x) == 1:  # (the first call lowers from the archive's values: no fake tensors, no Dynamo)
+                    assert "torch._dynamo" not in sys.modules
+        assert lowering_keys(loaded) == [(1, 3, 32, 32), {CompiledGraphModule.SYMBOLIC!r}], list(loaded.lowered)
+        assert "torchao" not in sys.modules
+        print("ran", len(io["inputs"]))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ran 3", done.stderr[-3000:]
+
+
+def test_the_archive_holds_only_what_the_graph_reads(tmp_path):
+    """A converted module keeps the float weights its int8 copies replaced; they are not saved."""
+    model = quantize(tiny_resnet(), (torch.randn(2, 3, 32, 32),))
+    read = {n.target for n in model.graph.nodes if n.op == "get_attr"}
+    unread = {name for name, _ in model.named_parameters()} - read
+    assert "conv1.weight" in unread  # (the premise: convert_pt2e left it behind)
+    qbackend.save(model, tmp_path / "model.pt2")
+    assert set(torch.load(tmp_path / "model.pt2", weights_only=True)["constants"]) == read
+
+
+def test_keyword_inputs_and_a_symbolic_sequence_length_survive_the_round_trip(tmp_path):
+    sizes = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq", max=256)}
+    model = quantize(bert_encoder_like(num_layers=1, hidden=64, heads=4, ffn=128), {"x": torch.randn(2, 16, 64)},
+                     dynamic_shapes={"x": sizes})
+    qbackend.save(model, tmp_path / "encoder.pt2")
+    loaded = qbackend.load(tmp_path / "encoder.pt2")
+    with torch.no_grad():
+        for batch, seq in ((2, 16), (3, 40)):
+            x = torch.randn(batch, seq, 64)
+            assert_float_close(loaded(x=x), model(x=x), f"batch {batch}, sequence {seq}")
+    assert lowering_keys(loaded) == [(2, 16, 64), CompiledGraphModule.SYMBOLIC]
+
+
+class MaskedByIntegers(torch.nn.Module):
+    """A tokenizer-style integer mask cast to float: export records an assert of its dtype,
+    which a loaded archive carries without a value."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask):
+        return self.fc(x) * mask.to(torch.float32)
+
+
+def test_a_loaded_graph_with_dtype_asserts_is_lowered_once_for_every_batch(tmp_path):
+    torch.manual_seed(0)
+    model = quantize(MaskedByIntegers(), (torch.randn(2, 8), torch.ones(2, 8, dtype=torch.int64)), dynamic_batch=True)
+    qbackend.save(model, tmp_path / "masked.pt2")
+    loaded = qbackend.load(tmp_path / "masked.pt2")
+    assert any(n.target is torch.ops.aten._assert_tensor_metadata.default for n in loaded.module.graph.nodes)
+    with torch.no_grad():
+        for batch in (2, 5):
+            x, mask = torch.randn(batch, 8), torch.randint(0, 2, (batch, 8))
+            assert_float_close(loaded(x, mask), model(x, mask), f"batch {batch}")
+    assert lowering_keys(loaded) == [(2, 8), CompiledGraphModule.SYMBOLIC]
+
+
+def test_only_a_converted_graph_can_be_saved(tmp_path):
+    with pytest.raises(TypeError, match="takes a converted PT2E module"):
+        qbackend.save(torch.nn.Linear(2, 2), tmp_path / "linear.pt2")
+
+
+def test_an_archive_of_the_earlier_format_loads_when_trusted(tmp_path):
+    """(``torch.export.save`` of the converted module: what ``save`` wrote before its own records;
+    its loader builds code from the file, so only by an explicit ``trusted=True``)"""
+    model = quantize(tiny_resnet(), (torch.randn(2, 3, 32, 32),))
+    torch.export.save(torch.export.export(model, (torch.randn(2, 3, 32, 32),), strict=False), tmp_path / "old.pt2")
+    loaded = qbackend.load(tmp_path / "old.pt2", trusted=True)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert_float_close(loaded(x), model(x), "earlier format")
+
+
+class CallsPython(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.relu(x) + 1
+
+
+def test_the_archive_names_operators_only(tmp_path):
+    """A graph calling a Python function cannot be saved; an archive naming anything but an
+    operator (here: ``builtins.eval`` written in by hand) is refused before any node is made."""
+    model = quantize(tiny_resnet(), (torch.randn(2, 3, 32, 32),))
+    traced = torch.fx.symbolic_trace(CallsPython())
+    traced.graph.find_nodes(op="placeholder")[0].meta["val"] = torch.empty(2, 3)  # (as export records)
+    with pytest.raises(ValueError, match="does not allow"):
+        qbackend.save(traced, tmp_path / "python.pt2")
+    qbackend.save(model, tmp_path / "model.pt2")
+    saved = torch.load(tmp_path / "model.pt2", weights_only=True)
+    name, op, _, args, kwargs, value = saved["nodes"][-2]
+    saved["nodes"][-2] = (name, op, "builtins::eval.default", args, kwargs, value)
+    torch.save(saved, tmp_path / "tampered.pt2")
+    with pytest.raises(qbackend.ArchiveError, match="not an operator a saved graph may call"):
+        qbackend.load(tmp_path / "tampered.pt2")

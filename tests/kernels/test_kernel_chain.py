@@ -1,0 +1,163 @@
+"""Runs of qbackend's own kernels as one C call (qbackend/kernels/kernel_chain.py): the same bytes as
+the separate calls, on every call; nothing the caller holds is reused; arena placement."""
+import expecttest
+import pytest
+import torch
+import torch.nn as nn
+
+from qbackend.pipeline import cleanup
+from qbackend.kernels import registry
+from qbackend.kernels.kernel_chain import KernelChain, Ref, _plan
+
+from tests.helpers import compile_and_run, needs_own_kernels, quantize, short_graph
+from tests.kernels.test_own_conv_kernels import InvertedResidual
+
+pytestmark = needs_own_kernels
+
+
+class ProjectAndPool(nn.Module):
+    """An inverted residual block whose depthwise output is also max-pooled (on int8, after the
+    project conv, by torch's kernel: ceil mode): a value that both leaves the chain and feeds a
+    later step in it."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = InvertedResidual(channels=16, expanded=64)
+
+    def forward(self, x):
+        b = self.block
+        d = b.depthwise(b.expand(x))
+        return b.project(d), nn.functional.max_pool2d(d, 2, ceil_mode=True)
+
+
+def _compiled(model, x, chained: bool, monkeypatch):
+    with monkeypatch.context() as patch:  # (undo() would also undo conftest's fixed kernel choice)
+        if not chained:
+            patch.setattr(cleanup, "chain_own_kernels", lambda gm: None)
+        return compile_and_run(model, (x,))[2]
+
+
+@pytest.mark.parametrize("model_kind", ["residual block", "value leaving mid-chain"])
+def test_chain_gives_the_bytes_of_the_separate_calls_on_every_call(model_kind, monkeypatch):
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 12, 12)
+    block = InvertedResidual(channels=16, expanded=64, residual=True) if model_kind == "residual block" else ProjectAndPool()
+    model = quantize(block.eval(), (x,))
+    chained, separate = (_compiled(model, x, flag, monkeypatch) for flag in (True, False))
+    assert any(isinstance(n.target, KernelChain) for n in chained.lowered.graph.nodes)
+    assert not any(isinstance(n.target, KernelChain) for n in separate.lowered.graph.nodes)
+    inputs = [torch.randn(2, 16, 12, 12) for _ in range(3)]
+    with torch.no_grad():
+        for i in inputs:  # the first call runs the steps one by one; later ones, the prepared program
+            a, b = chained.lowered(i), separate.lowered(i)
+            assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+class TestChainGraph(expecttest.TestCase):
+    def test_block_becomes_one_chain_call(self):
+        torch.manual_seed(0)
+        x = torch.randn(2, 16, 12, 12)
+        model = quantize(InvertedResidual(channels=16, expanded=64, residual=True).eval(), (x,))
+        _, _, captured = compile_and_run(model, (x,))
+        self.assertExpectedInline(short_graph(captured.lowered), """\
+l_x_ = input
+quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.0645, 63, 0, 127, uint8)
+dequantize_per_tensor_default_3 = fast_qdq.dequantize_per_tensor(quantize_per_tensor_default, 0.0645, 63, 0, 127, uint8)
+qconv = conv_gemm.qconv(quantize_per_tensor_default, <const>, <const>, <const>, None, 0, 0, 6, 0.0175, 0, 0, 127, False, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 63)
+qconv_depthwise = depthwise.qconv_depthwise(qconv, 0, <const>, <const>, <const>, (1, 1), (1, 1), 0, 6, 0.0104, 0, 0, 127)
+qconv_1 = conv_gemm.qconv(qconv_depthwise, <const>, <const>, <const>, dequantize_per_tensor_default_3, 1, -inf, inf, 1, 0, 0, 255, True, 'none', (1, 1), (1, 1), (0, 0), (1, 1), 0)
+kernel_chain_0 = kernel_chain(quantize_per_tensor_default, dequantize_per_tensor_default_3) of 3 steps -> (qconv_1)
+getitem = _operator.getitem(kernel_chain_0, 0)
+return (getitem)""")
+        assert "note: 3 own-kernel calls run as 1 chain (one C call each)" in str(captured.report)
+
+
+def test_outputs_are_fresh_and_inputs_untouched():
+    torch.manual_seed(0)
+    x = torch.randn(1, 16, 10, 10)
+    model = quantize(ProjectAndPool().eval(), (x,))
+    _, _, captured = compile_and_run(model, (x,))
+    with torch.no_grad():
+        first = captured.lowered(x)
+        kept = [t.clone() for t in first]
+        x_before = x.clone()
+        for _ in range(2):
+            captured.lowered(torch.randn(1, 16, 10, 10))
+    assert all(torch.equal(a, b) for a, b in zip(first, kept)), "a later call wrote into an earlier call's output"
+    assert torch.equal(x, x_before)
+
+
+def test_a_new_input_shape_is_prepared_again():
+    """The chain keeps one program per input signature (its kernels take any batch)."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 16, 10, 10)
+    model = quantize(InvertedResidual(channels=16, expanded=64).eval(), (x,))
+    _, _, captured = compile_and_run(model, (x,))
+    chain = next(n.target for n in captured.lowered.graph.nodes if isinstance(n.target, KernelChain))
+    for batch in (1, 3, 3):
+        x8 = torch.randint(0, 128, (batch, 16, 10, 10), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+        step_values = []
+        for _, kernel, args in chain.listing():  # the same steps, one by one
+            values = {"input": [x8], "step": step_values}
+            args = [values[a.source][a.index] if isinstance(a, Ref) else a for a in args]
+            step_values.append(registry.own_kernel(kernel, traced=False)(*args))
+        (actual,) = chain(x8)
+        assert torch.equal(actual, step_values[-1])
+    assert len(chain._programs) == 2
+
+
+def test_arena_plan_shares_memory_only_between_values_not_alive_together():
+    # a step's output (lifetime starting at the step) never meets its input (ending there)
+    offsets, total = _plan([100, 100, 100, 10], [(0, 1), (1, 2), (2, 3), (0, 3)])
+    assert offsets == [0, 128, 0, 256] and total == 320
+    spans = [(o, o + s) for o, s in zip(offsets, [128, 128, 128, 64])]
+    lifetimes = [(0, 1), (1, 2), (2, 3), (0, 3)]
+    for i in range(4):
+        for j in range(i):
+            alive_together = lifetimes[i][0] <= lifetimes[j][1] and lifetimes[j][0] <= lifetimes[i][1]
+            overlap = spans[i][0] < spans[j][1] and spans[j][0] < spans[i][1]
+            assert not (alive_together and overlap), (i, j)
+
+
+def test_concurrent_calls_from_two_threads_get_their_own_results():
+    """ctypes lets go of the GIL during the chain's C call: each call has its own addresses."""
+    import threading
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 12, 12)
+    model = quantize(InvertedResidual(channels=16, expanded=64, residual=True).eval(), (x,))
+    _, _, captured = compile_and_run(model, (x,))
+    inputs = [torch.randn(2, 16, 12, 12) for _ in range(2)]
+    with torch.no_grad():
+        expected = [captured.lowered(i)[0] for i in inputs]
+    results, errors = [[], []], []
+
+    def work(k):
+        try:
+            with torch.no_grad():
+                for _ in range(200):
+                    results[k].append(captured.lowered(inputs[k])[0])
+        except Exception as error:  # (reported below: an assertion in a thread would be lost)
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert all(torch.equal(r, expected[k]) for k in range(2) for r in results[k])
+
+
+def test_a_graph_without_own_kernels_is_left_alone_without_loading_them(monkeypatch):
+    """The pass runs on every lowered graph (XPU ones too): it must not build the C kernels to
+    find there is nothing to chain."""
+    from qbackend.kernels.kernel_chain import chain_own_kernels
+
+    def no_loading():
+        raise AssertionError("the kernels were loaded")
+
+    monkeypatch.setattr(registry, "available", no_loading)
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()))
+    before = str(gm.graph)
+    assert chain_own_kernels(gm) is None and str(gm.graph) == before

@@ -1,0 +1,111 @@
+"""qbackend's int8 pool kernels: the max pool (csrc/max_pool_uint8.c) gives torch's
+quantized::max_pool2d's bytes on every geometry the lowering hands it, the global average pool
+(csrc/global_avg_pool_uint8.c) the reference's integers within one step; both chosen on CPU
+(max pools in ceil mode too), torch's kernels (with the reason) for other average pools."""
+import pytest
+import torch
+import torch.nn as nn
+
+from qbackend.kernels import pools, registry
+
+from tests.helpers import assert_matches_reference, needs_own_kernels, quantize
+from tests.tolerances import assert_int8_close
+
+pytestmark = needs_own_kernels
+
+GEOMETRIES = [  # kernel, stride, padding, dilation
+    ((3, 3), (2, 2), (1, 1), (1, 1)),  # ResNet's
+    ((2, 2), (2, 2), (0, 0), (1, 1)),
+    ((3, 3), (1, 1), (1, 1), (1, 1)),
+    ((3, 2), (2, 1), (1, 0), (1, 1)),
+    ((3, 3), (1, 2), (1, 1), (2, 2)),
+]
+
+
+@pytest.mark.parametrize("ceil_mode", [False, True], ids=["floor", "ceil"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
+@pytest.mark.parametrize("channels", [64, 40, 3], ids=["64 channels", "32 + 8 channels", "3 channels"])
+def test_kernel_gives_torchs_bytes(geometry, channels, ceil_mode):
+    torch.manual_seed(0)
+    for height, width in ((11, 9), (14, 14), (7, 10)):  # (ceil mode: a last, partial window or none, by size)
+        x = torch.randint(0, 256, (2, channels, height, width), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+        kernel_size, stride, padding, dilation = geometry
+        expected = torch.ops.quantized.max_pool2d(x, list(kernel_size), list(stride), list(padding), list(dilation), ceil_mode)
+        for actual in (pools.max_pool_u8(x, *geometry, ceil_mode), registry.op("max_pool_u8")(x, *geometry, ceil_mode)):
+            assert actual.is_contiguous(memory_format=torch.channels_last)
+            assert torch.equal(actual, expected)
+
+
+def test_bad_inputs_get_a_clear_error():
+    with pytest.raises(ValueError, match="takes uint8 CPU activations"):
+        pools.max_pool_u8(torch.zeros(1, 8, 4, 4), (2, 2), (2, 2), (0, 0), (1, 1))
+    with pytest.raises(ValueError, match=r"padding \[2, 2\] over half the kernel \[2, 2\]"):
+        pools.max_pool_u8(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), (2, 2), (2, 2), (2, 2), (1, 1))
+    with pytest.raises(ValueError, match=r"dilation \[0, 0\]: two ints from 1"):  # (#20: SIGFPE in C)
+        registry.op("max_pool_u8")(torch.zeros(1, 8, 4, 4, dtype=torch.uint8), [2, 2], [2, 2], [0, 0], [0, 0])
+
+
+def conv_pool_conv(ceil_mode):
+    """(4 input channels: a stem conv's kernel would take the pool in, test_stem_kernel.py)"""
+    return nn.Sequential(nn.Conv2d(4, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, 1, ceil_mode=ceil_mode),
+                         nn.Conv2d(16, 16, 3, padding=1))
+
+
+@pytest.mark.parametrize("ceil_mode", [False, True], ids=["floor", "ceil"])
+def test_int8_pool_runs_on_the_kernel(ceil_mode):
+    inputs = (torch.randn(2, 4, 16, 16),)  # (ceil mode: 8x8 out, floor 7x7)
+    report = assert_matches_reference(quantize(conv_pool_conv(ceil_mode), inputs), inputs).report
+    pool = next(d for d in report.decisions if d.rule == "qmaxpool2d")
+    assert pool.op == "qbackend::max_pool_u8.default", str(report)
+
+
+@pytest.mark.parametrize("zero_point", [0, 3, 128], ids=["zp 0", "odd zp", "zp 128"])
+@pytest.mark.parametrize("channels", [1280, 36, 5], ids=["1280 channels", "32 + 4 channels", "5 channels"])
+def test_global_average_pool_gives_the_reference_integers(zero_point, channels):
+    """The reference: dequantize, adaptive_avg_pool2d to 1x1, quantize with the same parameters."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  registers the reference ops
+
+    qd = torch.ops.quantized_decomposed
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (3, channels, 7, 6), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    x[0, 0] = torch.arange(42).reshape(7, 6) % 2 + 1  # a mean of exactly 1.5: a rounding tie
+    scale = 0.05
+    pooled = nn.functional.adaptive_avg_pool2d(qd.dequantize_per_tensor(x, scale, zero_point, 0, 255, torch.uint8), 1)
+    expected = qd.quantize_per_tensor(pooled, scale, zero_point, 0, 255, torch.uint8)
+    for actual in (pools.global_avg_pool_u8(x, zero_point, 0, 255), registry.op("global_avg_pool_u8")(x, zero_point, 0, 255)):
+        assert actual.shape == (3, channels, 1, 1)
+        assert_int8_close(actual, expected, f"zero point {zero_point}")
+
+
+def pool_head(pool):
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), pool, nn.Flatten(), nn.Linear(16 * (1 if isinstance(
+        pool, nn.AdaptiveAvgPool2d) else 49), 10))
+
+
+@pytest.mark.parametrize("pool", [nn.AdaptiveAvgPool2d(1), nn.AvgPool2d(2)], ids=["global", "2x2"])
+def test_global_average_pool_runs_on_the_kernel_other_pools_on_torchs(pool):
+    inputs = (torch.randn(2, 3, 14, 14),)
+    report = assert_matches_reference(quantize(pool_head(pool), inputs), inputs).report
+    decision = next(d for d in report.decisions if d.rule == "qavgpool")
+    if isinstance(pool, nn.AdaptiveAvgPool2d):
+        assert decision.op == "qbackend::global_avg_pool_u8.default", str(report)
+    else:
+        assert decision.op == "aten::avg_pool2d (quantized tensor)", str(report)
+
+
+def test_an_unbatched_global_average_pool_runs_on_torchs_with_the_reason():
+    inputs = (torch.randn(3, 14, 14),)  # [C, H, W]: the kernel reads a batch of images
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
+    report = assert_matches_reference(quantize(model, inputs), inputs).report
+    decision = next(d for d in report.decisions if d.rule == "qavgpool")
+    assert decision.op == "aten::adaptive_avg_pool2d (quantized tensor)", str(report)
+    assert "batched [N, C, H, W] input, not one of rank 3" in decision.reason, str(report)
+
+
+def test_a_ceil_mode_pool_after_a_stem_conv_stays_a_call_of_its_own():
+    """(the stem conv's fused pool is floor mode: GoogLeNet's stem pools in ceil mode)"""
+    inputs = (torch.randn(2, 3, 32, 32),)
+    stem = nn.Sequential(nn.Conv2d(3, 16, 7, 2, 3), nn.ReLU(), nn.MaxPool2d(3, 2, ceil_mode=True), nn.Conv2d(16, 16, 1))
+    report = assert_matches_reference(quantize(stem, inputs), inputs).report
+    pool = next(d for d in report.decisions if d.rule == "qmaxpool2d")
+    assert pool.op == "qbackend::max_pool_u8.default" and "stem conv" not in pool.reason, str(report)

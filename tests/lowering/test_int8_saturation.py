@@ -1,0 +1,106 @@
+"""x86 CPUs without VNNI add pairs of uint8 x int8 products in int16 and saturate: 8-bit
+activations times full-range weights come out wrong. qbackend asks the kernel, lowers only
+where no pair can overflow, and keeps the rest exact with the reason."""
+import pytest
+import torch
+import torch.nn as nn
+
+from qbackend.lowering.capabilities import INT16_MAX, int8_pairs_saturate
+from qbackend.lowering.cpu import _largest_pair_sum
+from qbackend.patterns.examples import HandQuantized
+from qbackend.pt2e_flow import cpu_needs_reduce_range
+
+from tests.helpers import (needs_own_kernels, SATURATION_REASON, assert_matches_reference, compile_and_run, onednn_linear_rows, quantize, short_graph,
+                      simulate_cpu)
+from tests.tolerances import assert_outputs_close
+
+
+def test_the_probe_says_what_the_kernel_computes_on_random_data():
+    """A full-range dot product through the real kernel is exact exactly when the probe says
+    this CPU does not saturate."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (4, 64), dtype=torch.uint8)
+    w = torch.randint(-128, 128, (8, 64), dtype=torch.int8)
+    scale, zp = torch.ones(8), torch.zeros(8, dtype=torch.int64)
+    packed = torch.ops.onednn.qlinear_prepack(w, [4, 64])
+    got = torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, packed, scale, zp, None, 1.0, 0, torch.float32, "none", [], "")
+    exact = x.double() @ w.double().t()
+    assert torch.equal(got.double(), exact) == (not int8_pairs_saturate("cpu", "linear"))
+    assert cpu_needs_reduce_range() == (int8_pairs_saturate("cpu", "conv") or int8_pairs_saturate("cpu", "linear"))
+
+
+def _conv_linear():
+    return nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 6 * 6, 10))
+
+
+def test_full_range_model_runs_exact_and_unlowered_where_the_kernel_saturates(monkeypatch):
+    simulate_cpu(monkeypatch, saturates=True)
+    inputs = (torch.randn(2, 8, 6, 6),)
+    model = quantize(_conv_linear(), inputs, reduce_range=False)
+    actual, expected, captured = compile_and_run(model, inputs)
+    assert_outputs_close(actual, expected, "full-range model")
+    report = captured.report
+    assert [d.node for d in report.kept] == ["conv2d", "linear"], str(report)
+    assert all(SATURATION_REASON in d.reason and "7-bit weights" in d.reason for d in report.kept), str(report)
+
+
+@pytest.mark.parametrize("reduce_range", ["activations", "weights"])
+def test_seven_bit_activations_or_weights_lower_where_the_kernel_saturates(monkeypatch, reduce_range):
+    simulate_cpu(monkeypatch, saturates=True)
+    inputs = (torch.randn(2, 8, 6, 6),)
+    model = quantize(_conv_linear(), inputs, reduce_range=reduce_range)
+    weights = [n.args[0] for n in model.graph.nodes if "dequantize_per_channel" in str(n.target)]
+    ranges = {tuple(getattr(model, w.target).aminmax()) for w in weights}
+    assert max(hi for _, hi in ranges) <= (63 if reduce_range == "weights" else 127), ranges
+    report = assert_matches_reference(model, inputs).report
+    assert not report.kept, str(report)
+
+
+def test_depthwise_conv_has_no_pairs_and_lowers_with_full_range_activations(monkeypatch):
+    """One input channel per group: no two products share an int16 sum (measured exact on an
+    AVX2-only CPU), so 8-bit activations lower even where the kernel saturates."""
+    simulate_cpu(monkeypatch, saturates=True)
+    inputs = (torch.randn(2, 8, 10, 10),)
+    model = quantize(nn.Sequential(nn.Conv2d(8, 8, 3, groups=8), nn.ReLU(), nn.Conv2d(8, 8, 1)), inputs, reduce_range=False)
+    report = assert_matches_reference(model, inputs).report
+    assert [(d.node, d.lowered) for d in report.decisions] == [("conv2d", True), ("conv2d_1", False)], str(report)
+
+
+def test_pair_bound_reads_input_channel_pairs_per_output_and_kernel_position():
+    w = torch.zeros(2, 3, 2, 2, dtype=torch.int8)
+    w[0, 0, 0, 0], w[0, 1, 0, 0], w[0, 2, 1, 1] = 127, -100, 127  # one pair at (0, 0); (1, 1) is alone
+    w[1, :, 0, 1] = torch.tensor([50, 60, -70], dtype=torch.int8)
+    assert _largest_pair_sum(w) == 227
+    assert _largest_pair_sum(torch.full((4, 1, 3, 3), -128, dtype=torch.int8)) == 128  # depthwise
+    assert 127 * 256 <= INT16_MAX < 255 * 2 * 127
+
+
+@pytest.mark.parametrize("post_op,clipped_by", [(None, "hardtanh"), ("relu", "hardtanh"), ("relu6", "hardtanh"),
+                                                ("gelu", "clamp_to_range_")])
+def test_seven_bit_outputs_are_clipped_to_their_range(post_op, clipped_by):
+    """The kernels clamp int8 outputs to [0, 255]; a 7-bit output is clipped to [0, 127] by a
+    hardtanh folded into the kernel or, for other post-ops, a clamp after it. Inputs drive
+    most outputs past the range's top, so a missing clip shows in the int8 comparison."""
+    model = HandQuantized(rank=0, in_ch=256, out_ch=16, post_op=post_op)
+    inputs = (torch.full((onednn_linear_rows(), 256), 2.5),)  # oneDNN's kernel (qbackend's own: below)
+    with torch.no_grad():
+        assert (model(*inputs) >= 4.6).float().mean() > 0.3  # (127 - 50) * 0.06: the top of the range
+    captured = assert_matches_reference(model, inputs)
+    graph = short_graph(captured.lowered)
+    assert clipped_by in graph, graph
+
+
+def test_unknown_reduce_range_is_a_clear_error():
+    with pytest.raises(ValueError, match="reduce_range must be None or one of"):
+        quantize(_conv_linear(), (torch.randn(2, 8, 6, 6),), reduce_range="both")
+
+
+@needs_own_kernels
+@pytest.mark.parametrize("post_op", [None, "relu", "relu6", "gelu"])
+def test_seven_bit_outputs_of_the_own_gemm_kernel_stay_in_range(post_op):
+    """qbackend's own int8 GEMM clamps to the output's [qmin, qmax] itself, after any post-op."""
+    model = HandQuantized(rank=0, in_ch=256, out_ch=16, post_op=post_op)
+    captured = assert_matches_reference(model, (torch.full((4, 256), 2.5),))
+    graph = short_graph(captured.lowered)
+    assert "conv_gemm.qconv(" in graph and f", 0, 127, False, '{post_op if post_op == 'gelu' else 'none'}')" in graph, graph
+    assert "clamp_to_range" not in graph, graph
