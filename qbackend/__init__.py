@@ -6,6 +6,7 @@
     qbackend.quantize_weights(float_model, bits=4, group_size=128)  # weight-only int4 / int8
     qbackend.smooth_quant(exported_module, calibration_batches)    # SmoothQuant pre-pass (PT2E)
     qbackend.save(converted_pt2e_module, "model.pt2"); qbackend.load("model.pt2")  # deploy
+    qbackend.inspect("model.pt2")                                   # its recipe and versions
     qbackend.accuracy_report(float_model, converted_pt2e_module, batches)  # per-layer error vs fp32
 
 Importing qbackend changes no global torch or Inductor state and does not import torchao.
@@ -17,7 +18,7 @@ import functools
 import torch
 
 from qbackend.archive.archive_checks import ArchiveError
-from qbackend.deploy import load, save
+from qbackend.deploy import inspect, load, save
 from qbackend.flow.accuracy import AccuracyReport, accuracy_report
 from qbackend.pipeline.direct import compile
 from qbackend.pipeline.report import Report
@@ -41,4 +42,4 @@ def explain(model, *example_inputs, device: str | None = None, **keyword_inputs)
     return functools.reduce(Report.merge, reports)
 
 
-__all__ = ["compile", "explain", "save", "load", "ArchiveError", "accuracy_report", "AccuracyReport", "Report", "smooth_quant", "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]
+__all__ = ["compile", "explain", "save", "load", "inspect", "ArchiveError", "accuracy_report", "AccuracyReport", "Report", "smooth_quant", "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]

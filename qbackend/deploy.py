@@ -10,6 +10,7 @@ symbolic sizes. Archives of the earlier format (``torch.export.save``) load with
 """
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import zipfile
 from typing import Optional
@@ -17,12 +18,15 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule
 
+from qbackend.archive.archive_checks import ArchiveError, plain_data
+from qbackend.archive.graph_archive import described, graph_module, records
+from qbackend.flow.recipe import RECIPE
 from qbackend.pipeline.direct import EXPORT_GUARDS, CompiledGraphModule, compile, export_values, recorded_inputs
-from qbackend.archive.archive_checks import ArchiveError
-from qbackend.archive.graph_archive import graph_module, records
+from qbackend.pipeline.report import source_of
 from qbackend.runtime.runnable import copied_graph
+from qbackend.version import VERSION
 
-__all__ = ["save", "load", "ArchiveError"]
+__all__ = ["save", "load", "inspect", "ArchiveError"]
 
 
 def save(model: GraphModule, path: str | os.PathLike) -> None:
@@ -42,7 +46,28 @@ def save(model: GraphModule, path: str | os.PathLike) -> None:
     for node in [n for n in graph.nodes if n.op == "call_module" and n.target == EXPORT_GUARDS and not n.users]:
         graph.erase_node(node)  # (export's input checks: the loaded module checks the recorded sizes)
     values = {node.name: value for node, value in (export_values(model) or {}).items()}  # (the copy keeps the names)
-    torch.save(records(GraphModule(model, graph), recorded, symbols, values), path)
+    sources = {node.name: source_of(node) for node in graph.nodes if source_of(node)}
+    torch.save(records(GraphModule(model, graph), recorded, symbols, values, sources, _about(model)), path)
+
+
+def _about(model: GraphModule) -> dict:
+    """The versions that made ``model`` and its recipe, as an archive keeps them."""
+    try:
+        torchao = importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        torchao = None
+    return {"versions": {"qbackend": VERSION, "torch": str(torch.__version__), "torchao": torchao},
+            "recipe": model.meta.get(RECIPE)}  # (None: converted otherwise than by quantize_x86 / _xpu)
+
+
+def inspect(path: str | os.PathLike) -> dict:
+    """What an archive ``save`` wrote says of itself, read as data and checked, without building
+    its graph: ``{"versions": {...}, "recipe": {...} or None}`` (the recipe: the options
+    ``quantize_x86`` / ``quantize_xpu`` were called with; None for a module converted otherwise),
+    plus its inputs. ``{}`` beside the inputs for archives saved before this was recorded."""
+    saved = _read(path)
+    return {**described(saved), "inputs": plain_data(saved.get("inputs"), "inputs"),
+            "symbols": plain_data(saved.get("symbols"), "symbols")}
 
 
 def load(path: str | os.PathLike, options: Optional[dict] = None, *, trusted: bool = False) -> CompiledGraphModule:
@@ -64,13 +89,16 @@ def load(path: str | os.PathLike, options: Optional[dict] = None, *, trusted: bo
                                           "load it with trusted=True only if you trust its source, then qbackend.save "
                                           "it again")
         return compile(_exported_archive(path), options)
+    gm, recorded, symbols = graph_module(_read(path))
+    return CompiledGraphModule(gm, options, recorded, symbols)
+
+
+def _read(path):
     try:
-        saved = torch.load(path, weights_only=True)
+        return torch.load(path, weights_only=True)
     except Exception as error:  # (torch's weights-only unpickler raises what a corrupt stream makes it hit)
         raise ArchiveError(str(path), f"not a readable qbackend archive ({type(error).__name__}: {str(error)[:200]})") \
             from error
-    gm, recorded, symbols = graph_module(saved)
-    return CompiledGraphModule(gm, options, recorded, symbols)
 
 
 def _exported_archive(path) -> GraphModule:

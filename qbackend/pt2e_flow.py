@@ -14,6 +14,7 @@ import torch
 
 from qbackend.flow import activation_ranges as ranges
 from qbackend.flow import bias_correction as correction
+from qbackend.flow import recipe
 from qbackend.flow.accuracy import accuracy_report, input_sensitivity
 from qbackend.flow.batches import BatchCheck, batch_dynamic, calibration_batches, positional_and_keyword
 from qbackend.flow.graph_copy import graph_copy
@@ -117,7 +118,8 @@ def quantize_xpu(model, example_inputs, calibration, *, every_linear=True, **flo
     ``every_linear`` as ``quantize_x86`` takes it; ``flow``: the export and calibration
     keywords of ``quantize_x86`` (``dynamic_batch``, ``dynamic_shapes``, ``strict``,
     ``num_batches``, ``progress``, ``activation_ranges``, ``bias_correction``, ``transform_fn``)."""
-    return _convert(model, example_inputs, calibration, _xpu_quantizer(every_linear), is_qat=False, **flow)
+    converted = _convert(model, example_inputs, calibration, _xpu_quantizer(every_linear), is_qat=False, **flow)
+    return recipe.record(converted, "quantize_xpu", {"every_linear": every_linear, **flow})
 
 
 def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic=False, reduce_range=None, smooth=None,
@@ -210,19 +212,22 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
     _annotate_conv2d_binary_unary``). Strict export records one source
     per call, each ReLU partition has a single output, and the flow works.
     """
+    options = {name: value for name, value in locals().items() if name not in ("model", "example_inputs", "calibration")}
     flow = dict(dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes, strict=strict, progress=progress,
                 activation_ranges=activation_ranges, bias_correction=bias_correction)
     keep_float = module_paths(model, keep_float)
     if target_cosine is None:
         quantizer = _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float, every_linear)
-        return _convert(model, example_inputs, calibration, quantizer, is_qat, smooth, num_batches=num_batches,
-                        transform_fn=transform_fn, **flow)
+        converted = _convert(model, example_inputs, calibration, quantizer, is_qat, smooth, num_batches=num_batches,
+                             transform_fn=transform_fn, **flow)
+        return recipe.record(converted, "quantize_x86", options)
     batches = list(calibration_batches(calibration, num_batches, False, transform_fn))
-    return _to_target_cosine(target_cosine, model, batches, keep_float,
-                             lambda kept, batches: _convert(model, example_inputs, batches,
-                                                            _x86_quantizer(is_qat, is_dynamic, reduce_range, kept,
-                                                                           every_linear),
-                                                            is_qat, smooth, **flow))
+    converted = _to_target_cosine(target_cosine, model, batches, keep_float,
+                                  lambda kept, batches: _convert(model, example_inputs, batches,
+                                                                 _x86_quantizer(is_qat, is_dynamic, reduce_range, kept,
+                                                                                every_linear),
+                                                                 is_qat, smooth, **flow))
+    return recipe.record(converted, "quantize_x86", options)
 
 
 ACCURACY_BATCHES = 4  # calibration batches target_cosine and "auto" activation ranges check the output on

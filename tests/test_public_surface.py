@@ -16,7 +16,7 @@ import qbackend
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PUBLIC = ["compile", "explain", "save", "load", "ArchiveError", "accuracy_report", "AccuracyReport", "Report", "smooth_quant",
+PUBLIC = ["compile", "explain", "save", "load", "inspect", "ArchiveError", "accuracy_report", "AccuracyReport", "Report", "smooth_quant",
           "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]
 COMMANDS = ["qbackend.demo", "qbackend.docs", "qbackend.patterns.__main__", "qbackend.lowering.__main__", "qbackend.archive_operators"]
 OWN_OPS = ["add_quantize", "add_quantize_", "attention_f32", "attention_quantize", "global_avg_pool_u8", "int4_mm_int16",

@@ -104,6 +104,31 @@ def constant(name: str, tensor, where: str) -> torch.Tensor:
     return tensor
 
 
+MAX_ITEMS = 10_000  # of a description (plain_data)
+
+
+def plain_data(value, where: str, depth: int = 0, items: list | None = None):
+    """``value`` if it is plain JSON-like data: None, bools, numbers, strings, lists, and dicts
+    with string keys, at most MAX_NESTING deep and MAX_ITEMS items in all (what describes an
+    archive: its recipe, the versions it was made with)."""
+    items = [0] if items is None else items
+    items[0] += 1
+    if depth > MAX_NESTING or items[0] > MAX_ITEMS:
+        raise ArchiveError(where, "a description nested too deep or too long")
+    kind = type(value)  # (exactly these types: a subclass pickles as a global of its own)
+    if value is None or kind in (bool, int, float):
+        return value
+    if kind is str:
+        if len(value) > MAX_STRING:
+            raise ArchiveError(where, f"a string of {len(value)} characters")
+        return value
+    if kind in (list, tuple):
+        return [plain_data(v, where, depth + 1, items) for v in value]
+    if kind is dict and all(type(k) is str and len(k) <= MAX_NAME for k in value):
+        return {k: plain_data(v, where, depth + 1, items) for k, v in value.items()}
+    raise ArchiveError(where, f"{_short(value)} is not plain data")
+
+
 def dense(tensor: torch.Tensor) -> bool:
     """Its elements fill a block of memory, each at its own address (any order of dims)."""
     expected = 1

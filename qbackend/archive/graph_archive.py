@@ -136,9 +136,12 @@ def _decode(value, nodes: dict, where: str, depth: int = 0):
     raise ArchiveError(where, f"unknown argument record {check._short(kind)}")
 
 
-def records(gm: GraphModule, inputs: list[RecordedInput], symbols: dict[str, Symbol], values: dict) -> dict:
+def records(gm: GraphModule, inputs: list[RecordedInput], symbols: dict[str, Symbol], values: dict,
+            sources: dict[str, str], about: dict) -> dict:
     """``gm``'s graph, the constants it reads, its inputs and the values export recorded on its
-    nodes (``values``: node name -> value) as weights-only records."""
+    nodes (``values``: node name -> value) as weights-only records; ``sources``: node name ->
+    the module path the report names it by; ``about``: plain data on how the model was made
+    (versions, quantization recipe)."""
     nodes, constants = [], {}
     for node in gm.graph.nodes:
         if node.op == "call_module":
@@ -155,7 +158,28 @@ def records(gm: GraphModule, inputs: list[RecordedInput], symbols: dict[str, Sym
             "inputs": [(_torch_name(i.dtype), str(i.device), list(i.sizes)) for i in inputs],
             "symbols": {name: (s.low, s.high, s.hint) for name, s in symbols.items()},
             "pytree": None if info is None else (list(info.orig_args), pytree.treespec_dumps(info.in_spec),
-                                                 pytree.treespec_dumps(info.out_spec))}
+                                                 pytree.treespec_dumps(info.out_spec)),
+            "sources": dict(sources), "about": check.plain_data(about, "about")}
+
+
+def described(saved) -> dict:
+    """What an archive says of itself (``about``: versions, recipe), checked; {} for archives
+    saved before it was recorded."""
+    _check_format(saved)
+    return check.plain_data(_optional(saved, "about"), "about")
+
+
+def _check_format(saved) -> None:
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT or saved.get("version") != VERSION:
+        raise ArchiveError("the archive", f"not a {FORMAT} archive of version {VERSION}")
+
+
+def _optional(saved: dict, name: str) -> dict:
+    """A dict record that archives of this version may lack."""
+    value = saved.get(name, {})
+    if not isinstance(value, dict):
+        raise ArchiveError(name, f"expected a dict, got {type(value).__name__}")
+    return value
 
 
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
@@ -166,8 +190,7 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
 def graph_module(saved) -> tuple[GraphModule, list[RecordedInput], dict[str, Symbol]]:
     """(the module ``records`` described, its inputs, its symbols), every record checked before
     anything is built from it; ArchiveError names the first that is wrong."""
-    if not isinstance(saved, dict) or saved.get("format") != FORMAT or saved.get("version") != VERSION:
-        raise ArchiveError("the archive", f"not a {FORMAT} archive of version {VERSION}")
+    _check_format(saved)
     symbols = _symbols(_field(saved, "symbols", dict))
     inputs = [_recorded_input(entry, symbols, f"input {index}")
               for index, entry in enumerate(_field(saved, "inputs", list))]
@@ -199,6 +222,10 @@ def graph_module(saved) -> tuple[GraphModule, list[RecordedInput], dict[str, Sym
         node.meta[RECORDED_VALUE] = _checked_value(value, reader, where)
     if not nodes or next(reversed(nodes.values())).op != "output":
         raise ArchiveError("nodes", "the graph has no output")
+    for name, source in _optional(saved, "sources").items():  # (older archives have none)
+        if name not in nodes or not isinstance(source, str) or len(source) > check.MAX_STRING or not source.isprintable():
+            raise ArchiveError(f"source of {check._short(name)}", "not a node's module path")
+        nodes[name].meta["nn_module_stack"] = {"archived": (source, "")}  # (what the report names a layer by)
     _check_asserts(nodes.values())
     placeholders = sum(n.op == "placeholder" for n in nodes.values())
     if len(inputs) != placeholders:
@@ -413,7 +440,10 @@ def _spec_node(schema, where: str, depth: int) -> pytree.TreeSpec:
         return pytree.LeafSpec()
     if kind not in _SPEC_TYPES and kind not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE or not isinstance(children, list) \
             or not isinstance(context, str):
-        raise ArchiveError(where, f"a structure of type {check._short(kind)}, which this process has not registered")
+        module = kind.rpartition(".")[0] if isinstance(kind, str) else ""
+        hint = (f": import {module} first (load imports nothing an archive names)"
+                if module and all(part.isidentifier() for part in module.split(".")) and len(module) <= check.MAX_NAME else "")
+        raise ArchiveError(where, f"a structure of type {check._short(kind)}, which this process has not registered{hint}")
     python_type = pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE[kind]
     entry = pytree.SUPPORTED_SERIALIZED_TYPES[python_type]
     try:

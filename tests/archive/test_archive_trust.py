@@ -273,7 +273,7 @@ def test_a_slice_of_the_archive_fuzzer(capsys):
     """Mutants of the four seed archives (tests/fuzz/archive.py): each refused at load, or run
     as its own graph runs eagerly; no code run, no crash, no hang. ``python -m
     tests.fuzz.archive --cases 20000`` runs more."""
-    from .fuzz.archive import main
+    from tests.fuzz.archive import main
 
     failed = main(["--cases", "60"])
     assert not failed, capsys.readouterr().out

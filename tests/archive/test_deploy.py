@@ -2,6 +2,8 @@
 without torchao, calibration or Dynamo (until a second shape asks for the symbolic lowering),
 with the reference's numerics and the symbolic sizes it was exported with; the archive is data
 that names operators only."""
+import functools
+import json
 import subprocess
 import sys
 import textwrap
@@ -126,3 +128,65 @@ def test_the_archive_names_operators_only(tmp_path):
     torch.save(saved, tmp_path / "tampered.pt2")
     with pytest.raises(qbackend.ArchiveError, match="not an operator a saved graph may call"):
         qbackend.load(tmp_path / "tampered.pt2")
+
+
+def test_an_archive_says_how_its_model_was_made_and_a_loaded_model_reports_as_compiled(tmp_path):
+    import importlib.metadata
+
+    from qbackend.version import VERSION
+
+    inputs = (torch.randn(2, 3, 32, 32),)
+    model = quantize(tiny_resnet(), inputs, [inputs, (torch.randn(2, 3, 32, 32),)], keep_float=["fc"])
+    qbackend.save(model, tmp_path / "model.pt2")
+    about = qbackend.inspect(tmp_path / "model.pt2")
+    assert about["versions"] == {"qbackend": VERSION, "torch": torch.__version__, "torchao": importlib.metadata.version("torchao")}
+    assert about["recipe"]["flow"] == "quantize_x86" and about["recipe"]["options"]["keep_float"] == ["fc"], about["recipe"]
+    assert about["recipe"]["options"]["reduce_range"] is True and about["inputs"] == [["float32", "cpu", [2, 3, 32, 32]]]
+    assert about["recipe"]["chosen"]["activation_ranges"][0] in ("histogram", "min_max"), about["recipe"]
+    in_process, loaded = [], []
+    with torch.no_grad():
+        qbackend.compile(model, options={"report_sink": in_process.append})(*inputs)
+        qbackend.load(tmp_path / "model.pt2", options={"report_sink": loaded.append})(*inputs)
+    lines = [[d.line() for d in reports[0].decisions] for reports in (in_process, loaded)]
+    assert lines[0] == lines[1] and any("(stages.0.0.conv1)" in line for line in lines[1]), lines
+
+
+def _saved_with(tmp_path, **changes):
+    inputs = (torch.randn(2, 3, 32, 32),)
+    qbackend.save(quantize(tiny_resnet(), inputs), tmp_path / "model.pt2")
+    saved = torch.load(tmp_path / "model.pt2", weights_only=True)
+    saved.update(changes)
+    torch.save(saved, tmp_path / "changed.pt2")
+    return tmp_path / "changed.pt2"
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"about": {"recipe": {"options": torch.ones(2)}}}, r"about: tensor\(\[1., 1.\]\) is not plain data"),
+    ({"about": {"recipe": functools.reduce(lambda inner, _: [inner], range(20), 1)}}, "about: a description nested too deep or too long"),
+    ({"about": "recipe"}, "about: expected a dict, got str"),
+])
+def test_what_an_archive_says_of_itself_is_checked_as_data(tmp_path, changes, message):
+    path = _saved_with(tmp_path, **changes)
+    with pytest.raises(qbackend.ArchiveError, match=message):
+        qbackend.inspect(path)
+
+
+def test_a_node_source_must_name_a_node_with_a_plain_path(tmp_path):
+    with pytest.raises(qbackend.ArchiveError, match=r"source of 'nowhere': not a node's module path"):
+        qbackend.load(_saved_with(tmp_path, sources={"nowhere": "layer1"}))
+    with pytest.raises(qbackend.ArchiveError, match=r"source of 'x': not a node's module path"):
+        qbackend.load(_saved_with(tmp_path, sources={"x": "layer1\n__import__('os')"}))
+
+
+def test_an_output_type_this_process_has_not_registered_names_its_import(tmp_path):
+    inputs = (torch.randn(2, 3, 32, 32),)
+    qbackend.save(quantize(tiny_resnet(), inputs), tmp_path / "model.pt2")
+    saved = torch.load(tmp_path / "model.pt2", weights_only=True)
+    names, in_spec, out_spec = saved["pytree"]
+    protocol, output = json.loads(out_spec)  # (one tensor: a leaf; wrapped as a library's output type would be)
+    wrapped = {"type": "transformers.modeling_outputs.ModelOutput", "context": "null", "children_spec": [output]}
+    saved["pytree"] = (names, in_spec, json.dumps([protocol, wrapped]))
+    torch.save(saved, tmp_path / "changed.pt2")
+    with pytest.raises(qbackend.ArchiveError, match=r"which this process has not registered: import transformers.modeling_outputs "
+                                                    r"first \(load imports nothing an archive names\)"):
+        qbackend.load(tmp_path / "changed.pt2")
