@@ -7,9 +7,9 @@ were? Writes a section of docs/benchmarks_commits.md for this CPU.
 Each commit is checked out in a worktree of its own (under the work directory); the models are
 prepared once (benchmarks/zoo_engines.py prepare: the same saved converted model for both) and
 every run is zoo_engines.py's ``run`` of the old or the new tree's engine (``qbackend.compile``
-by default: ``torch.compile`` finds the backend through the installed entry point, which only
-one tree can own). A tree older than the package layout (no qbackend/patterns inside qbackend/)
-gets the links an install would make."""
+by default). A worktree gets the links an install would make (qbackend/patterns, /lowering)
+and, for ``torch.compile``, a ``sitecustomize`` that registers its own backend: the installed
+entry point names one layout's module."""
 from __future__ import annotations
 
 import argparse
@@ -38,11 +38,22 @@ def _tree(rev: str) -> Path:
         link = tree / "qbackend" / part
         if not link.exists():
             link.symlink_to(Path("..") / part)
+    (tree / "benchmarks" / "sitecustomize.py").write_text(SHIM)
     return tree
 
 
+SHIM = """# (bench_commits.py) torch.compile's "qbackend" is this tree's backend, wherever its layout keeps it
+import importlib.util
+import torch._dynamo.backends.registry as registry
+module = "qbackend.pipeline.backend" if importlib.util.find_spec("qbackend.pipeline") else "qbackend.backend"
+registry._COMPILER_FNS["qbackend"] = importlib.import_module(module).qbackend
+registry._BACKENDS["qbackend"] = None
+"""
+
+
 def _run(tree: Path, args: list, out: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    shim = [str(tree / "benchmarks")] if tree != PROJECT_ROOT else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), *shim]))
     subprocess.run([sys.executable, str(tree / "benchmarks" / "zoo_engines.py"), *args, "--out", str(out)], cwd=tree, env=env,
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return json.loads(out.read_text())
