@@ -39,3 +39,16 @@ def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("QBACKEND_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(choice_cache, "_shared", None)
     return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def _dynamo_suppress_errors_as_each_test_found_it():
+    """torch 2.13's ``torch._dynamo.config.patch(suppress_errors=...)`` leaves the option marked as
+    set by the user when it restores the value: qbackend would then read the default False as a
+    wish for strict lowering in every later test (strict_mode)."""
+    import torch._dynamo.config as dynamo_config
+
+    override = dynamo_config._config["suppress_errors"].user_override  # (a ContextVar in torch 2.13)
+    saved = override.get()
+    yield
+    override.set(saved)
