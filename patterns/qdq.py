@@ -7,6 +7,7 @@ import torch
 from torch.fx import Node
 
 from qbackend.ops import graph_op
+from qbackend.quantized_tensor import QuantizedLinearWeight
 
 from .base import GraphView, NoMatch, QParams, QuantizedValue, QuantizedWeight, fake_value, require
 
@@ -84,6 +85,34 @@ def per_channel_bias(graph: GraphView, bias, channels: int) -> Optional[Node]:
     require(value is not None and value.is_floating_point() and tuple(value.shape) == (channels,),
             f"bias of shape {list(value.shape) if value is not None else '?'} for {channels} output channels")
     return bias
+
+
+def transposed_source(node) -> Optional[Node]:
+    """``w`` when ``node`` is a 2-D transpose of it (w.t(), w.T, permute(1, 0), transpose(0, 1))."""
+    if not isinstance(node, Node) or node.op not in ("call_function", "call_method") or not node.args:
+        return None
+    target, rest = node.target, tuple(node.args[1:])
+    if target in ("t", torch.t, torch.ops.aten.t.default) and not rest:
+        return node.args[0]
+    if target is getattr and rest == ("T",):
+        return node.args[0]
+    if target in ("permute", torch.permute, torch.ops.aten.permute.default):
+        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
+        return node.args[0] if tuple(dims) in ((1, 0), (-1, -2), (1, -2), (-1, 0)) else None
+    if target in ("transpose", torch.transpose, torch.ops.aten.transpose.int) and len(rest) == 2:
+        return node.args[0] if {rest[0] % 2, rest[1] % 2} == {0, 1} else None
+    return None
+
+
+def quantized_operand(graph: GraphView, node) -> bool:
+    """``node`` carries quantized values: made by a dequantize op of any flow (PT2E's, torchao's
+    affine ones), or a weight-only quantized constant (``qbackend.quantize_weights``), directly or
+    through a transpose (``x @ w.t()``). A conv / linear with neither operand quantized was left
+    float by whoever quantized the model."""
+    node = transposed_source(node) or node
+    if isinstance(graph.constant(node), QuantizedLinearWeight):
+        return True
+    return isinstance(node, Node) and node.op == "call_function" and "dequantize" in str(node.target)
 
 
 def single_user(node: Node) -> Optional[Node]:

@@ -20,30 +20,13 @@ from qbackend.weight_only.weight_quant import GroupQuantized
 
 from . import examples
 from .base import GraphView, Match, NearMiss, NoMatch, Rule, fake_value, require
-from .qdq import is_op, per_channel_bias
+from .qdq import is_op, per_channel_bias, transposed_source
 from .qlinear import LINEAR_ANCHORS
 
 aten = torch.ops.aten
 MATMUL_TARGETS = {torch.matmul, operator.matmul, aten.matmul.default, aten.mm.default}
 # integer range width -> bits (a 4-bit weight may be stored signed [-8, 7] or unsigned [0, 15])
 BITS_OF_RANGE = {15: 4, 255: 8}
-
-
-def _transposed_source(node) -> Optional[Node]:
-    """``w`` when ``node`` is a 2-D transpose of it (w.t(), w.T, permute(1, 0), transpose(0, 1))."""
-    if not isinstance(node, Node) or node.op not in ("call_function", "call_method") or not node.args:
-        return None
-    target, rest = node.target, tuple(node.args[1:])
-    if target in ("t", torch.t, aten.t.default) and not rest:
-        return node.args[0]
-    if target is getattr and rest == ("T",):
-        return node.args[0]
-    if target in ("permute", torch.permute, aten.permute.default):
-        dims = rest[0] if len(rest) == 1 and isinstance(rest[0], (list, tuple)) else rest
-        return node.args[0] if tuple(dims) in ((1, 0), (-1, -2), (1, -2), (-1, 0)) else None
-    if target in ("transpose", torch.transpose, aten.transpose.int) and len(rest) == 2:
-        return node.args[0] if {rest[0] % 2, rest[1] % 2} == {0, 1} else None
-    return None
 
 
 WEIGHT_DEQUANTIZE = ("dequantize_per_channel_group", "dequantize_affine", "dequantize_per_channel")
@@ -54,7 +37,7 @@ def is_weight_matmul(node: Node) -> bool:
     written by hand (x @ w.T)."""
     if node.op != "call_function" or node.target not in MATMUL_TARGETS or len(node.args) != 2:
         return False
-    source = _transposed_source(node.args[1])
+    source = transposed_source(node.args[1])
     return isinstance(source, Node) and (source.op == "get_attr" or any(is_op(source, n, packet=True) for n in WEIGHT_DEQUANTIZE))
 
 
@@ -122,7 +105,7 @@ def _per_channel_int8(graph: GraphView, node: Node) -> GroupQuantized:
 def weight_only_weight(graph: GraphView, node, transposed: bool) -> GroupQuantized:
     """The [out, in] weight behind ``node`` (``transposed``: node is its [in, out] view)."""
     if transposed:
-        node = _transposed_source(node)
+        node = transposed_source(node)
     value = graph.constant(node)
     if isinstance(value, QuantizedLinearWeight):
         require(not value.transposed, "the quantized weight is a transposed view ([in, out]), not [out, in]")

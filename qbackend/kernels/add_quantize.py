@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 from typing import Optional
 
 import torch
@@ -66,19 +65,19 @@ def _add_quantize(a, b, scale, zero_point, qmin, qmax, in_place=False):
 
 
 def add_quantize(a, b, scale, zero_point, qmin, qmax):
-    """``qbackend::add_quantize`` without the dispatcher round trip."""
+    """``qbackend::add_quantize``'s implementation, also called as is by eager graphs (no dispatcher)."""
     return _add_quantize(a, b, scale, zero_point, qmin, qmax)
 
 
 def add_quantize_(a, b, scale, zero_point, qmin, qmax):
-    """``qbackend::add_quantize_`` without the dispatcher round trip."""
+    """``qbackend::add_quantize_``'s implementation, also called as is by eager graphs."""
     return _add_quantize(a, b, scale, zero_point, qmin, qmax, in_place=True)
 
 
 KERNELS = {
-    "add_quantize": Kernel(SCHEMAS["add_quantize"], _add_quantize,
+    "add_quantize": Kernel(SCHEMAS["add_quantize"], add_quantize,
                            lambda a, b, *args: (torch.empty_like(a, dtype=torch.uint8), torch.empty_like(a)), add_quantize),
-    "add_quantize_": Kernel(SCHEMAS["add_quantize_"], functools.partial(_add_quantize, in_place=True),
+    "add_quantize_": Kernel(SCHEMAS["add_quantize_"], add_quantize_,
                             lambda a, b, *args: torch.empty_like(a, dtype=torch.uint8), add_quantize_),
 }
 add_quantize.fresh_output = add_quantize_.fresh_output = True  # (patterns/inplace.py)

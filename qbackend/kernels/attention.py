@@ -87,7 +87,8 @@ def attention_quantize_refusal(q, k, v, mask, out_scale, zero_point, qmin, qmax)
     return reason or uint8_grid_refusal(out_scale, zero_point, qmin, qmax)
 
 
-def _attention_quantize(q, k, v, mask, scale, out_scale, zero_point, qmin, qmax):
+def attention_quantize(q, k, v, mask, scale, out_scale, zero_point, qmin, qmax):
+    """``qbackend::attention_quantize``'s implementation, also called as is by eager graphs (no dispatcher)."""
     reason = attention_quantize_refusal(q, k, v, mask, out_scale, zero_point, qmin, qmax)
     if reason is not None:
         raise ValueError(f"qbackend::attention_quantize: {reason}")
@@ -224,14 +225,9 @@ def attention_f32(q, k, v, mask, scale, is_causal=False):
     return _attention(q, k, v, mask, scale, is_causal)
 
 
-def attention_quantize(q, k, v, mask, scale, out_scale, zero_point, qmin, qmax):
-    """``qbackend::attention_quantize`` without the dispatcher round trip."""
-    return _attention_quantize(q, k, v, mask, scale, out_scale, zero_point, qmin, qmax)
-
-
 KERNELS = {
-    "attention_f32": Kernel(SCHEMAS["attention_f32"], _attention, _attention_fake, attention_f32),
-    "attention_quantize": Kernel(SCHEMAS["attention_quantize"], _attention_quantize, _attention_quantize_fake, attention_quantize),
+    "attention_f32": Kernel(SCHEMAS["attention_f32"], attention_f32, _attention_fake, attention_f32),
+    "attention_quantize": Kernel(SCHEMAS["attention_quantize"], attention_quantize, _attention_quantize_fake, attention_quantize),
 }
 # (they return tensors they allocated, or a view of one: patterns/inplace.py may let a later kernel write into them)
 attention_f32.fresh_output = attention_quantize.fresh_output = attention_from_projection.fresh_output = True

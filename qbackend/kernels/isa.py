@@ -10,7 +10,7 @@ import ctypes
 import functools
 from typing import Optional
 
-from qbackend.kernels import library
+from qbackend.kernels import choice_cache, library
 
 
 @library.once
@@ -105,7 +105,6 @@ def zmm_speedup() -> float:
     vnni = _vnni_library()[0]
     if vnni is None:
         return 0.0
-    from qbackend.kernels import choice_cache  # (imported when first needed, as before the split)
     return choice_cache.shared().remembered("zmm_speedup", lambda: vnni.qb_vnni_zmm_speedup(1),
                                             choice_cache.number(*ZMM_SPEEDUPS))
 

@@ -4,7 +4,6 @@ too, for a norm that other ops read as well)."""
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 from typing import Optional
 
@@ -64,19 +63,19 @@ def _layer_norm_quantize(x, weight, bias, eps, scale, zero_point, qmin, qmax, ke
 
 
 def layer_norm_quantize(x, weight, bias, eps, scale, zero_point, qmin, qmax):
-    """``qbackend::layer_norm_quantize`` without the dispatcher round trip."""
+    """``qbackend::layer_norm_quantize``'s implementation, also called as is by eager graphs (no dispatcher)."""
     return _layer_norm_quantize(x, weight, bias, eps, scale, zero_point, qmin, qmax)
 
 
 def layer_norm_and_quantize(x, weight, bias, eps, scale, zero_point, qmin, qmax):
-    """``qbackend::layer_norm_and_quantize`` without the dispatcher round trip."""
+    """``qbackend::layer_norm_and_quantize``'s implementation, also called as is by eager graphs."""
     return _layer_norm_quantize(x, weight, bias, eps, scale, zero_point, qmin, qmax, keep_float=True)
 
 
 KERNELS = {
-    "layer_norm_quantize": Kernel(SCHEMAS["layer_norm_quantize"], _layer_norm_quantize,
+    "layer_norm_quantize": Kernel(SCHEMAS["layer_norm_quantize"], layer_norm_quantize,
                                   lambda x, *args: x.new_empty(x.shape, dtype=torch.uint8), layer_norm_quantize),
-    "layer_norm_and_quantize": Kernel(SCHEMAS["layer_norm_and_quantize"], functools.partial(_layer_norm_quantize, keep_float=True),
+    "layer_norm_and_quantize": Kernel(SCHEMAS["layer_norm_and_quantize"], layer_norm_and_quantize,
                                       lambda x, *args: (x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(x.shape)),
                                       layer_norm_and_quantize),
 }

@@ -37,10 +37,6 @@ def _max_pool_prepared(x, kernel_size, stride, padding, dilation, ceil_mode=Fals
                                   bool(ceil_mode))
 
 
-def _max_pool(x, *args):
-    return run_x_to_y(_max_pool_prepared(x, *args), x, "max_pool_u8")
-
-
 def _max_pool_fake(x, kernel_size, stride, padding, dilation, ceil_mode=False):
     n, c, h, w = x.shape
     oh, ow = output_hw(h, w, kernel_size, stride, padding, dilation, ceil_mode)
@@ -48,8 +44,8 @@ def _max_pool_fake(x, kernel_size, stride, padding, dilation, ceil_mode=False):
 
 
 def max_pool_u8(x, kernel_size, stride, padding, dilation, ceil_mode=False):
-    """``qbackend::max_pool_u8`` without the dispatcher round trip."""
-    return _max_pool(x, kernel_size, stride, padding, dilation, ceil_mode)
+    """``qbackend::max_pool_u8``'s implementation, also called as is by eager graphs (no dispatcher)."""
+    return run_x_to_y(_max_pool_prepared(x, kernel_size, stride, padding, dilation, ceil_mode), x, "max_pool_u8")
 
 
 GLOBAL_POOL_MAX_PIXELS = 1 << 23  # the kernel sums 8-bit values in int32
@@ -70,23 +66,20 @@ def _global_avg_pool_prepared(x, zero_point, qmin, qmax, *, trusted=False) -> Pr
     return _global_avg_pool_prepared_for(tuple(x.shape), zero_point, qmin, qmax)
 
 
-def _global_avg_pool(x, *args):
-    return run_x_to_y(_global_avg_pool_prepared(x, *args), x, "global_avg_pool_u8")
-
-
 def _global_avg_pool_fake(x, zero_point, qmin, qmax):
     return channels_last_like(x, (x.shape[0], x.shape[1], 1, 1), torch.uint8)
 
 
 def global_avg_pool_u8(x, zero_point, qmin, qmax):
-    """``qbackend::global_avg_pool_u8`` without the dispatcher round trip."""
-    return _global_avg_pool(x, zero_point, qmin, qmax)
+    """``qbackend::global_avg_pool_u8``'s implementation, also called as is by eager graphs."""
+    return run_x_to_y(_global_avg_pool_prepared(x, zero_point, qmin, qmax), x, "global_avg_pool_u8")
 
 
 max_pool_chain_call = prepared_chain_call(_max_pool_prepared, X_TO_Y)
 global_avg_pool_chain_call = prepared_chain_call(_global_avg_pool_prepared, X_TO_Y)
 KERNELS = {
-    "max_pool_u8": Kernel(SCHEMAS["max_pool_u8"], _max_pool, _max_pool_fake, max_pool_u8),
-    "global_avg_pool_u8": Kernel(SCHEMAS["global_avg_pool_u8"], _global_avg_pool, _global_avg_pool_fake, global_avg_pool_u8),
+    "max_pool_u8": Kernel(SCHEMAS["max_pool_u8"], max_pool_u8, _max_pool_fake, max_pool_u8),
+    "global_avg_pool_u8": Kernel(SCHEMAS["global_avg_pool_u8"], global_avg_pool_u8, _global_avg_pool_fake,
+                                 global_avg_pool_u8),
 }
 max_pool_u8.fresh_output = global_avg_pool_u8.fresh_output = True  # (patterns/inplace.py)

@@ -32,7 +32,8 @@ def scale_quantize_refusal(x, factors) -> Optional[str]:
     return None
 
 
-def _scale_quantize(x, factors, scale, zero_point, qmin, qmax):
+def scale_quantize(x, factors, scale, zero_point, qmin, qmax):
+    """``qbackend::scale_quantize``'s implementation, also called as is by eager graphs (no dispatcher)."""
     reason = scale_quantize_refusal(x, factors) or uint8_grid_refusal(scale, zero_point, qmin, qmax)
     if reason is not None:
         raise ValueError(f"qbackend::scale_quantize: {reason}")
@@ -46,11 +47,6 @@ def _scale_quantize(x, factors, scale, zero_point, qmin, qmax):
     return y
 
 
-def scale_quantize(x, factors, scale, zero_point, qmin, qmax):
-    """``qbackend::scale_quantize`` without the dispatcher round trip."""
-    return _scale_quantize(x, factors, scale, zero_point, qmin, qmax)
-
-
-KERNELS = {"scale_quantize": Kernel(SCHEMAS["scale_quantize"], _scale_quantize,
+KERNELS = {"scale_quantize": Kernel(SCHEMAS["scale_quantize"], scale_quantize,
                                     lambda x, factors, *args: torch.empty_like(x, dtype=torch.uint8), scale_quantize)}
 scale_quantize.fresh_output = True  # (patterns/inplace.py: a later kernel may write into its output)

@@ -127,19 +127,16 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
     return runnable(compiled or work, runtime_inputs, len(example_inputs)), report, work
 
 
-def unlowered_why(gm: GraphModule, report: Report) -> Optional[str]:
+def unlowered_why(report: Report) -> Optional[str]:
     """Why nothing was lowered where the user expected int8 kernels, or None: a device qbackend
-    has no table for; or convs / linears, none lowered, and no quantize / dequantize op in the
-    graph (a model never converted; or a graph break that hands this graph weights dequantized
-    upstream)."""
+    has no table for; or convs / linears that are all float (``Decision.float_layer``: a model
+    never converted)."""
     if report.device not in TABLES:
         return f"qbackend: this graph's tensors are on {report.device!r}, which it has no table for: it runs unlowered"
     layers = [d for d in report.decisions if d.kind in ("conv", "linear")]
-    if not layers or any(d.lowered for d in layers):
+    if not layers or not all(d.float_layer for d in layers):
         return None
-    if any(n.op == "call_function" and "quantize" in str(n.target) for n in gm.graph.nodes):
-        return None
-    return (f"qbackend: this graph's {len(layers)} conv / linear ops are float and it holds no quantize / dequantize op: "
+    return (f"qbackend: this graph's {len(layers)} conv / linear ops are float and none reads a quantized input or weight: "
             "nothing to lower to int8 (was the model converted with quantize_x86 / convert_pt2e, or quantize_weights?)")
 
 
@@ -148,7 +145,7 @@ def qbackend(gm: GraphModule, example_inputs, options=None, **_mode):
     opts = Options.parse(options)
     try:
         compiled, report, _ = compile_graph(gm, example_inputs, opts)
-        why = unlowered_why(gm, report)
+        why = unlowered_why(report)
         if why is not None:
             if strict_mode(opts.strict):
                 raise ValueError(why)

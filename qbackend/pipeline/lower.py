@@ -16,6 +16,7 @@ from qbackend.lowering import PREPARE, TABLES, EmitContext, Lowering, Unsupporte
 from qbackend.lowering.choice import mode as choice_mode
 from qbackend.lowering.common import ANCHOR
 from qbackend.patterns import ANCHORS, SWEEPS, GraphView, Reject, anchor_kind, rules_for
+from qbackend.patterns.qdq import quantized_operand
 
 from qbackend.pipeline.report import Attempt, Decision, Report, source_of
 
@@ -97,21 +98,11 @@ def decide(view: GraphView, ctx: EmitContext, table: dict, anchor: Node, kind: s
     refused = [a for a in decision.tried if a.matched]
     first = refused[0] if refused else decision.tried[-1]
     decision.reason, decision.where = first.reason, first.where
-    if not refused and kind in ("conv", "linear") and not any(map(_dequantized, anchor.args[:2])):
+    if not refused and kind in ("conv", "linear") and not any(quantized_operand(view, a) for a in anchor.args[:2]):
+        decision.float_layer = True
         decision.reason, decision.where = (f"a float {kind}: neither its input nor its weight is dequantized (left float "
                                            "when the model was quantized: by the quantizer's recipe or keep_float)"), ""
     return decision
-
-
-def _dequantized(value) -> bool:
-    """``value`` comes from a dequantize op, directly or through a transpose (``x @ w.t()``)."""
-    for _ in range(2):
-        if not isinstance(value, Node) or value.op != "call_function":
-            return False
-        if "dequantize" in str(value.target):
-            return True
-        value = value.args[0] if value.args else None
-    return False
 
 
 def _op_name(node: Node) -> str:

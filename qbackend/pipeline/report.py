@@ -46,6 +46,7 @@ class Decision:
     reason: str = ""  # not lowered: the first reason; lowered: a note (e.g. residual copied)
     where: str = ""  # file:line of the rule that gave the reason
     tried: list = field(default_factory=list)  # an Attempt for every rule that did not apply
+    float_layer: bool = False  # kept: neither operand quantized (the model left it float)
 
     def line(self) -> str:
         name = f"{self.node}" + (f" ({self.source})" if self.source else "")

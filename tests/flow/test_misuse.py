@@ -77,12 +77,12 @@ def test_an_unknown_device_is_an_error():
 def test_a_float_model_warns_and_strict_raises():
     model, x = _model_and_input()
     reports = []
-    with pytest.warns(UserWarning, match=r"this graph's 2 conv / linear ops are float and it holds no quantize"):
+    with pytest.warns(UserWarning, match=r"this graph's 2 conv / linear ops are float and none reads a quantized"):
         qbackend.compile(model, options={"strict": False, "report_sink": reports.append})(x)  # (not strict, as by default)
     (report,) = reports
     assert len(report.kept) == 2 and any("are float" in note for note in report.notes), str(report)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="holds no quantize / dequantize op"):
+    with pytest.raises(Exception, match="none reads a quantized input or weight"):
         qbackend.compile(model, options={"strict": True})(x)
     torch._dynamo.reset()
 
@@ -127,3 +127,18 @@ def test_a_group_size_that_fits_no_linear_warns_with_their_names():
     assert not any(isinstance(m.weight, qbackend.QuantizedLinearWeight) for m in model if isinstance(m, nn.Linear))
     with pytest.raises(ValueError, match="group_size must be a positive int, got 0"):
         qbackend.quantize_weights(model, bits=4, group_size=0)
+
+
+def test_a_weight_only_quantized_weight_is_a_quantized_operand_also_through_a_transpose():
+    from qbackend.patterns.base import GraphView
+    from qbackend.patterns.qdq import quantized_operand
+
+    root = nn.Module()
+    root.w, root.plain = qbackend.QuantizedLinearWeight.from_float(torch.randn(16, 64), 4, 32), torch.randn(16, 64)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    weights = [graph.get_attr(name) for name in ("w", "plain")]
+    views = [graph.call_function(torch.ops.aten.t.default, (w,)) for w in weights]
+    graph.output([graph.call_function(torch.ops.aten.mm.default, (x, view)) for view in views])
+    view = GraphView(torch.fx.GraphModule(root, graph))
+    assert [quantized_operand(view, node) for node in (*weights, *views, x)] == [True, False, True, False, False]
