@@ -127,11 +127,20 @@ def _operands_refusal(match, output_shape: list[int]) -> Optional[str]:
     return None
 
 
-def _gemm_refusal(ctx: EmitContext, match) -> Optional[str]:
-    if isa.int8_build() == "avx2":  # (the VNNI build adds in int32: no limit)
+def int16_pairs_refusal(match) -> Optional[str]:
+    """Why the AVX2 build of a kernel summing 4-input words (the GEMM, the grouped conv) would
+    saturate on this match (None where it cannot, or the VNNI build, which adds in int32, runs)."""
+    if isa.int8_build() == "avx2":
         bound = match.x.qparams.qmax * _largest_adjacent_pair_sum(match.weight.int8)
         if bound > INT16_MAX:
             return f"its int16 pair sums could reach {bound} > {INT16_MAX} (8-bit weights; no AVX512-VNNI here)"
+    return None
+
+
+def _gemm_refusal(ctx: EmitContext, match) -> Optional[str]:
+    reason = int16_pairs_refusal(match)
+    if reason is not None:
+        return reason
     int8_values = (match.x.qparams,) + tuple(q for q in (match.output_quant, match.accum and match.accum.qparams) if q)
     return own_conv.refusal(ctx, match, int8_values, activations=tuple(own_conv.ACTIVATIONS))
 

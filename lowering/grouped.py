@@ -1,10 +1,13 @@
-"""Grouped 3x3 int8 convs on CPUs with AVX512-VNNI (ResNeXt's): qbackend's own kernel
-(qbackend/kernels/csrc/grouped_conv_int8_vnni.c), timed against oneDNN per layer (lowering/choice.py).
+"""Grouped 3x3 int8 convs (ResNeXt's, RegNet's): qbackend's own kernel
+(qbackend/kernels/csrc/grouped_conv_int8.c), timed against oneDNN per layer (lowering/choice.py).
+Its AVX2 build adds product pairs in int16: it takes only weights for which those cannot saturate
+(the 7-bit weights quantize_x86 gives on such CPUs), as the GEMM does.
 
 oneDNN ran ResNeXt-50's grouped convs at 45-170 GMAC/s on a Zen 4 where a dense 3x3 ran at 400:
 4 channels a group, 128 channels at 56x56, took 317 us a call. The kernel takes groups of 4
 channels or a multiple of 8, as many outputs as inputs per group, stride 1 or 2, padding 1,
-uint8 in and out after a clamp post-op.
+uint8 in, uint8 or float32 out (RegNetY's grouped convs feed a squeeze-excitation block in float)
+after a clamp post-op.
 """
 from __future__ import annotations
 
@@ -12,9 +15,9 @@ from typing import Optional
 
 import torch
 
-from qbackend.kernels import depthwise, grouped, isa, registry
+from qbackend.kernels import depthwise, grouped, registry
 
-from . import own_conv
+from . import gemm, own_conv
 from .base import EmitContext
 
 
@@ -37,10 +40,10 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
     if list(p.dilation) != [1, 1] or list(p.padding) != [1, 1] or p.stride[0] != p.stride[1] \
             or p.stride[0] not in depthwise.DEPTHWISE_STRIDES:
         return f"stride {p.stride}, padding {p.padding}, dilation {p.dilation}: the kernel takes stride 1-2, padding 1"
-    if match.output_quant is None:
-        return "a float output (the kernel writes uint8)"
-    reason = own_conv.refusal(ctx, match, (match.x.qparams, match.output_quant))
-    return reason or isa.vnni_unavailable()
+    if match.output_quant is None and match.float_dtype != torch.float32:
+        return f"the kernel writes uint8 or float32, not {match.float_dtype}"
+    int8_values = (match.x.qparams,) + ((match.output_quant,) if match.output_quant else ())
+    return own_conv.refusal(ctx, match, int8_values) or gemm.int16_pairs_refusal(match)
 
 
 def lane_order(channels: int, per_group: int) -> torch.Tensor:
@@ -65,9 +68,10 @@ def emit(ctx: EmitContext, match):
     weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match))
     ctx.kernel = f"{registry.NAMESPACE}::qconv_grouped.default"
     ctx.notes.append("qbackend's grouped conv kernel")
+    requantize = (out.scale, out.zero_point, out.qmin, out.qmax) if out is not None else (1.0, 0, 0, 255, True)
     return own_conv.call_kernel(ctx, "qconv_grouped", (
         match.x.node, match.x.qparams.zero_point, ctx.constant(weight, "grouped_w"), ctx.constant(mult, "grouped_mult"),
-        ctx.constant(add, "grouped_add"), p.groups, p.stride[0], low, high, out.scale, out.zero_point, out.qmin, out.qmax))
+        ctx.constant(add, "grouped_add"), p.groups, p.stride[0], low, high, *requantize))
 
 
 KERNEL = own_conv.OwnKernel("grouped conv", is_grouped, refusal, emit, prior=lambda match: None)

@@ -1,5 +1,6 @@
-"""Grouped 3x3 int8 convs, as many outputs as inputs per group (``csrc/grouped_conv_int8_vnni.c``,
-AVX512-VNNI only): ``qbackend::qconv_grouped``."""
+"""Grouped 3x3 int8 convs, as many outputs as inputs per group (``csrc/grouped_conv_int8.c``):
+``qbackend::qconv_grouped``. The AVX512-VNNI build where it runs (exact), else the AVX2 one, whose
+int16 pair sums saturate for weights the lowering does not give it (``lowering/grouped.py``)."""
 from __future__ import annotations
 
 import ctypes
@@ -9,15 +10,18 @@ from typing import Optional
 import torch
 
 from qbackend.kernels import isa
+from qbackend.kernels.chain_step import X_TO_Y
 from qbackend.kernels.common import (X_TO_Y_SIGNATURE, Kernel, Prepared, cached_prepared, channels_last_like, check_constants,
-                                     check_levels, check_nchw_uint8, checked_window, make_prepared, output_hw, run_x_to_y)
+                                     check_levels, check_nchw_uint8, checked_window, make_prepared, output_hw, prepared_chain_call,
+                                     run_x_to_y)
 from qbackend.kernels.depthwise import DEPTHWISE_STRIDES
 from qbackend.kernels.structs import GroupedCall
 
 SCHEMAS = {
-    # (grouped 3x3, as many outputs as inputs per group; AVX512-VNNI only)
+    # (grouped 3x3, as many outputs as inputs per group)
     "qconv_grouped": "qconv_grouped(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int groups, "
-                     "int stride, float low, float high, float out_scale, int out_zero_point, int qmin, int qmax) -> Tensor",
+                     "int stride, float low, float high, float out_scale, int out_zero_point, int qmin, int qmax, "
+                     "bool float_out=False) -> Tensor",
 }
 
 
@@ -34,12 +38,11 @@ def grouped_refusal(channels: int, groups: int) -> Optional[str]:
 
 
 def _prepare_grouped_conv(x, x_zero_point, weight, mult, add, groups, stride, low, high, out_scale, out_zero_point, qmin,
-                     qmax) -> Prepared:
+                          qmax, float_out=False) -> Prepared:
     check_nchw_uint8(x, None, "qconv_grouped")
     n, c, h, w = x.shape
-    function = isa.vnni_function("qb_grouped_conv_vnni", X_TO_Y_SIGNATURE, ctypes.c_int)
-    if function is None:
-        raise ValueError(f"qbackend::qconv_grouped: {isa.vnni_unavailable()}")
+    function = (isa.vnni_function("qb_grouped_conv_vnni", X_TO_Y_SIGNATURE, ctypes.c_int) if isa.int8_build() == "avx512_vnni"
+                else isa.c_function("qb_grouped_conv_avx2", X_TO_Y_SIGNATURE, ctypes.c_int))
     reason = grouped_refusal(c, groups)
     if reason is not None:
         raise ValueError(f"qbackend::qconv_grouped: {reason}")
@@ -52,19 +55,23 @@ def _prepare_grouped_conv(x, x_zero_point, weight, mult, add, groups, stride, lo
         raise ValueError(f"qbackend::qconv_grouped: out scale {out_scale}, clamp [{low}, {high}]")
     check_levels("qconv_grouped", x_zero_point, out_zero_point, qmin, qmax)
     call = GroupedCall(n, h, w, c, c // groups, stride, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
-                       add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
-    return make_prepared(call, (n, c, oh, ow), torch.uint8, function, (mult, add))
+                       add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax, bool(float_out))
+    return make_prepared(call, (n, c, oh, ow), torch.float32 if float_out else torch.uint8, function, (mult, add))
 
 
-def _grouped_conv(x, x_zero_point, weight, *args, trusted=False):
-    prepared = cached_prepared(weight, trusted, x, (x_zero_point, *args),
-                         lambda: _prepare_grouped_conv(x, x_zero_point, weight, *args))
-    return run_x_to_y(prepared, x, "qconv_grouped")
+def _grouped_prepared(x, x_zero_point, weight, *args, trusted=False) -> Prepared:
+    return cached_prepared(weight, trusted, x, (x_zero_point, *args), lambda: _prepare_grouped_conv(x, x_zero_point, weight, *args))
 
 
-def _grouped_conv_fake(x, x_zero_point, weight, mult, add, groups, stride, *args):
+def _grouped_conv(x, *args, trusted=False):
+    return run_x_to_y(_grouped_prepared(x, *args, trusted=trusted), x, "qconv_grouped")
+
+
+def _grouped_conv_fake(x, x_zero_point, weight, mult, add, groups, stride, low, high, out_scale, out_zero_point, qmin, qmax,
+                       float_out=False):
     n, c, h, w = x.shape
-    return channels_last_like(x, (n, c, *output_hw(h, w, (3, 3), (stride, stride), (1, 1))), torch.uint8)
+    shape = (n, c, *output_hw(h, w, (3, 3), (stride, stride), (1, 1)))
+    return channels_last_like(x, shape, torch.float32 if float_out else torch.uint8)
 
 
 def qconv_grouped(*args):
@@ -73,5 +80,6 @@ def qconv_grouped(*args):
     return _grouped_conv(*args, trusted=True)
 
 
+chain_call = prepared_chain_call(_grouped_prepared, X_TO_Y)
 KERNELS = {"qconv_grouped": Kernel(SCHEMAS["qconv_grouped"], _grouped_conv, _grouped_conv_fake, qconv_grouped)}
 qconv_grouped.fresh_output = True  # (patterns/inplace.py: a later kernel may write into its output)

@@ -33,7 +33,7 @@ from torch.fx.node import map_aggregate, map_arg
 from qbackend.kernels.weight_only_linear import unflatten_rows
 
 from qbackend.kernels import kv_append, rms_norm, rotary, silu_mul
-from qbackend.kernels import attention, conv_gemm, depthwise, isa, library, pools, registry, stem, weight_only_mm
+from qbackend.kernels import attention, conv_gemm, depthwise, grouped, isa, library, pools, registry, stem, weight_only_mm
 from qbackend.kernels.chain_step import FOUR, X_TO_Y, KeyLength
 from qbackend.kernels.structs import ChainStep, Operand
 
@@ -45,7 +45,8 @@ MAX_PROGRAMS = 16  # input signatures a chain keeps prepared
 PREPARE_EVERY = 64  # calls between two prepares once MAX_PROGRAMS are kept (the oldest then goes; a signature
 # new at every call, e.g. a mask growing with the cache, would cost a prepare a call: more than it saves)
 GROWS = 2  # the dim along which an append's cache grows: [batch, heads, rows, head dim]
-CONVS = {"qconv": FOUR, "qconv_depthwise": X_TO_Y, "qconv_stem": X_TO_Y, "max_pool_u8": X_TO_Y, "global_avg_pool_u8": X_TO_Y}
+CONVS = {"qconv": FOUR, "qconv_depthwise": X_TO_Y, "qconv_grouped": X_TO_Y, "qconv_stem": X_TO_Y, "max_pool_u8": X_TO_Y,
+         "global_avg_pool_u8": X_TO_Y}
 # views a run may hold: they cost a step nothing (an operand's offset and strides, fixed per signature)
 VIEW_METHODS = frozenset({"view", "reshape", "transpose", "unsqueeze", "squeeze", "contiguous", "permute", "flatten"})
 VIEW_FUNCTIONS = frozenset({unflatten_rows, aten.slice.Tensor, aten.view.default, aten.reshape.default, aten.transpose.int,
@@ -57,7 +58,7 @@ KERNEL_TUPLES = frozenset({rms_norm.add_rms_norm})  # kernels returning several 
 def kernels() -> dict:
     """name -> (the plain function graphs call, its chain step: (args, result) -> StepCall or None)."""
     return {"qconv": (conv_gemm.qconv, conv_gemm.chain_call), "qconv_depthwise": (depthwise.qconv_depthwise, depthwise.chain_call),
-            "qconv_stem": (stem.qconv_stem, stem.chain_call), "max_pool_u8": (pools.max_pool_u8, pools.max_pool_chain_call),
+            "qconv_grouped": (grouped.qconv_grouped, grouped.chain_call), "qconv_stem": (stem.qconv_stem, stem.chain_call), "max_pool_u8": (pools.max_pool_u8, pools.max_pool_chain_call),
             "global_avg_pool_u8": (pools.global_avg_pool_u8, pools.global_avg_pool_chain_call),
             "int4_mm_int16": (weight_only_mm.int4_mm_int16, weight_only_mm.chain_call),
             "int8_mm_int16": (weight_only_mm.int8_mm_int16, weight_only_mm.chain_call),

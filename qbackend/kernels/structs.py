@@ -39,13 +39,13 @@ class DepthwiseCall(ctypes.Structure):
 
 
 class GroupedCall(ctypes.Structure):
-    """grouped_conv_int8_vnni.c's."""
+    """grouped_conv_int8.c's."""
 
     c_name = "grouped_call_t"
     _fields_ = (_ints("N", "H", "W", "C", "Cg", "stride", "OH", "OW", "x_zp")
                 + [("weight", _pointer), ("mult", _pointer), ("add", _pointer), ("lo", _float), ("hi", _float),
                    ("out_inv_scale", _float)]
-                + _ints("out_zp", "qmin", "qmax"))
+                + _ints("out_zp", "qmin", "qmax", "float_out"))
 
 
 class StemCall(ctypes.Structure):

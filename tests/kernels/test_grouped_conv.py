@@ -1,6 +1,7 @@
-"""Grouped 3x3 int8 convs (ResNeXt's) on qbackend's own AVX512-VNNI kernel: its bytes against
-the float64 reference and oneDNN's, the lowering of a ResNeXt bottleneck, and the groups it
-leaves to oneDNN with the reason."""
+"""Grouped 3x3 int8 convs (ResNeXt's, RegNet's) on qbackend's own kernel, each build this CPU
+runs: its bytes against the float64 reference and oneDNN's, the lowering of a ResNeXt
+bottleneck, and the convs it leaves to oneDNN with the reason (groups it does not take; 8-bit
+weights and activations whose int16 pair sums the AVX2 build would saturate)."""
 import math
 
 import pytest
@@ -13,7 +14,6 @@ from qbackend.lowering.own_conv import scale_and_offset
 from qbackend.ops import resolve
 
 from tests.helpers import assert_matches_reference, quantize
-from tests.kernels.test_stem_kernel import _needs_vnni_library
 from tests.tolerances import assert_int8_close
 
 # (batch, channels, size, groups, stride): 4 / 8 / 16 / 32 channels a group; rows of fewer than 8
@@ -26,19 +26,19 @@ CASES = [(1, 64, 12, 16, 1), (2, 64, 9, 8, 2), (1, 64, 7, 4, 1), (1, 32, 5, 8, 2
 CASES += [(1, width * groups, 5, groups, 1) for width in (8, 16, 24, 32, 40, 48, 56, 64) for groups in (2, 3)]
 
 
-def _case(batch, channels, size, groups, stride, seed=0):
+def _case(batch, channels, size, groups, stride, seed=0, weight_bits=8):
     torch.manual_seed(seed)
     x = torch.randint(0, 256, (batch, channels, size, size), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
-    w = torch.randint(-128, 128, (channels, channels // groups, 3, 3), dtype=torch.int8)
+    low = -2 ** (weight_bits - 1)
+    w = torch.randint(low, -low, (channels, channels // groups, 3, 3), dtype=torch.int8)
     w_scale, bias = torch.rand(channels) * 0.002 + 5e-4, torch.randn(channels)
     return x, w, w_scale, bias
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_grouped_kernel_bytes_match_the_reference_and_onednn(case):
-    _needs_vnni_library()
+def test_grouped_kernel_bytes_match_the_reference_and_onednn(case, int8_build):
     batch, channels, size, groups, stride = case
-    x, w, w_scale, bias = _case(*case)
+    x, w, w_scale, bias = _case(*case, weight_bits=7 if int8_build == "avx2" else 8)  # (AVX2: what the lowering gives it)
     x_scale, x_zp, out_scale, out_zp = 0.02, 3, 0.05, 5
     reference = torch.nn.functional.conv2d((x.double() - x_zp) * x_scale, w.double() * w_scale.double()[:, None, None, None],
                                            bias.double(), stride, 1, 1, groups).relu()
@@ -54,6 +54,23 @@ def test_grouped_kernel_bytes_match_the_reference_and_onednn(case):
     onednn = qconv(x, x_scale, x_zp, packed, w_scale, torch.zeros(channels, dtype=torch.int64), bias, [stride] * 2, [1, 1],
                    [1, 1], groups, out_scale, out_zp, None, "relu", [], "")
     assert_int8_close(actual, onednn, f"{case} vs oneDNN")
+
+
+@pytest.mark.parametrize("case", CASES[:10], ids=str)
+def test_grouped_kernel_float_output_is_the_clamped_reference(case, int8_build):
+    """float_out (RegNetY's grouped convs feed a squeeze-excitation block in float): the clamped
+    float32 result in channel order, also where a vector holds two groups' channels interleaved."""
+    batch, channels, size, groups, stride = case
+    x, w, w_scale, bias = _case(*case, weight_bits=7 if int8_build == "avx2" else 8)
+    x_scale, x_zp = 0.02, 3
+    reference = torch.nn.functional.conv2d((x.double() - x_zp) * x_scale, w.double() * w_scale.double()[:, None, None, None],
+                                           bias.double(), stride, 1, 1, groups).clamp(0.0, 6.0)
+    mult, add = scale_and_offset(w, w_scale, x_scale, x_zp, bias)
+    args = (x, x_zp, *grouped.pack(w, mult, add), groups, stride, 0.0, 6.0, 1.0, 0, 0, 255, True)
+    for kernel in registry.own_kernel_forms("qconv_grouped"):
+        actual = kernel(*args)
+        assert actual.dtype == torch.float32 and actual.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(actual.double(), reference, atol=1e-5, rtol=1e-5)
 
 
 class Bottleneck(nn.Module):
@@ -78,8 +95,7 @@ def _grouped_decisions(report):
 
 
 @pytest.mark.parametrize("groups, stride", [(16, 1), (8, 2)])
-def test_a_resnext_block_runs_its_grouped_conv_on_the_kernel(groups, stride):
-    _needs_vnni_library()
+def test_a_resnext_block_runs_its_grouped_conv_on_the_kernel(groups, stride, int8_build):
     torch.manual_seed(0)
     inputs = (torch.randn(2, 64, 10, 10),)
     captured = assert_matches_reference(quantize(Bottleneck(groups=groups, stride=stride).eval(), inputs), inputs)
@@ -94,3 +110,18 @@ def test_groups_of_two_channels_stay_on_onednn_and_say_why():
     reasons = [d.reason for d in captured.report.decisions if d.kind == "conv" and "grouped conv kernel" in (d.reason or "")]
     assert any("32 channels in 16 groups: the kernel takes groups of 4 or a multiple of 8" in r for r in reasons), \
         str(captured.report)
+
+
+def test_the_avx2_build_is_refused_weights_whose_pair_sums_saturate(int8_build):
+    """8-bit activations and 8-bit weights: 255 x (|w_a| + |w_b|) can pass int16's 32767, which
+    vpmaddubsw saturates at; 7-bit weights cannot (quantize_x86's choice on such CPUs)."""
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 64, 10, 10),)
+    for reduce_range in (False, "weights"):
+        captured = assert_matches_reference(quantize(Bottleneck(groups=16).eval(), inputs, reduce_range=reduce_range), inputs)
+        (decision,) = [d for d in captured.report.decisions if d.kind == "conv" and "grouped" in d.source]
+        said = decision.line() + "".join(map(str, decision.tried))
+        saturates = reduce_range is False and int8_build == "avx2"
+        # (on a CPU without VNNI, oneDNN's kernel saturates too: the conv is kept before any kernel is chosen)
+        assert ("int16" in said and ("could reach" in said or "can reach" in said)) == saturates, said
+        assert (decision.op == f"{registry.NAMESPACE}::qconv_grouped.default") == (not saturates), said

@@ -47,6 +47,7 @@ typedef struct {
   const float *mult, *add;
   float lo, hi, out_inv_scale;
   int out_zp, qmin, qmax;
+  int float_out; /* 1: y is float32, the clamped float result (a squeeze-excitation block reads it) */
 } grouped_call_t;
 
 /* stem_conv_int8_vnni.c */

@@ -34,7 +34,7 @@ static const struct {
            D(weight), D(mult), D(add), D(lo), D(hi), D(out_inv_scale), D(out_zp), D(qmin), D(qmax), D(activation),
            D(float_out), D(window), D(norm_weight), D(norm_bias), D(norm_eps)),
     LAYOUT(grouped_call_t, G(N), G(H), G(W), G(C), G(Cg), G(stride), G(OH), G(OW), G(x_zp), G(weight), G(mult), G(add),
-           G(lo), G(hi), G(out_inv_scale), G(out_zp), G(qmin), G(qmax)),
+           G(lo), G(hi), G(out_inv_scale), G(out_zp), G(qmin), G(qmax), G(float_out)),
     LAYOUT(stem_call_t, S(N), S(H), S(W), S(C), S(OH), S(OW), S(KH), S(KW), S(stride_h), S(stride_w), S(pad_h), S(pad_w),
            S(Cout), S(x_zp), S(w), S(mult), S(add), S(low), S(high), S(out_inv_scale), S(out_zp), S(qmin), S(qmax),
            S(pool_kh), S(pool_kw), S(pool_sh), S(pool_sw), S(pool_ph), S(pool_pw), S(PH), S(PW)),
