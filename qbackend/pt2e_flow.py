@@ -362,7 +362,7 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
             return probed
 
         activation_ranges, cosines = ranges.chosen(model, probe, checked)
-    converted = ranges.converted(prepared, activation_ranges)
+    converted = ranges.converted(prepared, activation_ranges, is_qat)
     if cosines:
         converted.meta["activation_ranges"] = (activation_ranges, cosines)
     if bias_correction:

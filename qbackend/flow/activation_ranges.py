@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from qbackend.flow.accuracy import output_cosine
+from qbackend.flow.convert import convert
 from qbackend.flow.graph_copy import graph_copy
 
 CHOICES = ("auto", "histogram", "min_max")
@@ -52,25 +53,21 @@ def chosen(model: torch.nn.Module, probe: Callable[[list], torch.fx.GraphModule]
     """("histogram" or "min_max", {each: its output cosine vs ``model`` on the last batch}):
     ``probe(batches[:-1])`` is the model prepared and calibrated on them. Fewer than 2
     batches, or no histogram observers: ("histogram", {})."""
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
-
     if len(batches) < 2:
         return "histogram", {}
     prepared = probe(batches[:-1])
     plain = min_max_ranges(prepared)
     if plain is None:
         return "histogram", {}
-    candidates = {"histogram": convert_pt2e(prepared), "min_max": convert_pt2e(plain)}
+    candidates = {"histogram": convert(prepared), "min_max": convert(plain)}
     cosines = {name: output_cosine(model, candidate, batches[-1:]) for name, candidate in candidates.items()}
     # (NaN counts as worst; a tie keeps the quantizer's own)
     best = max(cosines, key=lambda name: (-2.0 if math.isnan(cosines[name]) else cosines[name], name == "histogram"))
     return best, cosines
 
 
-def converted(prepared: torch.fx.GraphModule, ranges: str) -> torch.fx.GraphModule:
+def converted(prepared: torch.fx.GraphModule, ranges: str, is_qat: bool = False) -> torch.fx.GraphModule:
     """``prepared`` (calibrated) converted with "min_max" activation ranges, or else (also an
     "auto" that probed nothing: QAT) the histogram observers' own."""
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
-
     plain = min_max_ranges(prepared) if ranges == "min_max" else None
-    return convert_pt2e(plain if plain is not None else prepared)
+    return convert(plain if plain is not None else prepared, is_qat)
