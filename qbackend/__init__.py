@@ -2,6 +2,7 @@
 
     torch.compile(converted_pt2e_module, backend="qbackend")   # no import needed
     qbackend.compile(converted_pt2e_module)                     # the same, without Dynamo's re-trace
+    qbackend.quantize_x86(float_model, example_inputs, calibration)  # PT2E int8 in one call (torchao)
     qbackend.explain(converted_pt2e_module, *example_inputs)   # what was lowered, and why not
     qbackend.quantize_weights(float_model, bits=4, group_size=128)  # weight-only int4 / int8
     qbackend.smooth_quant(exported_module, calibration_batches)    # SmoothQuant pre-pass (PT2E)
@@ -9,7 +10,8 @@
     qbackend.inspect("model.pt2")                                   # its recipe and versions
     qbackend.accuracy_report(float_model, converted_pt2e_module, batches)  # per-layer error vs fp32
 
-Importing qbackend changes no global torch or Inductor state and does not import torchao.
+Importing qbackend changes no global torch or Inductor state and does not import torchao
+(``quantize_x86`` / ``quantize_xpu`` are loaded on first use; they import torchao when called).
 """
 from __future__ import annotations
 
@@ -42,4 +44,15 @@ def explain(model, *example_inputs, device: str | None = None, **keyword_inputs)
     return functools.reduce(Report.merge, reports)
 
 
-__all__ = ["compile", "explain", "save", "load", "inspect", "ArchiveError", "accuracy_report", "AccuracyReport", "Report", "smooth_quant", "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]
+FLOW = ("quantize_x86", "quantize_xpu")  # (qbackend.pt2e_flow's, loaded when first named)
+
+
+def __getattr__(name: str):
+    if name in FLOW:
+        from qbackend import pt2e_flow
+
+        return getattr(pt2e_flow, name)
+    raise AttributeError(f"module 'qbackend' has no attribute {name!r}")
+
+
+__all__ = ["quantize_x86", "quantize_xpu", "compile", "explain", "save", "load", "inspect", "ArchiveError", "accuracy_report", "AccuracyReport", "Report", "smooth_quant", "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]

@@ -47,6 +47,7 @@ def test_an_installed_wheel_runs_the_own_kernels_without_a_compiler(tmp_path):
     site = Path(_run(str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").stdout.strip())
     (site / "torch_here.pth").write_text(str(Path(torch.__file__).parents[1]) + "\n")  # (torch as installed here)
     _run(str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel))
+    assert (site / "qbackend" / "py.typed").is_file()  # (PEP 561: type checkers read the package's annotations)
 
     model = quantize(tiny_resnet(), (torch.randn(2, 3, 32, 32),))
     qbackend.save(model, tmp_path / "model.pt2")

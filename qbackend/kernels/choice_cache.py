@@ -1,6 +1,6 @@
 """What was measured on this machine, kept on disk so later compiles and processes decide the
 same way without timing again: kernel choices (lowering/choice.py) and the zmm / ymm probe
-(native.zmm_speedup).
+(isa.zmm_speedup).
 
 One JSON file per machine: the key is the CPU (model and the ISA flags the kernels use), the
 torch version, the thread count, the hash of qbackend's C sources, qbackend's version and the

@@ -25,18 +25,21 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shlex
 import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterable, NamedTuple, Optional
 
 CSRC = Path(__file__).parent / "csrc"
 PREBUILT = Path(__file__).parent / "prebuilt"
 COMPILE_SECONDS = 120
+log = logging.getLogger("qbackend")
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # Two libraries: every kernel for AVX2, and the int8 conv kernels, attention and the weight-only
@@ -240,7 +243,13 @@ def _built(name: str, sources: tuple, flags: tuple) -> Built:
     cached = _intact(target)
     if cached is not None:
         return Built(target, cached)
+    # (a warning: the one-time build is a pause of about a minute in a user's first compile, which
+    # no log level showed; Python prints warnings without any logging set up)
+    log.warning("qbackend: compiling its C kernels (%s) for this machine with %s (once, about 30-60 s; later processes "
+                "load them from %s; to warm a container image: python -m qbackend warm)", name, words[0], directory)
+    started = time.monotonic()
     library = _write_durably(directory, f".{target.stem}-", ".partial.so", lambda path: _compile(words, sources, flags, path))
+    log.info("qbackend: %s compiled in %.0f s", name, time.monotonic() - started)
     try:
         os.chmod(library, 0o700)  # (whatever mode the compiler gave it: only this user's to write)
         handle = _open_private(library)

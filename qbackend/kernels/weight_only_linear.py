@@ -19,7 +19,7 @@ from qbackend.weight_only.weight_quant import GroupQuantized
 aten = torch.ops.aten
 
 # How activations meet the kernels (option): "int16" quantizes them per group for qbackend's own
-# kernels (qbackend/kernels/native.py), "bf16" / "activation" run torch's kernels in that dtype, "auto"
+# kernels (qbackend/kernels/weight_only_mm.py), "bf16" / "activation" run torch's kernels in that dtype, "auto"
 # picks int16 where the device has those kernels and they build, else the device's auto_compute.
 COMPUTE_CHOICES = ("auto", "int16", "bf16", "activation")
 
