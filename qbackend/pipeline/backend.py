@@ -128,12 +128,20 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
 
 
 def unlowered_why(report: Report) -> Optional[str]:
-    """Why nothing was lowered where the user expected int8 kernels, or None: a device qbackend
-    has no table for; or convs / linears that are all float (``Decision.float_layer``: a model
-    never converted)."""
+    """Why nothing (or less than the model holds) was lowered where the user expected int8 kernels,
+    or None: a device qbackend has no table for; convs / linears whose weight came dequantized
+    from another graph (``Decision.weight_from_outside``: a graph break); or convs / linears
+    that are all float (``Decision.float_layer``: a model never converted)."""
     if report.device not in TABLES:
         return f"qbackend: this graph's tensors are on {report.device!r}, which it has no table for: it runs unlowered"
     layers = [d for d in report.decisions if d.kind in ("conv", "linear")]
+    outside = [d.node for d in layers if d.weight_from_outside]
+    if outside:
+        return (f"qbackend: {len(outside)} of this graph's {len(layers)} conv / linear ops ({', '.join(outside[:3])}"
+                f"{', ...' if len(outside) > 3 else ''}) read a quantized input but get their weight as a float input of "
+                "the graph (its dequantize ran in another graph Dynamo split off: a graph break): they run float. "
+                "qbackend.compile(model) lowers an exported model whole; torch.compile(model, backend='qbackend', "
+                "dynamic=True) avoids the recompiles that split it")
     if not layers or not all(d.float_layer for d in layers):
         return None
     return (f"qbackend: this graph's {len(layers)} conv / linear ops are float and none reads a quantized input or weight: "

@@ -102,7 +102,21 @@ def decide(view: GraphView, ctx: EmitContext, table: dict, anchor: Node, kind: s
         decision.float_layer = True
         decision.reason, decision.where = (f"a float {kind}: neither its input nor its weight is dequantized (left float "
                                            "when the model was quantized: by the quantizer's recipe or keep_float)"), ""
+    elif kind in ("conv", "linear") and _weight_from_outside(view, anchor):
+        decision.weight_from_outside = True
+        decision.reason, decision.where = (f"its input is quantized but its weight is a float input of this graph: the "
+                                           "weight's dequantize ran outside it (Dynamo split the model there: a graph "
+                                           "break)"), ""
     return decision
+
+
+def _weight_from_outside(view, anchor: Node) -> bool:
+    """A conv / linear whose input is dequantized in this graph and whose weight is a float
+    placeholder: what a graph Dynamo split off a converted model gets (its weights' dequantize
+    ops landed in an earlier graph), a layer no quantizer leaves so."""
+    x, weight = anchor.args[:2]
+    return (quantized_operand(view, x) and isinstance(weight, Node) and weight.op == "placeholder"
+            and not quantized_operand(view, weight))
 
 
 def _op_name(node: Node) -> str:

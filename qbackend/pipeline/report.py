@@ -47,6 +47,7 @@ class Decision:
     where: str = ""  # file:line of the rule that gave the reason
     tried: list = field(default_factory=list)  # an Attempt for every rule that did not apply
     float_layer: bool = False  # kept: neither operand quantized (the model left it float)
+    weight_from_outside: bool = False  # kept: a quantized input, but a float weight the graph gets as an input
 
     def line(self) -> str:
         name = f"{self.node}" + (f" ({self.source})" if self.source else "")

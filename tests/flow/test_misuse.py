@@ -87,6 +87,34 @@ def test_a_float_model_warns_and_strict_raises():
     torch._dynamo.reset()
 
 
+def _after_a_graph_break(x_int8, weight, bias):
+    """What Dynamo hands the backend after a graph break split a converted model: this graph
+    dequantizes its activation, but the weight's dequantize ran in an earlier one."""
+    x = torch.ops.quantized_decomposed.dequantize_per_tensor.default(x_int8, 0.05, 10, 0, 255, torch.uint8)
+    y = torch.nn.functional.conv2d(x, weight, bias, padding=1).relu()
+    return torch.ops.quantized_decomposed.quantize_per_tensor.default(y, 0.05, 0, 0, 255, torch.uint8)
+
+
+def test_a_weight_dequantized_in_another_graph_warns_and_strict_raises():
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  (the quantized_decomposed ops)
+
+    torch.manual_seed(0)
+    args = (torch.randint(0, 255, (1, 8, 6, 6), dtype=torch.uint8), torch.randn(8, 8, 3, 3), torch.randn(8))
+    reports = []
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match=r"1 of this graph's 1 conv / linear ops \(conv2d\) read a quantized input but get "
+                                         r"their weight as a float input of the graph .*a graph break"):
+        out = torch.compile(_after_a_graph_break, backend="qbackend",
+                            options={"strict": False, "report_sink": reports.append})(*args)
+    assert torch.equal(out, _after_a_graph_break(*args))  # (it runs float, as captured)
+    (decision,) = reports[0].decisions
+    assert not decision.lowered and "its weight is a float input of this graph" in decision.reason, str(reports[0])
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="get their weight as a float input of the graph"):
+        torch.compile(_after_a_graph_break, backend="qbackend", options={"strict": True})(*args)
+    torch._dynamo.reset()
+
+
 def test_a_quantized_model_does_not_warn():
     model, x = _model_and_input()
     converted = quantize_x86(model, (x,), [(x,)])
