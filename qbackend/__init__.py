@@ -3,6 +3,7 @@
     torch.compile(converted_pt2e_module, backend="qbackend")   # no import needed
     qbackend.compile(converted_pt2e_module)                     # the same, without Dynamo's re-trace
     qbackend.quantize_x86(float_model, example_inputs, calibration)  # PT2E int8 in one call (torchao)
+    qbackend.QuantizeConfig(...)                                    # its options as plain data (config=)
     qbackend.explain(converted_pt2e_module, *example_inputs)   # what was lowered, and why not
     qbackend.quantize_weights(float_model, bits=4, group_size=128)  # weight-only int4 / int8
     qbackend.smooth_quant(exported_module, calibration_batches)    # SmoothQuant pre-pass (PT2E)
@@ -22,6 +23,7 @@ import torch
 from qbackend.archive.archive_checks import ArchiveError
 from qbackend.deploy import inspect, load, save
 from qbackend.flow.accuracy import AccuracyReport, accuracy_report
+from qbackend.flow.recipe import QuantizeConfig
 from qbackend.pipeline.direct import compile
 from qbackend.pipeline.report import Report
 from qbackend.quantized_tensor import QuantizedLinearWeight, from_old_cpu_int4, quantize_weights
@@ -55,4 +57,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'qbackend' has no attribute {name!r}")
 
 
-__all__ = ["quantize_x86", "quantize_xpu", "compile", "explain", "save", "load", "inspect", "ArchiveError", "accuracy_report", "AccuracyReport", "Report", "smooth_quant", "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]
+__all__ = ["quantize_x86", "quantize_xpu", "QuantizeConfig", "compile", "explain", "save", "load", "inspect", "ArchiveError", "accuracy_report", "AccuracyReport", "Report", "smooth_quant", "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]

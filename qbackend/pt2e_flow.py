@@ -8,14 +8,13 @@ importing this module.
 """
 
 import fnmatch
-import math
 
 import torch
 
+from qbackend.flow import accuracy_control as control
 from qbackend.flow import activation_ranges as ranges
 from qbackend.flow import bias_correction as correction
 from qbackend.flow import recipe
-from qbackend.flow.accuracy import accuracy_report, input_sensitivity
 from qbackend.flow.batches import BatchCheck, batch_dynamic, calibration_batches, positional_and_keyword
 from qbackend.flow.graph_copy import graph_copy
 from qbackend.lowering.capabilities import int8_pairs_saturate
@@ -124,7 +123,8 @@ def quantize_xpu(model, example_inputs, calibration, *, every_linear=True, **flo
 
 def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic=False, reduce_range=None, smooth=None,
                  keep_float=(), every_linear=True, dynamic_batch=False, dynamic_shapes=None, strict=True, num_batches=None,
-                 progress=None, target_cosine=None, activation_ranges="auto", bias_correction=True, transform_fn=None):
+                 progress=None, target_cosine=None, validate=None, max_drop=None, activation_ranges="auto",
+                 bias_correction=True, transform_fn=None, config=None):
     """Export, prepare, calibrate and convert ``model`` with X86InductorQuantizer.
 
     Args:
@@ -136,6 +136,9 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             keyword inputs, or a single tensor. Each must have the example's structure, dtypes
             and ranks, and its sizes where export fixed them: a batch that does not raises
             ValueError naming it; no batch at all raises too.
+        config: a ``qbackend.QuantizeConfig``: these options as one object of plain data (for a
+            file, or to repeat an archive's recipe); a keyword argument that is not at its
+            default must then agree with it.
         transform_fn: applied to every calibration batch first, as NNCF's
             ``nncf.Dataset(loader, transform_fn)`` does: e.g. ``lambda batch: batch[0]`` for a
             DataLoader of (input, target) pairs.
@@ -149,11 +152,17 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
         progress: a progress bar (tqdm) over the calibration batches; None (default): only
             when stderr is a terminal.
         target_cosine: the output cosine vs the float model to reach on the first
-            ``ACCURACY_BATCHES`` calibration batches: while below it, one more conv / linear is
-            kept float and the flow runs again, up to ``MAX_KEPT_FLOAT`` layers: of the layer
+            ``control.ACCURACY_BATCHES`` calibration batches: while below it, one more conv / linear is
+            kept float and the flow runs again, up to ``control.MAX_KEPT_FLOAT`` layers: of the layer
             whose float input helps the output most (``qbackend.flow.accuracy.input_sensitivity``)
             and the one adding the most noise of its own, the better on trial. The result's
             ``meta["accuracy"]`` holds the last report, ``meta["kept_float"]`` the layers kept.
+        validate / max_drop: accuracy control by your own metric, as NNCF's
+            ``quantize_with_accuracy_control``: ``validate(model)`` returns a score, higher is
+            better (accuracy, F1), run on the float model once and on each candidate as
+            ``qbackend.compile`` runs it; layers are kept float as for ``target_cosine`` until
+            the score is at most ``max_drop`` below the float model's. Each step and its cost
+            are printed when ``progress`` shows (else logged at INFO).
         is_qat / is_dynamic: forwarded to
             ``get_default_x86_inductor_quantization_config``. With ``is_qat``
             the model is exported in train mode (``prepare_qat_pt2e`` only
@@ -186,7 +195,7 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             tensor's range of least error on the calibration data); "min_max": each
             activation's min / max over the calibration batches; "auto" (default): the one
             whose output is nearer the float model's on a calibration batch the ranges were
-            not fitted to (a probe calibrated on the others of the first ``ACCURACY_BATCHES``),
+            not fitted to (a probe calibrated on the others of the first ``control.ACCURACY_BATCHES``),
             named with both cosines in ``result.meta["activation_ranges"]``
             (qbackend/flow/activation_ranges.py); histogram with fewer than 2 batches.
         bias_correction: True (default): each quantized conv / linear's bias absorbs the mean
@@ -212,65 +221,28 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
     _annotate_conv2d_binary_unary``). Strict export records one source
     per call, each ReLU partition has a single output, and the flow works.
     """
-    options = {name: value for name, value in locals().items() if name not in ("model", "example_inputs", "calibration")}
+    options = {name: value for name, value in locals().items() if name not in ("model", "example_inputs", "calibration", "config")}
+    if config is not None:  # (its values, then this function as if called with them)
+        if not isinstance(config, recipe.QuantizeConfig):
+            raise TypeError(f"config must be a qbackend.QuantizeConfig, got {type(config).__name__}")
+        return quantize_x86(model, example_inputs, calibration, **config.merged(options))
     flow = dict(dynamic_batch=dynamic_batch, dynamic_shapes=dynamic_shapes, strict=strict, progress=progress,
                 activation_ranges=activation_ranges, bias_correction=bias_correction)
     keep_float = module_paths(model, keep_float)
-    if target_cosine is None:
+    say = control.speaker(progress)
+    goal = control.checked_goal(model, target_cosine, validate, max_drop, say)
+    if goal is None:
         quantizer = _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float, every_linear)
         converted = _convert(model, example_inputs, calibration, quantizer, is_qat, smooth, num_batches=num_batches,
                              transform_fn=transform_fn, **flow)
         return recipe.record(converted, "quantize_x86", options)
     batches = list(calibration_batches(calibration, num_batches, False, transform_fn))
-    converted = _to_target_cosine(target_cosine, model, batches, keep_float,
-                                  lambda kept, batches: _convert(model, example_inputs, batches,
-                                                                 _x86_quantizer(is_qat, is_dynamic, reduce_range, kept,
-                                                                                every_linear),
-                                                                 is_qat, smooth, **flow))
+    converted = control.keep_float_until(goal, model, batches, keep_float,
+                                         lambda kept, batches: _convert(model, example_inputs, batches,
+                                                                        _x86_quantizer(is_qat, is_dynamic, reduce_range, kept,
+                                                                                       every_linear),
+                                                                        is_qat, smooth, **flow), say)
     return recipe.record(converted, "quantize_x86", options)
-
-
-ACCURACY_BATCHES = 4  # calibration batches target_cosine and "auto" activation ranges check the output on
-MAX_KEPT_FLOAT = 8  # layers target_cosine may keep float
-
-
-def _added_noise(layer) -> float:
-    """The noise a layer adds, as a fraction of its output's power: its output's error less
-    what its input brought (SQNR in dB is not additive; noise powers roughly are)."""
-    inherited = 10 ** (-layer.input_sqnr_db / 10) if math.isfinite(layer.input_sqnr_db) else 0.0
-    return 10 ** (-layer.sqnr_db / 10) - inherited
-
-
-def _to_target_cosine(target, model, calibration: list, keep_float, convert):
-    """``convert(kept, batches)`` again with one more layer kept float until the output cosine
-    reaches ``target`` (or ``MAX_KEPT_FLOAT`` are kept). Two guesses at the layer to keep, each
-    tried, the better kept: the one whose float input helps the output most (input
-    quantization's cost) and the one adding the most noise of its own (its weights' too: on
-    all-MiniLM-L6-v2, layer 0's FFN output linear takes the output from 0.953 to 0.989 while its
-    float input alone gains 0.001)."""
-    import logging
-
-
-    kept, checked = list(keep_float), calibration[:ACCURACY_BATCHES]
-    converted = convert(tuple(kept), calibration)
-    report = accuracy_report(model, converted, checked)
-    while report.output.cosine < target and len(kept) - len(keep_float) < MAX_KEPT_FLOAT:
-        open_layers = [e for e in report.layers if e.path not in kept]
-        if not open_layers:
-            break
-        sensitivity = input_sensitivity(model, converted, checked)
-        guesses = {max(open_layers, key=lambda e: sensitivity.get(e.path, -1.0)).path,
-                   max(open_layers, key=_added_noise).path}
-        trials = {path: convert(tuple(kept + [path]), calibration) for path in sorted(guesses)}
-        reports = {path: accuracy_report(model, trial, checked) for path, trial in trials.items()}
-        best = max(reports, key=lambda path: reports[path].output.cosine)
-        kept.append(best)
-        converted, report = trials[best], reports[best]
-    if report.output.cosine < target:
-        logging.getLogger("qbackend").warning("quantize_x86: output cosine %.5f < target %.5f with %d layer(s) kept float",
-                                              report.output.cosine, target, len(kept))
-    converted.meta["accuracy"], converted.meta["kept_float"] = report, kept[len(keep_float):]
-    return converted
 
 
 def _export(model, example_inputs, dynamic_batch, dynamic_shapes, strict):
@@ -310,13 +282,13 @@ def _batch_norms_off_shared_convs(gm) -> int:
 def _calibrate(prepared, calibration, bias_correction=False) -> tuple[list, int]:
     """Runs every calibration batch through ``prepared``, then (``bias_correction``) corrects
     its biases for their weights' rounding (qbackend/flow/bias_correction.py); returns the first
-    ``ACCURACY_BATCHES`` and how many biases changed."""
+    ``control.ACCURACY_BATCHES`` and how many biases changed."""
     means = correction.InputMeans()
     recorders = correction.add_recorders(prepared, means) if bias_correction else []
     first = []
     with torch.no_grad():
         for batch in calibration:
-            first += [batch][:ACCURACY_BATCHES - len(first)]
+            first += [batch][:control.ACCURACY_BATCHES - len(first)]
             args, kwargs = positional_and_keyword(batch)
             prepared(*args, **kwargs)
     if not recorders:

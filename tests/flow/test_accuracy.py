@@ -121,6 +121,44 @@ def test_target_cosine_keeps_the_layer_whose_own_weights_lose_the_most():
     assert converted.meta["accuracy"].output.cosine >= target
 
 
+def test_validate_keeps_layers_float_until_the_users_metric_is_within_max_drop(capsys):
+    """Accuracy control by the user's own metric (NNCF's quantize_with_accuracy_control): the
+    float model scored once, each candidate as qbackend.compile runs it, each step said."""
+    batches = [(torch.randn(8, 16, generator=torch.Generator().manual_seed(i)),) for i in range(3)]
+    model = CoarseWeights().eval()
+    held_out = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(9))  # (4 batches of 8: the export's size)
+    with torch.no_grad():
+        truth = torch.stack([model(rows).argmax(-1) for rows in held_out])
+    scored = []
+
+    def validate(m):  # (the share of held-out rows whose arg max agrees with the float model's)
+        with torch.no_grad():
+            scored.append(type(m).__name__)
+            return (torch.stack([m(rows).argmax(-1) for rows in held_out]) == truth).float().mean().item()
+
+    plain = validate(quantize(model, batches[0], calibration=batches))
+    assert plain < 0.95, plain  # (the premise: quantized as it is, the metric drops more than max_drop)
+    converted = quantize(model, batches[0], calibration=batches, validate=validate, max_drop=0.05, progress=True)
+    assert converted.meta["kept_float"] == ["coarse"], str(converted.meta["accuracy"])
+    assert 1.0 - validate(qbackend.compile(converted)) <= 0.05
+    assert scored[1] == "CoarseWeights" and set(scored[2:]) == {"CompiledGraphModule"}, scored  # (float once, then compiled)
+    said = capsys.readouterr().err
+    assert "validate: the float model scores 1" in said and "at most 8 steps" in said, said
+    assert "step 1: coarse kept float, validate " in said, said
+    recorded = converted.meta["qbackend_recipe"]["options"]
+    assert recorded["validate"].endswith("validate") and recorded["max_drop"] == 0.05, recorded
+
+
+@pytest.mark.parametrize("options, message", [({"validate": len}, "validate and max_drop go together"),
+                                              ({"max_drop": 0.01}, "validate and max_drop go together"),
+                                              ({"validate": len, "max_drop": 0.1, "target_cosine": 0.9}, "not both"),
+                                              ({"validate": len, "max_drop": -1}, "max_drop a number >= 0")])
+def test_accuracy_control_options_that_do_not_go_together(options, message):
+    batches = [(torch.randn(8, 16),)]
+    with pytest.raises(ValueError, match=message):
+        quantize(CoarseWeights().eval(), batches[0], calibration=batches, **options)
+
+
 class BatchNormAct(torch.nn.BatchNorm2d):
     """timm's BatchNormAct2d: a batch norm that applies its activation too (children: drop, act)."""
 
