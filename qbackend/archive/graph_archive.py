@@ -12,6 +12,7 @@ sympy over every node (ResNet-50: 3.8 s before the first lowering); these record
 from __future__ import annotations
 
 import collections
+import importlib
 import json
 import operator
 from dataclasses import dataclass
@@ -430,19 +431,38 @@ def _spec(text: str, where: str) -> pytree.TreeSpec:
     return _spec_node(schema, where, 0)
 
 
+# Modules of installed libraries whose import registers the output types their models return
+# (transformers' ModelOutput subclasses register themselves with pytree), imported when an
+# archive's output names one of their types: a fixed list, never a module the archive brings
+# (a DistilBERT classifier saved in one process did not load in another without the import).
+OUTPUT_TYPE_MODULES = frozenset({"transformers.modeling_outputs"})
+
+
+def _import_output_types(module: str) -> None:
+    """Import ``module`` of OUTPUT_TYPE_MODULES if its library is installed (else the type stays
+    unregistered and the caller says so)."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        pass
+
+
 def _spec_node(schema, where: str, depth: int) -> pytree.TreeSpec:
     """One level of pytree's JSON protocol 1: containers of this list, or a type registered in
-    this process by that name (no import), with a plain JSON context."""
+    this process by that name (importing nothing but OUTPUT_TYPE_MODULES), with a plain JSON context."""
     if depth > check.MAX_NESTING or not isinstance(schema, dict) or set(schema) != {"type", "context", "children_spec"}:
         raise ArchiveError(where, "not a structure record")
     kind, context, children = schema["type"], schema["context"], schema["children_spec"]
     if kind is None and context is None and children == []:
-        return pytree.LeafSpec()
+        return getattr(pytree, "treespec_leaf", pytree.LeafSpec)()  # (torch 2.13 warns on constructing a LeafSpec)
+    module = kind.rpartition(".")[0] if isinstance(kind, str) else ""
+    if module in OUTPUT_TYPE_MODULES and kind not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE:
+        _import_output_types(module)
     if kind not in _SPEC_TYPES and kind not in pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE or not isinstance(children, list) \
             or not isinstance(context, str):
-        module = kind.rpartition(".")[0] if isinstance(kind, str) else ""
-        hint = (f": import {module} first (load imports nothing an archive names)"
-                if module and all(part.isidentifier() for part in module.split(".")) and len(module) <= check.MAX_NAME else "")
+        hint = (f": import {module} first (load imports nothing an archive names beyond {sorted(OUTPUT_TYPE_MODULES)})"
+                if module and all(part.isidentifier() for part in module.split(".")) and len(module) <= check.MAX_NAME
+                and module not in OUTPUT_TYPE_MODULES else "")
         raise ArchiveError(where, f"a structure of type {check._short(kind)}, which this process has not registered{hint}")
     python_type = pytree.SERIALIZED_TYPE_TO_PYTHON_TYPE[kind]
     entry = pytree.SUPPORTED_SERIALIZED_TYPES[python_type]

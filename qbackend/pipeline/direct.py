@@ -16,6 +16,7 @@ dropped. Anything that is not an ATen GraphModule goes through ``torch.compile``
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import logging
 import operator
@@ -100,11 +101,24 @@ def _reuse_export_values(work: GraphModule, inputs: list, symbolic: bool = False
     return values is not None and _set_values(values)
 
 
-def _set_values(values: dict) -> bool:
-    """Set each node's value (``node.meta["val"]``, what the lowering reads); True."""
+def _set_values(values: dict, inputs: Optional[list] = None) -> bool:
+    """Set each node's value (``node.meta["val"]``, what the lowering reads); True. Meta tensors
+    (``_meta_values``', ``_archive_values``') become empty tensors of the CPU ``inputs``' device,
+    never written or read: the kernels' checks the lowering asks compare a value's device with
+    their own (a loaded DistilBERT's attention, on meta values, stayed on torch's SDPA where the
+    in-process compile, on export's fake CPU tensors, fused it)."""
+    device = next((x.device for x in inputs or () if isinstance(x, torch.Tensor)), None)
+    described = (lambda value: value) if device is None or device.type != "cpu" else functools.partial(_on, device)
     for node, value in values.items():
-        node.meta["val"] = value
+        node.meta["val"] = pytree.tree_map(described, value)
     return True
+
+
+def _on(device: torch.device, value):
+    """A meta tensor as an empty one of ``device`` (its memory untouched: no resident pages)."""
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+    return value
 
 
 def export_values(gm: GraphModule) -> Optional[dict]:
@@ -157,7 +171,7 @@ def _meta_values(work: GraphModule, inputs: list) -> bool:
     except Exception as error:  # (NotImplementedError, or a data-dependent op's error)
         log.debug("qbackend.compile: no meta values (%s: %s)", type(error).__name__, error)
         return False
-    return _set_values(values)
+    return _set_values(values, inputs)
 
 
 def _archive_values(work: GraphModule, inputs: list, symbols: Optional[dict] = None) -> bool:
@@ -198,7 +212,7 @@ def _archive_values(work: GraphModule, inputs: list, symbols: Optional[dict] = N
     if symbols is None and not all(tuple(values[n].shape) == tuple(x.shape) and values[n].stride() == x.stride()
                                    and values[n].dtype == x.dtype for n, x in zip(placeholders, inputs)):
         return False
-    return _set_values(values)
+    return _set_values(values, inputs if symbols is None else None)
 
 
 def _symbolic_reader(symbols: dict, device: torch.device) -> tuple[ValueReader, Callable]:

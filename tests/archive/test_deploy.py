@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -184,9 +185,46 @@ def test_an_output_type_this_process_has_not_registered_names_its_import(tmp_pat
     saved = torch.load(tmp_path / "model.pt2", weights_only=True)
     names, in_spec, out_spec = saved["pytree"]
     protocol, output = json.loads(out_spec)  # (one tensor: a leaf; wrapped as a library's output type would be)
-    wrapped = {"type": "transformers.modeling_outputs.ModelOutput", "context": "null", "children_spec": [output]}
+    wrapped = {"type": "some_library.outputs.Output", "context": "null", "children_spec": [output]}
     saved["pytree"] = (names, in_spec, json.dumps([protocol, wrapped]))
     torch.save(saved, tmp_path / "changed.pt2")
-    with pytest.raises(qbackend.ArchiveError, match=r"which this process has not registered: import transformers.modeling_outputs "
-                                                    r"first \(load imports nothing an archive names\)"):
+    with pytest.raises(qbackend.ArchiveError, match=r"which this process has not registered: import some_library.outputs "
+                                                    r"first \(load imports nothing an archive names beyond "
+                                                    r"\['transformers.modeling_outputs'\]\)"):
         qbackend.load(tmp_path / "changed.pt2")
+    assert "some_library" not in sys.modules
+
+
+def test_a_hugging_face_classifier_loads_in_a_fresh_process_with_no_import(tmp_path):
+    """transformers' output types register when transformers.modeling_outputs is imported: load
+    imports that module (a fixed list), so the saved classifier needs no import from its user,
+    and reports as the in-process compile does."""
+    # (transformers imports torchvision where installed; PyPI's is built for CUDA torch, whose C
+    # ops fail to register against the CPU wheel: the benchmark environment has it. Not needed here.)
+    sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
+    import transformers
+
+    config = transformers.DistilBertConfig(vocab_size=64, dim=32, hidden_dim=64, n_layers=1, n_heads=2, num_labels=3)
+    torch.manual_seed(0)
+    model = transformers.DistilBertForSequenceClassification(config).eval()
+    batch = {"input_ids": torch.randint(0, 64, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.int64)}
+    converted = qbackend.quantize_x86(model, batch, [batch])
+    reports = []
+    with torch.no_grad():
+        expected = qbackend.compile(converted, {"report_sink": reports.append})(**batch)
+    qbackend.save(converted, tmp_path / "model.pt2")
+    torch.save({"batch": batch, "logits": expected.logits, "report": str(reports[0])}, tmp_path / "io.pt")
+    script = textwrap.dedent(f"""
+        import sys, torch, qbackend
+        io = torch.load({str(tmp_path / "io.pt")!r})
+        reports = []
+        loaded = qbackend.load({str(tmp_path / "model.pt2")!r}, {{"report_sink": reports.append}})
+        with torch.no_grad():
+            out = loaded(**io["batch"])
+        assert type(out).__name__ == "SequenceClassifierOutput", type(out)
+        assert torch.equal(out.logits, io["logits"])
+        assert str(reports[0]) == io["report"], (str(reports[0]), io["report"])
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
