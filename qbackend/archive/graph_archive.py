@@ -100,6 +100,12 @@ def _encode(value):
     raise ValueError(f"qbackend.save: a graph argument of type {type(value).__name__} cannot be saved")
 
 
+# torch's "to the end" for a slice (sys.maxsize): export writes it where a slice's end is a
+# dynamic size's whole length (a DistilBERT exported with a free sequence length); the one
+# integer beyond check.MAX_INT an archive may hold, and only there
+SLICE_TO_END = 2**63 - 1
+
+
 def _decode(value, nodes: dict, where: str, depth: int = 0):
     """An argument record as a graph argument, every part checked (earlier nodes only)."""
     if depth > check.MAX_NESTING:
@@ -109,6 +115,8 @@ def _decode(value, nodes: dict, where: str, depth: int = 0):
     if value is None or isinstance(value, (bool, float)):
         return value
     if isinstance(value, int):
+        if value == SLICE_TO_END and depth == 1:  # (an argument itself: _check_call allows it as a slice's end only)
+            return value
         return check.integer(value, where)
     if isinstance(value, str):
         if len(value) > check.MAX_STRING:
@@ -319,6 +327,9 @@ def _check_call(schema, args: tuple, kwargs: dict, where: str) -> None:
                 raise ArchiveError(where, f"{schema.name} needs its argument {argument.name}")
         elif not _fits_type(argument.type, given[argument.name]):
             raise ArchiveError(where, f"{schema.name}'s {argument.name} ({argument.type}) given {check._short(given[argument.name])}")
+        elif type(given[argument.name]) is int and given[argument.name] == SLICE_TO_END \
+                and (schema.name, schema.overload_name, argument.name) != ("aten::slice", "Tensor", "end"):
+            check.integer(given[argument.name], f"{where} {argument.name}")  # (raises: out of range)
 
 
 _ENUMS = (torch.dtype, torch.layout, torch.memory_format)  # (a schema's ScalarType, Layout, MemoryFormat read as int)

@@ -195,10 +195,25 @@ def test_an_output_type_this_process_has_not_registered_names_its_import(tmp_pat
     assert "some_library" not in sys.modules
 
 
+def test_the_slice_to_end_sentinel_is_taken_as_a_slices_end_only(tmp_path):
+    """2**63 - 1, torch's "to the end", is what export writes for a slice over a dynamic size's
+    whole length; anywhere else an integer beyond 2**62 is refused, as before."""
+    inputs = (torch.randn(2, 3, 32, 32),)
+    qbackend.save(quantize(tiny_resnet(), inputs), tmp_path / "model.pt2")
+    saved = torch.load(tmp_path / "model.pt2", weights_only=True)
+    index, entry = next((i, e) for i, e in enumerate(saved["nodes"]) if "dequantize_per_tensor" in str(e[2]))
+    name, op, target, args, kwargs, value = entry
+    saved["nodes"][index] = (name, op, target, [*args[:2], 2**63 - 1, *args[3:]], kwargs, value)  # (its zero point)
+    torch.save(saved, tmp_path / "changed.pt2")
+    with pytest.raises(qbackend.ArchiveError, match=rf"node {name} zero_point: 9223372036854775807 is not an integer within"):
+        qbackend.load(tmp_path / "changed.pt2")
+
+
 def test_a_hugging_face_classifier_loads_in_a_fresh_process_with_no_import(tmp_path):
     """transformers' output types register when transformers.modeling_outputs is imported: load
-    imports that module (a fixed list), so the saved classifier needs no import from its user,
-    and reports as the in-process compile does."""
+    imports that module (a fixed list), so the saved classifier, exported with a free batch and
+    sequence length, needs no import from its user, and lowers and reports as the in-process
+    compile does at both shapes (the first call's, then the symbolic lowering's)."""
     # (transformers imports torchvision where installed; PyPI's is built for CUDA torch, whose C
     # ops fail to register against the CPU wheel: the benchmark environment has it. Not needed here.)
     sys.modules.setdefault("torchvision._meta_registrations", types.ModuleType("torchvision._meta_registrations"))
@@ -207,24 +222,28 @@ def test_a_hugging_face_classifier_loads_in_a_fresh_process_with_no_import(tmp_p
     config = transformers.DistilBertConfig(vocab_size=64, dim=32, hidden_dim=64, n_layers=1, n_heads=2, num_labels=3)
     torch.manual_seed(0)
     model = transformers.DistilBertForSequenceClassification(config).eval()
-    batch = {"input_ids": torch.randint(0, 64, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.int64)}
-    converted = qbackend.quantize_x86(model, batch, [batch])
+    batches = [{"input_ids": torch.randint(0, 64, (b, s)), "attention_mask": torch.ones(b, s, dtype=torch.int64)}
+               for b, s in ((2, 7), (3, 11))]
+    sizes = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq", max=64)}
+    converted = qbackend.quantize_x86(model, batches[0], batches, dynamic_shapes={"input_ids": sizes, "attention_mask": sizes})
     reports = []
+    compiled = qbackend.compile(converted, {"report_sink": reports.append})
     with torch.no_grad():
-        expected = qbackend.compile(converted, {"report_sink": reports.append})(**batch)
+        expected = [compiled(**batch).logits for batch in batches]
     qbackend.save(converted, tmp_path / "model.pt2")
-    torch.save({"batch": batch, "logits": expected.logits, "report": str(reports[0])}, tmp_path / "io.pt")
+    torch.save({"batches": batches, "logits": expected, "reports": list(map(str, reports))}, tmp_path / "io.pt")
     script = textwrap.dedent(f"""
         import sys, torch, qbackend
         io = torch.load({str(tmp_path / "io.pt")!r})
         reports = []
         loaded = qbackend.load({str(tmp_path / "model.pt2")!r}, {{"report_sink": reports.append}})
         with torch.no_grad():
-            out = loaded(**io["batch"])
-        assert type(out).__name__ == "SequenceClassifierOutput", type(out)
-        assert torch.equal(out.logits, io["logits"])
-        assert str(reports[0]) == io["report"], (str(reports[0]), io["report"])
-        print("ok")
+            outputs = [loaded(**batch) for batch in io["batches"]]
+        assert type(outputs[0]).__name__ == "SequenceClassifierOutput", type(outputs[0])
+        assert all(torch.equal(out.logits, logits) for out, logits in zip(outputs, io["logits"]))
+        assert list(map(str, reports)) == io["reports"], (list(map(str, reports)), io["reports"])
+        print("ok", len(reports))
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert done.returncode == 0 and done.stdout.strip().endswith(f"ok {len(reports)}"), done.stderr[-3000:]
+    assert len(reports) == 2  # (the first shape's lowering, then the one for every size)
