@@ -94,12 +94,10 @@ def load(path: str | os.PathLike, options: Optional[dict] = None, *, trusted: bo
 
 
 def _read(path):
+    if not zipfile.is_zipfile(path):  # (torch.load's message for such a file is about weights_only)
+        raise ArchiveError(str(path), "not a qbackend archive (not a zip file)")
     try:
-        if not zipfile.is_zipfile(path):  # (torch.load's message for such a file is about weights_only)
-            raise ArchiveError(str(path), "not a qbackend archive (not a zip file)")
         return torch.load(path, weights_only=True)
-    except ArchiveError:
-        raise
     except Exception as error:  # (torch's weights-only unpickler raises what a corrupt stream makes it hit)
         raise ArchiveError(str(path), f"not a readable qbackend archive ({type(error).__name__}: {str(error)[:200]})") \
             from error

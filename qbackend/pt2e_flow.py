@@ -231,17 +231,16 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
     keep_float = module_paths(model, keep_float)
     say = control.speaker(progress)
     goal = control.checked_goal(model, target_cosine, validate, max_drop, say)
+
+    def convert(kept, batches, **calibration_options):
+        quantizer = _x86_quantizer(is_qat, is_dynamic, reduce_range, kept, every_linear)
+        return _convert(model, example_inputs, batches, quantizer, is_qat, smooth, **calibration_options, **flow)
+
     if goal is None:
-        quantizer = _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float, every_linear)
-        converted = _convert(model, example_inputs, calibration, quantizer, is_qat, smooth, num_batches=num_batches,
-                             transform_fn=transform_fn, **flow)
-        return recipe.record(converted, "quantize_x86", options)
-    batches = list(calibration_batches(calibration, num_batches, False, transform_fn))
-    converted = control.keep_float_until(goal, model, batches, keep_float,
-                                         lambda kept, batches: _convert(model, example_inputs, batches,
-                                                                        _x86_quantizer(is_qat, is_dynamic, reduce_range, kept,
-                                                                                       every_linear),
-                                                                        is_qat, smooth, **flow), say)
+        converted = convert(keep_float, calibration, num_batches=num_batches, transform_fn=transform_fn)
+    else:  # (the batches listed once, transformed: every trial calibrates on them)
+        batches = list(calibration_batches(calibration, num_batches, False, transform_fn))
+        converted = control.keep_float_until(goal, model, batches, keep_float, convert, say)
     return recipe.record(converted, "quantize_x86", options)
 
 

@@ -58,7 +58,8 @@ KERNEL_TUPLES = frozenset({rms_norm.add_rms_norm})  # kernels returning several 
 def kernels() -> dict:
     """name -> (the plain function graphs call, its chain step: (args, result) -> StepCall or None)."""
     return {"qconv": (conv_gemm.qconv, conv_gemm.chain_call), "qconv_depthwise": (depthwise.qconv_depthwise, depthwise.chain_call),
-            "qconv_grouped": (grouped.qconv_grouped, grouped.chain_call), "qconv_stem": (stem.qconv_stem, stem.chain_call), "max_pool_u8": (pools.max_pool_u8, pools.max_pool_chain_call),
+            "qconv_grouped": (grouped.qconv_grouped, grouped.chain_call), "qconv_stem": (stem.qconv_stem, stem.chain_call),
+            "max_pool_u8": (pools.max_pool_u8, pools.max_pool_chain_call),
             "global_avg_pool_u8": (pools.global_avg_pool_u8, pools.global_avg_pool_chain_call),
             "int4_mm_int16": (weight_only_mm.int4_mm_int16, weight_only_mm.chain_call),
             "int8_mm_int16": (weight_only_mm.int8_mm_int16, weight_only_mm.chain_call),

@@ -108,9 +108,9 @@ def _set_values(values: dict, inputs: Optional[list] = None) -> bool:
     their own (a loaded DistilBERT's attention, on meta values, stayed on torch's SDPA where the
     in-process compile, on export's fake CPU tensors, fused it)."""
     device = next((x.device for x in inputs or () if isinstance(x, torch.Tensor)), None)
-    described = (lambda value: value) if device is None or device.type != "cpu" else functools.partial(_on, device)
+    on_cpu = device is not None and device.type == "cpu"
     for node, value in values.items():
-        node.meta["val"] = pytree.tree_map(described, value)
+        node.meta["val"] = pytree.tree_map(functools.partial(_on, device), value) if on_cpu else value
     return True
 
 
