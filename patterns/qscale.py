@@ -1,6 +1,7 @@
 """A channel scale folded into the quantize after it: x * s -> q, s one factor per image and
 channel computed in the graph (squeeze-excitation's sigmoid / hard-sigmoid gate in EfficientNet
-and MobileNetV3). A constant factor is ``qsmooth``'s."""
+and MobileNetV3). A constant factor is ``qsmooth``'s. Where s is a gate (``GATES``) only the
+multiply reads, the match names it: a kernel may take the gate's input and apply it itself."""
 from __future__ import annotations
 
 import torch
@@ -11,6 +12,7 @@ from .base import GraphView, Match, NearMiss, Rule, fake_value, require
 from .qdq import quantized_output
 
 aten = torch.ops.aten
+GATES = {aten.sigmoid.default: "sigmoid", aten.hardsigmoid.default: "hardsigmoid"}  # gate op -> its name
 
 
 def _channel_factors(graph: GraphView, x: Node, factor: Node) -> bool:
@@ -30,14 +32,16 @@ def select_qscale(graph: GraphView, mul: Node) -> Match:
     for value in (fake_value(x), fake_value(factors)):
         require(value.dtype == torch.float32, f"the multiply is in {value.dtype}, not float32")
     quant, qparams = quantized_output(mul, "channel scale")
-    return Match(None, mul, (mul, quant), None, op_args=(factors,), output_quant=qparams, float_source=x)
+    gate = factors if (factors.op == "call_function" and factors.target in GATES and len(factors.args) == 1
+                       and not factors.kwargs and len(factors.users) == 1) else None
+    return Match(None, mul, (mul, quant), None, op_args=(factors, gate), output_quant=qparams, float_source=x)
 
 
 QSCALE = Rule(
     name="qscale",
     anchors="smooth",
-    pattern="x[N, C, H, W] * s[N|1, C, 1, 1] -> q",
-    doc="channel scale (squeeze-excitation gate) + quant => one scale-and-quantize pass",
+    pattern="x[N, C, H, W] * s[N|1, C, 1, 1] -> q  (s: sigmoid / hardsigmoid(t) or any)",
+    doc="channel scale (squeeze-excitation gate, the gate too) + quant => one scale-and-quantize pass",
     select_fn=select_qscale,
     priority=0,
     example=examples.squeeze_excitation,

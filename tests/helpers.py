@@ -128,6 +128,15 @@ def chained_convs(gm: GraphModule) -> list:
             if step.kernel in ("qconv", "qconv_depthwise", "qconv_stem")]
 
 
+def kernel_calls(gm: GraphModule, kernel: str) -> list:
+    """The argument tuples of each call of own kernel ``kernel`` (a kernel_chain.kernels() name)
+    in ``gm``: graph nodes, or steps of its kernel chains (arguments as the chain holds them)."""
+    plain = kernels()[kernel][0]
+    return [node.args if node.target is plain else step.args for node in gm.graph.nodes
+            for step in (node.target.steps if isinstance(node.target, KernelChain) else [node])
+            if node.target is plain or getattr(step, "kernel", None) == kernel]
+
+
 def op_name(target) -> str:
     """An op's short name: ``aten.reshape``, ``conv_gemm.qconv``."""
     if isinstance(target, torch._ops.OpOverload):

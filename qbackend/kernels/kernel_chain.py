@@ -33,7 +33,8 @@ from torch.fx.node import map_aggregate, map_arg
 from qbackend.kernels.weight_only_linear import unflatten_rows
 
 from qbackend.kernels import kv_append, rms_norm, rotary, silu_mul
-from qbackend.kernels import attention, conv_gemm, depthwise, grouped, isa, library, pools, registry, stem, weight_only_mm
+from qbackend.kernels import (attention, conv_gemm, depthwise, fast_qdq, grouped, isa, library, pools, quantize, registry,
+                              scale_quantize, stem, weight_only_mm)
 from qbackend.kernels.chain_step import FOUR, X_TO_Y, KeyLength
 from qbackend.kernels.structs import ChainStep, Operand
 
@@ -61,6 +62,8 @@ def kernels() -> dict:
             "qconv_grouped": (grouped.qconv_grouped, grouped.chain_call), "qconv_stem": (stem.qconv_stem, stem.chain_call),
             "max_pool_u8": (pools.max_pool_u8, pools.max_pool_chain_call),
             "global_avg_pool_u8": (pools.global_avg_pool_u8, pools.global_avg_pool_chain_call),
+            "scale_quantize": (scale_quantize.scale_quantize, scale_quantize.chain_call),
+            "quantize_per_tensor": (fast_qdq.quantize_per_tensor, quantize.dense_chain_call),
             "int4_mm_int16": (weight_only_mm.int4_mm_int16, weight_only_mm.chain_call),
             "int8_mm_int16": (weight_only_mm.int8_mm_int16, weight_only_mm.chain_call),
             "rms_norm": (rms_norm.rms_norm, rms_norm.chain_call), "add_rms_norm": (rms_norm.add_rms_norm, rms_norm.chain_call),
@@ -365,6 +368,10 @@ def _joins(node: Node, kernel: str) -> bool:
     value only attention's keys / values and the graph's output do (its length is given per call)."""
     if kernel == "attention_f32":
         return len(node.args) > 3 and node.args[3] is None
+    if kernel == "quantize_per_tensor":  # (where the one-pass kernel runs it: a dense float32 input)
+        x = node.args[0].meta.get("val", node.args[0].meta.get("example_value")) if isinstance(node.args[0], Node) else None
+        return (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.numel() > 0
+                and (x.is_contiguous() or quantize.memory_order(x) is not None))
     if kernel == "kv_append":
         cache = node.args[0]
         return isinstance(cache, Node) and cache.op == "placeholder" and len(cache.users) == 1 and all(

@@ -11,6 +11,8 @@ from typing import Optional
 import torch
 
 from qbackend.kernels import isa, library
+from qbackend.kernels.chain_step import X_TO_Y, StepCall, step_call
+from qbackend.kernels.structs import QuantizeCall
 
 _i32, _f32, _pointer = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 _NHWC = (_i32,) * 4 + (_pointer, _f32) + (_i32,) * 3 + (_pointer,)  # (threads, n, c, pixels, x, 1 / scale, zp, qmin, qmax, y)
@@ -50,17 +52,40 @@ def quantize_dense(x: torch.Tensor, scale: float, zero_point: int, qmin: int, qm
     does not apply (other tensors, a range beyond the dtype's, a scale or zero point whose
     float32 arithmetic the kernel does not reproduce) or is not built."""
     kernel = _dense_kernel()
-    if (kernel is None or x.dtype != torch.float32 or x.device.type != "cpu" or dtype not in INTEGER_RANGE
-            or not (x.is_contiguous() or memory_order(x) is not None)):
-        return None
-    low, high = INTEGER_RANGE[dtype]
-    if not (low <= qmin <= qmax <= high and low <= nan_as <= high and abs(zero_point) <= 1 << 24 and scale > 0
-            and math.isfinite(scale)):
+    if kernel is None or not _dense_applies(x, scale, zero_point, qmin, qmax, dtype, nan_as):
         return None
     y = torch.empty_like(x, dtype=dtype)  # (a dense input's strides)
-    kernel(torch.get_num_threads(), x.numel(), x.data_ptr(), 1.0 / scale, zero_point, qmin, qmax, dtype == torch.int8,
-           nan_as & 0xFF, _wide_quantize(), y.data_ptr())
+    kernel(torch.get_num_threads(), x.numel(), x.data_ptr(), *_dense_arguments(scale, zero_point, qmin, qmax, dtype, nan_as),
+           y.data_ptr())
     return y
+
+
+def _dense_applies(x: torch.Tensor, scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype,
+                   nan_as: int) -> bool:
+    """Whether quantize_dense.c takes this call (a dense float32 CPU tensor, a range within the dtype's,
+    a scale and zero point whose float32 arithmetic it reproduces)."""
+    if (x.dtype != torch.float32 or x.device.type != "cpu" or dtype not in INTEGER_RANGE
+            or not (x.is_contiguous() or memory_order(x) is not None)):
+        return False
+    low, high = INTEGER_RANGE[dtype]
+    return (low <= qmin <= qmax <= high and low <= nan_as <= high and abs(zero_point) <= 1 << 24 and scale > 0
+            and math.isfinite(scale))
+
+
+def _dense_arguments(scale: float, zero_point: int, qmin: int, qmax: int, dtype: torch.dtype, nan_as: int) -> tuple:
+    return 1.0 / scale, zero_point, qmin, qmax, dtype == torch.int8, nan_as & 0xFF, _wide_quantize()
+
+
+def dense_chain_call(args: tuple, y: torch.Tensor) -> Optional[StepCall]:
+    """``fast_qdq.quantize_per_tensor``'s kernel chain step: quantize_dense.c on the values in
+    their memory order, where the call ran it (its result has the input's strides), else None."""
+    x, (scale, zero_point, qmin, qmax, dtype, *nan_as) = args[0], args[1:]
+    nan_as = nan_as[0] if nan_as else 0
+    if (type(x) is not torch.Tensor or not _dense_applies(x, scale, zero_point, qmin, qmax, dtype, nan_as) or y.dtype != dtype
+            or y.stride() != x.stride() or x.numel() == 0):
+        return None
+    call = QuantizeCall(x.numel(), *_dense_arguments(scale, zero_point, qmin, qmax, dtype, nan_as))
+    return step_call(isa.c_address("qb_quantize_dense_call"), call, (x, y), kind=X_TO_Y)
 
 
 @functools.lru_cache(maxsize=None)

@@ -72,6 +72,21 @@ class GlobalAvgPoolCall(ctypes.Structure):
     _fields_ = _ints("N", "HW", "C", "zp", "qmin", "qmax")
 
 
+class ScaleQuantizeCall(ctypes.Structure):
+    """scale_quantize.c's."""
+
+    c_name = "scale_quantize_call_t"
+    _fields_ = (_ints("N", "C") + [("HW", _long), ("channels_last", _int), ("s_batch_stride", _long), ("gate", _int),
+                                    ("inv_scale", _float)] + _ints("zp", "qmin", "qmax"))
+
+
+class QuantizeCall(ctypes.Structure):
+    """quantize_dense.c's."""
+
+    c_name = "quantize_call_t"
+    _fields_ = [("n", _long), ("inv_scale", _float)] + _ints("zp", "qmin", "qmax", "is_signed", "nan_byte", "wide")
+
+
 class AttentionCall(ctypes.Structure):
     """attention_f32.c's."""
 
@@ -128,8 +143,8 @@ class SiluMulCall(ctypes.Structure):
     _fields_ = [(name, _long) for name in ("rows", "n", "a_row", "b_row")]
 
 
-STRUCTS = (ConvCall, DepthwiseCall, GroupedCall, StemCall, MaxPoolCall, GlobalAvgPoolCall, AttentionCall, WeightOnlyCall,
-           Operand, ChainStep, KvAppendCall, RmsNormCall, SiluMulCall)
+STRUCTS = (ConvCall, DepthwiseCall, GroupedCall, StemCall, MaxPoolCall, GlobalAvgPoolCall, ScaleQuantizeCall, QuantizeCall,
+           AttentionCall, WeightOnlyCall, Operand, ChainStep, KvAppendCall, RmsNormCall, SiluMulCall)
 
 
 def layout(struct) -> list[int]:

@@ -15,7 +15,8 @@ from qbackend.passes import einsum
 from qbackend.kernels import isa, registry
 from qbackend.kernels import attention as attention_kernel
 
-from tests.helpers import Captured, assert_matches_reference, compile_and_run, quantize, short_graph, needs_own_kernels
+from tests.helpers import (Captured, assert_matches_reference, compile_and_run, kernel_calls, quantize, short_graph,
+                           needs_own_kernels)
 from tests.tolerances import TOLERANCE
 
 
@@ -165,7 +166,8 @@ class TestAttentionGraph(expecttest.TestCase):
         sdpa = [line for line in graph.splitlines() if "scaled_dot_product" in line]
         self.assertExpectedInline("\n".join(sdpa), """\
 scaled_dot_product_attention_default = aten.scaled_dot_product_attention(transpose, transpose_1, transpose_2, attn_mask=l_mask_, scale=0.354)
-quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(scaled_dot_product_attention_default, 0.0131, 53, 0, 127, uint8)""")
+quantize_per_tensor_default_2 = fast_qdq.quantize_per_tensor(scaled_dot_product_attention_default, 0.0131, 53, 0, 127, uint8)
+kernel_chain_1 = kernel_chain(scaled_dot_product_attention_default) of 5 steps -> (qconv_1)""")
         assert "softmax" not in graph and "matmul" not in graph
 
     @needs_own_kernels
@@ -204,7 +206,7 @@ class TestAttentionProjection(expecttest.TestCase):
         graph = short_graph(captured.lowered)
         # (the projection: the merged q / k / v linear on qbackend's GEMM, [16 rows, 96, 1, 1])
         self.assertExpectedInline(graph[graph.index("\nattention_from_projection") + 1:], """\
-attention_from_projection = attention.attention_from_projection(qconv_4, ((16, 96, 1, 1), (2, 2, 8, 16), 8, (0, 32, 64), ((768, 16, 96), (768, 16, 96), (768, 16, 96))), l_mask_, 0.25, (0.0107, 58, 0, 127))
+attention_from_projection = attention.attention_from_projection(getitem, ((16, 96, 1, 1), (2, 2, 8, 16), 8, (0, 32, 64), ((768, 16, 96), (768, 16, 96), (768, 16, 96))), l_mask_, 0.25, (0.0107, 58, 0, 127))
 reshape_default_10 = attention_from_projection.reshape([16, 32, 1, 1])
 qconv_3 = conv_gemm.qconv(reshape_default_10, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
 reshape_default_8 = qconv_3.reshape([2, 8, 32])
@@ -409,7 +411,8 @@ def test_grouped_query_heads_of_one_projection_keep_their_views():
     inputs = (torch.randn(2, 8, 32),)
     captured = assert_matches_reference(quantize(GroupedQueryProjection().eval(), inputs), inputs)
     targets = [n.target for n in captured.lowered.graph.nodes]
-    assert attention_kernel.attention_f32 in targets and attention_kernel.attention_from_projection not in targets, captured.lowered.graph
+    assert kernel_calls(captured.lowered, "attention_f32") and attention_kernel.attention_from_projection not in targets, \
+        captured.lowered.graph
 
 
 class DecodeStepAttention(nn.Module):
@@ -487,8 +490,8 @@ def test_a_causal_fused_attention_call_runs_on_the_kernel():
     [(rule, op, reason)] = _attention_decisions(captured.report)
     assert (rule, op) == ("sdpa_fused", "qbackend::attention_f32.default"), str(captured.report)
     assert "causal: each block of query rows reads the keys up to its last position" in reason, reason
-    [call] = [n for n in captured.lowered.graph.nodes if n.target is attention_kernel.attention_f32]
-    assert call.args[5:] == (True,)
+    [args] = kernel_calls(captured.lowered, "attention_f32")
+    assert args[5:] == (True,)
 
 
 class ShiftedWindowAttention(nn.Module):

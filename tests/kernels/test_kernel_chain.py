@@ -10,7 +10,7 @@ from qbackend.kernels import registry
 from qbackend.kernels.kernel_chain import KernelChain, Ref, _plan
 
 from tests.helpers import compile_and_run, needs_own_kernels, quantize, short_graph
-from tests.kernels.test_own_conv_kernels import InvertedResidual
+from tests.kernels.test_own_conv_kernels import InvertedResidual, SqueezeExcitationBlock
 
 pytestmark = needs_own_kernels
 
@@ -51,6 +51,23 @@ def test_chain_gives_the_bytes_of_the_separate_calls_on_every_call(model_kind, m
         for i in inputs:  # the first call runs the steps one by one; later ones, the prepared program
             a, b = chained.lowered(i), separate.lowered(i)
             assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_a_squeeze_excitation_block_runs_as_one_chain_of_c_steps(monkeypatch):
+    """EfficientNet's block: the depthwise conv's float output quantized for the pool, the gate's
+    sigmoid and the scale-and-quantize are steps too: one chain, prepared as a C program, the
+    bytes of the separate calls."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 14, 14)
+    model = quantize(SqueezeExcitationBlock(nn.SiLU).eval(), (x,))
+    chained, separate = (_compiled(model, x, flag, monkeypatch) for flag in (True, False))
+    (chain,) = [n.target for n in chained.lowered.graph.nodes if isinstance(n.target, KernelChain)]
+    assert [kernel for _, kernel, _ in chain.listing()] == [
+        "qconv", "qconv_depthwise", "quantize_per_tensor", "global_avg_pool_u8", "qconv", "qconv", "scale_quantize", "qconv"]
+    with torch.no_grad():
+        for i in [torch.randn(2, 8, 14, 14) for _ in range(3)]:
+            assert torch.equal(chained.lowered(i)[0], separate.lowered(i)[0])
+    assert list(chain._programs.values()) and all(program is not None for program in chain._programs.values())
 
 
 class TestChainGraph(expecttest.TestCase):

@@ -71,6 +71,24 @@ typedef struct {
   int N, HW, C, zp, qmin, qmax;
 } global_avg_pool_call_t;
 
+/* scale_quantize.c: y = quantize(x * gate(s)), x float32 [N][C][HW] or [N][HW][C]. */
+typedef struct {
+  int N, C;
+  long HW;
+  int channels_last;
+  long s_batch_stride; /* C: one factor per image and channel; 0: one per channel for the batch */
+  int gate;            /* enum gate: the factors as given, or their sigmoid / hard sigmoid */
+  float inv_scale;
+  int zp, qmin, qmax;
+} scale_quantize_call_t;
+
+/* quantize_dense.c: n float32 values to uint8 / int8 in their memory order (a kernel chain step). */
+typedef struct {
+  long n;
+  float inv_scale;
+  int zp, qmin, qmax, is_signed, nan_byte, wide;
+} quantize_call_t;
+
 /* attention_f32.c. Strides in elements, the last dim contiguous; a mask stride of 0 broadcasts
  * that dim. */
 typedef struct {
@@ -111,7 +129,8 @@ typedef struct {
   int kind;
   const void* function; /* FOUR: qb_conv_call(_vnni) (x, residual, y, float y), qb_weight_only_call, qb_rms_norm_call,
                            qb_rotary_call, qb_silu_mul_call, qb_kv_append_call; X_TO_Y: qb_dwconv(_vnni)_call,
-                           qb_stem_conv_vnni_call, the pools; SIX: qb_attention_call */
+                           qb_stem_conv_vnni_call, the pools, qb_quantize_dense_call;
+                           FOUR also qb_scale_quantize_call (x, factors, y); SIX: qb_attention_call */
   const void* call;           /* its prepared arguments */
   operand_t a, b, c, d, e, f; /* X_TO_Y: x = a, y = b */
 } chain_step_t;

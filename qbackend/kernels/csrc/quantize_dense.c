@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "call_structs.h"
 #include "vec_math.h"
 
 #define CHUNK 16384 /* values per parallel task */
@@ -91,4 +92,10 @@ void qb_quantize_dense(int threads, long n, const float* x, float inv_scale, int
     (wide ? quantize_run512 : quantize_run256)(x + start, count, inv_scale, zero_point + bias, qmin + bias, qmax + bias, bias,
                                                nan_byte, y + start);
   }
+}
+
+/* qb_quantize_dense as a kernel chain step (X_TO_Y): 0. */
+int qb_quantize_dense_call(int threads, const quantize_call_t* c, const float* x, uint8_t* y) {
+  qb_quantize_dense(threads, c->n, x, c->inv_scale, c->zp, c->qmin, c->qmax, c->is_signed, c->nan_byte, c->wide, y);
+  return 0;
 }

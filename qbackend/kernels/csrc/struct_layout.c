@@ -21,6 +21,8 @@
 #define K(f) AT(kv_append_call_t, f)
 #define R(f) AT(rms_norm_call_t, f)
 #define U(f) AT(silu_mul_call_t, f)
+#define Q(f) AT(scale_quantize_call_t, f)
+#define Z(f) AT(quantize_call_t, f)
 
 static const struct {
   const char* name;
@@ -51,6 +53,9 @@ static const struct {
     LAYOUT(kv_append_call_t, K(batch), K(heads), K(added), K(row_bytes), K(new_stride), K(past_stride)),
     LAYOUT(rms_norm_call_t, R(rows), R(n), R(w), R(eps)),
     LAYOUT(silu_mul_call_t, U(rows), U(n), U(a_row), U(b_row)),
+    LAYOUT(scale_quantize_call_t, Q(N), Q(C), Q(HW), Q(channels_last), Q(s_batch_stride), Q(gate), Q(inv_scale), Q(zp),
+           Q(qmin), Q(qmax)),
+    LAYOUT(quantize_call_t, Z(n), Z(inv_scale), Z(zp), Z(qmin), Z(qmax), Z(is_signed), Z(nan_byte), Z(wide)),
 };
 
 /* Struct ``name``'s layout (*count values), or NULL for a name not here. */
