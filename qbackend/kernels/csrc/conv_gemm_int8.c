@@ -529,6 +529,10 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
     row_blocks = row_blocks > pixel_tiles ? pixel_tiles : row_blocks;
   }
   const int block_tiles = (pixel_tiles + row_blocks - 1) / row_blocks;
+  /* A 1x1 conv of stride 1 and no padding reads each output pixel's own input row: window_rows'
+   * divisions and bounds checks per pixel tile had cost small-K convs up to a third of their
+   * time (one Zen 3 thread: 32 -> 16 channels at 112x112 209 -> 143 us, 16 -> 64 442 -> 374). */
+  const int pointwise = taps == 1 && g.stride_h == 1 && g.stride_w == 1 && g.pad_h == 0 && g.pad_w == 0;
   ptrdiff_t tap_offsets[MAX_TAPS]; /* from a window's first input row, for windows inside the image */
   for (int kh = 0; kh < g.KH; kh++)
     for (int kw = 0; kw < g.KW; kw++) tap_offsets[kh * g.KW + kw] = ((ptrdiff_t)kh * g.dil_h * g.W + kw * g.dil_w) * g.Cin;
@@ -548,7 +552,12 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
           const int width = wide ? 4 : (ot + 1 < output_tiles ? tile_start(ot + 1, blocks) : blocks) - b0;
           const int o = b0 * BLOCK;
           const int pixels = P - (int)p < tile_pixels ? P - (int)p : tile_pixels;
-          if (rows_of != pt) window_rows(&g, x, padding, tap_offsets, (int)p, pixels, rows);
+          if (rows_of != pt) {
+            if (pointwise)
+              for (int i = 0; i < pixels; i++) rows[i][0] = x + (p + i) * g.Cin;
+            else
+              window_rows(&g, x, padding, tap_offsets, (int)p, pixels, rows);
+          }
           rows_of = pt;
           if (width == 4) {
             WIDE_TILE_CASES(pixels)
