@@ -25,11 +25,10 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
 def emit(ctx: EmitContext, match):
     q = match.output_quant
     factors, gate = match.op_args
+    source, name = (gate.args[0], GATES[gate.target]) if gate is not None else (factors, "none")
     ctx.kernel = f"{registry.NAMESPACE}::scale_quantize.default"
-    ctx.notes.append("qbackend's scale-and-quantize kernel" + (f", its {GATES[gate.target]} gate too" if gate is not None else ""))
-    gated = (gate.args[0], GATES[gate.target]) if gate is not None else (factors, "none")
-    return own_conv.call_kernel(ctx, "scale_quantize", (match.float_source, gated[0], q.scale, q.zero_point, q.qmin, q.qmax,
-                                                        gated[1]))
+    ctx.notes.append("qbackend's scale-and-quantize kernel" + (f", its {name} gate too" if gate is not None else ""))
+    return own_conv.call_kernel(ctx, "scale_quantize", (match.float_source, source, q.scale, q.zero_point, q.qmin, q.qmax, name))
 
 
 KERNEL = own_conv.OwnKernel("scale-and-quantize", lambda match: True, refusal, emit)
