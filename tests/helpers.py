@@ -132,9 +132,13 @@ def kernel_calls(gm: GraphModule, kernel: str) -> list:
     """The argument tuples of each call of own kernel ``kernel`` (a kernel_chain.kernels() name)
     in ``gm``: graph nodes, or steps of its kernel chains (arguments as the chain holds them)."""
     plain = kernels()[kernel][0]
-    return [node.args if node.target is plain else step.args for node in gm.graph.nodes
-            for step in (node.target.steps if isinstance(node.target, KernelChain) else [node])
-            if node.target is plain or getattr(step, "kernel", None) == kernel]
+    calls = []
+    for node in gm.graph.nodes:
+        if node.target is plain:
+            calls.append(node.args)
+        elif isinstance(node.target, KernelChain):
+            calls.extend(step.args for step in node.target.steps if step.kernel == kernel)
+    return calls
 
 
 def op_name(target) -> str:

@@ -370,8 +370,7 @@ def _joins(node: Node, kernel: str) -> bool:
         return len(node.args) > 3 and node.args[3] is None
     if kernel == "quantize_per_tensor":  # (where the one-pass kernel runs it: a dense float32 input)
         x = node.args[0].meta.get("val", node.args[0].meta.get("example_value")) if isinstance(node.args[0], Node) else None
-        return (isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.numel() > 0
-                and (x.is_contiguous() or quantize.memory_order(x) is not None))
+        return isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.numel() > 0 and quantize.dense(x)
     if kernel == "kv_append":
         cache = node.args[0]
         return isinstance(cache, Node) and cache.op == "placeholder" and len(cache.users) == 1 and all(

@@ -65,7 +65,7 @@ def _dense_applies(x: torch.Tensor, scale: float, zero_point: int, qmin: int, qm
     """Whether quantize_dense.c takes this call (a dense float32 CPU tensor, a range within the dtype's,
     a scale and zero point whose float32 arithmetic it reproduces)."""
     if (x.dtype != torch.float32 or x.device.type != "cpu" or dtype not in INTEGER_RANGE
-            or not (x.is_contiguous() or memory_order(x) is not None)):
+            or not dense(x)):
         return False
     low, high = INTEGER_RANGE[dtype]
     return (low <= qmin <= qmax <= high and low <= nan_as <= high and abs(zero_point) <= 1 << 24 and scale > 0
@@ -92,6 +92,11 @@ def dense_chain_call(args: tuple, y: torch.Tensor) -> Optional[StepCall]:
 def _wide_quantize() -> bool:
     """quantize_dense.c's AVX512 step: where ATen finds AVX512 and $QBACKEND_KERNELS is not avx2."""
     return torch.backends.cpu.get_cpu_capability() == "AVX512" and library.switch() != "avx2"
+
+
+def dense(x: torch.Tensor) -> bool:
+    """Whether ``x``'s elements fill its memory in some dim order (what quantize_dense.c walks)."""
+    return x.is_contiguous() or memory_order(x) is not None
 
 
 def memory_order(x: torch.Tensor) -> Optional[list]:

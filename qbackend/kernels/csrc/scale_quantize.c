@@ -60,12 +60,11 @@ int qb_scale_quantize_call(int threads, const scale_quantize_call_t* c, const fl
   float* gated = NULL;
   if (c->gate != GATE_NONE) {
     const long count = (stride ? (long)N : 1) * C, padded = (count + 7) / 8 * 8;
-    gated = malloc(2 * padded * sizeof(float));
+    gated = malloc(padded * sizeof(float));
     if (!gated) return -1;
-    float* in = gated + padded;
-    memcpy(in, s, count * sizeof(float));
-    memset(in + count, 0, (padded - count) * sizeof(float));
-    for (long i = 0; i < padded; i += 8) _mm256_storeu_ps(gated + i, gated8(c->gate, _mm256_loadu_ps(in + i)));
+    memcpy(gated, s, count * sizeof(float));
+    memset(gated + count, 0, (padded - count) * sizeof(float));
+    for (long i = 0; i < padded; i += 8) _mm256_storeu_ps(gated + i, gated8(c->gate, _mm256_loadu_ps(gated + i)));
     s = gated;
   }
   if (c->channels_last) {
