@@ -50,19 +50,24 @@ def _largest_pair_sum(weight: torch.Tensor) -> int:
     return int(magnitudes.topk(2, dim=1).values.sum(dim=1).amax())
 
 
-def _exact_int8_products(match):
+def _int16_pairs_overflow(match):
     # Without VNNI, oneDNN adds pairs of uint8 x int8 products in int16 and saturates: full
     # 8-bit activations times full-range weights come out wrong (measured: off by 18445 on a
-    # random 64-wide dot). Lowered only where no pair can overflow, which 7-bit weights
-    # (255 x 128) or 7-bit activations (127 x 256) guarantee: both <= 32767.
+    # random 64-wide dot). No pair can overflow with 7-bit weights (255 x 128) or 7-bit
+    # activations (127 x 256): both <= 32767.
     if match.weight is None or not int8_pairs_saturate("cpu", "conv" if match.conv is not None else "linear"):
         return None
     bound = match.x.qparams.qmax * _largest_pair_sum(match.weight.int8)
     if bound <= INT16_MAX:
         return None
-    return (f"this CPU's int8 kernel adds pairs of products in int16 (no VNNI) and this layer's can reach {bound}"
-            f" > {INT16_MAX}: kept so its result stays exact; quantize with 7-bit weights ([-64, 63],"
-            " qbackend.pt2e_flow.quantize_x86's default on such a CPU) or 7-bit activations to lower it")
+    return f"this CPU's oneDNN int8 kernel adds pairs of products in int16 (no VNNI) and this layer's can reach {bound} > {INT16_MAX}"
+
+
+def _exact_int8_products(match):
+    """Why a match stays float where no own kernel runs it exactly (_conv_linear_row), or None."""
+    overflow = _int16_pairs_overflow(match)
+    return overflow and (f"{overflow}: kept so its result stays exact; quantize with 7-bit weights ([-64, 63],"
+                         " qbackend.pt2e_flow.quantize_x86's default on such a CPU) or 7-bit activations to lower it")
 
 
 def _limits(match):
@@ -90,23 +95,27 @@ def _own_kernel_or(onednn_emit, *kernels, fallback="oneDNN"):
 
 
 def _conv_linear_row(row: str, onednn_emit, *kernels) -> Lowering:
-    """A conv / linear row: ``_own_kernel_or``, and a match whose post-op alone oneDNN refuses
-    (GELU after a conv: MaxViT) runs on the first own kernel that fuses it, unmeasured."""
+    """A conv / linear row: ``_own_kernel_or``, and a match oneDNN cannot run (its post-op: GELU
+    after a conv, MaxViT; or its int16 pair sums, which saturate: 8-bit weights on a CPU without
+    VNNI) runs on the first own kernel that takes it, unmeasured."""
     def taker(ctx, match):
         return next((k for k in kernels if k.applies(match) and k.refusal(ctx, match) is None), None)
 
+    def onednn_refusal(match):
+        post_op = _post_op(match)
+        return f"oneDNN refuses the post-op: {post_op}" if post_op else _int16_pairs_overflow(match)
+
     def runs_anyway(ctx, match) -> bool:
-        return _post_op(match) is not None and not (_uint8_activations(match) or _exact_int8_products(match)) \
-            and taker(ctx, match) is not None
+        return onednn_refusal(match) is not None and not _uint8_activations(match) and taker(ctx, match) is not None
 
     either = _own_kernel_or(onednn_emit, *kernels)
 
     def emit(ctx, match):
-        refused = _post_op(match)
+        refused = onednn_refusal(match)
         if refused is None:
             return either(ctx, match)
         kernel = taker(ctx, match)  # (lower.py emits such a match only where runs_anyway found one)
-        ctx.notes.append(f"qbackend's {kernel.name} kernel (oneDNN refuses the post-op: {refused})")
+        ctx.notes.append(f"qbackend's {kernel.name} kernel, not oneDNN: {refused}")
         return kernel.emit(ctx, match)
 
     return dataclasses.replace(TABLE[row], emit=emit, runs_anyway=runs_anyway)

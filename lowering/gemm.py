@@ -138,9 +138,6 @@ def int16_pairs_refusal(match) -> Optional[str]:
 
 
 def _gemm_refusal(ctx: EmitContext, match) -> Optional[str]:
-    reason = int16_pairs_refusal(match)
-    if reason is not None:
-        return reason
     int8_values = (match.x.qparams,) + tuple(q for q in (match.output_quant, match.accum and match.accum.qparams) if q)
     return own_conv.refusal(ctx, match, int8_values, activations=tuple(own_conv.ACTIVATIONS))
 
@@ -171,13 +168,15 @@ def linear_refusal(ctx: EmitContext, match) -> Optional[str]:
     return _operands_refusal(match, output_shape) or _gemm_refusal(ctx, match)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """The weight as [ceil(Cout/B)][KH*KW*ceil(Cin/4)][B][4], B = conv_gemm.GEMM_BLOCK (every build;
-    Cout and each kernel position's Cin padded with zero weights): one row feeds B outputs x 4
-    inputs, a zmm vector or two ymm ones."""
-    block, ordered = conv_gemm.GEMM_BLOCK, _in_kernel_order(weight)
+def pack(weight: torch.Tensor, exact16: bool = False) -> torch.Tensor:
+    """The weight as [ceil(Cout/B)][KH*KW*ceil(Cin/4)][B][4], B = conv_gemm.GEMM_BLOCK (every int8
+    build; Cout and each kernel position's Cin padded with zero weights): one row feeds B outputs
+    x 4 inputs, a zmm vector or two ymm ones. ``exact16``: int16 values, 2 inputs a 4-byte word
+    ([..][KH*KW*ceil(Cin/4)*2][B][2]), for conv_gemm_int8_exact16.c."""
+    block, ordered, word = conv_gemm.GEMM_BLOCK, _in_kernel_order(weight), 2 if exact16 else 4
     ordered = torch.nn.functional.pad(ordered, (0, 0, 0, -ordered.shape[0] % block))
-    return ordered.reshape(ordered.shape[0] // block, block, -1, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)
+    packed = ordered.reshape(ordered.shape[0] // block, block, -1, word).permute(0, 2, 1, 3).contiguous().reshape(-1)
+    return packed.to(torch.int16) if exact16 else packed
 
 
 def _call(ctx: EmitContext, match, x: Node, residual: Optional[Node] = None, residual_scale: float = 0.0,
@@ -190,8 +189,11 @@ def _call(ctx: EmitContext, match, x: Node, residual: Optional[Node] = None, res
     mult, add = own_conv.requantize_constants(ctx, match, shift)
     ctx.kernel = f"{registry.NAMESPACE}::qconv.default"
     requantize = (out.scale, out.zero_point, out.qmin, out.qmax) if out is not None else (1.0, 0, 0, 255)
+    saturating = int16_pairs_refusal(match)
+    if saturating is not None:
+        ctx.notes.append(f"its exact int16 build, not vpmaddubsw: {saturating}")
     return own_conv.call_kernel(ctx, "qconv", (
-        x, ctx.constant(pack(match.weight.int8), "gemm_w"), ctx.constant(mult.float(), "gemm_mult"),
+        x, ctx.constant(pack(match.weight.int8, exact16=saturating is not None), "gemm_w"), ctx.constant(mult.float(), "gemm_mult"),
         ctx.constant(add.float(), "gemm_add"), residual, residual_scale, low, high, *requantize, out is None,
         activation, *geometry))
 

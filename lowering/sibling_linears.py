@@ -117,14 +117,16 @@ def _slice_columns(graph, merged: Node, members: list[Node], outputs: list[Node]
 
 
 def _merge_own(ctx: EmitContext, members: list[Node]) -> bool:
-    """One own-kernel call for ``members``: their int8 weights concatenated and packed, their
-    multipliers and offsets concatenated; the first member's input rows."""
+    """One own-kernel call for ``members``: their int8 weights concatenated and packed (for the
+    exact int16 build where any member's were), their multipliers and offsets concatenated; the
+    first member's input rows."""
     graph, first = ctx.gm.graph, members[0]
     outputs = [_own_kernel_output(m) for m in members]
     weights = [m.meta[SIBLING][1].int8 for m in members]
     widths = [w.shape[0] for w in weights]
+    exact16 = any(constant_value(ctx.gm, m.args[1]).dtype == torch.int16 for m in members)
     with graph.inserting_before(first):
-        constants = [ctx.constant(gemm.pack(torch.cat(weights)), "gemm_w")]
+        constants = [ctx.constant(gemm.pack(torch.cat(weights), exact16), "gemm_w")]
         constants += [ctx.constant(torch.cat([constant_value(ctx.gm, m.args[i]) for m in members]), hint)
                       for i, hint in ((2, "gemm_mult"), (3, "gemm_add"))]
         kernel = own_conv.call_kernel(ctx, "qconv", (first.args[0], *constants, *first.args[4:]))

@@ -1,6 +1,7 @@
 """The int8 GEMM for convs up to 3x3 and linears (``csrc/conv_gemm_int8.c``, AVX2; built again
 for AVX512-VNNI on ymm and on zmm registers, ``conv_gemm_int8_vnni.c``,
-``conv_gemm_int8_vnni512.c``: ``isa.gemm_build`` picks): ``qbackend::qconv``. onednn's
+``conv_gemm_int8_vnni512.c``: ``isa.gemm_build`` picks; int16 weights run the exact AVX2 build,
+``conv_gemm_int8_exact16.c``, whatever the CPU): ``qbackend::qconv``. onednn's
 qconv_pointwise / qlinear_pointwise spend ~50 us per call before computing, and their AVX2 int8
 kernels are slower than this GEMM's below a few thousand output rows.
 """
@@ -23,9 +24,10 @@ SCHEMAS = {
              "str activation='none', int[2] kernel_size=[1, 1], int[2] stride=[1, 1], int[2] padding=[0, 0], "
              "int[2] dilation=[1, 1], int x_zero_point=0) -> Tensor",
 }
-# qb_conv_call's, qb_conv_call_vnni's and qb_conv_call_vnni512's signature: (threads, call, x, residual, y, yf) -> 0 / -1
+# every build's signature (qb_conv_call, _vnni, _vnni512, _exact16): (threads, call, x, residual, y, yf) -> 0 / -1
 # (a scratch buffer could not be allocated)
 GEMM_SIGNATURE = (ctypes.c_int,) + (ctypes.c_void_p,) * 5
+EXACT16_FUNCTION = "qb_conv_call_exact16"  # (the AVX2 library's: int16 weights, exact for any int8 values)
 
 
 MAX_TAPS = 9  # kernel positions qconv takes (conv_gemm_int8.c MAX_TAPS): up to 3x3
@@ -48,7 +50,9 @@ def _prepare_conv(x, weight, mult, add, residual, residual_scale, low, high, out
     if weight.numel() != taps * packed_cin * packed_cout:
         raise ValueError(f"qbackend::qconv: {weight.numel()} packed weights are not {cin} -> {cout} channels x {taps} "
                          f"kernel positions ({taps * packed_cin * packed_cout}: Cin and Cout padded)")
-    check_constants("qconv", (weight, torch.int8, weight.numel()), (mult, torch.float32, cout), (add, torch.float32, cout))
+    exact16 = weight.dtype == torch.int16
+    check_constants("qconv", (weight, torch.int16 if exact16 else torch.int8, weight.numel()), (mult, torch.float32, cout),
+                    (add, torch.float32, cout))
     if activation not in ACTIVATIONS:
         raise ValueError(f"qbackend::qconv: activation {activation!r} is not one of {list(ACTIVATIONS)}")
     if residual is not None and residual.dtype != torch.float32:  # a float32 residual, or a uint8 one checked like the input
@@ -56,9 +60,11 @@ def _prepare_conv(x, weight, mult, add, residual, residual_scale, low, high, out
     call = ConvCall(n, h, w, cin, oh, ow, *kernel_size, *stride, *padding, *dilation, cout, x_zero_point,
                     weight.data_ptr(), mult.data_ptr(), add.data_ptr(), residual is not None and residual.dtype == torch.float32,
                     residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
-    build = isa.gemm_build()
-    needed, function = library.GEMM_BUILDS[build]
-    gemm = (isa.c_function if needed == "avx2" else isa.vnni_function)(function, GEMM_SIGNATURE, ctypes.c_int)
+    if exact16:
+        gemm = isa.c_function(EXACT16_FUNCTION, GEMM_SIGNATURE, ctypes.c_int)
+    else:
+        needed, function = library.GEMM_BUILDS[isa.gemm_build()]
+        gemm = (isa.c_function if needed == "avx2" else isa.vnni_function)(function, GEMM_SIGNATURE, ctypes.c_int)
     return make_prepared(call, (n, cout, oh, ow), torch.float32 if float_out else torch.uint8, gemm, (mult, add))
 
 

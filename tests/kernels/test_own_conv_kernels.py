@@ -341,11 +341,11 @@ def test_block_with_residual_adds_it_in_the_1x1_kernel():
                                                         ("qconv_add", GEMM_OP)], str(captured.report)
 
 
-def test_1x1_refuses_weights_whose_pair_sums_could_saturate(monkeypatch):
+def test_1x1_runs_weights_whose_pair_sums_could_saturate_on_the_exact_build(monkeypatch):
     """On a CPU whose oneDNN kernels do not saturate but which runs the AVX2 GEMM (a VNNI CPU
     whose compiler cannot build the VNNI one), 8-bit activations x 8-bit weights reach the 1x1
-    kernel, whose int16 pair sums could saturate: it hands them to oneDNN. Simulated here; only
-    the decision is checked, not this CPU's result."""
+    kernel, whose vpmaddubsw pair sums could saturate: its exact int16 build takes them.
+    Simulated here; only the decision is checked, not this CPU's result."""
     monkeypatch.setattr(capabilities, "int8_pairs_saturate", lambda *args: False)
     monkeypatch.setattr("qbackend.lowering.cpu.int8_pairs_saturate", lambda *args: False)
     monkeypatch.setattr(isa, "int8_build", lambda: "avx2")
@@ -353,8 +353,8 @@ def test_1x1_refuses_weights_whose_pair_sums_could_saturate(monkeypatch):
     model = quantize(nn.Sequential(nn.Conv2d(8, 16, 1), nn.ReLU(), nn.Conv2d(16, 8, 1)).eval(), (x,), reduce_range=False)
     _, _, captured = compile_and_run(model, (x,))
     decision = captured.report.decisions[0]
-    assert decision.op == "onednn::qconv_pointwise"
-    assert "oneDNN, not qbackend's conv kernel: its int16 pair sums could reach" in decision.reason
+    assert decision.op == GEMM_OP, str(captured.report)
+    assert "its exact int16 build, not vpmaddubsw: its int16 pair sums could reach" in decision.reason
 
 
 def _needs_vnni_library():

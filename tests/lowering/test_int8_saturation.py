@@ -10,7 +10,7 @@ from qbackend.lowering.cpu import _largest_pair_sum
 from qbackend.patterns.examples import HandQuantized
 from qbackend.pt2e_flow import cpu_needs_reduce_range
 
-from tests.helpers import (needs_own_kernels, SATURATION_REASON, assert_matches_reference, compile_and_run, onednn_linear_rows, quantize, short_graph,
+from tests.helpers import (needs_own_kernels, SATURATION_REASON, assert_matches_reference, compile_and_run, onednn_linear_rows, onednn_only, quantize, short_graph,
                       simulate_cpu)
 from tests.tolerances import assert_outputs_close
 
@@ -33,8 +33,10 @@ def _conv_linear():
     return nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 6 * 6, 10))
 
 
-def test_full_range_model_runs_exact_and_unlowered_where_the_kernel_saturates(monkeypatch):
+def test_full_range_model_runs_exact_and_unlowered_where_only_a_saturating_kernel_could_run_it(monkeypatch):
+    """Without qbackend's own kernels (their GEMM has an exact build: test_gemm_exact16.py)."""
     simulate_cpu(monkeypatch, saturates=True)
+    onednn_only(monkeypatch)
     inputs = (torch.randn(2, 8, 6, 6),)
     model = quantize(_conv_linear(), inputs, reduce_range=False)
     actual, expected, captured = compile_and_run(model, inputs)
@@ -58,8 +60,9 @@ def test_seven_bit_activations_or_weights_lower_where_the_kernel_saturates(monke
 
 def test_depthwise_conv_has_no_pairs_and_lowers_with_full_range_activations(monkeypatch):
     """One input channel per group: no two products share an int16 sum (measured exact on an
-    AVX2-only CPU), so 8-bit activations lower even where the kernel saturates."""
+    AVX2-only CPU), so 8-bit activations lower on oneDNN even where its kernel saturates."""
     simulate_cpu(monkeypatch, saturates=True)
+    onednn_only(monkeypatch)
     inputs = (torch.randn(2, 8, 10, 10),)
     model = quantize(nn.Sequential(nn.Conv2d(8, 8, 3, groups=8), nn.ReLU(), nn.Conv2d(8, 8, 1)), inputs, reduce_range=False)
     report = assert_matches_reference(model, inputs).report

@@ -35,7 +35,7 @@ def test_post_op(rank, name, quantized):
         assert decision.post_ops == [attr, out]
     elif rank == 2 and attr in own_conv.ACTIVATIONS and registry.available() is None:  # (GELU: MaxViT's convs)
         assert decision.post_ops == [attr, out]
-        assert decision.reason.startswith(f"qbackend's conv kernel (oneDNN refuses the post-op: {refusal})"), decision.reason
+        assert decision.reason.startswith(f"qbackend's conv kernel, not oneDNN: oneDNN refuses the post-op: {refusal};"), decision.reason
     else:
         assert decision.post_ops == ["torch.float32 out"]
         assert decision.reason.startswith(f"{attr}{', ' + out if quantized else ''} not fused: {refusal}"), decision.reason

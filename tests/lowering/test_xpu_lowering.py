@@ -224,9 +224,9 @@ def test_xpu_int8_output_must_match_the_input_dtype():
 @pytest.mark.parametrize("build", list(EXAMPLES.values()), ids=list(EXAMPLES))
 def test_xpu_flow_on_cpu_lowers_through_the_cpu_table(build, monkeypatch):
     """The XPUInductorQuantizer model on CPU: signed activations become uint8 ones (exact).
-    With VNNI every conv / linear is lowered; without it (8-bit activations overflow the
-    kernels' int16 pair sums) they are kept with that reason. Numerics hold on this machine
-    either way."""
+    With VNNI every conv / linear is lowered; without it (8-bit activations overflow oneDNN's
+    int16 pair sums) those no exact own kernel takes are kept with that reason. Numerics hold
+    on this machine either way."""
     model, inputs = xpu_converted(build)
     report = assert_matches_reference(model, inputs).report
     assert report.device == "cpu" and any(note.startswith("signed int8 activations:") for note in report.notes), report.notes

@@ -87,6 +87,11 @@ static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) { retur
 #define QB_CONV_CALL qb_conv_call_vnni
 #define PIXEL_TILE 8 /* 8 x 3 accumulators of AVX512VL's 32 ymm registers */
 static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) { return _mm256_dpbusd_epi32(acc, x, w); }
+#elif defined(QB_EXACT16)
+#define QB_CONV_CALL qb_conv_call_exact16
+#define PIXEL_TILE 4
+/* x and w here are int16 pairs (this build's 4-byte words): vpmaddwd's int32 sums are exact */
+static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w)); }
 #else
 #define QB_CONV_CALL qb_conv_call
 #define PIXEL_TILE 4
@@ -509,7 +514,11 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
     free(grid);
     return -1;
   }
+#ifdef QB_EXACT16
+  for (int i = 0; i < g.Cin / 2; i++) ((uint16_t*)padding)[i] = (uint16_t)x_zp;
+#else
   memset(padding, x_zp, (size_t)g.Cin);
+#endif
   const int taps = g.KH * g.KW, P = g.N * g.OH * g.OW;
   const int blocks = (Cout + BLOCK - 1) / BLOCK; /* (zmm: the last may be half padding) */
   const int wide = WIDE_PIXELS && blocks % 4 == 0, tile_pixels = wide ? WIDE_PIXELS : PIXEL_TILE;
@@ -582,23 +591,53 @@ static int run(int threads, const conv_call_t* c, int Cin, int Cout, const float
        c->high, c->out_inv_scale, c->out_zp, c->qmin, c->qmax, y, yf);
 }
 
+#ifdef QB_EXACT16
+/* x (pixels x C uint8) as int16 (pixels x Cin: the channels from C on zero), each thread its
+ * share of the pixels. */
+static void widened(int threads, const uint8_t* x, size_t pixels, int C, int Cin, uint16_t* x16) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (size_t p = 0; p < pixels; p++) {
+    const uint8_t* from = x + p * C;
+    uint16_t* to = x16 + p * Cin;
+    int i = 0;
+    for (; i + 16 <= C; i += 16)
+      _mm256_storeu_si256((__m256i*)(to + i), _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(from + i))));
+    for (; i < C; i++) to[i] = from[i];
+    for (; i < Cin; i++) to[i] = 0;
+  }
+}
+#endif
+
 /* 0, or -1 when a scratch buffer could not be allocated. Cin % 4 or Cout % 8 run on copies
  * padded to whole 4-input groups and 8-output blocks (padded_channels.h), a residual and the
- * constants (zero there) with them. */
+ * constants (zero there) with them. The int16 build runs on x widened to int16 (the channels
+ * padded there too), as 2 * Cin bytes a pixel: its 4-byte words are pairs of inputs. */
 int QB_CONV_CALL(int threads, const conv_call_t* c, const uint8_t* x, const void* residual, uint8_t* y, float* yf) {
-  const int Cin = padded_channels(c->Cin, 4), Cout = padded_channels(c->Cout, 8);
-  const int pad_in = Cin != c->Cin, pad_out = Cout != c->Cout;
+  const int Cout = padded_channels(c->Cout, 8);
+#ifdef QB_EXACT16
+  const int Cin = 2 * padded_channels(c->Cin, 4), pad_in = 1;
+#else
+  const int Cin = padded_channels(c->Cin, 4), pad_in = Cin != c->Cin;
+#endif
+  const int pad_out = Cout != c->Cout;
   if (!pad_in && !pad_out) return run(threads, c, Cin, Cout, c->mult, c->add, x, residual, y, yf);
   const size_t in_pixels = (size_t)c->N * c->H * c->W, out_pixels = (size_t)c->N * c->OH * c->OW;
   const size_t out_item = yf ? sizeof(float) : 1, residual_item = c->residual_is_float ? sizeof(float) : 1;
+#ifdef QB_EXACT16
+  uint8_t* x_padded = malloc(in_pixels * Cin);
+  if (x_padded) widened(threads, x, in_pixels, c->Cin, Cin / 2, (uint16_t*)x_padded);
+#else
   uint8_t* x_padded = pad_in ? calloc(in_pixels * Cin, 1) : NULL;
+#endif
   float* constants = pad_out ? calloc(2 * (size_t)Cout, sizeof(float)) : NULL;
   void* residual_padded = pad_out && residual ? calloc(out_pixels * Cout, residual_item) : NULL;
   void* out_padded = pad_out ? malloc(out_pixels * Cout * out_item) : NULL;
   void* out = yf ? (void*)yf : (void*)y;
   int status = -1;
   if ((!pad_in || x_padded) && (!pad_out || (constants && out_padded && (!residual || residual_padded)))) {
+#ifndef QB_EXACT16
     if (pad_in) copy_rows(x_padded, x, in_pixels, c->Cin, Cin, 1);
+#endif
     if (pad_out) {
       memcpy(constants, c->mult, c->Cout * sizeof(float));
       memcpy(constants + Cout, c->add, c->Cout * sizeof(float));
