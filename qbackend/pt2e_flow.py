@@ -50,13 +50,41 @@ def _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float, every_linear):
     config = xiq.get_default_x86_inductor_quantization_config(
         is_qat=is_qat, is_dynamic=is_dynamic, reduce_range=reduce_range in (True, "activations")
     )
+    full_range = config.weight
     if reduce_range == "weights":
         low, high = SEVEN_BIT_WEIGHTS
         config = dataclasses.replace(config, weight=dataclasses.replace(config.weight, quant_min=low, quant_max=high))
     quantizer = xiq.X86InductorQuantizer().set_global(config)
     for name in keep_float:
         quantizer.set_module_name_qconfig(name, None)
-    return _with_every_linear(quantizer, config, keep_float) if every_linear else quantizer
+    quantizer = _with_every_linear(quantizer, config, keep_float) if every_linear else quantizer
+    return _with_full_range_depthwise(quantizer, full_range) if reduce_range == "weights" else quantizer
+
+
+def _with_full_range_depthwise(quantizer, full_range):
+    """``quantizer`` followed by one giving depthwise convs (one input channel per group) back
+    their 8-bit weights: 7-bit weights keep int16 pair sums from saturating where a kernel adds
+    two input channels' products (no VNNI), and a depthwise conv has no such pairs
+    (``lowering/cpu._largest_pair_sum``; its kernels are exact with 8-bit weights)."""
+    from torchao.quantization.pt2e.quantizer import ComposableQuantizer, Quantizer
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import QUANT_ANNOTATION_KEY
+
+    convs = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default)
+
+    class FullRangeDepthwise(Quantizer):
+        def annotate(self, model):
+            for node in model.graph.nodes:
+                annotation = node.meta.get(QUANT_ANNOTATION_KEY) if node.target in convs else None
+                weight = node.args[1] if annotation is not None else None
+                shape = getattr(weight, "meta", {}).get("val", None)
+                if weight in getattr(annotation, "input_qspec_map", {}) and shape is not None and shape.shape[1] == 1:
+                    annotation.input_qspec_map[weight] = full_range
+            return model
+
+        def validate(self, model):
+            pass
+
+    return ComposableQuantizer([*getattr(quantizer, "quantizers", [quantizer]), FullRangeDepthwise()])
 
 
 def _with_every_linear(x86, config, keep_float):
@@ -174,7 +202,7 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             after 4 calibration batches, 0.900 after 32; 0.9999 this way).
         reduce_range: for CPUs without VNNI, whose int8 kernels overflow 8-bit activations
             times 8-bit weights. ``"weights"``: 7-bit weights ([-64, 63], as ONNX Runtime's
-            reduce_range); ``True`` / ``"activations"``: 7-bit activations ([0, 127],
+            reduce_range; depthwise convs, which add no pairs of products, keep 8 bits); ``True`` / ``"activations"``: 7-bit activations ([0, 127],
             torchao's reduce_range); ``False``: neither. None (default): ``"weights"`` exactly
             when this CPU needs it (``cpu_needs_reduce_range``), else ``False``. Measured on
             all-MiniLM-L6-v2: embedding cosine vs fp32 0.9929 with 7-bit weights, 0.9791 with

@@ -69,6 +69,20 @@ def test_depthwise_conv_has_no_pairs_and_lowers_with_full_range_activations(monk
     assert [(d.node, d.lowered) for d in report.decisions] == [("conv2d", True), ("conv2d_1", False)], str(report)
 
 
+def test_seven_bit_weights_leave_depthwise_convs_their_8_bits(monkeypatch):
+    """reduce_range="weights" narrows the weights whose kernels add two input channels' products
+    in int16; a depthwise conv's have no pairs and keep 8 bits, exact on every kernel."""
+    simulate_cpu(monkeypatch, saturates=True)
+    inputs = (torch.randn(2, 8, 10, 10),)
+    model = quantize(nn.Sequential(nn.Conv2d(8, 16, 1), nn.ReLU(), nn.Conv2d(16, 16, 3, groups=16), nn.ReLU(),
+                                   nn.Conv2d(16, 8, 1)), inputs, reduce_range="weights")
+    weights = [getattr(model, n.args[0].target) for n in model.graph.nodes if "dequantize_per_channel" in str(n.target)]
+    assert [(tuple(w.shape[:2]), -64 <= int(w.min()) and int(w.max()) <= 63) for w in weights] == [
+        ((16, 8), True), ((16, 1), False), ((8, 16), True)]
+    report = assert_matches_reference(model, inputs).report
+    assert not report.kept, str(report)
+
+
 def test_pair_bound_reads_input_channel_pairs_per_output_and_kernel_position():
     w = torch.zeros(2, 3, 2, 2, dtype=torch.int8)
     w[0, 0, 0, 0], w[0, 1, 0, 0], w[0, 2, 1, 1] = 127, -100, 127  # one pair at (0, 0); (1, 1) is alone
