@@ -61,30 +61,41 @@ def _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float, every_linear):
     return _with_full_range_depthwise(quantizer, full_range) if reduce_range == "weights" else quantizer
 
 
-def _with_full_range_depthwise(quantizer, full_range):
-    """``quantizer`` followed by one giving depthwise convs (one input channel per group) back
-    their 8-bit weights: 7-bit weights keep int16 pair sums from saturating where a kernel adds
-    two input channels' products (no VNNI), and a depthwise conv has no such pairs
-    (``lowering/cpu._largest_pair_sum``; its kernels are exact with 8-bit weights)."""
+def _followed_by(quantizer, annotate):
+    """``quantizer`` (or each of a composed one's), then a quantizer whose ``annotate(model)``
+    changes the annotations made before it (composed quantizers annotate in order)."""
     from torchao.quantization.pt2e.quantizer import ComposableQuantizer, Quantizer
-    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import QUANT_ANNOTATION_KEY
 
-    convs = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default)
-
-    class FullRangeDepthwise(Quantizer):
+    class Then(Quantizer):
         def annotate(self, model):
-            for node in model.graph.nodes:
-                annotation = node.meta.get(QUANT_ANNOTATION_KEY) if node.target in convs else None
-                weight = node.args[1] if annotation is not None else None
-                shape = getattr(weight, "meta", {}).get("val", None)
-                if weight in getattr(annotation, "input_qspec_map", {}) and shape is not None and shape.shape[1] == 1:
-                    annotation.input_qspec_map[weight] = full_range
+            annotate(model)
             return model
 
         def validate(self, model):
             pass
 
-    return ComposableQuantizer([*getattr(quantizer, "quantizers", [quantizer]), FullRangeDepthwise()])
+    return ComposableQuantizer([*getattr(quantizer, "quantizers", [quantizer]), Then()])
+
+
+def _with_full_range_depthwise(quantizer, full_range):
+    """``quantizer`` followed by one giving depthwise convs (one input channel per group) back
+    their 8-bit weights: 7-bit weights keep int16 pair sums from saturating where a kernel adds
+    two input channels' products (no VNNI), and a depthwise conv has no such pairs
+    (``lowering/cpu._largest_pair_sum``; its kernels are exact with 8-bit weights)."""
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import QUANT_ANNOTATION_KEY
+
+    convs = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default)
+
+    def annotate(model):
+        for node in model.graph.nodes:
+            if node.target not in convs or QUANT_ANNOTATION_KEY not in node.meta:
+                continue
+            weight, specs = node.args[1], node.meta[QUANT_ANNOTATION_KEY].input_qspec_map
+            value = weight.meta.get("val")
+            if weight in specs and value is not None and value.shape[1] == 1:
+                specs[weight] = full_range
+
+    return _followed_by(quantizer, annotate)
 
 
 def _with_every_linear(x86, config, keep_float):
@@ -92,26 +103,19 @@ def _with_every_linear(x86, config, keep_float):
     ``aten.linear`` it left with a constant weight: X86InductorQuantizer finds linears by their
     source function, and inside nn.MultiheadAttention that is the attention's (its in / out
     projections stay float; OpenVINO's recipe quantizes every MatMul with a constant weight)."""
-    from torchao.quantization.pt2e.quantizer import ComposableQuantizer, Quantizer
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import QUANT_ANNOTATION_KEY
 
     def kept(node) -> bool:
         paths = [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
         return any(path == name or path.startswith(name + ".") for path in paths for name in keep_float)
 
-    class RemainingLinears(Quantizer):
-        def annotate(self, model):
-            for node in model.graph.nodes:
-                weight = node.args[1] if node.target is torch.ops.aten.linear.default else None
-                if (weight is not None and QUANT_ANNOTATION_KEY not in node.meta and weight.op == "get_attr"
-                        and not kept(node)):
-                    x86._annotate_linear_node_helper(node, True, config)
-            return model
+    def annotate(model):
+        for node in model.graph.nodes:
+            weight = node.args[1] if node.target is torch.ops.aten.linear.default else None
+            if weight is not None and QUANT_ANNOTATION_KEY not in node.meta and weight.op == "get_attr" and not kept(node):
+                x86._annotate_linear_node_helper(node, True, config)
 
-        def validate(self, model):
-            pass
-
-    return ComposableQuantizer([x86, RemainingLinears()])
+    return _followed_by(x86, annotate)
 
 
 def module_paths(model: torch.nn.Module, names) -> tuple:

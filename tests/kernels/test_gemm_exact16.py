@@ -50,11 +50,7 @@ def test_full_range_weights_give_the_reference_integers(kernel, stride, padding,
     actual = registry.op("qconv")(x, gemm.pack(w, exact16=True), mult, add, r, scale, 0.0, math.inf, out_scale, out_zp,
                                   0, 255, False, "none", kernel, (stride, stride), padding, (1, 1), x_zp)
     expected = reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, 0.0, math.inf, out_scale, out_zp, 0, 255,
-                         r if residual != "float" else None, r_scale, r_zp)
-    if residual == "float":  # (reference() adds a dequantized uint8 residual: a float one before its clamp)
-        xf, wf = (x.float() - x_zp) * x_scale, w.float() * w_scale[:, None, None, None]
-        y = (nn.functional.conv2d(xf, wf, bias, stride, padding) + r).clamp_min(0.0)
-        expected = (torch.round(y / out_scale) + out_zp).clamp(0, 255).to(torch.uint8)
+                         r, *((r_scale, r_zp) if residual == "uint8" else (1.0, 0)))  # (a float residual: scale 1, zero point 0)
     assert actual.is_contiguous(memory_format=torch.channels_last)
     assert_int8_close(actual, expected, f"{cin} -> {cout} {kernel} stride {stride} residual={residual}")
 
