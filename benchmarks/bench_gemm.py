@@ -140,30 +140,37 @@ def depthwise_runners(channels, size, stride):
     return onednn, own
 
 
-# network stems (3 input channels): (name, out channels, kernel, stride, padding), at batch 1 and 8
-STEMS = [("ResNet-18 stem 7x7 s2 + relu", 64, 7, 2, 3), ("MobileNetV2 stem 3x3 s2 + relu6", 32, 3, 2, 1)]
+# network stems (3 input channels): (name, out channels, kernel, stride, padding, post-op), at batch 1 and 8
+STEMS = [("ResNet stem 7x7 s2 + relu", 64, 7, 2, 3, "relu"), ("RegNet stem 3x3 s2 + relu", 32, 3, 2, 1, "relu"),
+         ("EfficientNet stem 3x3 s2 + silu", 32, 3, 2, 1, "swish"),
+         ("MobileNetV3 stem 3x3 s2 + hardswish", 16, 3, 2, 1, "hardswish")]
 
 
 def stem_rows() -> list:
-    """The stem conv kernel (AVX512-VNNI only) against oneDNN's conv, on 224x224 images."""
-    if kernel_isa.vnni_unavailable() is not None:
-        return [f"| (not run: {kernel_isa.vnni_unavailable()}) | | | |"]
+    """The stem conv kernel (the build that runs here) against oneDNN's conv, on 224x224 images
+    (7-bit weights: exact in oneDNN's int16 pair sums without VNNI too). Activations other than
+    relu: the AVX2 build only."""
+    build = kernel_isa.int8_build()
     prepack, qconv, rows, fused = resolve("qconv_prepack", "cpu").op, resolve("qconv", "cpu").op, [], []
-    for name, cout, k, s, pad in STEMS:
+    for name, cout, k, s, pad, post in STEMS:
+        if post != "relu" and build != "avx2":
+            continue
         for batch in (1, 8):
             torch.manual_seed(0)
             x = torch.randint(0, 256, (batch, 3, 224, 224), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
-            weight = torch.randint(-128, 128, (cout, 3, k, k), dtype=torch.int8)
+            weight = torch.randint(-64, 64, (cout, 3, k, k), dtype=torch.int8)
             w_scale, w_zp = torch.full((cout,), 0.002), torch.zeros(cout, dtype=torch.int64)
             packed = prepack(weight, w_scale, 0.02, 3, [s, s], [pad, pad], [1, 1], 1, x.shape)
             mult, add = (t.float() for t in scale_and_offset(weight, w_scale, 0.02, 3))
-            constants = (stem.pack(weight), mult, add)
-            args = (x, 3, *constants, (k, k), (s, s), (pad, pad), 0.0, float("inf"), 0.05, 0, 0, 255)
+            constants = (stem.pack(weight, build), mult, add)
+            low = 0.0 if post == "relu" else -float("inf")
+            activation = () if post == "relu" else (*stem_kernel.NO_POOL, post)
+            args = (x, 3, *constants, (k, k), (s, s), (pad, pad), low, float("inf"), 0.05, 0, 0, 255)
             rows.append(torch_vs_own_row(
                 f"{name}, batch {batch}: 3->{cout}",
-                lambda x=x, packed=packed, w_scale=w_scale, w_zp=w_zp, s=s, pad=pad: qconv(
-                    x, 0.02, 3, packed, w_scale, w_zp, None, [s, s], [pad, pad], [1, 1], 1, 0.05, 0, None, "relu", [], ""),
-                lambda args=args: stem_kernel.qconv_stem(*args)))
+                lambda x=x, packed=packed, w_scale=w_scale, w_zp=w_zp, s=s, pad=pad, post=post: qconv(
+                    x, 0.02, 3, packed, w_scale, w_zp, None, [s, s], [pad, pad], [1, 1], 1, 0.05, 0, None, post, [], ""),
+                lambda args=args, activation=activation: stem_kernel.qconv_stem(*args, *activation)))
             print(rows[-1], flush=True)
             if name.startswith("ResNet"):  # (its 3x3 stride-2 max pool: fused, lowering/stem.py fuse_max_pool)
                 pool = ((3, 3), (2, 2), (1, 1))
@@ -254,7 +261,8 @@ def main():
         label = f"MobileNetV2 depthwise 3x3 s{stride} + relu6, batch 1: {channels} channels, {size}x{size} input"
         lines.append(timed_row(label, *depthwise_runners(channels, size, stride), builds_here, ("avx2", "avx512_vnni")))
         print(lines[-1], flush=True)
-    stems = ["| layer | oneDNN (us) | qbackend avx512_vnni (us) | qbackend / oneDNN |", "|---|---|---|---|", *stem_rows()]
+    stems = [f"| layer | oneDNN (us) | qbackend {kernel_isa.int8_build()} (us) | qbackend / oneDNN |", "|---|---|---|---|",
+             *stem_rows()]
     others = ["| op | torch (us) | qbackend (us) | qbackend / torch |", "|---|---|---|---|", *other_kernel_rows()]
     print("\n".join(others[2:]), flush=True)
     body = (f"- Machine: {machine}\n"

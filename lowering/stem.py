@@ -1,5 +1,6 @@
-"""int8 convs of inputs with fewer than 4 channels (a network's stem) on CPUs with
-AVX512-VNNI: qbackend's own kernel (qbackend/kernels/csrc/stem_conv_int8_vnni.c).
+"""int8 convs of inputs with fewer than 4 channels (a network's stem): qbackend's own kernel
+(qbackend/kernels/csrc/stem_conv_int8_vnni.c, AVX512-VNNI; stem_conv_int8.c, AVX2, on int16
+pairs: exact for 8-bit weights too).
 
 oneDNN runs ResNet-18's 7x7 stride-2 stem (3 -> 64 channels) at ~280 GMAC/s here against
 420-490 for its 3x3 layers: a window row of 3 channels is 21 bytes, not a multiple of the 4
@@ -25,6 +26,8 @@ from .common import ANCHOR, static_shape
 # Measured against oneDNN (benchmarks/bench_gemm.py): 64 outputs per tile run 0.82-0.88x its
 # time; with 32 output channels (MobileNetV2's 3x3 stem, 2-block tiles) 0.84x at 12544 output
 # pixels (batch 1), 1.1-1.2x at 100352 (batch 8): those take the kernel up to this many pixels.
+# The AVX2 build alike (Zen 3): 64 outputs 0.95-0.96x; 16 and 32 outputs 0.88-0.94x at batch 1,
+# 0.99-1.24x at batch 8.
 MAX_NARROW_PIXELS = 25088
 WIDE = 64  # output channels of a full tile
 UNPOOLED_ARGS = 14  # a qconv_stem call's arguments before the pool's (registry.OPS)
@@ -39,8 +42,6 @@ def is_stem(match) -> bool:
 
 def refusal(ctx: EmitContext, match) -> Optional[str]:
     """Why this stem conv is not for the kernel (None if it is)."""
-    if isa.vnni_unavailable() is not None:
-        return f"the kernel needs AVX512-VNNI ({isa.vnni_unavailable()})"
     p, w = match.conv, match.weight.int8
     shape = static_shape(match.x.node)
     if shape is None:
@@ -50,7 +51,9 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
     reason = stem_kernel.stem_refusal(shape, w.shape[0], tuple(w.shape[2:]), tuple(p.stride))
     if reason is not None:
         return reason
-    return own_conv.refusal(ctx, match, (match.x.qparams, match.output_quant))
+    # (the AVX2 build's epilogue runs the activations; the VNNI build's folds clamps only)
+    activations = tuple(own_conv.ACTIVATIONS) if isa.int8_build() == "avx2" else ()
+    return own_conv.refusal(ctx, match, (match.x.qparams, match.output_quant), activations)
 
 
 def prior(match) -> Optional[str]:
@@ -62,28 +65,37 @@ def prior(match) -> Optional[str]:
     return None
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[Cout, C, KH, KW] -> [Cout / 16][K4][16][4] in the kernel's order (stem_kernel.stem_steps):
-    each window row's first 4F bytes (column, channel), then the rows' leftover bytes, zero-padded."""
+# The builds' packed weights: (dtype, outputs per block)
+PACKINGS = {"avx512_vnni": (torch.int8, 16), "avx2": (torch.int16, 8)}
+
+
+def pack(weight: torch.Tensor, build: str = "avx512_vnni") -> torch.Tensor:
+    """[Cout, C, KH, KW] -> [Cout / B][K][B][word] in ``build``'s order (stem_kernel.stem_steps):
+    each window row's first F words (column, channel), then the rows' leftover values,
+    zero-padded; int8 quads for AVX512-VNNI (B = 16), int16 pairs for AVX2 (B = 8)."""
+    dtype, block = PACKINGS[build]
+    word = stem_kernel.WORD[dtype]
     cout, channels, kh, kw = weight.shape
-    full, _, leftover_words, steps = stem_kernel.stem_steps(kh, kw, channels)
-    rows = weight.permute(0, 2, 3, 1).reshape(cout, kh, kw * channels)
-    leftover = rows[..., 4 * full:].reshape(cout, -1)
-    ordered = torch.cat([rows[..., :4 * full].reshape(cout, -1),
-                         torch.nn.functional.pad(leftover, (0, 4 * leftover_words - leftover.shape[1]))], 1)
-    return ordered.reshape(cout // 16, 16, steps, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)
+    full, _, leftover_words, steps = stem_kernel.stem_steps(kh, kw, channels, word)
+    rows = weight.to(dtype).permute(0, 2, 3, 1).reshape(cout, kh, kw * channels)
+    leftover = rows[..., word * full:].reshape(cout, -1)
+    ordered = torch.cat([rows[..., :word * full].reshape(cout, -1),
+                         torch.nn.functional.pad(leftover, (0, word * leftover_words - leftover.shape[1]))], 1)
+    return ordered.reshape(cout // block, block, steps, word).permute(0, 2, 1, 3).contiguous().reshape(-1)
 
 
 def emit(ctx: EmitContext, match):
     p, out, w = match.conv, match.output_quant, match.weight.int8
-    low, high = own_conv.clamp_bounds(match.post_op)
+    activation = own_conv.activation(match.post_op)
+    low, high = own_conv.clamp_bounds(None if activation != "none" else match.post_op)
     mult, add = own_conv.requantize_constants(ctx, match)
     ctx.kernel = f"{registry.NAMESPACE}::qconv_stem.default"
     ctx.notes.append(f"qbackend's stem conv kernel ({w.shape[1]} input channels: oneDNN pads each window row)")
     return own_conv.call_kernel(ctx, "qconv_stem", (
-        match.x.node, match.x.qparams.zero_point, ctx.constant(pack(w), "stem_w"), ctx.constant(mult.float(), "stem_mult"),
-        ctx.constant(add.float(), "stem_add"), tuple(w.shape[2:]), tuple(p.stride), tuple(p.padding), low, high,
-        out.scale, out.zero_point, out.qmin, out.qmax))
+        match.x.node, match.x.qparams.zero_point, ctx.constant(pack(w, isa.int8_build()), "stem_w"),
+        ctx.constant(mult.float(), "stem_mult"), ctx.constant(add.float(), "stem_add"), tuple(w.shape[2:]), tuple(p.stride),
+        tuple(p.padding), low, high, out.scale, out.zero_point, out.qmin, out.qmax,
+        *((*stem_kernel.NO_POOL, activation) if activation != "none" else ())))
 
 
 KERNEL = own_conv.OwnKernel("stem conv", is_stem, refusal, emit, prior=prior)
@@ -101,7 +113,8 @@ def fuse_max_pool(ctx: EmitContext, report) -> None:
     graph = ctx.gm.graph
     for conv in [n for n in graph.nodes if n.op == "call_function" and n.target is stem]:
         readers = [u for u in conv.users if u.users or u.op == "output" or u.target is pool]  # (dead dequantizes go later)
-        if len(readers) != 1 or readers[0].target is not pool or readers[0].args[0] is not conv or len(conv.args) != UNPOOLED_ARGS:
+        pooled = conv.args[UNPOOLED_ARGS:UNPOOLED_ARGS + 3]  # (none, or NO_POOL before an activation)
+        if len(readers) != 1 or readers[0].target is not pool or readers[0].args[0] is not conv or pooled not in ((), stem_kernel.NO_POOL):
             continue
         user = readers[0]
         if user.args[5:6] == (True,):  # (ceil mode: a pool call of its own)
@@ -111,7 +124,8 @@ def fuse_max_pool(ctx: EmitContext, report) -> None:
         if tuple(dilation) != (1, 1) or stem_kernel.stem_pool_refusal(conv_hw, kernel, stride, padding) is not None:
             continue
         with graph.inserting_before(user):
-            fused = own_conv.call_kernel(ctx, "qconv_stem", (*conv.args, tuple(kernel), tuple(stride), tuple(padding)))
+            fused = own_conv.call_kernel(ctx, "qconv_stem", (*conv.args[:UNPOOLED_ARGS], tuple(kernel), tuple(stride),
+                                                             tuple(padding), *conv.args[UNPOOLED_ARGS + 3:]))
         fused.meta.update({k: v for k, v in user.meta.items() if k not in ("example_value", "val")})
         user.replace_all_uses_with(fused)
         graph.erase_node(user)

@@ -1,5 +1,7 @@
-"""A conv for inputs of few channels, a network's stem, optionally with the max pool after it
-(``csrc/stem_conv_int8_vnni.c``, AVX512-VNNI only): ``qbackend::qconv_stem``."""
+"""A conv for inputs of few channels, a network's stem, optionally with the max pool after it:
+``qbackend::qconv_stem``. Two builds, chosen by the packed weights' dtype: int8 quads for
+AVX512-VNNI (``csrc/stem_conv_int8_vnni.c``), int16 pairs for AVX2 (``csrc/stem_conv_int8.c``:
+exact for any int8 weights)."""
 from __future__ import annotations
 
 import ctypes
@@ -9,33 +11,37 @@ import torch
 
 from qbackend.kernels import isa
 from qbackend.kernels.chain_step import X_TO_Y
-from qbackend.kernels.common import (X_TO_Y_SIGNATURE, Kernel, Prepared, cached_prepared, channels_last_like, check_constants,
-                                     check_levels, check_nchw_uint8, checked_window, make_prepared, output_hw,
-                                     prepared_chain_call, run_x_to_y)
+from qbackend.kernels.common import (ACTIVATIONS, X_TO_Y_SIGNATURE, Kernel, Prepared, cached_prepared, channels_last_like,
+                                     check_constants, check_levels, check_nchw_uint8, checked_window, make_prepared,
+                                     output_hw, prepared_chain_call, run_x_to_y)
 from qbackend.kernels.structs import StemCall
 
 SCHEMAS = {
     "qconv_stem": "qconv_stem(Tensor x, int x_zero_point, Tensor weight, Tensor mult, Tensor add, int[2] kernel_size, "
                   "int[2] stride, int[2] padding, float low, float high, float out_scale, int out_zero_point, int qmin, "
-                  "int qmax, int[2] pool_kernel=[0, 0], int[2] pool_stride=[1, 1], int[2] pool_padding=[0, 0]) -> Tensor",
+                  "int qmax, int[2] pool_kernel=[0, 0], int[2] pool_stride=[1, 1], int[2] pool_padding=[0, 0], "
+                  "str activation='none') -> Tensor",
 }
 
 
-# stem_conv_int8_vnni.c: output pixels of a row per step, the input bytes under them, and the
-# leftover bytes (KW * C % 4 per window row) per pixel it has room for
+# Both builds: output pixels of a row per step, the input values under them, and the leftover
+# values (KW * C % WORD per window row) per pixel they have room for
 STEM_PIECE, STEM_MAX_STRIP, STEM_MAX_LEFTOVER = 64, 16384, 64
+# Input values per step of the sum: vpdpbusd's 4 bytes (VNNI), vpmaddwd's 2 int16 (AVX2)
+WORD = {torch.int8: 4, torch.int16: 2}
 
 
-def stem_steps(kernel_h: int, kernel_w: int, channels: int) -> tuple[int, int, int, int]:
-    """The stem conv's sum (stem_conv_int8_vnni.c): (F, L, LQ, K4): F words of 4 bytes from
-    each window row, L bytes left over per row, LQ words they make, K4 = KH * F + LQ steps."""
+def stem_steps(kernel_h: int, kernel_w: int, channels: int, word: int = 4) -> tuple[int, int, int, int]:
+    """The stem conv's sum: (F, L, LQ, K): F words of ``word`` values from each window row, L
+    values left over per row, LQ words they make, K = KH * F + LQ steps."""
     run = kernel_w * channels
-    leftover_words = (kernel_h * (run % 4) + 3) // 4
-    return run // 4, run % 4, leftover_words, kernel_h * (run // 4) + leftover_words
+    leftover_words = -(-kernel_h * (run % word) // word)
+    return run // word, run % word, leftover_words, kernel_h * (run // word) + leftover_words
 
 
 def stem_refusal(in_shape, out_channels: int, kernel_size, stride) -> Optional[str]:
-    """Why the stem conv kernel cannot take this conv (None if it can): the sizes it has room for."""
+    """Why the stem conv kernel cannot take this conv (None if it can): the sizes it has room for
+    (the VNNI build's leftover bound, the stricter: KW * C % 2 <= KW * C % 4)."""
     n, c, h, w = in_shape
     kh, kw = kernel_size
     if out_channels % 16:
@@ -48,7 +54,7 @@ def stem_refusal(in_shape, out_channels: int, kernel_size, stride) -> Optional[s
     return None
 
 
-STEM_MAX_POOL_ROWS = 8  # a fused max pool's kernel height, at most (stem_conv_int8_vnni.c MAX_POOL_ROWS)
+STEM_MAX_POOL_ROWS = 8  # a fused max pool's kernel height, at most (both builds' MAX_POOL_ROWS)
 
 
 NO_POOL = ((0, 0), (1, 1), (0, 0))  # qconv_stem's pool_kernel, pool_stride, pool_padding when no pool is fused
@@ -73,11 +79,18 @@ def stem_pool_refusal(conv_hw, pool_kernel, pool_stride, pool_padding) -> Option
 
 def _prepare_stem_conv(x, x_zero_point, weight, mult, add, kernel_size, stride, padding, low, high, out_scale,
                        out_zero_point, qmin, qmax, pool_kernel=NO_POOL[0], pool_stride=NO_POOL[1],
-                       pool_padding=NO_POOL[2]) -> Prepared:
+                       pool_padding=NO_POOL[2], activation="none") -> Prepared:
     check_nchw_uint8(x, None, "qconv_stem")
-    function = isa.vnni_function("qb_stem_conv_vnni_call", X_TO_Y_SIGNATURE, ctypes.c_int)
-    if function is None:
-        raise ValueError(f"qbackend::qconv_stem needs the AVX512-VNNI kernels: {isa.vnni_unavailable()}")
+    if weight.dtype == torch.int8:
+        function = isa.vnni_function("qb_stem_conv_vnni_call", X_TO_Y_SIGNATURE, ctypes.c_int)
+        if function is None:
+            raise ValueError(f"qbackend::qconv_stem: int8 weights are packed for AVX512-VNNI: {isa.vnni_unavailable()}")
+        if activation != "none":
+            raise ValueError(f"qbackend::qconv_stem: activation {activation!r}: the AVX512-VNNI build folds clamps only")
+    else:
+        function = isa.c_function("qb_stem_conv_call", X_TO_Y_SIGNATURE, ctypes.c_int)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"qbackend::qconv_stem: activation {activation!r} is not one of {list(ACTIVATIONS)}")
     n, c, h, w = x.shape
     cout = mult.numel()
     oh, ow = checked_window("qconv_stem", h, w, kernel_size, stride, padding)
@@ -88,12 +101,14 @@ def _prepare_stem_conv(x, x_zero_point, weight, mult, add, kernel_size, stride, 
         reason = stem_pool_refusal((oh, ow), pool_kernel, pool_stride, pool_padding)
     if reason is not None:
         raise ValueError(f"qbackend::qconv_stem: {reason}")
-    steps = stem_steps(*kernel_size, c)[3]
-    check_constants("qconv_stem", (weight, torch.int8, cout * steps * 4), (mult, torch.float32, cout), (add, torch.float32, cout))
+    dtype = weight.dtype if weight.dtype in WORD else torch.int16  # (another dtype: check_constants names it)
+    steps = stem_steps(*kernel_size, c, WORD[dtype])[3]
+    check_constants("qconv_stem", (weight, dtype, cout * steps * WORD[dtype]), (mult, torch.float32, cout),
+                    (add, torch.float32, cout))
     ph, pw = _pooled_hw((oh, ow), pool_kernel, pool_stride, pool_padding)
     call = StemCall(n, h, w, c, oh, ow, *kernel_size, *stride, *padding, cout, x_zero_point, weight.data_ptr(),
                     mult.data_ptr(), add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax,
-                    *pool_kernel, *pool_stride, *pool_padding, ph, pw)
+                    *pool_kernel, *pool_stride, *pool_padding, ph, pw, ACTIVATIONS[activation])
     return make_prepared(call, (n, cout, ph, pw), torch.uint8, function, (mult, add))
 
 
@@ -107,7 +122,8 @@ def _stem_conv(x, *args, trusted=False):
 
 
 def _stem_conv_fake(x, x_zero_point, weight, mult, add, kernel_size, stride, padding, low, high, out_scale,
-                    out_zero_point, qmin, qmax, pool_kernel=NO_POOL[0], pool_stride=NO_POOL[1], pool_padding=NO_POOL[2]):
+                    out_zero_point, qmin, qmax, pool_kernel=NO_POOL[0], pool_stride=NO_POOL[1], pool_padding=NO_POOL[2],
+                    activation="none"):
     n, _, h, w = x.shape
     hw = _pooled_hw(output_hw(h, w, kernel_size, stride, padding), pool_kernel, pool_stride, pool_padding)
     return channels_last_like(x, (n, mult.numel(), *hw), torch.uint8)

@@ -49,13 +49,14 @@ class GroupedCall(ctypes.Structure):
 
 
 class StemCall(ctypes.Structure):
-    """stem_conv_int8_vnni.c's."""
+    """stem_conv_int8_vnni.c's and stem_conv_int8.c's."""
 
     c_name = "stem_call_t"
     _fields_ = (_ints("N", "H", "W", "C", "OH", "OW", "KH", "KW", "stride_h", "stride_w", "pad_h", "pad_w", "Cout", "x_zp")
                 + [("w", _pointer), ("mult", _pointer), ("add", _pointer), ("low", _float), ("high", _float),
                    ("out_inv_scale", _float)]
-                + _ints("out_zp", "qmin", "qmax", "pool_kh", "pool_kw", "pool_sh", "pool_sw", "pool_ph", "pool_pw", "PH", "PW"))
+                + _ints("out_zp", "qmin", "qmax", "pool_kh", "pool_kw", "pool_sh", "pool_sw", "pool_ph", "pool_pw", "PH", "PW",
+                        "activation"))
 
 
 class MaxPoolCall(ctypes.Structure):

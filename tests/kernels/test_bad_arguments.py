@@ -9,7 +9,8 @@ from qbackend.lowering.own_conv import scale_and_offset
 from qbackend.weight_only.weight_quant import quantize as quantize_weight
 
 from tests.helpers import needs_own_kernels
-from tests.kernels.test_stem_kernel import SHAPES, _case as stem_case, _needs_vnni_library
+from tests.kernels.test_own_conv_kernels import _needs_vnni_library
+from tests.kernels.test_stem_kernel import SHAPES, _case as stem_case
 
 U8 = torch.uint8
 
@@ -57,8 +58,7 @@ def avx2_depthwise_weight():
 
 
 def stem_args():
-    _needs_vnni_library()
-    return list(stem_case(SHAPES["MobileNet 3x3 s2"], "relu")[0])
+    return list(stem_case(SHAPES["MobileNet 3x3 s2"], "relu", "avx2")[0])
 
 
 def grouped_args():
@@ -103,7 +103,8 @@ TABLE = [
       (2, avx2_depthwise_weight(), "AVX512-VNNI depthwise kernel only"), (11, torch.randn(8), r"weight .*float32 \[16\]"),
       (12, None, "bias None"), (13, -1.0, "eps -1.0"), (14, 0.0, "scale 0.0"), (17, 300, "uint8 range")]),
     ("qconv_stem", stem_args, [(0, torch.zeros(2, 3, 32, 32), "takes uint8 CPU activations"),
-                               (6, [-1, -1], "stride"), (7, [-2, 0], "padding"), (11, 999, "zero points")]),
+                               (6, [-1, -1], "stride"), (7, [-2, 0], "padding"), (11, 999, "zero points"),
+                               (2, torch.zeros(7, dtype=torch.int32), "expected a contiguous CPU torch.int16 constant")]),
     ("qconv_grouped", grouped_args, [(0, torch.zeros(1, 32, 6, 6), "takes uint8 CPU activations"),
                                      (2, torch.zeros(7, dtype=torch.int8), "expected a contiguous CPU torch.int8 constant"),
                                      (5, 16, "32 channels in 16 groups"), (6, 3, "stride 3"), (9, 0.0, "out scale 0.0"),

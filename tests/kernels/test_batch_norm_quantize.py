@@ -91,13 +91,13 @@ class TestDenseGraph(expecttest.TestCase):
         x = torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(0))
         captured = compile_and_run(quantize(DenseBlock().eval(), (x,)), (x,))[2]
         lines = "\n".join(line for line in short_graph(captured.lowered).splitlines() if "norm" in line or "cat" in line or "relu" in line)
-        if isa.int8_build() != "avx512_vnni":  # (the stem conv is qbackend's own kernel on VNNI CPUs only)
+        if isa.int8_build() != "avx512_vnni":  # (LIMITS["avx2"]: oneDNN runs these 3x3 convs)
             self.assertExpectedInline(lines, """\
-batch_norm_quantize = batch_norm_quantize.batch_norm_quantize([qconv], 0.0263, 60, <const>, <const>, True, 0.0299, 0, 0, 127)
+batch_norm_quantize = batch_norm_quantize.batch_norm_quantize([qconv_stem], 0.0263, 60, <const>, <const>, True, 0.0299, 0, 0, 127)
 qconv_pointwise_default = onednn.qconv_pointwise(batch_norm_quantize, 0.0299, 0, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.0263, 60, uint8, 'hardtanh', [-1.58, 1.76], '')
-batch_norm_quantize_1 = batch_norm_quantize.batch_norm_quantize([qconv, qconv_pointwise_default], 0.0263, 60, <const>, <const>, True, 0.0269, 0, 0, 127)
+batch_norm_quantize_1 = batch_norm_quantize.batch_norm_quantize([qconv_stem, qconv_pointwise_default], 0.0263, 60, <const>, <const>, True, 0.0269, 0, 0, 127)
 qconv_pointwise_default_1 = onednn.qconv_pointwise(batch_norm_quantize_1, 0.0269, 0, <const>, <const>, <const>, <const>, [1, 1], [1, 1], [1, 1], 1, 0.0263, 60, uint8, 'hardtanh', [-1.58, 1.76], '')
-cat_default_2 = aten.cat([qconv, qconv_pointwise_default, qconv_pointwise_default_1], 1)
+cat_default_2 = aten.cat([qconv_stem, qconv_pointwise_default, qconv_pointwise_default_1], 1)
 dequantize_per_tensor_default_21 = fast_qdq.dequantize_per_tensor(cat_default_2, 0.0263, 60, 0, 127, uint8)""")
             return
         self.assertExpectedInline(lines, """\

@@ -11,7 +11,7 @@ from qbackend.lowering import depthwise
 from qbackend.lowering.own_conv import scale_and_offset
 
 from tests.helpers import assert_matches_reference, quantize, short_graph
-from tests.kernels.test_stem_kernel import _needs_vnni_library
+from tests.kernels.test_own_conv_kernels import _needs_vnni_library
 
 
 def _case(n, c, h, w, window, stride, activation, mult_scale=0.01):

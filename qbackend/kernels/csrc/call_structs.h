@@ -50,15 +50,16 @@ typedef struct {
   int float_out; /* 1: y is float32, the clamped float result (a squeeze-excitation block reads it) */
 } grouped_call_t;
 
-/* stem_conv_int8_vnni.c */
+/* stem_conv_int8_vnni.c (int8 weights), stem_conv_int8.c (int16) */
 typedef struct {
   int N, H, W, C, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, Cout, x_zp;
-  const int8_t* w;
+  const void* w;
   const float *mult, *add;
   float low, high, out_inv_scale;
   int out_zp, qmin, qmax;
   /* A max pool of the conv's output, fused (pool_kh 0: none): y is then the pool's PH x PW output. */
   int pool_kh, pool_kw, pool_sh, pool_sw, pool_ph, pool_pw, PH, PW;
+  int activation; /* vec_math.h's, before the clamp (stem_conv_int8.c only: the VNNI build takes CLAMP_ONLY) */
 } stem_call_t;
 
 /* max_pool_uint8.c */

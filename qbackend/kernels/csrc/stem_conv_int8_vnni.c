@@ -82,7 +82,7 @@ static inline __attribute__((always_inline)) void tile(int PIXELS, int BLOCKS, c
                                                        const requant_t* shared, uint8_t* y) {
   const __m512i zero = _mm512_setzero_si512();
   SUMS(0) SUMS(1) SUMS(2) SUMS(3) SUMS(4) SUMS(5)
-  const int8_t* w = c->w + (size_t)b * s.K4 * 64;
+  const int8_t* w = (const int8_t*)c->w + (size_t)b * s.K4 * 64;
   int k = 0;
   for (int kh = 0; kh < c->KH; kh++) {
     const uint8_t* row = x + kh * s.row;

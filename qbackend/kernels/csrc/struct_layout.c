@@ -39,7 +39,7 @@ static const struct {
            G(lo), G(hi), G(out_inv_scale), G(out_zp), G(qmin), G(qmax), G(float_out)),
     LAYOUT(stem_call_t, S(N), S(H), S(W), S(C), S(OH), S(OW), S(KH), S(KW), S(stride_h), S(stride_w), S(pad_h), S(pad_w),
            S(Cout), S(x_zp), S(w), S(mult), S(add), S(low), S(high), S(out_inv_scale), S(out_zp), S(qmin), S(qmax),
-           S(pool_kh), S(pool_kw), S(pool_sh), S(pool_sw), S(pool_ph), S(pool_pw), S(PH), S(PW)),
+           S(pool_kh), S(pool_kw), S(pool_sh), S(pool_sw), S(pool_ph), S(pool_pw), S(PH), S(PW), S(activation)),
     LAYOUT(max_pool_call_t, M(N), M(H), M(W), M(C), M(KH), M(KW), M(stride_h), M(stride_w), M(pad_h), M(pad_w), M(dil_h),
            M(dil_w), M(OH), M(OW)),
     LAYOUT(global_avg_pool_call_t, P(N), P(HW), P(C), P(zp), P(qmin), P(qmax)),
