@@ -1,7 +1,7 @@
 """Grouped 3x3 int8 convs (ResNeXt's, RegNet's): qbackend's own kernel
 (qbackend/kernels/csrc/grouped_conv_int8.c), timed against oneDNN per layer (lowering/choice.py).
-Its AVX2 build adds product pairs in int16: it takes only weights for which those cannot saturate
-(the 7-bit weights quantize_x86 gives on such CPUs), as the GEMM does.
+Its AVX2 build adds product pairs in int16, which saturates for 8-bit weights: where they could,
+it is packed for the exact build on int16 pairs (grouped_conv_int8_exact16.c), as the GEMM is.
 
 oneDNN ran ResNeXt-50's grouped convs at 45-170 GMAC/s on a Zen 4 where a dense 3x3 ran at 400:
 4 channels a group, 128 channels at 56x56, took 317 us a call. The kernel takes groups of 4
@@ -43,7 +43,7 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
     if match.output_quant is None and match.float_dtype != torch.float32:
         return f"the kernel writes uint8 or float32, not {match.float_dtype}"
     int8_values = (match.x.qparams,) + ((match.output_quant,) if match.output_quant else ())
-    return own_conv.refusal(ctx, match, int8_values) or gemm.int16_pairs_refusal(match)
+    return own_conv.refusal(ctx, match, int8_values)
 
 
 def lane_order(channels: int, per_group: int) -> torch.Tensor:
@@ -53,21 +53,27 @@ def lane_order(channels: int, per_group: int) -> torch.Tensor:
     return order.reshape(-1, 2, 4).transpose(1, 2).reshape(-1) if per_group == 4 else order
 
 
-def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[C, Cg, 3, 3] int8 -> [C / 8][9 taps][Cg / 4 quads][8 lanes][4 bytes]; mult, add in lane order."""
+def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor,
+         exact16: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[C, Cg, 3, 3] int8 -> [C / 8][9 taps][Cg / 4 quads][8 lanes][4 bytes]; ``exact16``: int16,
+    [C / 8][9][Cg / 2 pairs][8][2]; mult, add in lane order."""
     channels, per_group = weight.shape[:2]
-    order = lane_order(channels, per_group)
+    order, word = lane_order(channels, per_group), 2 if exact16 else 4
     lanes = grouped.GROUPED_LANES
-    packed = weight[order].reshape(channels // lanes, lanes, per_group // 4, 4, 9).permute(0, 4, 2, 1, 3)
-    return packed.contiguous().reshape(-1), mult[order].float().contiguous(), add[order].float().contiguous()
+    packed = weight[order].reshape(channels // lanes, lanes, per_group // word, word, 9).permute(0, 4, 2, 1, 3)
+    packed = packed.contiguous().reshape(-1)
+    return packed.to(torch.int16) if exact16 else packed, mult[order].float().contiguous(), add[order].float().contiguous()
 
 
 def emit(ctx: EmitContext, match):
     p, out = match.conv, match.output_quant
     low, high = own_conv.clamp_bounds(match.post_op)
-    weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match))
+    saturating = gemm.int16_pairs_refusal(match)
+    weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match), exact16=saturating is not None)
     ctx.kernel = f"{registry.NAMESPACE}::qconv_grouped.default"
     ctx.notes.append("qbackend's grouped conv kernel")
+    if saturating:
+        ctx.notes.append(f"its exact int16 build, not vpmaddubsw: {saturating}")
     requantize = (out.scale, out.zero_point, out.qmin, out.qmax) if out is not None else (1.0, 0, 0, 255, True)
     return own_conv.call_kernel(ctx, "qconv_grouped", (
         match.x.node, match.x.qparams.zero_point, ctx.constant(weight, "grouped_w"), ctx.constant(mult, "grouped_mult"),

@@ -1,6 +1,8 @@
 """Grouped 3x3 int8 convs, as many outputs as inputs per group (``csrc/grouped_conv_int8.c``):
-``qbackend::qconv_grouped``. The AVX512-VNNI build where it runs (exact), else the AVX2 one, whose
-int16 pair sums saturate for weights the lowering does not give it (``lowering/grouped.py``)."""
+``qbackend::qconv_grouped``. int8 weights: the AVX512-VNNI build where it runs (exact), else the
+AVX2 one, whose int16 pair sums saturate for weights the lowering does not give it; int16
+weights: the exact AVX2 build on int16 pairs (``grouped_conv_int8_exact16.c``,
+``lowering/grouped.py`` packs for it where the pairs could saturate)."""
 from __future__ import annotations
 
 import ctypes
@@ -41,12 +43,17 @@ def _prepare_grouped_conv(x, x_zero_point, weight, mult, add, groups, stride, lo
                           qmax, float_out=False) -> Prepared:
     check_nchw_uint8(x, None, "qconv_grouped")
     n, c, h, w = x.shape
-    function = (isa.vnni_function("qb_grouped_conv_vnni", X_TO_Y_SIGNATURE, ctypes.c_int) if isa.int8_build() == "avx512_vnni"
-                else isa.c_function("qb_grouped_conv_avx2", X_TO_Y_SIGNATURE, ctypes.c_int))
+    if weight.dtype == torch.int16:
+        function = isa.c_function("qb_grouped_conv_exact16", X_TO_Y_SIGNATURE, ctypes.c_int)
+    elif isa.int8_build() == "avx512_vnni":
+        function = isa.vnni_function("qb_grouped_conv_vnni", X_TO_Y_SIGNATURE, ctypes.c_int)
+    else:
+        function = isa.c_function("qb_grouped_conv_avx2", X_TO_Y_SIGNATURE, ctypes.c_int)
     reason = grouped_refusal(c, groups)
     if reason is not None:
         raise ValueError(f"qbackend::qconv_grouped: {reason}")
-    check_constants("qconv_grouped", (weight, torch.int8, c * 9 * (c // groups)), (mult, torch.float32, c),
+    dtype = torch.int16 if weight.dtype == torch.int16 else torch.int8  # (another dtype: check_constants names it)
+    check_constants("qconv_grouped", (weight, dtype, c * 9 * (c // groups)), (mult, torch.float32, c),
                      (add, torch.float32, c))
     oh, ow = checked_window("qconv_grouped", h, w, (3, 3), (stride, stride), (1, 1))
     if stride not in DEPTHWISE_STRIDES:

@@ -107,6 +107,7 @@ TABLE = [
                                (2, torch.zeros(7, dtype=torch.int32), "expected a contiguous CPU torch.int16 constant")]),
     ("qconv_grouped", grouped_args, [(0, torch.zeros(1, 32, 6, 6), "takes uint8 CPU activations"),
                                      (2, torch.zeros(7, dtype=torch.int8), "expected a contiguous CPU torch.int8 constant"),
+                                     (2, torch.zeros(7, dtype=torch.int16), "expected a contiguous CPU torch.int16 constant"),
                                      (5, 16, "32 channels in 16 groups"), (6, 3, "stride 3"), (9, 0.0, "out scale 0.0"),
                                      (10, 300, "zero points")]),
     ("attention_f32", attention_args, [(0, torch.randn(1, 2, 4, 16).double(), "float32 CPU"),

@@ -1,7 +1,7 @@
 """Grouped 3x3 int8 convs (ResNeXt's, RegNet's) on qbackend's own kernel, each build this CPU
 runs: its bytes against the float64 reference and oneDNN's, the lowering of a ResNeXt
-bottleneck, and the convs it leaves to oneDNN with the reason (groups it does not take; 8-bit
-weights and activations whose int16 pair sums the AVX2 build would saturate)."""
+bottleneck, the convs it leaves to oneDNN with the reason (groups it does not take), and the
+exact int16 build that runs 8-bit weights whose pair sums the AVX2 build would saturate."""
 import math
 
 import pytest
@@ -13,7 +13,7 @@ from qbackend.lowering import grouped
 from qbackend.lowering.own_conv import scale_and_offset
 from qbackend.ops import resolve
 
-from tests.helpers import assert_matches_reference, quantize
+from tests.helpers import assert_matches_reference, needs_own_kernels, quantize
 from tests.tolerances import assert_int8_close
 
 # (batch, channels, size, groups, stride): 4 / 8 / 16 / 32 channels a group; rows of fewer than 8
@@ -54,6 +54,32 @@ def test_grouped_kernel_bytes_match_the_reference_and_onednn(case, int8_build):
     onednn = qconv(x, x_scale, x_zp, packed, w_scale, torch.zeros(channels, dtype=torch.int64), bias, [stride] * 2, [1, 1],
                    [1, 1], groups, out_scale, out_zp, None, "relu", [], "")
     assert_int8_close(actual, onednn, f"{case} vs oneDNN")
+
+
+@needs_own_kernels
+@pytest.mark.parametrize("float_out", [False, True], ids=["uint8 out", "float32 out"])
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_exact16_build_gives_the_reference_for_8_bit_weights(case, float_out):
+    """The int16 build (int16 packed weights, any CPU with AVX2): full 8-bit weights and
+    activations, whose pair sums pass int16's range; 4 channels a group read both groups'
+    words interleaved from the widened copy."""
+    batch, channels, size, groups, stride = case
+    x, w, w_scale, bias = _case(*case)
+    x[..., 0, :] = 255  # (a row of full activations: 255 x (|w_a| + |w_b|) well past 32767)
+    x_scale, x_zp, out_scale, out_zp = 0.02, 3, 0.05, 5
+    reference = torch.nn.functional.conv2d((x.double() - x_zp) * x_scale, w.double() * w_scale.double()[:, None, None, None],
+                                           bias.double(), stride, 1, 1, groups).clamp(-1.0, 6.0)
+    mult, add = scale_and_offset(w, w_scale, x_scale, x_zp, bias)
+    weight, mult, add = grouped.pack(w, mult, add, exact16=True)
+    assert weight.dtype == torch.int16
+    requantize = (1.0, 0, 0, 255, True) if float_out else (out_scale, out_zp, 0, 255)
+    args = (x, x_zp, weight, mult, add, groups, stride, -1.0, 6.0, *requantize)
+    for kernel in registry.own_kernel_forms("qconv_grouped"):
+        actual = kernel(*args)
+        if float_out:
+            torch.testing.assert_close(actual.double(), reference, atol=1e-5, rtol=1e-5)
+        else:
+            assert_int8_close(actual, torch.clamp(torch.round(reference / out_scale) + out_zp, 0, 255).to(torch.uint8), f"{case}")
 
 
 @pytest.mark.parametrize("case", CASES[:10], ids=str)
@@ -112,9 +138,10 @@ def test_groups_of_two_channels_stay_on_onednn_and_say_why():
         str(captured.report)
 
 
-def test_the_avx2_build_is_refused_weights_whose_pair_sums_saturate(int8_build):
+def test_weights_whose_pair_sums_saturate_run_on_the_exact_build(int8_build):
     """8-bit activations and 8-bit weights: 255 x (|w_a| + |w_b|) can pass int16's 32767, which
-    vpmaddubsw saturates at; 7-bit weights cannot (quantize_x86's choice on such CPUs)."""
+    vpmaddubsw (and oneDNN without VNNI) saturates at: the AVX2 CPU runs the int16 build, not
+    float; 7-bit weights (quantize_x86's choice on such CPUs) the uint8 one."""
     torch.manual_seed(0)
     inputs = (torch.randn(2, 64, 10, 10),)
     for reduce_range in (False, "weights"):
@@ -122,6 +149,5 @@ def test_the_avx2_build_is_refused_weights_whose_pair_sums_saturate(int8_build):
         (decision,) = [d for d in captured.report.decisions if d.kind == "conv" and "grouped" in d.source]
         said = decision.line() + "".join(map(str, decision.tried))
         saturates = reduce_range is False and int8_build == "avx2"
-        # (on a CPU without VNNI, oneDNN's kernel saturates too: the conv is kept before any kernel is chosen)
-        assert ("int16" in said and ("could reach" in said or "can reach" in said)) == saturates, said
-        assert (decision.op == f"{registry.NAMESPACE}::qconv_grouped.default") == (not saturates), said
+        assert ("its exact int16 build, not vpmaddubsw: its int16 pair sums could reach" in said) == saturates, said
+        assert decision.op == f"{registry.NAMESPACE}::qconv_grouped.default", said

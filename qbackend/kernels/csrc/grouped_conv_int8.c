@@ -3,7 +3,8 @@
  * squeeze-excitation block reads the float values) out after a clamp. Built twice:
  * here for AVX2 (qb_grouped_conv_avx2: vpmaddubsw adds each pair of products in int16, which
  * saturates unless the weights keep it in range: the lowering checks, lowering/grouped.py) and,
- * through grouped_conv_int8_vnni.c, for AVX512-VNNI (qb_grouped_conv_vnni: vpdpbusd, exact).
+ * through grouped_conv_int8_vnni.c, for AVX512-VNNI (qb_grouped_conv_vnni: vpdpbusd, exact), and
+ * through grouped_conv_int8_exact16.c, for AVX2 on int16 pairs (qb_grouped_conv_exact16: exact).
  *
  * Why: oneDNN ran ResNeXt-50's grouped convs at 45-170 GMAC/s on a Zen 4 where a dense 3x3
  * ran at 400 (4 channels a group: 317 us for 128 channels at 56x56).
@@ -34,6 +35,11 @@
 #include "vnni_dot.h"
 #define QB_GROUPED_CALL qb_grouped_conv_vnni
 #define PIXELS 8 /* output pixels a step: 2 x 8 sums of AVX512VL's 32 ymm registers */
+#elif defined(QB_EXACT16)
+#define QB_GROUPED_CALL qb_grouped_conv_exact16
+#define PIXELS 4
+/* acc + the int16 pair products of a word per int32 lane (vpmaddwd: exact) */
+static inline __m256i dot_add(__m256i acc, __m256i x, __m256i w) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w)); }
 #else
 #define QB_GROUPED_CALL qb_grouped_conv_avx2
 #define PIXELS 4 /* 2 x 4 sums: AVX2 has 16 ymm registers, and each dot product needs two more */
@@ -44,6 +50,15 @@ static inline __m256i dot_add(__m256i acc, __m256i x, __m256i w) {
 #endif
 #define LANES 8 /* output channels per vector: a block */
 #define TAPS 9
+#if defined(QB_EXACT16)
+/* The padded input holds the activations widened to int16, 2 a 4-byte word; with 4 channels a
+ * group each block's 8 in the order A0 A1 B0 B1 A2 A3 B2 B3, so that 8 bytes hold both groups'
+ * word q (the lanes A0 B0 A1 B1 ... read alternate ones, as the uint8 build's). */
+typedef int16_t value_t;
+#else
+typedef uint8_t value_t; /* 4 a word */
+#endif
+#define WORD_VALUES (4 / (int)sizeof(value_t))
 
 /* one word broadcast (a block of one group), or two groups' words in alternate lanes (Cg == 4) */
 static inline __m256i word(const uint8_t* at) {
@@ -83,16 +98,16 @@ static inline void store_block(const grouped_call_t* c, const __m256i acc[PIXELS
   }
 }
 
-/* Sums of blocks b and b + 1 over every tap and quad: LOAD0 / LOAD1 the lane words at ``at``
- * (pixel p's input at the tap, quad and the pair's first channel) */
-#define PAIR_SUMS(QUADS, LOAD0, LOAD1)                                                               \
+/* Sums of blocks b and b + 1 over every tap and word: LOAD0 / LOAD1 the lane words at ``at``
+ * (pixel p's input at the tap, word and the pair's first channel; words ``STRIDE`` bytes apart) */
+#define PAIR_SUMS(QUADS, STRIDE, LOAD0, LOAD1)                                                       \
   for (int t = 0; t < TAPS; t++)                                                                     \
     for (int q = 0; q < (QUADS); q++) {                                                              \
       const size_t step = ((size_t)t * (QUADS) + q) * LANES * 4;                                     \
       const __m256i w0 = _mm256_loadu_si256((const __m256i*)(w + step));                            \
       const __m256i w1 = _mm256_loadu_si256((const __m256i*)(w + block_bytes + step));              \
       for (int p = 0; p < PIXELS; p++) {                                                             \
-        const uint8_t* at = win + tap[t] + 4 * q + p * pixel;                                        \
+        const uint8_t* at = win + tap[t] + (STRIDE) * q + p * pixel;                                 \
         const __m256i x0 = LOAD0;                                                                    \
         acc0[p] = dot_add(acc0[p], x0, w0);                                                          \
         acc1[p] = dot_add(acc1[p], LOAD1, w1);                                                       \
@@ -103,21 +118,21 @@ static inline void store_block(const grouped_call_t* c, const __m256i acc[PIXELS
  * window's taps at win + tap[t] from its corner), stored for the first ``pixels``. */
 static void pair_step(const grouped_call_t* c, const uint8_t* corner, size_t pixel, const size_t tap[TAPS], int b,
                       int pixels, char* out) {
-  const int Cg = c->Cg, quads = Cg / 4;
-  const size_t block_bytes = (size_t)TAPS * quads * LANES * 4;
+  const int Cg = c->Cg, words = Cg / WORD_VALUES;
+  const size_t block_bytes = (size_t)TAPS * words * LANES * 4, next_block = LANES * sizeof(value_t);
   const int8_t* w = c->weight + (size_t)b * block_bytes;
-  const uint8_t* win = corner + block_channel(Cg, b);
+  const uint8_t* win = corner + block_channel(Cg, b) * sizeof(value_t);
   __m256i acc0[PIXELS], acc1[PIXELS];
   for (int p = 0; p < PIXELS; p++) acc0[p] = acc1[p] = _mm256_setzero_si256();
   if (Cg == 4) {
-    PAIR_SUMS(1, two_words(at), two_words(at + 8)) /* (the next block: the next two groups) */
+    PAIR_SUMS(words, 8, two_words(at), two_words(at + next_block)) /* (the next block: the next two groups) */
   } else if (Cg == 8) {
-    PAIR_SUMS(2, word(at), word(at + 8)) /* (the next block: the next group) */
+    PAIR_SUMS(words, 4, word(at), word(at + next_block)) /* (the next block: the next group) */
   } else if (block_channel(Cg, b + 1) == block_channel(Cg, b)) {
-    PAIR_SUMS(quads, word(at), x0) /* (the next block: the same group, the same words) */
+    PAIR_SUMS(words, 4, word(at), x0) /* (the next block: the same group, the same words) */
   } else { /* (an odd number of blocks a group, 24 or 40 channels: the next block starts the next group) */
-    const size_t next = (size_t)(block_channel(Cg, b + 1) - block_channel(Cg, b));
-    PAIR_SUMS(quads, word(at), word(at + next))
+    const size_t next = (size_t)(block_channel(Cg, b + 1) - block_channel(Cg, b)) * sizeof(value_t);
+    PAIR_SUMS(words, 4, word(at), word(at + next))
   }
   store_block(c, acc0, b, pixels, out);
   store_block(c, acc1, b + 1, pixels, out);
@@ -126,20 +141,45 @@ static void pair_step(const grouped_call_t* c, const uint8_t* corner, size_t pix
 /* A last, odd block: pair_step's sums for one block */
 static void single_step(const grouped_call_t* c, const uint8_t* corner, size_t pixel, const size_t tap[TAPS], int b,
                         int pixels, char* out) {
-  const int Cg = c->Cg, quads = Cg / 4;
-  const int8_t* w = c->weight + (size_t)b * TAPS * quads * LANES * 4;
-  const uint8_t* win = corner + block_channel(Cg, b);
+  const int Cg = c->Cg, words = Cg / WORD_VALUES, stride = Cg == 4 ? 8 : 4;
+  const int8_t* w = c->weight + (size_t)b * TAPS * words * LANES * 4;
+  const uint8_t* win = corner + block_channel(Cg, b) * sizeof(value_t);
   __m256i acc[PIXELS];
   for (int p = 0; p < PIXELS; p++) acc[p] = _mm256_setzero_si256();
   for (int t = 0; t < TAPS; t++)
-    for (int q = 0; q < quads; q++) {
-      const __m256i w0 = _mm256_loadu_si256((const __m256i*)(w + ((size_t)t * quads + q) * LANES * 4));
+    for (int q = 0; q < words; q++) {
+      const __m256i w0 = _mm256_loadu_si256((const __m256i*)(w + ((size_t)t * words + q) * LANES * 4));
       for (int p = 0; p < PIXELS; p++) {
-        const uint8_t* at = win + tap[t] + 4 * q + p * pixel;
+        const uint8_t* at = win + tap[t] + stride * q + p * pixel;
         acc[p] = dot_add(acc[p], Cg == 4 ? two_words(at) : word(at), w0);
       }
     }
   store_block(c, acc, b, pixels, out);
+}
+
+/* ``count`` values of the zero point at dst */
+static inline void fill_zero_point(const grouped_call_t* c, value_t* dst, size_t count) {
+#if defined(QB_EXACT16)
+  for (size_t i = 0; i < count; i++) dst[i] = (value_t)c->x_zp;
+#else
+  memset(dst, c->x_zp, count);
+#endif
+}
+
+/* ``count`` channels of a row of x at dst (widened, and with 4 channels a group in the
+ * word order above, in the int16 build) */
+static inline void copy_pixels(const grouped_call_t* c, value_t* dst, const uint8_t* src, size_t count) {
+#if defined(QB_EXACT16)
+  if (c->Cg == 4) {
+    static const int order[LANES] = {0, 1, 4, 5, 2, 3, 6, 7};
+    for (size_t i = 0; i < count; i += LANES)
+      for (int j = 0; j < LANES; j++) dst[i + j] = src[i + order[j]];
+  } else
+    for (size_t i = 0; i < count; i++) dst[i] = src[i];
+#else
+  (void)c;
+  memcpy(dst, src, count);
+#endif
 }
 
 /* 0, or -1 when the padded input could not be allocated. The input is copied once into rows
@@ -148,30 +188,30 @@ static void single_step(const grouped_call_t* c, const uint8_t* corner, size_t p
 int QB_GROUPED_CALL(int threads, const grouped_call_t* c, const uint8_t* x, void* y) {
   const int s = c->stride, PH = c->H + 2, min_width = (PIXELS - 1) * s + 3;
   const int PW = c->W + 2 > min_width ? c->W + 2 : min_width;
-  const size_t C = (size_t)c->C, pixel = (size_t)s * C;
-  uint8_t* padded = malloc((size_t)c->N * PH * PW * C + 8); /* (+8: the last 8-byte load) */
+  const size_t C = (size_t)c->C, pixel = (size_t)s * C * sizeof(value_t);
+  value_t* padded = malloc((size_t)c->N * PH * PW * C * sizeof(value_t) + 8); /* (+8: the last 8-byte load) */
   if (!padded) return -1;
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
     for (int r = 0; r < c->N * PH; r++) {
       const int iy = r % PH - 1, n = r / PH;
-      uint8_t* dst = padded + (size_t)r * PW * C;
+      value_t* dst = padded + (size_t)r * PW * C;
       if (iy < 0 || iy >= c->H) {
-        memset(dst, c->x_zp, PW * C);
+        fill_zero_point(c, dst, PW * C);
         continue;
       }
-      memset(dst, c->x_zp, C);
-      memcpy(dst + C, x + ((size_t)n * c->H + iy) * c->W * C, c->W * C);
-      memset(dst + (c->W + 1) * C, c->x_zp, (PW - c->W - 1) * C);
+      fill_zero_point(c, dst, C);
+      copy_pixels(c, dst + C, x + ((size_t)n * c->H + iy) * c->W * C, c->W * C);
+      fill_zero_point(c, dst + (c->W + 1) * C, (PW - c->W - 1) * C);
     }
     size_t tap[TAPS];
-    for (int t = 0; t < TAPS; t++) tap[t] = ((size_t)(t / 3) * PW + t % 3) * C;
+    for (int t = 0; t < TAPS; t++) tap[t] = ((size_t)(t / 3) * PW + t % 3) * C * sizeof(value_t);
     const int blocks = c->C / LANES;
 #pragma omp for schedule(static)
     for (int row = 0; row < c->N * c->OH; row++) {
       const int n = row / c->OH, oy = row % c->OH;
-      const uint8_t* corner_row = padded + ((size_t)n * PH + (size_t)oy * s) * PW * C;
+      const uint8_t* corner_row = (const uint8_t*)(padded + ((size_t)n * PH + (size_t)oy * s) * PW * C);
       for (int ox0 = 0; ox0 < c->OW; ox0 += PIXELS) {
         /* a last tile of fewer pixels moves left over pixels already written (the same values) */
         const int start = ox0 + PIXELS <= c->OW || c->OW < PIXELS ? ox0 : c->OW - PIXELS;
