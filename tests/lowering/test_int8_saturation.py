@@ -83,6 +83,41 @@ def test_seven_bit_weights_leave_depthwise_convs_their_8_bits(monkeypatch):
     assert not report.kept, str(report)
 
 
+class PatchStem(nn.Module):
+    """ConvNeXt's stem: a 4x4 stride-4 conv of 3 channels read by a float LayerNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.head = nn.Conv2d(3, 16, 4, 4), nn.LayerNorm(16), nn.Conv2d(16, 8, 1)
+
+    def forward(self, x):
+        y = self.norm(self.conv(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.head(y)
+
+
+def _stem_weights_within_seven_bits(model) -> bool:
+    (stem, *_) = [getattr(model, n.args[0].target) for n in model.graph.nodes if "dequantize_per_channel" in str(n.target)]
+    assert stem.shape[1] == 3
+    return -64 <= int(stem.min()) and int(stem.max()) <= 63
+
+
+@needs_own_kernels
+def test_seven_bit_weights_leave_a_stem_its_8_bits_where_the_stem_kernel_runs_it(monkeypatch):
+    """A stem conv whose output is quantized keeps 8 bits: the stem kernel runs it exactly
+    (its AVX2 build on int16 pairs). One whose output a float op reads would stay float with
+    8 bits where oneDNN saturates (the stem kernel writes uint8 only): it keeps 7."""
+    simulate_cpu(monkeypatch, saturates=True)
+    inputs = (torch.randn(2, 3, 16, 16),)
+    model = quantize(nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1), nn.ReLU(), nn.Conv2d(16, 8, 1)), inputs,
+                     reduce_range="weights")
+    assert not _stem_weights_within_seven_bits(model)
+    report = assert_matches_reference(model, inputs).report
+    assert not report.kept and report.decisions[0].op == "qbackend::qconv_stem.default", str(report)
+    patch = quantize(PatchStem().eval(), inputs, reduce_range="weights")
+    assert _stem_weights_within_seven_bits(patch)
+    assert not assert_matches_reference(patch, inputs).report.kept
+
+
 def test_pair_bound_reads_input_channel_pairs_per_output_and_kernel_position():
     w = torch.zeros(2, 3, 2, 2, dtype=torch.int8)
     w[0, 0, 0, 0], w[0, 1, 0, 0], w[0, 2, 1, 1] = 127, -100, 127  # one pair at (0, 0); (1, 1) is alone
