@@ -98,8 +98,7 @@ def pack_vnni(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tu
 
 def emit(ctx: EmitContext, match):
     p, out = match.conv, match.output_quant
-    activation = own_conv.activation(match.post_op)
-    low, high = own_conv.clamp_bounds(None if activation != "none" else match.post_op)
+    activation, low, high = own_conv.epilogue(match.post_op)
     weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match), vnni_built())
     ctx.kernel = f"{registry.NAMESPACE}::qconv_depthwise.default"
     ctx.notes.append("qbackend's depthwise kernel")

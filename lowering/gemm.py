@@ -137,6 +137,15 @@ def int16_pairs_refusal(match) -> Optional[str]:
     return None
 
 
+def exact16_build(ctx: EmitContext, match) -> bool:
+    """Whether a kernel summing 4-input words (the GEMM, the grouped conv) runs ``match`` on its
+    exact int16 build (``int16_pairs_refusal``: its AVX2 build would saturate), saying so."""
+    saturating = int16_pairs_refusal(match)
+    if saturating is not None:
+        ctx.notes.append(f"its exact int16 build, not vpmaddubsw: {saturating}")
+    return saturating is not None
+
+
 def _gemm_refusal(ctx: EmitContext, match) -> Optional[str]:
     int8_values = (match.x.qparams,) + tuple(q for q in (match.output_quant, match.accum and match.accum.qparams) if q)
     return own_conv.refusal(ctx, match, int8_values, activations=tuple(own_conv.ACTIVATIONS))
@@ -184,16 +193,12 @@ def _call(ctx: EmitContext, match, x: Node, residual: Optional[Node] = None, res
     """The kernel call; ``shift`` is what a residual's zero point adds to every output;
     ``geometry``: a conv's kernel size, stride, padding, dilation and input zero point."""
     out, post = match.output_quant, match.post_op
-    activation = own_conv.activation(post)
-    low, high = own_conv.clamp_bounds(None if activation != "none" else post)
+    activation, low, high = own_conv.epilogue(post)
     mult, add = own_conv.requantize_constants(ctx, match, shift)
     ctx.kernel = f"{registry.NAMESPACE}::qconv.default"
     requantize = (out.scale, out.zero_point, out.qmin, out.qmax) if out is not None else (1.0, 0, 0, 255)
-    saturating = int16_pairs_refusal(match)
-    if saturating is not None:
-        ctx.notes.append(f"its exact int16 build, not vpmaddubsw: {saturating}")
     return own_conv.call_kernel(ctx, "qconv", (
-        x, ctx.constant(pack(match.weight.int8, exact16=saturating is not None), "gemm_w"), ctx.constant(mult.float(), "gemm_mult"),
+        x, ctx.constant(pack(match.weight.int8, exact16=exact16_build(ctx, match)), "gemm_w"), ctx.constant(mult.float(), "gemm_mult"),
         ctx.constant(add.float(), "gemm_add"), residual, residual_scale, low, high, *requantize, out is None,
         activation, *geometry))
 

@@ -68,12 +68,10 @@ def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor,
 def emit(ctx: EmitContext, match):
     p, out = match.conv, match.output_quant
     low, high = own_conv.clamp_bounds(match.post_op)
-    saturating = gemm.int16_pairs_refusal(match)
-    weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match), exact16=saturating is not None)
     ctx.kernel = f"{registry.NAMESPACE}::qconv_grouped.default"
     ctx.notes.append("qbackend's grouped conv kernel")
-    if saturating:
-        ctx.notes.append(f"its exact int16 build, not vpmaddubsw: {saturating}")
+    exact16 = gemm.exact16_build(ctx, match)
+    weight, mult, add = pack(match.weight.int8, *own_conv.requantize_constants(ctx, match), exact16=exact16)
     requantize = (out.scale, out.zero_point, out.qmin, out.qmax) if out is not None else (1.0, 0, 0, 255, True)
     return own_conv.call_kernel(ctx, "qconv_grouped", (
         match.x.node, match.x.qparams.zero_point, ctx.constant(weight, "grouped_w"), ctx.constant(mult, "grouped_mult"),

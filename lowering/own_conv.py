@@ -52,6 +52,13 @@ def clamp_bounds(post) -> tuple[float, float]:
     return CLAMPS[name] if name in CLAMPS else tuple(post.scalars)
 
 
+def epilogue(post) -> tuple[str, float, float]:
+    """(activation, low, high) of a kernel epilogue running ``post``: the activation it folds
+    (then no clamp), or "none" and the post-op's clamp."""
+    folded = activation(post)
+    return (folded, *clamp_bounds(None if folded != "none" else post))
+
+
 def refusal(ctx, match, int8_values, activations=()) -> Optional[str]:
     """Conditions every own conv kernel has: uint8 ``int8_values`` (QParams or None for float),
     a clamp post-op (or one of ``activations``), symmetric weights, a constant bias, and the

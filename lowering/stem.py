@@ -40,15 +40,21 @@ def is_stem(match) -> bool:
             and match.accum is None and match.accum_float is None)
 
 
+def sizes_refusal(in_shape, weight_shape, stride, dilation) -> Optional[str]:
+    """Why the kernel has no room for a stem conv of these sizes (None if it has): a static input
+    (``in_shape`` None where it is not), dilation 1, what ``stem_refusal`` allows. The recipe
+    asks it too (qbackend.pt2e_flow: which stems keep 8-bit weights)."""
+    if in_shape is None:
+        return "the input's shape is not static"
+    if list(dilation) != [1, 1]:
+        return f"dilation {dilation}: the kernel takes 1"
+    return stem_kernel.stem_refusal(in_shape, weight_shape[0], tuple(weight_shape[2:]), tuple(stride))
+
+
 def refusal(ctx: EmitContext, match) -> Optional[str]:
     """Why this stem conv is not for the kernel (None if it is)."""
-    p, w = match.conv, match.weight.int8
-    shape = static_shape(match.x.node)
-    if shape is None:
-        return "the input's shape is not static"
-    if list(p.dilation) != [1, 1]:
-        return f"dilation {p.dilation}: the kernel takes 1"
-    reason = stem_kernel.stem_refusal(shape, w.shape[0], tuple(w.shape[2:]), tuple(p.stride))
+    p = match.conv
+    reason = sizes_refusal(static_shape(match.x.node), match.weight.int8.shape, p.stride, p.dilation)
     if reason is not None:
         return reason
     # (the AVX2 build's epilogue runs the activations; the VNNI build's folds clamps only)
@@ -86,8 +92,7 @@ def pack(weight: torch.Tensor, build: str = "avx512_vnni") -> torch.Tensor:
 
 def emit(ctx: EmitContext, match):
     p, out, w = match.conv, match.output_quant, match.weight.int8
-    activation = own_conv.activation(match.post_op)
-    low, high = own_conv.clamp_bounds(None if activation != "none" else match.post_op)
+    activation, low, high = own_conv.epilogue(match.post_op)
     mult, add = own_conv.requantize_constants(ctx, match)
     ctx.kernel = f"{registry.NAMESPACE}::qconv_stem.default"
     ctx.notes.append(f"qbackend's stem conv kernel ({w.shape[1]} input channels: oneDNN pads each window row)")

@@ -118,15 +118,14 @@ def _stem_kernel_takes(conv, weight) -> bool:
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import QUANT_ANNOTATION_KEY
 
     from qbackend.kernels import registry
-    from qbackend.kernels.stem import stem_refusal
+    from qbackend.lowering.stem import sizes_refusal
 
     x = conv.args[0].meta.get("val")
     stride, _, dilation, groups = (list(conv.args[3:7]) + [[1, 1], [0, 0], [1, 1], 1][len(conv.args[3:7]):])
-    if (weight.dim() != 4 or weight.shape[1] >= 4 or groups != 1 or list(dilation) != [1, 1] or x is None
-            or x.dim() != 4 or not all(isinstance(size, int) for size in x.shape) or registry.available() is not None):
+    if weight.dim() != 4 or weight.shape[1] >= 4 or groups != 1 or x is None or x.dim() != 4 or registry.available() is not None:
         return False
-    stride = tuple(stride) * (2 // len(stride))
-    if stem_refusal(tuple(x.shape), weight.shape[0], tuple(weight.shape[2:]), stride) is not None:
+    static = tuple(x.shape) if all(isinstance(size, int) for size in x.shape) else None
+    if sizes_refusal(static, weight.shape, tuple(stride) * (2 // len(stride)), list(dilation) * (2 // len(dilation))) is not None:
         return False
     end = conv
     while len(end.users) == 1 and next(iter(end.users)).target in _STEM_TAILS:
@@ -245,7 +244,8 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             after 4 calibration batches, 0.900 after 32; 0.9999 this way).
         reduce_range: for CPUs without VNNI, whose int8 kernels overflow 8-bit activations
             times 8-bit weights. ``"weights"``: 7-bit weights ([-64, 63], as ONNX Runtime's
-            reduce_range; depthwise convs, which add no pairs of products, and a stem the stem kernel runs keep 8 bits); ``True`` / ``"activations"``: 7-bit activations ([0, 127],
+            reduce_range; depthwise convs, which add no pairs of products, and a stem the stem
+            kernel runs keep 8 bits); ``True`` / ``"activations"``: 7-bit activations ([0, 127],
             torchao's reduce_range); ``False``: neither. None (default): ``"weights"`` exactly
             when this CPU needs it (``cpu_needs_reduce_range``), else ``False``. Measured on
             all-MiniLM-L6-v2: embedding cosine vs fp32 0.9929 with 7-bit weights, 0.9791 with
