@@ -33,10 +33,16 @@ WIDE = 64  # output channels of a full tile
 UNPOOLED_ARGS = 14  # a qconv_stem call's arguments before the pool's (registry.OPS)
 
 
+def stem_weight(weight_shape, groups: int) -> bool:
+    """A 2-D conv's weight the kernel takes: fewer than 4 input channels, groups 1. The recipe
+    asks it too (qbackend.pt2e_flow: which stems keep 8-bit weights)."""
+    return len(weight_shape) == 4 and weight_shape[1] < 4 and groups == 1
+
+
 def is_stem(match) -> bool:
     """A 2-D int8 conv (groups 1, no residual) of fewer than 4 input channels."""
     p, w = match.conv, match.weight
-    return (p is not None and w is not None and p.spatial_rank == 2 and p.groups == 1 and w.int8.shape[1] < 4
+    return (p is not None and w is not None and p.spatial_rank == 2 and stem_weight(w.int8.shape, p.groups)
             and match.accum is None and match.accum_float is None)
 
 

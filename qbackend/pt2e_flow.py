@@ -118,11 +118,11 @@ def _stem_kernel_takes(conv, weight) -> bool:
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import QUANT_ANNOTATION_KEY
 
     from qbackend.kernels import registry
-    from qbackend.lowering.stem import sizes_refusal
+    from qbackend.lowering.stem import sizes_refusal, stem_weight
 
     x = conv.args[0].meta.get("val")
     stride, _, dilation, groups = (list(conv.args[3:7]) + [[1, 1], [0, 0], [1, 1], 1][len(conv.args[3:7]):])
-    if weight.dim() != 4 or weight.shape[1] >= 4 or groups != 1 or x is None or x.dim() != 4 or registry.available() is not None:
+    if not stem_weight(weight.shape, groups) or x is None or x.dim() != 4 or registry.available() is not None:
         return False
     static = tuple(x.shape) if all(isinstance(size, int) for size in x.shape) else None
     if sizes_refusal(static, weight.shape, tuple(stride) * (2 // len(stride)), list(dilation) * (2 // len(dilation))) is not None:
