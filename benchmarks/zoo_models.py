@@ -24,6 +24,8 @@ TORCHVISION = ("resnet50", "resnext50_32x4d", "mobilenet_v3_large", "efficientne
 # other architectures checked the same way (issue #19: they must hold too), on request: --models
 MORE_TORCHVISION = ("densenet121", "swin_t", "regnet_x_1_6gf", "regnet_y_800mf", "googlenet", "mnasnet1_0",
                     "efficientnet_v2_s", "resnet18", "mobilenet_v2", "squeezenet1_1", "vgg11_bn", "maxvit_t", "swin_v2_t")
+# torchvision's video models: 3-D convs, which X86InductorQuantizer leaves float (quantize_x86 quantizes them)
+VIDEO = ("r3d_18",)
 IN_HOUSE = ("resnet18_like", "mobilenet_v2_like", "bert_encoder_like")
 MINILM = "all-MiniLM-L6-v2"
 BERT_BASE = "bert-base"  # transformers' BertModel of BertConfig() (12 layers of 768), random weights
@@ -32,6 +34,7 @@ MINILM_SEQ = 128  # (the sequence length of the sentence models)
 # the models NNCF's transformer preset is for (nncf.ModelType.TRANSFORMER)
 TRANSFORMERS = ("vit_b_16", "swin_t", "swin_v2_t", "maxvit_t", "bert_encoder_like", MINILM, BERT_BASE, DISTILBERT)
 IMAGE = (3, 224, 224)
+CLIP = (3, 8, 112, 112)  # a video model's input: 8 frames of 112 x 112 (torchvision's video weights' crop)
 EVALUATION_SEEDS = (1, 2, 3)  # random inputs' seeds for the accuracy besides the timed input's 0
 
 
@@ -59,7 +62,7 @@ def _torchvision():
     return torchvision.models
 
 
-def _estimate_batchnorm_statistics(model: torch.nn.Module, batches: int = 4, batch: int = 8) -> None:
+def _estimate_batchnorm_statistics(model: torch.nn.Module, shape: tuple = IMAGE, batches: int = 4, batch: int = 8) -> None:
     """Random init leaves BatchNorm at mean 0 / variance 1, which deep nets blow up through:
     running statistics from random images, as a trained model has from data."""
     norms = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
@@ -72,7 +75,7 @@ def _estimate_batchnorm_statistics(model: torch.nn.Module, batches: int = 4, bat
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for _ in range(batches):
-            model(torch.randn(batch, *IMAGE, generator=generator))
+            model(torch.randn(batch, *shape, generator=generator))
     model.eval()
 
 
@@ -85,17 +88,19 @@ def _no_zero_classifier(model: torch.nn.Module) -> None:
             linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * linear.in_features ** -0.5)
 
 
-def _images(batch: int, seed: int) -> tuple:
-    return (torch.randn(batch, *IMAGE, generator=torch.Generator().manual_seed(seed)),)
+def _images(batch: int, seed: int, shape: tuple = IMAGE) -> tuple:
+    return (torch.randn(batch, *shape, generator=torch.Generator().manual_seed(seed)),)
 
 
 def _torchvision_model(name: str, batch: int, calibration: int) -> ZooModel:
+    video = name in VIDEO
+    shape = CLIP if video else IMAGE
     torch.manual_seed(0)
-    model = getattr(_torchvision(), name)().eval()
-    _estimate_batchnorm_statistics(model)
+    model = getattr(_torchvision().video if video else _torchvision(), name)().eval()
+    _estimate_batchnorm_statistics(model, shape, batch=2 if video else 8)
     _no_zero_classifier(model)
-    return ZooModel(name, model, _images(batch, 0), [_images(batch, 1000 + i) for i in range(calibration)], True,
-                    [_images(batch, seed) for seed in EVALUATION_SEEDS])
+    return ZooModel(name, model, _images(batch, 0, shape), [_images(batch, 1000 + i, shape) for i in range(calibration)], True,
+                    [_images(batch, seed, shape) for seed in EVALUATION_SEEDS])
 
 
 def _in_house_model(name: str, batch: int, calibration: int) -> ZooModel:
@@ -140,7 +145,7 @@ def _random_transformer(name: str, model_class: str, config_class: str, batch: i
 
 
 BUILDERS: dict[str, Callable[[int, int], ZooModel]] = {
-    **{name: (lambda b, c, name=name: _torchvision_model(name, b, c)) for name in TORCHVISION + MORE_TORCHVISION},
+    **{name: (lambda b, c, name=name: _torchvision_model(name, b, c)) for name in TORCHVISION + MORE_TORCHVISION + VIDEO},
     **{name: (lambda b, c, name=name: _in_house_model(name, b, c)) for name in IN_HOUSE},
     MINILM: _minilm,
     BERT_BASE: lambda b, c: _random_transformer(BERT_BASE, "BertModel", "BertConfig", b, c, add_pooling_layer=False),

@@ -64,6 +64,8 @@ def kernel_post_op(ctx: EmitContext, match: Match) -> PostOp:
     qmin / qmax (rounding of an in-range value is unchanged). Other post-ops, or a kernel
     refusing hardtanh, get a clamp after the call (``within_output_range``)."""
     post = match.post_op or NO_POST_OP
+    if clamp_after(ctx.device, match) is not None:
+        return NO_POST_OP
     if not _reduced_range(match) or post.name not in ("none", "relu", "hardtanh"):
         return post
     q = match.output_quant
@@ -77,14 +79,37 @@ def kernel_post_op(ctx: EmitContext, match: Match) -> PostOp:
     return PostOp("hardtanh", (low, high), "")
 
 
+CLAMPING_TABLES = ("cpu",)  # whose limits accept such a post-op (lowering/cpu.py); XPU's refuse it
+
+
+def clamp_after(device: str, match: Match) -> Optional[tuple[int, int]]:
+    """Where the conv kernel refuses a relu / hardtanh (torch 2.13's CPU conv3d takes no post-op)
+    but the output is quantized: the integers the post-op's bounds quantize to, as
+    ``quantize_per_tensor`` rounds. The kernel then runs without it and its output is clamped to
+    them: quantizing is monotone, so that gives the bytes of quantizing the clipped floats.
+    None otherwise."""
+    post, q = match.post_op, match.output_quant
+    if (device not in CLAMPING_TABLES or post is None or post.name not in ("relu", "hardtanh") or q is None or match.conv is None
+            or match.accum is not None or match.accum_float is not None
+            or capabilities.conv_post_op_refusal(device, match.conv.spatial_rank, post.name, post.scalars, post.algorithm) is None):
+        return None
+    bounds = torch.tensor([0.0, float("inf")] if post.name == "relu" else list(post.scalars), dtype=torch.float32)
+    low, high = torch.clamp(torch.round(bounds * (1.0 / q.scale)) + q.zero_point, q.qmin, q.qmax).tolist()
+    return int(low), int(high)
+
+
 def within_output_range(ctx: EmitContext, match: Match, kernel: Node, post: PostOp) -> Node:
     """The kernel's int8 output, clamped to a reduced output range unless ``post`` (from
-    ``kernel_post_op``) already clips it."""
-    if not _reduced_range(match) or post != (match.post_op or NO_POST_OP):
+    ``kernel_post_op``) already clips it, or to a refused post-op's bounds (``clamp_after``)."""
+    bounds = clamp_after(ctx.device, match)
+    if bounds is not None:
+        ctx.notes.append(f"{match.post_op.name} as a clamp of the int8 output to {list(bounds)} (the kernel refuses it)")
+    elif _reduced_range(match) and post == (match.post_op or NO_POST_OP):
+        bounds = (match.output_quant.qmin, match.output_quant.qmax)
+    if bounds is None or bounds == fast_qdq.FULL_RANGE[match.output_quant.dtype]:  # (the kernel clamps to that)
         return kernel
-    q = match.output_quant
     ctx.kernel = kernel.target.name()
-    return ctx.gm.graph.call_function(fast_qdq.clamp_to_range_, (kernel, q.qmin, q.qmax))
+    return ctx.gm.graph.call_function(fast_qdq.clamp_to_range_, (kernel, *bounds))
 
 
 def weight_constants(ctx: EmitContext, match: Match, packed: torch.Tensor, hint: str) -> tuple[Node, Node, Node]:

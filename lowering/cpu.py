@@ -11,7 +11,7 @@ from .capabilities import (INT16_MAX, conv_binary_post_op_refusal, conv_post_op_
                            linear_binary_post_op_refusal, linear_post_op_refusal, quantized_tensor_pool_refusal)
 from . import add_quantize, attention, choice, depthwise, gemm, grouped, layer_norm, pools, scale, stem
 from .base import Lowering
-from .common import (COMMON, NO_POST_OP, emit_qavgpool, emit_qconv, emit_qconv_add, emit_qlinear, emit_qlinear_add,
+from .common import (COMMON, NO_POST_OP, clamp_after, emit_qavgpool, emit_qconv, emit_qconv_add, emit_qlinear, emit_qlinear_add,
                      emit_qmaxpool2d, emit_sdpa, output_args)
 from .layer_scale import fold_layer_scale
 from .signed_int8 import signed_activations_as_unsigned
@@ -34,7 +34,8 @@ def _post_op(match):
     if match.conv is not None and binary:
         return conv_binary_post_op_refusal("cpu", post.name, post.scalars, post.algorithm)
     if match.conv is not None:
-        return conv_post_op_refusal("cpu", match.conv.spatial_rank, post.name, post.scalars, post.algorithm)
+        return None if clamp_after("cpu", match) else conv_post_op_refusal("cpu", match.conv.spatial_rank, post.name,
+                                                                           post.scalars, post.algorithm)
     if binary:
         return linear_binary_post_op_refusal("cpu", post.name, post.scalars, post.algorithm,
                                              fake_value(match.accum_float).dtype, output_args(match)[2])

@@ -54,10 +54,10 @@ def _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float, every_linear):
     if reduce_range == "weights":
         low, high = SEVEN_BIT_WEIGHTS
         config = dataclasses.replace(config, weight=dataclasses.replace(config.weight, quant_min=low, quant_max=high))
-    quantizer = xiq.X86InductorQuantizer().set_global(config)
+    x86 = xiq.X86InductorQuantizer().set_global(config)
     for name in keep_float:
-        quantizer.set_module_name_qconfig(name, None)
-    quantizer = _with_every_linear(quantizer, config, keep_float) if every_linear else quantizer
+        x86.set_module_name_qconfig(name, None)
+    quantizer = _with_conv3d(_with_every_linear(x86, config, keep_float) if every_linear else x86, x86, config, keep_float)
     return _with_full_range_where_exact(quantizer, full_range) if reduce_range == "weights" else quantizer
 
 
@@ -136,6 +136,12 @@ def _stem_kernel_takes(conv, weight) -> bool:
         QUANT_ANNOTATION_KEY in r.meta and end in r.meta[QUANT_ANNOTATION_KEY].input_qspec_map for r in readers)
 
 
+def _kept(node, keep_float) -> bool:
+    """The node belongs to a module ``keep_float`` names (or one inside it)."""
+    paths = [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
+    return any(path == name or path.startswith(name + ".") for path in paths for name in keep_float)
+
+
 def _with_every_linear(x86, config, keep_float):
     """``x86`` followed by a quantizer annotating, as ``x86`` annotates a linear, every float
     ``aten.linear`` it left with a constant weight: X86InductorQuantizer finds linears by their
@@ -143,17 +149,32 @@ def _with_every_linear(x86, config, keep_float):
     projections stay float; OpenVINO's recipe quantizes every MatMul with a constant weight)."""
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import QUANT_ANNOTATION_KEY
 
-    def kept(node) -> bool:
-        paths = [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
-        return any(path == name or path.startswith(name + ".") for path in paths for name in keep_float)
-
     def annotate(model):
         for node in model.graph.nodes:
             weight = node.args[1] if node.target is torch.ops.aten.linear.default else None
-            if weight is not None and QUANT_ANNOTATION_KEY not in node.meta and weight.op == "get_attr" and not kept(node):
+            if weight is not None and QUANT_ANNOTATION_KEY not in node.meta and weight.op == "get_attr" and not _kept(node, keep_float):
                 x86._annotate_linear_node_helper(node, True, config)
 
     return _followed_by(x86, annotate)
+
+
+CONV3D = (torch.ops.aten.conv3d.default, torch.ops.aten.conv3d.padding)
+
+
+def _with_conv3d(quantizer, x86, config, keep_float):
+    """``quantizer`` (made of ``x86``) followed by a quantizer annotating each float 3-D conv with a constant weight as
+    ``x86`` annotates a 2-D one (input, per-channel weight, output): X86InductorQuantizer
+    annotates 1-D and 2-D convs only, and the lowering runs 3-D ones on oneDNN (``qconv3d``;
+    torch 2.13 fuses no post-op into them, so a ReLU after one runs on its uint8 output)."""
+    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import QUANT_ANNOTATION_KEY
+
+    def annotate(model):
+        for node in model.graph.nodes:
+            if (node.target in CONV3D and QUANT_ANNOTATION_KEY not in node.meta and node.args[1].op == "get_attr"
+                    and not _kept(node, keep_float)):
+                x86._annotate_conv_node_helper(node, True, config)
+
+    return _followed_by(quantizer, annotate)
 
 
 def module_paths(model: torch.nn.Module, names) -> tuple:
@@ -261,7 +282,9 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
         every_linear: True (default): also quantize the linears X86InductorQuantizer leaves
             float although their weight is a constant (nn.MultiheadAttention's in / out
             projections: ViT's 24 of 50), as OpenVINO's recipe does; False: the quantizer's
-            recipe as it is. Accuracy and speed: docs/benchmarks_zoo.md.
+            recipe as it is. Accuracy and speed: docs/benchmarks_zoo.md. 3-D convs, which
+            X86InductorQuantizer leaves float too, are quantized like 2-D ones (unless
+            ``keep_float`` names them): the lowering runs them on oneDNN.
         activation_ranges: "histogram": the quantizer's HistogramObserver ranges (each
             tensor's range of least error on the calibration data); "min_max": each
             activation's min / max over the calibration batches; "auto" (default): the one

@@ -83,15 +83,15 @@ getitem = _operator.getitem(kernel_chain_0, 0)
 reshape_default_3 = getitem.reshape([3, 5, 8])
 return (reshape_default_3)""")
 
-    def test_conv3d_relu_left_unfused_by_the_kernel(self):
+    def test_conv3d_relu_is_a_clamp_of_its_uint8_output(self):
         inputs = (torch.randn(2, 8, 6, 6, 6),)
         self.assertExpectedInline(lowered_graph(HandQuantized(rank=3), inputs, quantized=False), """\
 l_x_ = input
 quantize_per_tensor_default = fast_qdq.quantize_per_tensor(l_x_, 0.04, 64, 0, 127, uint8)
-qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.04, 64, <const>, <const>, <const>, <const>, [1, 1, 1], [1, 1, 1], [1, 1, 1], 1, 1, 0, float32, 'none', [], '')
-y_1 = aten.relu(qconv_pointwise_default)
-quantize_dequantize_per_tensor = fast_qdq.quantize_dequantize_per_tensor(y_1, 0.06, 50, 0, 127, uint8, out_dtype=None)
-return (quantize_dequantize_per_tensor)""")
+qconv_pointwise_default = onednn.qconv_pointwise(quantize_per_tensor_default, 0.04, 64, <const>, <const>, <const>, <const>, [1, 1, 1], [1, 1, 1], [1, 1, 1], 1, 0.06, 50, uint8, 'none', [], '')
+clamp_to_range_ = fast_qdq.clamp_to_range_(qconv_pointwise_default, 50, 127)
+y_2 = fast_qdq.dequantize_per_tensor(clamp_to_range_, 0.06, 50, 0, 127, uint8)
+return (y_2)""")
 
     def test_cat_on_int8(self):
         onednn_only(self.monkeypatch)

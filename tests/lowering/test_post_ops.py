@@ -1,6 +1,7 @@
 """Every unary post-op on conv1d/2d/3d and linear, int8 and float output: folded where the
 kernel accepts it (asked of the kernel) or one of qbackend's own kernels fuses it, left in the
-graph with the kernel's reason where not, and numerics equal to the reference either way."""
+graph with the kernel's reason where not (a relu / hardtanh before an int8 output: a clamp of
+it), and numerics equal to the reference either way."""
 import pytest
 import torch
 
@@ -36,6 +37,9 @@ def test_post_op(rank, name, quantized):
     elif rank == 2 and attr in own_conv.ACTIVATIONS and registry.available() is None:  # (GELU: MaxViT's convs)
         assert decision.post_ops == [attr, out]
         assert decision.reason.startswith(f"qbackend's conv kernel, not oneDNN: oneDNN refuses the post-op: {refusal};"), decision.reason
+    elif quantized and attr in ("relu", "hardtanh"):  # (conv3d): the kernel's int8 output clamped
+        assert decision.post_ops == [attr, out]
+        assert f"{attr} as a clamp of the int8 output to [" in decision.reason, decision.reason
     else:
         assert decision.post_ops == ["torch.float32 out"]
         assert decision.reason.startswith(f"{attr}{', ' + out if quantized else ''} not fused: {refusal}"), decision.reason

@@ -31,9 +31,12 @@ def test_conv_variant_lowers(case):
     assert [d.rule for d in report.decisions] == ["qconv"], str(report)
     relu, quantized = args.get("post_op", "relu") == "relu", args.get("quantize_output", True)
     refusal = relu and conv_post_op_refusal("cpu", args["rank"], "relu", (), "")
-    if refusal:  # the kernel said no (conv3d in torch 2.13): relu and quantize stay in the graph
+    if refusal and quantized:  # the kernel said no (conv3d in torch 2.13): its int8 output is clamped
+        assert report.decisions[0].post_ops == ["relu", "quantize(torch.uint8)"]
+        assert "relu as a clamp of the int8 output to [" in report.decisions[0].reason, report.decisions[0].reason
+    elif refusal:  # float output: the relu stays in the graph
         assert report.decisions[0].post_ops == ["torch.float32 out"]
-        assert f"relu, quantize(torch.uint8) not fused: {refusal}" in report.decisions[0].reason
+        assert f"relu not fused: {refusal}" in report.decisions[0].reason
     else:
         expected = (["relu"] if relu else []) + (["quantize(torch.uint8)"] if quantized else ["torch.float32 out"])
         assert report.decisions[0].post_ops == expected
