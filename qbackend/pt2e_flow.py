@@ -284,7 +284,9 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             projections: ViT's 24 of 50), as OpenVINO's recipe does; False: the quantizer's
             recipe as it is. Accuracy and speed: docs/benchmarks_zoo.md. 3-D convs, which
             X86InductorQuantizer leaves float too, are quantized like 2-D ones (unless
-            ``keep_float`` names them): the lowering runs them on oneDNN.
+            ``keep_float`` names them): the lowering runs them on oneDNN. So are products of a
+            constant 2-D weight written as ``addmm`` / ``mm`` (Hugging Face's ``Conv1D``: GPT-2),
+            made linears first.
         activation_ranges: "histogram": the quantizer's HistogramObserver ranges (each
             tensor's range of least error on the calibration data); "min_max": each
             activation's min / max over the calibration batches; "auto" (default): the one
@@ -347,6 +349,41 @@ def _export(model, example_inputs, dynamic_batch, dynamic_shapes, strict):
     return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=strict).module()
 
 
+def _matrix_products_as_linears(gm) -> int:
+    """``addmm(bias, x, W)`` / ``mm(x, W)`` of a constant 2-D ``W`` (Hugging Face's ``Conv1D``:
+    GPT-2's every projection) as ``linear(x, W^T, bias)``: X86InductorQuantizer and the
+    lowering know linears only, so these stayed float (OpenVINO quantizes them as MatMuls).
+    ``W^T`` is a new constant (the model's own ``W`` is left as it was). Returns how many."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.kwargs or node.target not in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
+            continue
+        bias, x, weight = node.args if node.target is torch.ops.aten.addmm.default else (None, *node.args)
+        try:
+            value = gm.get_parameter(weight.target) if weight.op == "get_attr" else None
+        except AttributeError:
+            value = None
+        bias_ok = bias is None or (bias.op == "get_attr" and tuple(bias.meta.get("val", torch.empty(0)).shape) == (value.shape[1],)
+                                   if value is not None else False)
+        if value is None or value.dim() != 2 or not bias_ok:
+            continue
+        name = f"_qb_linear_weight_{rewritten}"
+        while hasattr(gm, name):
+            name += "_"
+        gm.register_parameter(name, torch.nn.Parameter(value.detach().t().contiguous(), requires_grad=False))
+        with gm.graph.inserting_before(node):
+            transposed = gm.graph.get_attr(name)
+            linear = gm.graph.call_function(torch.ops.aten.linear.default, (x, transposed, bias))
+        linear.meta = dict(node.meta)
+        node.replace_all_uses_with(linear)
+        gm.graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return rewritten
+
+
 def _batch_norms_off_shared_convs(gm) -> int:
     """prepare_pt2e folds each BatchNorm into the conv before it (torchao's ``_fuse_conv_bn_``)
     also where the conv's output has other readers, which then read the normalized values: a
@@ -404,6 +441,7 @@ def _convert(model, example_inputs, calibration, quantizer, is_qat, smooth=None,
     exported = _export(model, example_inputs, dynamic_batch, dynamic_shapes, strict)
     model.eval()
     _batch_norms_off_shared_convs(exported)
+    _matrix_products_as_linears(exported)
     calibration = calibration_batches(calibration, num_batches, progress, transform_fn, BatchCheck(example_inputs, exported))
     smooth_report = None
     if smooth is not None:
