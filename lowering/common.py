@@ -89,9 +89,10 @@ def clamp_after(device: str, match: Match) -> Optional[tuple[int, int]]:
     them: quantizing is monotone, so that gives the bytes of quantizing the clipped floats.
     None otherwise."""
     post, q = match.post_op, match.output_quant
-    if (device not in CLAMPING_TABLES or post is None or post.name not in ("relu", "hardtanh") or q is None or match.conv is None
-            or match.accum is not None or match.accum_float is not None
-            or capabilities.conv_post_op_refusal(device, match.conv.spatial_rank, post.name, post.scalars, post.algorithm) is None):
+    unary_conv = match.conv is not None and match.accum is None and match.accum_float is None
+    if (device not in CLAMPING_TABLES or post is None or post.name not in ("relu", "hardtanh") or q is None or not unary_conv
+            or capabilities.conv_post_op_refusal(device, match.conv.spatial_rank, post.name, post.scalars,
+                                                 post.algorithm) is None):
         return None
     bounds = torch.tensor([0.0, float("inf")] if post.name == "relu" else list(post.scalars), dtype=torch.float32)
     low, high = torch.clamp(torch.round(bounds * (1.0 / q.scale)) + q.zero_point, q.qmin, q.qmax).tolist()

@@ -162,10 +162,11 @@ CONV3D = (torch.ops.aten.conv3d.default, torch.ops.aten.conv3d.padding)
 
 
 def _with_conv3d(quantizer, x86, config, keep_float):
-    """``quantizer`` (made of ``x86``) followed by a quantizer annotating each float 3-D conv with a constant weight as
-    ``x86`` annotates a 2-D one (input, per-channel weight, output): X86InductorQuantizer
-    annotates 1-D and 2-D convs only, and the lowering runs 3-D ones on oneDNN (``qconv3d``;
-    torch 2.13 fuses no post-op into them, so a ReLU after one runs on its uint8 output)."""
+    """``quantizer`` (made of ``x86``) followed by a quantizer annotating each float 3-D conv with
+    a constant weight as ``x86`` annotates a 2-D one (input, per-channel weight, output):
+    X86InductorQuantizer annotates 1-D and 2-D convs only, and the lowering runs 3-D ones on
+    oneDNN (``qconv3d``; torch 2.13 fuses no post-op into them: a ReLU after one becomes a clamp
+    of its uint8 output, ``lowering/common.clamp_after``)."""
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import QUANT_ANNOTATION_KEY
 
     def annotate(model):
@@ -354,18 +355,21 @@ def _matrix_products_as_linears(gm) -> int:
     GPT-2's every projection) as ``linear(x, W^T, bias)``: X86InductorQuantizer and the
     lowering know linears only, so these stayed float (OpenVINO quantizes them as MatMuls).
     ``W^T`` is a new constant (the model's own ``W`` is left as it was). Returns how many."""
+    def constant(node):
+        if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
+            return None
+        try:
+            return gm.get_parameter(node.target)
+        except AttributeError:
+            return None
+
     rewritten = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.kwargs or node.target not in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
             continue
         bias, x, weight = node.args if node.target is torch.ops.aten.addmm.default else (None, *node.args)
-        try:
-            value = gm.get_parameter(weight.target) if weight.op == "get_attr" else None
-        except AttributeError:
-            value = None
-        bias_ok = bias is None or (bias.op == "get_attr" and tuple(bias.meta.get("val", torch.empty(0)).shape) == (value.shape[1],)
-                                   if value is not None else False)
-        if value is None or value.dim() != 2 or not bias_ok:
+        value, bias_value = constant(weight), constant(bias)
+        if value is None or value.dim() != 2 or (bias is not None and (bias_value is None or bias_value.shape != value.shape[1:])):
             continue
         name = f"_qb_linear_weight_{rewritten}"
         while hasattr(gm, name):
