@@ -20,6 +20,7 @@ from qbackend.flow.graph_copy import graph_copy
 from qbackend.lowering.capabilities import int8_pairs_saturate
 from qbackend.pipeline.direct import EXPORT_RANGES
 from qbackend.pipeline.static_module import mark_static
+from qbackend.smoothquant.smooth_placement import attr_constant
 from qbackend.smoothquant.smooth_quant import smooth_quant
 
 # (inductor_int8, the peer's recipe, is for benchmarks and tests: importable, not exported)
@@ -355,13 +356,9 @@ def _matrix_products_as_linears(gm) -> int:
     GPT-2's every projection) as ``linear(x, W^T, bias)``: X86InductorQuantizer and the
     lowering know linears only, so these stayed float (OpenVINO quantizes them as MatMuls).
     ``W^T`` is a new constant (the model's own ``W`` is left as it was). Returns how many."""
-    def constant(node):
-        if not isinstance(node, torch.fx.Node) or node.op != "get_attr":
-            return None
-        try:
-            return gm.get_parameter(node.target)
-        except AttributeError:
-            return None
+    def constant(node):  # (a parameter the get_attr reads: the model's weights and biases)
+        value = attr_constant(gm, node)
+        return value if isinstance(value, torch.nn.Parameter) else None
 
     rewritten = 0
     for node in list(gm.graph.nodes):
