@@ -116,7 +116,7 @@ def _child(command: list, log_path: Path, timeout_s: float) -> dict:
 def prepared(work: Path, name: str, batch: int, timing: Timing, args) -> tuple[Path, dict]:
     """(the work directory of ``name`` at ``batch``, its manifest): prepared again unless
     ``--reuse`` finds it complete (with a warning when the sources changed since)."""
-    key = json.dumps([_versions(), timing.calibration_batches, args.inductor_recipe])
+    key = json.dumps([_versions(), timing.calibration_batches, args.inductor_recipe, sorted({e.artifact for e in ENGINES.values()})])
     folder = work / f"{name}-b{batch}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     sources = folder / "sources.sha256"
     if args.reuse and (folder / "manifest.json").exists():
@@ -382,8 +382,9 @@ NOTES = """- Latency, each engine alone: every engine runs in fresh processes of
   interleaved rounds, each timed call after at least 12 ms of untimed calls of the same engine
   (ONNX Runtime's thread spinning off): the former method, which slowed every engine, OpenVINO
   most (shared OpenMP pool, Inductor's compile workers, ORT's threads).
-- Engines, 2 threads each: Inductor int8 = PT2E (`quantize_x86`) + `torch.compile` with
-  freezing; qbackend through `torch.compile(backend="qbackend")` and through `qbackend.compile`,
+- Engines, 2 threads each: Inductor int8 = X86InductorQuantizer's own recipe (`prepare_pt2e` /
+  `convert_pt2e` with its default config, the same calibration batches) + `torch.compile` with
+  freezing, as its users run it; qbackend through `torch.compile(backend="qbackend")` and through `qbackend.compile`,
   both on the same converted module (saved with `torch.export.save`, loaded and marked static as
   `quantize_x86` returns it); OpenVINO {openvino} + NNCF {nncf}: `nncf.quantize` with its
   defaults, and with `model_type=nncf.ModelType.TRANSFORMER` on transformers, CPU plugin,
@@ -408,7 +409,8 @@ NOTES = """- Latency, each engine alone: every engine runs in fresh processes of
   then run slower than on one thread.
 - Accuracy: cos vs fp32 is the mean over the timed batch and 3 more random ones (seeds 1-3)
   for the image and in-house models, the timed batch for the sentence models; cos vs
-  converted: against the converted module run eagerly (PT2E paths)."""
+  converted: against the converted module the engine runs, run eagerly (PT2E paths: Inductor's
+  own, qbackend's from `quantize_x86`)."""
 
 
 def parse_args():
@@ -421,8 +423,8 @@ def parse_args():
     parser.add_argument("--quick", action="store_true", help="fewer calibration batches and timed calls")
     parser.add_argument("--profile", action="store_true", help="also write docs/profile_zoo.md")
     parser.add_argument("--inductor-recipe", action="store_true",
-                        help="quantize_x86(every_linear=False), X86InductorQuantizer's recipe as it is, for Inductor "
-                             "and qbackend alike (a section of its own)")
+                        help="qbackend on quantize_x86(every_linear=False): X86InductorQuantizer's choice of layers, "
+                             "which Inductor int8 always runs (a section of its own)")
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "qbackend-bench-zoo",
                         help="where the engines' saved models go (kept for --reuse)")
     parser.add_argument("--reuse", action="store_true", help="reuse saved models of an earlier run with the same "

@@ -9,10 +9,12 @@ loads only its own saved model, builds it, warms it up and times calls back to b
 bench_zoo.py starts these processes. The work directory of a model and batch holds:
 
 - ``data.npz``: the evaluation inputs (the timed batch first), the fp32 model's outputs on them
-  and the converted module's (run eagerly);
+  and each converted module's (run eagerly);
 - ``converted.pt2``: the module ``qbackend.pt2e_flow.quantize_x86`` converts, through
-  ``torch.export.save``; Inductor int8 and both qbackend paths load it and mark it static as
-  ``quantize_x86`` returns it;
+  ``torch.export.save``; both qbackend paths load it and mark it static as ``quantize_x86``
+  returns it;
+- ``inductor.pt2``: X86InductorQuantizer's own recipe (``prepare_pt2e`` / ``convert_pt2e``
+  with its default config, no qbackend step), which Inductor int8 loads, as its users run it;
 - ``ov_default.xml`` / ``ov_transformer.xml``: NNCF's int8 model with ``nncf.quantize``'s
   defaults / with ``model_type=nncf.ModelType.TRANSFORMER`` (transformers only);
 - ``ort_int8.onnx``: ONNX Runtime's static QDQ int8 model (CNNs only);
@@ -22,8 +24,8 @@ A ``run`` process writes one JSON object to ``--out``: ``compile_s`` (building t
 and its first call, with Inductor's caches in a fresh directory and qbackend's kernel choices
 measured afresh; for the torch.compile paths also ``dynamo_alone_s``: Dynamo's trace of a fresh
 copy with ``backend="eager"``, after the compile), ``median_ms`` of the timed calls,
-``cos_fp32`` (mean over the evaluation batches) and ``cos_ref`` (vs the converted module, PT2E
-paths), or ``error``. The OpenVINO and ONNX Runtime processes never import torch.
+``cos_fp32`` (mean over the evaluation batches) and ``cos_ref`` (PT2E paths: vs the converted
+module the engine loads, run eagerly), or ``error``. The OpenVINO and ONNX Runtime processes never import torch.
 """
 from __future__ import annotations
 
@@ -65,8 +67,9 @@ QUICK = Timing(calibration_batches=2, warmup_calls=2, warmup_s=0.2, target_s=0.3
 
 INDUCTOR, TORCH_COMPILE, DIRECT = "Inductor int8", "qbackend (torch.compile)", "qbackend.compile"
 ORT, OV_DEFAULT, OV_TRANSFORMER = "ONNX Runtime int8", "OpenVINO int8", "OpenVINO int8 (transformer preset)"
-CONVERTED, ORT_MODEL, OV_DEFAULT_MODEL, OV_TRANSFORMER_MODEL = ("converted.pt2", "ort_int8.onnx", "ov_default.xml",
-                                                                "ov_transformer.xml")
+CONVERTED, INDUCTOR_MODEL, ORT_MODEL, OV_DEFAULT_MODEL, OV_TRANSFORMER_MODEL = (
+    "converted.pt2", "inductor.pt2", "ort_int8.onnx", "ov_default.xml", "ov_transformer.xml")
+REFERENCES = {CONVERTED: "ref", INDUCTOR_MODEL: "ref_inductor"}  # (data.npz: each converted module's outputs, run eagerly)
 
 
 @dataclass(frozen=True)
@@ -80,13 +83,17 @@ class Engine:
     dynamo: bool = False  # a torch.compile path: Dynamo's trace alone (backend="eager") is timed too
 
 
-def _converted(path: Path):
+def _exported(path: Path):
     import torch
     import torch.ao.quantization.fx._decomposed  # noqa: F401  (registers the q / dq ops the archive calls)
 
+    return torch.export.load(path).module()
+
+
+def _converted(path: Path):
     from qbackend.pipeline.static_module import mark_static
 
-    return mark_static(torch.export.load(path).module())  # (quantize_x86 returns its module marked)
+    return mark_static(_exported(path))  # (quantize_x86 returns its module marked)
 
 
 def _inductor(module, inputs, alone):
@@ -127,7 +134,7 @@ def _ort(path, inputs, alone):
 
 # the order of the tables' columns; a process of each kind runs alone
 ENGINES: dict[str, Engine] = {
-    INDUCTOR: Engine(CONVERTED, _converted, _inductor, dynamo=True),
+    INDUCTOR: Engine(INDUCTOR_MODEL, _exported, _inductor, dynamo=True),
     TORCH_COMPILE: Engine(CONVERTED, _converted, _torch_compile, dynamo=True),
     DIRECT: Engine(CONVERTED, _converted, _direct),
     ORT: Engine(ORT_MODEL, Path, _ort, uses_torch=False),
@@ -140,14 +147,37 @@ ENGINES: dict[str, Engine] = {
 
 
 def _save_converted(zoo, path: Path, every_linear: bool, evaluation: list, arrays: dict) -> None:
-    import torch
-
     from qbackend import pt2e_flow
 
-    converted = pt2e_flow.quantize_x86(zoo.model, zoo.inputs, zoo.calibration, every_linear=every_linear)
+    _save_exported(pt2e_flow.quantize_x86(zoo.model, zoo.inputs, zoo.calibration, every_linear=every_linear),
+                   zoo, path, evaluation, arrays, REFERENCES[CONVERTED])
+
+
+def _save_inductor(zoo, path: Path, evaluation: list, arrays: dict) -> None:
+    """X86InductorQuantizer's recipe as Inductor's users run it: the model exported (strict:
+    torch 2.13's default non-strict export fails the quantizer on resnet50, "Input partition has
+    more than one output node"), prepared with the quantizer's default config, calibrated on the
+    same batches, converted."""
+    import torch
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    quantizer = xiq.X86InductorQuantizer().set_global(xiq.get_default_x86_inductor_quantization_config())
+    prepared = prepare_pt2e(torch.export.export(zoo.model, tuple(zoo.inputs), strict=True).module(), quantizer)
+    with torch.no_grad():
+        for batch in zoo.calibration:
+            prepared(*batch)
+    _save_exported(convert_pt2e(prepared), zoo, path, evaluation, arrays, REFERENCES[INDUCTOR_MODEL])
+
+
+def _save_exported(converted, zoo, path: Path, evaluation: list, arrays: dict, reference: str) -> None:
+    """``converted``'s outputs on the evaluation batches (``{reference}_{j}``), and the module
+    itself through ``torch.export.save``."""
+    import torch
+
     with torch.no_grad():
         for j, inputs in enumerate(evaluation):
-            arrays[f"ref_{j}"] = converted(*(t.clone() for t in inputs)).numpy()
+            arrays[f"{reference}_{j}"] = converted(*(t.clone() for t in inputs)).numpy()
     torch.export.save(torch.export.export(converted, tuple(t.clone() for t in zoo.inputs), strict=False), path)
 
 
@@ -198,6 +228,7 @@ def prepare(name: str, batch: int, timing: Timing, work: Path, every_linear: boo
     transformer = name in zoo_models.TRANSFORMERS
     steps = {  # artifact -> (why it is not made, or None; how it is made)
         CONVERTED: (None, lambda path: _save_converted(zoo, path, every_linear, evaluation, arrays)),
+        INDUCTOR_MODEL: (None, lambda path: _save_inductor(zoo, path, evaluation, arrays)),
         ORT_MODEL: (None if zoo.is_cnn else "CNNs only (TorchScript export)", lambda path: _save_ort(zoo, path)),
         OV_DEFAULT_MODEL: (None, lambda path: _save_openvino(zoo, path, transformer=False)),
         OV_TRANSFORMER_MODEL: (None if transformer else "not a transformer",
@@ -300,11 +331,11 @@ def _evaluation(work: Path, to_engine) -> tuple[np.lib.npyio.NpzFile, list]:
                   for j in range(manifest["evaluation"])]
 
 
-def _accuracy(runner, evaluation: list, fresh, to_numpy, data, with_ref: bool) -> dict:
+def _accuracy(runner, evaluation: list, fresh, to_numpy, data, reference: Optional[str]) -> dict:
     outputs = [to_numpy(runner(*fresh(inputs))) for inputs in evaluation]
     found = {"cos_fp32": statistics.mean(cosine(o, data[f"fp32_{j}"]) for j, o in enumerate(outputs))}
-    if with_ref:
-        found["cos_ref"] = statistics.mean(cosine(o, data[f"ref_{j}"]) for j, o in enumerate(outputs))
+    if reference is not None:
+        found["cos_ref"] = statistics.mean(cosine(o, data[f"{reference}_{j}"]) for j, o in enumerate(outputs))
     return found
 
 
@@ -322,7 +353,7 @@ def _run(name: str, work: Path, timing: Timing, profile: bool, scratch: Path) ->
     runner = engine.build(loaded, fresh(evaluation[0]), True)
     runner(*fresh(evaluation[0]))
     result = {"compile_s": time.perf_counter() - start}
-    result.update(_accuracy(runner, evaluation, fresh, to_numpy, data, engine.artifact == CONVERTED))
+    result.update(_accuracy(runner, evaluation, fresh, to_numpy, data, REFERENCES.get(engine.artifact)))
     times = _timed_calls(runner, evaluation[0], fresh, timing)
     result.update(median_ms=statistics.median(times) * 1e3, calls=len(times))
     if profile:
@@ -364,7 +395,7 @@ def interleaved(names: list, work: Path, timing: Timing, scratch: Path) -> dict:
                 runner = (lambda run: lambda *ts: torch.from_numpy(run(*(t.numpy() for t in ts))))(runner)
             runner(*fresh(evaluation[0]))
             results[name] = {"compile_s": time.perf_counter() - start}
-            results[name].update(_accuracy(runner, evaluation, fresh, to_numpy, data, engine.artifact == CONVERTED))
+            results[name].update(_accuracy(runner, evaluation, fresh, to_numpy, data, REFERENCES.get(engine.artifact)))
             runners[name] = runner
         except Exception as error:
             results[name] = {"error": _short_error(error)}
