@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import torch
 from torch.fx import GraphModule, Node
 
+from qbackend.graph_constants import constant_value  # noqa: F401  (the patterns' import of it)
+
 if TYPE_CHECKING:
     from qbackend.weight_only.weight_quant import GroupQuantized
 
@@ -201,14 +203,6 @@ def per_dim(value, rank: int) -> list:
     """ATen's int-or-list arguments (stride=2, padding=[1]) as one value per spatial dim."""
     value = list(value) if isinstance(value, (list, tuple)) else [value]
     return value * rank if len(value) == 1 else value
-
-
-def constant_value(gm: GraphModule, node) -> Optional[torch.Tensor]:
-    """The tensor a get_attr node reads from ``gm`` (None for anything else)."""
-    if isinstance(node, Node) and node.op == "get_attr":
-        value = getattr(gm, node.target, None)
-        return value if isinstance(value, torch.Tensor) else None
-    return None
 
 
 def fake_value(node) -> Optional[torch.Tensor]:

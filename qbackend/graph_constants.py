@@ -2,8 +2,21 @@
 __dict__, set by freezing, the lowering and the passes, dropped once nothing reads it."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
+
+
+def constant_value(gm: GraphModule, node) -> Optional[torch.Tensor]:
+    """The tensor a get_attr node reads from ``gm``, a dotted target (an exported module's
+    ``layer1.0.conv1.weight``) followed through its submodules; None for anything else."""
+    if not isinstance(node, Node) or node.op != "get_attr":
+        return None
+    value = gm
+    for part in node.target.split("."):
+        value = getattr(value, part, None)
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def set_constant(gm: GraphModule, name: str, value: torch.Tensor) -> None:

@@ -17,10 +17,10 @@ from qbackend.flow import bias_correction as correction
 from qbackend.flow import recipe
 from qbackend.flow.batches import BatchCheck, batch_dynamic, calibration_batches, positional_and_keyword
 from qbackend.flow.graph_copy import graph_copy
+from qbackend.graph_constants import constant_value
 from qbackend.lowering.capabilities import int8_pairs_saturate
 from qbackend.pipeline.direct import EXPORT_RANGES
 from qbackend.pipeline.static_module import mark_static
-from qbackend.smoothquant.smooth_placement import attr_constant
 from qbackend.smoothquant.smooth_quant import smooth_quant
 
 # (inductor_int8, the peer's recipe, is for benchmarks and tests: importable, not exported)
@@ -357,7 +357,7 @@ def _matrix_products_as_linears(gm) -> int:
     lowering know linears only, so these stayed float (OpenVINO quantizes them as MatMuls).
     ``W^T`` is a new constant (the model's own ``W`` is left as it was). Returns how many."""
     def constant(node):  # (a parameter the get_attr reads: the model's weights and biases)
-        value = attr_constant(gm, node)
+        value = constant_value(gm, node)
         return value if isinstance(value, torch.nn.Parameter) else None
 
     rewritten = 0

@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 from torch.fx import GraphModule, Node
 
+from qbackend.graph_constants import constant_value
+
 aten = torch.ops.aten
 
 
@@ -30,22 +32,13 @@ class Fold:
     constants: list  # [(get_attr node, Callable[[tensor, s], tensor])]
 
 
-def attr_constant(gm: GraphModule, node: Node) -> Optional[torch.Tensor]:
-    if not isinstance(node, Node) or node.op != "get_attr":
-        return None
-    value = gm
-    for part in node.target.split("."):
-        value = getattr(value, part, None)
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def _shared_reason(gm: GraphModule, node: Node, producer: Node) -> Optional[str]:
     """Why the constant behind ``node`` is not this producer's alone (None if it is)."""
     readers = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == node.target]
     users = [u for n in readers for u in n.users if u is not producer]
     if users:
         return f"constant {node.target} is also read by {', '.join(sorted(u.name for u in users))}"
-    value = attr_constant(gm, node)
+    value = constant_value(gm, node)
     storage = value.untyped_storage().data_ptr()
     for name, other in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
         if name != node.target and other.untyped_storage().data_ptr() == storage:
@@ -56,7 +49,7 @@ def _shared_reason(gm: GraphModule, node: Node, producer: Node) -> Optional[str]
 def _per_channel(gm: GraphModule, node, channels: int, what: str) -> Optional[str]:
     if not isinstance(node, Node):
         return f"{what} is a Python scalar ({node!r}), not a per-channel constant"
-    value = attr_constant(gm, node)
+    value = constant_value(gm, node)
     if value is None:
         return f"{what} is not a constant"
     shape = list(value.shape)
@@ -88,7 +81,7 @@ def _candidates(gm: GraphModule, producer: Node, channels: int) -> tuple[list, O
         parts = [(producer.args[1], _divide_rows, "linear weight rows")]
         if len(producer.args) > 2 and producer.args[2] is not None:
             parts.append((producer.args[2], _divide_last, "linear bias"))
-        if attr_constant(gm, producer.args[1]) is None:
+        if constant_value(gm, producer.args[1]) is None:
             return [], f"linear {producer.name} has no constant weight"
         return parts, None
     if target is aten.mul.Tensor:

@@ -21,9 +21,10 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch.fx import GraphModule, Node
 
-from qbackend.smoothquant import smooth_search
+from qbackend.graph_constants import constant_value
 from qbackend.pipeline.report import source_of
-from qbackend.smoothquant.smooth_placement import Fold, attr_constant, placement
+from qbackend.smoothquant import smooth_search
+from qbackend.smoothquant.smooth_placement import Fold, placement
 from qbackend.smoothquant.smooth_stats import observe
 
 aten = torch.ops.aten
@@ -75,7 +76,7 @@ def _groups(gm: GraphModule) -> dict[Node, list[Node]]:
     groups: dict[Node, list[Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is aten.linear.default and isinstance(node.args[0], Node):
-            weight = attr_constant(gm, node.args[1])
+            weight = constant_value(gm, node.args[1])
             if weight is not None and weight.dim() == 2 and weight.is_floating_point():
                 groups.setdefault(node.args[0], []).append(node)
     return groups
@@ -137,11 +138,11 @@ def _smooth_group(gm, editor, x, linears, s) -> tuple[str, str]:
     """Scale the group's weights by s and place 1/s: (where it went, why not folded)."""
     fold, why_not = placement(gm, x, linears)
     for linear in linears:
-        weight = attr_constant(gm, linear.args[1])
+        weight = constant_value(gm, linear.args[1])
         editor.replace_constant(linear, linear.args[1], weight * s.to(weight.dtype), "weight")
     if isinstance(fold, Fold):
         for node, how in fold.constants:
-            editor.replace_constant(fold.producer, node, how(attr_constant(gm, node), s), "folded")
+            editor.replace_constant(fold.producer, node, how(constant_value(gm, node), s), "folded")
         return f"folded into {fold.producer.name}", ""
     mul = editor.scale_input(x, 1.0 / s, linears)
     return f"explicit multiply {mul.name} on its input", why_not
@@ -173,7 +174,7 @@ def smooth_quant(gm: GraphModule, calibration: Sequence[tuple], alpha: AlphaSpec
     stats = observe(gm, calibration, set(groups), max_rows if alpha == "search" else 0)
     editor, lines = _Editor(gm), {}
     for x, linears in groups.items():
-        weights = [attr_constant(gm, linear.args[1]) for linear in linears]
+        weights = [constant_value(gm, linear.args[1]) for linear in linears]
         losses = None
         if x not in stats:
             chosen, reason = None, "its input was never computed during calibration"
