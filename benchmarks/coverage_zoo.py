@@ -18,6 +18,7 @@ from qbackend.pt2e_flow import quantize_x86
 
 import zoo_models
 from common import cpu_key, log, machine_description, short_error, write_section
+from zoo_engines import inductor_recipe
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MODELS = (zoo_models.TORCHVISION + zoo_models.IN_HOUSE + (zoo_models.MINILM, zoo_models.BERT_BASE, zoo_models.DISTILBERT)
@@ -48,19 +49,6 @@ def quantized_layers(converted: torch.fx.GraphModule) -> collections.Counter:
     return counts
 
 
-def _inductor_recipe(zoo) -> torch.fx.GraphModule:
-    """X86InductorQuantizer's default config, as its users run it (strict export: see zoo_engines)."""
-    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    quantizer = xiq.X86InductorQuantizer().set_global(xiq.get_default_x86_inductor_quantization_config())
-    prepared = prepare_pt2e(torch.export.export(zoo.model, tuple(zoo.inputs), strict=True).module(), quantizer)
-    with torch.no_grad():
-        for batch in zoo.calibration:
-            prepared(*batch)
-    return convert_pt2e(prepared)
-
-
 def _int8_cell(counts: collections.Counter, kind: str) -> str:
     return f"{counts[kind, 'int8']} / {counts[kind, 'total']}" if counts[kind, "total"] else "–"
 
@@ -68,7 +56,7 @@ def _int8_cell(counts: collections.Counter, kind: str) -> str:
 def row(name: str) -> list[str]:
     zoo = zoo_models.build(name, 1, CALIBRATION)
     try:
-        plain = quantized_layers(_inductor_recipe(zoo))
+        plain = quantized_layers(inductor_recipe(zoo))
         plain_cells = [_int8_cell(plain, kind) for kind in ("conv", "linear")]
     except Exception as error:  # (the recipe's own failure is a result)
         plain_cells = [short_error(error), ""]

@@ -153,11 +153,11 @@ def _save_converted(zoo, path: Path, every_linear: bool, evaluation: list, array
                    zoo, path, evaluation, arrays, REFERENCES[CONVERTED])
 
 
-def _save_inductor(zoo, path: Path, evaluation: list, arrays: dict) -> None:
+def inductor_recipe(zoo):
     """X86InductorQuantizer's recipe as Inductor's users run it: the model exported (strict:
     torch 2.13's default non-strict export fails the quantizer on resnet50, "Input partition has
     more than one output node"), prepared with the quantizer's default config, calibrated on the
-    same batches, converted."""
+    zoo's batches, converted."""
     import torch
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
@@ -167,7 +167,7 @@ def _save_inductor(zoo, path: Path, evaluation: list, arrays: dict) -> None:
     with torch.no_grad():
         for batch in zoo.calibration:
             prepared(*batch)
-    _save_exported(convert_pt2e(prepared), zoo, path, evaluation, arrays, REFERENCES[INDUCTOR_MODEL])
+    return convert_pt2e(prepared)
 
 
 def _save_exported(converted, zoo, path: Path, evaluation: list, arrays: dict, reference: str) -> None:
@@ -228,7 +228,8 @@ def prepare(name: str, batch: int, timing: Timing, work: Path, every_linear: boo
     transformer = name in zoo_models.TRANSFORMERS
     steps = {  # artifact -> (why it is not made, or None; how it is made)
         CONVERTED: (None, lambda path: _save_converted(zoo, path, every_linear, evaluation, arrays)),
-        INDUCTOR_MODEL: (None, lambda path: _save_inductor(zoo, path, evaluation, arrays)),
+        INDUCTOR_MODEL: (None, lambda path: _save_exported(inductor_recipe(zoo), zoo, path, evaluation, arrays,
+                                                           REFERENCES[INDUCTOR_MODEL])),
         ORT_MODEL: (None if zoo.is_cnn else "CNNs only (TorchScript export)", lambda path: _save_ort(zoo, path)),
         OV_DEFAULT_MODEL: (None, lambda path: _save_openvino(zoo, path, transformer=False)),
         OV_TRANSFORMER_MODEL: (None if transformer else "not a transformer",
