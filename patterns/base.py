@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import torch
 from torch.fx import GraphModule, Node
 
-from qbackend.graph_constants import constant_value  # noqa: F401  (the patterns' import of it)
+from qbackend.graph_constants import constant_value  # noqa: F401  (re-exported: the patterns import it from here)
 
 if TYPE_CHECKING:
     from qbackend.weight_only.weight_quant import GroupQuantized
