@@ -58,7 +58,7 @@ def _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float, every_linear):
     x86 = xiq.X86InductorQuantizer().set_global(config)
     for name in keep_float:
         x86.set_module_name_qconfig(name, None)
-    quantizer = _with_conv3d(_with_every_linear(x86, config, keep_float) if every_linear else x86, x86, config, keep_float)
+    quantizer = _with_float_layers(x86, config, keep_float, {**(LEFT_FLOAT_LINEARS if every_linear else {}), **LEFT_FLOAT_CONV3D})
     return _with_full_range_where_exact(quantizer, full_range) if reduce_range == "weights" else quantizer
 
 
@@ -143,38 +143,34 @@ def _kept(node, keep_float) -> bool:
     return any(path == name or path.startswith(name + ".") for path in paths for name in keep_float)
 
 
-def _with_every_linear(x86, config, keep_float):
-    """``x86`` followed by a quantizer annotating, as ``x86`` annotates a linear, every float
-    ``aten.linear`` it left with a constant weight: X86InductorQuantizer finds linears by their
-    source function, and inside nn.MultiheadAttention that is the attention's (its in / out
-    projections stay float; OpenVINO's recipe quantizes every MatMul with a constant weight)."""
+# Layers X86InductorQuantizer leaves float although their weight is a constant, annotated by
+# ``_with_float_layers``: op -> the quantizer's helper that annotates their kind.
+# It finds linears by their source function, and inside nn.MultiheadAttention that is the
+# attention's: the in / out projections stay float (OpenVINO's recipe quantizes every MatMul
+# with a constant weight). ``every_linear`` selects this row.
+LEFT_FLOAT_LINEARS = {torch.ops.aten.linear.default: "_annotate_linear_node_helper"}
+# It annotates 1-D and 2-D convs only; the lowering runs 3-D ones on oneDNN (``qconv3d``; torch
+# 2.13 fuses no post-op into them: a ReLU after one becomes a clamp of its uint8 output,
+# ``lowering/common.clamp_after``).
+LEFT_FLOAT_CONV3D = {torch.ops.aten.conv3d.default: "_annotate_conv_node_helper",
+                     torch.ops.aten.conv3d.padding: "_annotate_conv_node_helper"}
+
+
+def _with_float_layers(quantizer, config, keep_float, helpers: dict):
+    """``quantizer`` followed by a quantizer annotating each layer of ``helpers``' ops that it
+    left float, with a constant weight and outside ``keep_float``, as ``quantizer`` annotates
+    its kind (input, per-channel weight, output); ``quantizer`` itself when ``helpers`` is empty."""
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import QUANT_ANNOTATION_KEY
+
+    if not helpers:
+        return quantizer
 
     def annotate(model):
         for node in model.graph.nodes:
-            weight = node.args[1] if node.target is torch.ops.aten.linear.default else None
-            if weight is not None and QUANT_ANNOTATION_KEY not in node.meta and weight.op == "get_attr" and not _kept(node, keep_float):
-                x86._annotate_linear_node_helper(node, True, config)
-
-    return _followed_by(x86, annotate)
-
-
-CONV3D = (torch.ops.aten.conv3d.default, torch.ops.aten.conv3d.padding)
-
-
-def _with_conv3d(quantizer, x86, config, keep_float):
-    """``quantizer`` (made of ``x86``) followed by a quantizer annotating each float 3-D conv with
-    a constant weight as ``x86`` annotates a 2-D one (input, per-channel weight, output):
-    X86InductorQuantizer annotates 1-D and 2-D convs only, and the lowering runs 3-D ones on
-    oneDNN (``qconv3d``; torch 2.13 fuses no post-op into them: a ReLU after one becomes a clamp
-    of its uint8 output, ``lowering/common.clamp_after``)."""
-    from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import QUANT_ANNOTATION_KEY
-
-    def annotate(model):
-        for node in model.graph.nodes:
-            if (node.target in CONV3D and QUANT_ANNOTATION_KEY not in node.meta and node.args[1].op == "get_attr"
+            helper = helpers.get(node.target) if node.op == "call_function" else None
+            if (helper is not None and QUANT_ANNOTATION_KEY not in node.meta and node.args[1].op == "get_attr"
                     and not _kept(node, keep_float)):
-                x86._annotate_conv_node_helper(node, True, config)
+                getattr(quantizer, helper)(node, True, config)
 
     return _followed_by(quantizer, annotate)
 
@@ -198,7 +194,7 @@ def _xpu_quantizer(every_linear=True):
 
     config = xpuiq.get_default_xpu_inductor_quantization_config()
     quantizer = xpuiq.XPUInductorQuantizer().set_global(config)
-    return _with_every_linear(quantizer, config, ()) if every_linear else quantizer
+    return _with_float_layers(quantizer, config, (), LEFT_FLOAT_LINEARS if every_linear else {})
 
 
 def quantize_xpu(model, example_inputs, calibration, *, every_linear=True, **flow):
