@@ -10,11 +10,13 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from qbackend.kernels import isa
-from qbackend.kernels.chain_step import X_TO_Y, StepCall
+from qbackend.kernels.chain_step import FOUR, SCRATCH, X_TO_Y, StepCall
+from qbackend.kernels.scratch import thread_scratch
 
 # qconv's and qconv_depthwise's unary post-ops besides their clamp (vec_math.h ``enum activation``)
 ACTIVATIONS = {"none": 0, "gelu": 1, "gelu_tanh": 2, "swish": 3, "hardswish": 4}
 X_TO_Y_SIGNATURE = (ctypes.c_int,) + (ctypes.c_void_p,) * 3  # (threads, call, x, y) -> 0 / -1 (scratch not allocated)
+FOUR_SIGNATURE = (ctypes.c_int,) + (ctypes.c_void_p,) * 5  # (threads, call, a, b, c, d) -> 0 / -1
 
 
 class Kernel(NamedTuple):
@@ -97,11 +99,15 @@ class Prepared(NamedTuple):
     function: ctypes._CFuncPtr
     constants: tuple  # held here so that their memory, and their ids in the key, stay theirs
     address: int  # of ``struct``
+    # bytes of scratch the caller passes: 0, or the kernel is (threads, call, x, y, scratch, None)
+    # (FOUR_SIGNATURE): a chain's scratch region, or this thread's (scratch.py)
+    scratch: int = 0
 
 
-def make_prepared(struct: ctypes.Structure, shape: tuple, dtype: torch.dtype, function, constants: tuple) -> Prepared:
+def make_prepared(struct: ctypes.Structure, shape: tuple, dtype: torch.dtype, function, constants: tuple,
+                  scratch: int = 0) -> Prepared:
     n, c, h, w = shape
-    return Prepared(struct, shape, (h * w * c, 1, w * c, c), dtype, function, constants, ctypes.addressof(struct))
+    return Prepared(struct, shape, (h * w * c, 1, w * c, c), dtype, function, constants, ctypes.addressof(struct), scratch)
 
 
 def new_output(x: torch.Tensor, prepared: Prepared) -> torch.Tensor:
@@ -142,7 +148,8 @@ def run_x_to_y(prepared: Prepared, x: torch.Tensor, name: str) -> torch.Tensor:
     """Run a prepared (threads, call, x, y) -> 0 / failure kernel: the depthwise conv, the pools."""
     x = x.contiguous(memory_format=torch.channels_last)
     y = new_output(x, prepared)
-    if prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), y.data_ptr()):
+    scratch = (thread_scratch(prepared.scratch), None) if prepared.scratch else ()
+    if prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), y.data_ptr(), *scratch):
         raise MemoryError(f"qbackend::{name}: a thread could not allocate its scratch")
     return y
 
@@ -163,6 +170,9 @@ def prepared_chain_call(prepared_call: Callable, kind: int) -> Callable:
                    for t in (args[0], args[4] if kind != X_TO_Y else None)):
             return None
         call = prepared_call(*args, trusted=True)
+        if kind == X_TO_Y and call.scratch:
+            return StepCall(FOUR, isa.function_address(call.function), call.address, (args[0], y, SCRATCH, None), call,
+                            call.scratch)
         if kind == X_TO_Y:
             operands = (args[0], y)
         else:  # (x, residual, uint8 y, float32 y: the call knows its output's dtype)

@@ -13,7 +13,7 @@ import torch
 
 from qbackend.kernels import isa, library
 from qbackend.kernels.chain_step import FOUR
-from qbackend.kernels.common import (ACTIVATIONS, Kernel, Prepared, cached_prepared, channels_last_like, check_constants,
+from qbackend.kernels.common import (ACTIVATIONS, FOUR_SIGNATURE, Kernel, Prepared, cached_prepared, channels_last_like, check_constants,
                                      check_levels, check_nchw_uint8, checked_window, make_prepared, new_output, output_hw,
                                      prepared_chain_call)
 from qbackend.kernels.structs import ConvCall
@@ -24,9 +24,8 @@ SCHEMAS = {
              "str activation='none', int[2] kernel_size=[1, 1], int[2] stride=[1, 1], int[2] padding=[0, 0], "
              "int[2] dilation=[1, 1], int x_zero_point=0) -> Tensor",
 }
-# every build's signature (qb_conv_call, _vnni, _vnni512, _exact16): (threads, call, x, residual, y, yf) -> 0 / -1
-# (a scratch buffer could not be allocated)
-GEMM_SIGNATURE = (ctypes.c_int,) + (ctypes.c_void_p,) * 5
+# every build (qb_conv_call, _vnni, _vnni512, _exact16) is (threads, call, x, residual, y, yf) -> 0 / -1
+# (a scratch buffer could not be allocated): FOUR_SIGNATURE
 EXACT16_FUNCTION = "qb_conv_call_exact16"  # (the AVX2 library's: int16 weights, exact for any int8 values)
 
 
@@ -61,10 +60,10 @@ def _prepare_conv(x, weight, mult, add, residual, residual_scale, low, high, out
                     weight.data_ptr(), mult.data_ptr(), add.data_ptr(), residual is not None and residual.dtype == torch.float32,
                     residual_scale, ACTIVATIONS[activation], low, high, 1.0 / out_scale, out_zero_point, qmin, qmax)
     if exact16:
-        gemm = isa.c_function(EXACT16_FUNCTION, GEMM_SIGNATURE, ctypes.c_int)
+        gemm = isa.c_function(EXACT16_FUNCTION, FOUR_SIGNATURE, ctypes.c_int)
     else:
         needed, function = library.GEMM_BUILDS[isa.gemm_build()]
-        gemm = (isa.c_function if needed == "avx2" else isa.vnni_function)(function, GEMM_SIGNATURE, ctypes.c_int)
+        gemm = (isa.c_function if needed == "avx2" else isa.vnni_function)(function, FOUR_SIGNATURE, ctypes.c_int)
     return make_prepared(call, (n, cout, oh, ow), torch.float32 if float_out else torch.uint8, gemm, (mult, add))
 
 

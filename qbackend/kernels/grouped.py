@@ -13,7 +13,7 @@ import torch
 
 from qbackend.kernels import isa
 from qbackend.kernels.chain_step import X_TO_Y
-from qbackend.kernels.common import (X_TO_Y_SIGNATURE, Kernel, Prepared, cached_prepared, channels_last_like, check_constants,
+from qbackend.kernels.common import (FOUR_SIGNATURE, Kernel, Prepared, cached_prepared, channels_last_like, check_constants,
                                      check_levels, check_nchw_uint8, checked_window, make_prepared, output_hw, prepared_chain_call,
                                      run_x_to_y)
 from qbackend.kernels.depthwise import DEPTHWISE_STRIDES
@@ -43,12 +43,14 @@ def _prepare_grouped_conv(x, x_zero_point, weight, mult, add, groups, stride, lo
                           qmax, float_out=False) -> Prepared:
     check_nchw_uint8(x, None, "qconv_grouped")
     n, c, h, w = x.shape
+    # (threads, call, x, y, scratch, None); its scratch (the padded input): name + "_scratch"
     if weight.dtype == torch.int16:
-        function = isa.c_function("qb_grouped_conv_exact16", X_TO_Y_SIGNATURE, ctypes.c_int)
+        name, find = "qb_grouped_conv_exact16", isa.c_function
     elif isa.int8_build() == "avx512_vnni":
-        function = isa.vnni_function("qb_grouped_conv_vnni", X_TO_Y_SIGNATURE, ctypes.c_int)
+        name, find = "qb_grouped_conv_vnni", isa.vnni_function
     else:
-        function = isa.c_function("qb_grouped_conv_avx2", X_TO_Y_SIGNATURE, ctypes.c_int)
+        name, find = "qb_grouped_conv_avx2", isa.c_function
+    function, scratch_bytes = find(name, FOUR_SIGNATURE, ctypes.c_int), find(name + "_scratch", (ctypes.c_void_p,), ctypes.c_size_t)
     reason = grouped_refusal(c, groups)
     if reason is not None:
         raise ValueError(f"qbackend::qconv_grouped: {reason}")
@@ -63,7 +65,8 @@ def _prepare_grouped_conv(x, x_zero_point, weight, mult, add, groups, stride, lo
     check_levels("qconv_grouped", x_zero_point, out_zero_point, qmin, qmax)
     call = GroupedCall(n, h, w, c, c // groups, stride, oh, ow, x_zero_point, weight.data_ptr(), mult.data_ptr(),
                        add.data_ptr(), low, high, 1.0 / out_scale, out_zero_point, qmin, qmax, bool(float_out))
-    return make_prepared(call, (n, c, oh, ow), torch.float32 if float_out else torch.uint8, function, (mult, add))
+    return make_prepared(call, (n, c, oh, ow), torch.float32 if float_out else torch.uint8, function, (mult, add),
+                         scratch_bytes(ctypes.addressof(call)))
 
 
 def _grouped_prepared(x, x_zero_point, weight, *args, trusted=False) -> Prepared:

@@ -10,7 +10,6 @@ on a 4096x11008 int4 layer. Built again in the AVX512-VNNI library, where int4 s
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Optional
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from qbackend.kernels import isa, library
 from qbackend.kernels.chain_step import SCRATCH, dense, plain_float32, step_call
 from qbackend.kernels.common import Kernel, check_constants
+from qbackend.kernels.scratch import thread_scratch
 from qbackend.kernels.structs import WeightOnlyCall
 
 SCHEMAS = {
@@ -52,7 +52,7 @@ def _weight_only_mm(kernel, name: str, x: torch.Tensor, n: int, k: int, weights:
         check_constants(name, *weights)
     x, m = x.contiguous(), x.shape[0]
     scales_at, sums_at, scratch_bytes = _weight_only_scratch(m, k)
-    scratch, y = _scratch(scratch_bytes), torch.empty(m, n)
+    scratch, y = thread_scratch(scratch_bytes), torch.empty(m, n)
     kernel(torch.get_num_threads(), m, n, k, *sizes, x.data_ptr(), *(w.data_ptr() for w, _, _ in weights),
            scratch, scratch + scales_at, scratch + sums_at, y.data_ptr())
     return y
@@ -83,18 +83,6 @@ def chain_call(args: tuple, y: torch.Tensor):
                             scales_at, sums_at)
     address = isa.function_address(_weight_only_library().qb_weight_only_call)
     return step_call(address, struct, (x, SCRATCH, y, None), args[1:], scratch_bytes)
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(size: int) -> int:
-    """The address of ``size`` bytes of this thread's scratch, kept between calls (two of a
-    decode step's three allocations per weight-only call: ~3 of its ~12 us)."""
-    buffer = getattr(_SCRATCH, "buffer", None)
-    if buffer is None or buffer.numel() < size:
-        buffer = _SCRATCH.buffer = torch.empty(max(size, 1 << 16), dtype=torch.uint8)
-    return buffer.data_ptr()
 
 
 @library.once

@@ -34,14 +34,17 @@
 #if defined(QB_VNNI)
 #include "vnni_dot.h"
 #define QB_GROUPED_CALL qb_grouped_conv_vnni
+#define QB_GROUPED_SCRATCH qb_grouped_conv_vnni_scratch
 #define PIXELS 8 /* output pixels a step: 2 x 8 sums of AVX512VL's 32 ymm registers */
 #elif defined(QB_EXACT16)
 #define QB_GROUPED_CALL qb_grouped_conv_exact16
+#define QB_GROUPED_SCRATCH qb_grouped_conv_exact16_scratch
 #define PIXELS 4
 /* acc + the int16 pair products of a word per int32 lane (vpmaddwd: exact) */
 static inline __m256i dot_add(__m256i acc, __m256i x, __m256i w) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w)); }
 #else
 #define QB_GROUPED_CALL qb_grouped_conv_avx2
+#define QB_GROUPED_SCRATCH qb_grouped_conv_avx2_scratch
 #define PIXELS 4 /* 2 x 4 sums: AVX2 has 16 ymm registers, and each dot product needs two more */
 /* acc + the 4-byte dot products of unsigned x and signed w per int32 lane, pairs added in int16 */
 static inline __m256i dot_add(__m256i acc, __m256i x, __m256i w) {
@@ -182,14 +185,28 @@ static inline void copy_pixels(const grouped_call_t* c, value_t* dst, const uint
 #endif
 }
 
+/* The padded input's row width in pixels: the image's and its border, at least one tile of PIXELS outputs wide. */
+static int padded_width(const grouped_call_t* c) {
+  const int min_width = (PIXELS - 1) * c->stride + 3;
+  return c->W + 2 > min_width ? c->W + 2 : min_width;
+}
+
+/* Bytes of the padded input QB_GROUPED_CALL copies x into: the scratch its caller may pass. */
+size_t QB_GROUPED_SCRATCH(const grouped_call_t* c) {
+  return (size_t)c->N * (c->H + 2) * padded_width(c) * c->C * sizeof(value_t) + 8; /* (+8: the last 8-byte load) */
+}
+
 /* 0, or -1 when the padded input could not be allocated. The input is copied once into rows
  * with a zero-point border (and columns for at least 8 output pixels), so every tap of every
- * pixel is a fixed offset from its window's corner. */
-int QB_GROUPED_CALL(int threads, const grouped_call_t* c, const uint8_t* x, void* y) {
-  const int s = c->stride, PH = c->H + 2, min_width = (PIXELS - 1) * s + 3;
-  const int PW = c->W + 2 > min_width ? c->W + 2 : min_width;
+ * pixel is a fixed offset from its window's corner. ``scratch``: QB_GROUPED_SCRATCH(c) bytes
+ * for that copy (a kernel chain's arena, a thread's buffer kept between calls), or NULL: the
+ * call allocates and frees it (past glibc's mmap threshold, a fresh mapping whose every page
+ * faults in, zeroed, at every call). */
+int QB_GROUPED_CALL(int threads, const grouped_call_t* c, const uint8_t* x, void* y, void* scratch, void* unused) {
+  (void)unused;
+  const int s = c->stride, PH = c->H + 2, PW = padded_width(c);
   const size_t C = (size_t)c->C, pixel = (size_t)s * C * sizeof(value_t);
-  value_t* padded = malloc((size_t)c->N * PH * PW * C * sizeof(value_t) + 8); /* (+8: the last 8-byte load) */
+  value_t* padded = scratch ? scratch : malloc(QB_GROUPED_SCRATCH(c));
   if (!padded) return -1;
 #pragma omp parallel num_threads(threads)
   {
@@ -224,6 +241,6 @@ int QB_GROUPED_CALL(int threads, const grouped_call_t* c, const uint8_t* x, void
       }
     }
   }
-  free(padded);
+  if (!scratch) free(padded);
   return 0;
 }
