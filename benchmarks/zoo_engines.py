@@ -35,6 +35,7 @@ import importlib.util
 import json
 import os
 import re
+import resource
 import statistics
 import sys
 import tempfile
@@ -277,9 +278,11 @@ def _short_error(error: Exception) -> str:
     return short_error(error)
 
 
-def _timed_calls(runner, inputs, fresh, timing: Timing) -> list:
-    """Seconds per call of calls back to back, after untimed ones (``warmup_calls`` and
-    ``warmup_s`` at least): the steady state of a loop over the model."""
+def _timed_calls(runner, inputs, fresh, timing: Timing) -> tuple[list, float]:
+    """(seconds per call of calls back to back, after untimed ones (``warmup_calls`` and
+    ``warmup_s`` at least): the steady state of a loop over the model; the process's minor page
+    faults a timed call: memory an engine's calls allocate afresh and Linux maps in again, each
+    page zeroed)."""
     def call() -> float:
         args = fresh(inputs)
         start = time.perf_counter()
@@ -290,7 +293,9 @@ def _timed_calls(runner, inputs, fresh, timing: Timing) -> list:
     while warm < timing.warmup_calls or spent < timing.warmup_s:
         spent, warm = spent + call(), warm + 1
     calls = max(timing.min_calls, min(timing.max_calls, round(timing.target_s * warm / spent)))
-    return [call() for _ in range(calls)]
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    times = [call() for _ in range(calls)]
+    return times, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / calls
 
 
 def _set_up_torch(scratch: Path) -> None:
@@ -355,8 +360,8 @@ def _run(name: str, work: Path, timing: Timing, profile: bool, scratch: Path) ->
     runner(*fresh(evaluation[0]))
     result = {"compile_s": time.perf_counter() - start}
     result.update(_accuracy(runner, evaluation, fresh, to_numpy, data, REFERENCES.get(engine.artifact)))
-    times = _timed_calls(runner, evaluation[0], fresh, timing)
-    result.update(median_ms=statistics.median(times) * 1e3, calls=len(times))
+    times, faults = _timed_calls(runner, evaluation[0], fresh, timing)
+    result.update(median_ms=statistics.median(times) * 1e3, calls=len(times), faults_per_call=faults)
     if profile:
         result["profile"] = _profile(runner, evaluation[0], fresh, qbackend_frames=name in (TORCH_COMPILE, DIRECT))
     if engine.dynamo:
