@@ -99,13 +99,14 @@ class Prepared(NamedTuple):
     function: ctypes._CFuncPtr
     constants: tuple  # held here so that their memory, and their ids in the key, stay theirs
     address: int  # of ``struct``
-    # bytes of scratch the caller passes: 0, or the kernel is (threads, call, x, y, scratch, None)
-    # (FOUR_SIGNATURE): a chain's scratch region, or this thread's (scratch.py)
-    scratch: int = 0
+    # None: the kernel is (threads, call, x, y); else (threads, call, x, y, scratch, None)
+    # (FOUR_SIGNATURE) and takes this many bytes of scratch: a chain's scratch region, or this
+    # thread's (scratch.py)
+    scratch: Optional[int] = None
 
 
 def make_prepared(struct: ctypes.Structure, shape: tuple, dtype: torch.dtype, function, constants: tuple,
-                  scratch: int = 0) -> Prepared:
+                  scratch: Optional[int] = None) -> Prepared:
     n, c, h, w = shape
     return Prepared(struct, shape, (h * w * c, 1, w * c, c), dtype, function, constants, ctypes.addressof(struct), scratch)
 
@@ -148,7 +149,7 @@ def run_x_to_y(prepared: Prepared, x: torch.Tensor, name: str) -> torch.Tensor:
     """Run a prepared (threads, call, x, y) -> 0 / failure kernel: the depthwise conv, the pools."""
     x = x.contiguous(memory_format=torch.channels_last)
     y = new_output(x, prepared)
-    scratch = (thread_scratch(prepared.scratch), None) if prepared.scratch else ()
+    scratch = () if prepared.scratch is None else (thread_scratch(prepared.scratch) if prepared.scratch else None, None)
     if prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), y.data_ptr(), *scratch):
         raise MemoryError(f"qbackend::{name}: a thread could not allocate its scratch")
     return y
@@ -170,7 +171,7 @@ def prepared_chain_call(prepared_call: Callable, kind: int) -> Callable:
                    for t in (args[0], args[4] if kind != X_TO_Y else None)):
             return None
         call = prepared_call(*args, trusted=True)
-        if kind == X_TO_Y and call.scratch:
+        if kind == X_TO_Y and call.scratch is not None:
             return StepCall(FOUR, isa.function_address(call.function), call.address, (args[0], y, SCRATCH, None), call,
                             call.scratch)
         if kind == X_TO_Y:

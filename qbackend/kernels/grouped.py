@@ -43,7 +43,7 @@ def _prepare_grouped_conv(x, x_zero_point, weight, mult, add, groups, stride, lo
                           qmax, float_out=False) -> Prepared:
     check_nchw_uint8(x, None, "qconv_grouped")
     n, c, h, w = x.shape
-    # (threads, call, x, y, scratch, None); its scratch (the padded input): name + "_scratch"
+    # (threads, call, x, y, scratch, None); its scratch bytes (the int16 build's padded input, else 0): name + "_scratch"
     if weight.dtype == torch.int16:
         name, find = "qb_grouped_conv_exact16", isa.c_function
     elif isa.int8_build() == "avx512_vnni":

@@ -24,6 +24,8 @@ CASES = [(1, 64, 12, 16, 1), (2, 64, 9, 8, 2), (1, 64, 7, 4, 1), (1, 32, 5, 8, 2
 # every group width the kernel takes up to 64, in 2 and 3 groups (odd and even block counts, pairs
 # of blocks within a group and across two)
 CASES += [(1, width * groups, 5, groups, 1) for width in (8, 16, 24, 32, 40, 48, 56, 64) for groups in (2, 3)]
+# batches of images wide enough for tiles inside the image (read in place) beside border tiles
+CASES += [(2, 48, 21, 6, 2), (3, 32, 14, 8, 1), (2, 64, 18, 8, 1)]
 
 
 def _case(batch, channels, size, groups, stride, seed=0, weight_bits=8):
