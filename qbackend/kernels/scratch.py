@@ -3,8 +3,9 @@
 A kernel chain's steps share a region of the chain's arena (``chain_step.SCRATCH``); a plain
 call outside a chain takes this thread's buffer. Freed and allocated again at every call, a
 buffer past glibc's mmap threshold is a fresh mapping whose every page faults in, zeroed, each
-time: regnet_y_400mf's grouped convs' padded inputs at batch 8 were ~2000 faults a call. (A
-decode step's weight-only calls, each allocating its scratch, had spent ~3 of ~12 us on it.)
+time (regnet_y_400mf's grouped convs' padded inputs at batch 8, when every build copied them:
+~2000 faults a call; now the int16 build's). A decode step's weight-only calls, each allocating
+its scratch, had spent ~3 of ~12 us on it.
 """
 from __future__ import annotations
 
