@@ -130,8 +130,9 @@ class _Program:
         first = inputs[self.like]
         # The arena is kept for the next call: a fresh one was a fresh mmap whenever it exceeded
         # glibc's mmap threshold, every page of it faulted in and zeroed again at every call
-        # (regnet_y_400mf at batch 8: ~4300 faults, 13 of 92 ms of CPU a call). Each thread
-        # running this program at once takes its own (list.pop / append: atomic under the GIL).
+        # (regnet_y_400mf at batch 8: ~1100 of the ~4300 faults a call that cost 13 of its 92 ms
+        # of CPU). Each thread running this program at once takes its own (list.pop / append:
+        # atomic under the GIL).
         try:
             arena = self.spare_arenas.pop()
         except IndexError:

@@ -174,6 +174,14 @@ static void tile_blocks(const grouped_call_t* c, const uint8_t* corner, size_t p
  * left over pixels already written, the same values). */
 static inline int tile_start(const grouped_call_t* c, int ox0) { return ox0 + PIXELS <= c->OW || c->OW < PIXELS ? ox0 : c->OW - PIXELS; }
 
+/* Pixels a tile's windows span along a row. */
+#define TILE_SPAN(s) ((PIXELS - 1) * (s) + 3)
+
+/* A window's taps as byte offsets from its corner, in rows of ``row_pixels`` pixels of ``pixel_bytes``. */
+static inline void tap_offsets(size_t tap[TAPS], size_t row_pixels, size_t pixel_bytes) {
+  for (int t = 0; t < TAPS; t++) tap[t] = ((size_t)(t / 3) * row_pixels + t % 3) * pixel_bytes;
+}
+
 /* Where the tile from ``start`` on output row ``oy`` of image ``n`` stores. */
 static inline char* tile_out(const grouped_call_t* c, void* y, int n, int oy, int start) {
   return (char*)y + (((size_t)n * c->OH + oy) * c->OW + start) * c->C * (c->float_out ? sizeof(float) : 1);
@@ -198,8 +206,7 @@ static inline void copy_pixels(const grouped_call_t* c, value_t* dst, const uint
 
 /* The padded input's row width in pixels: the image's and its border, at least one tile of PIXELS outputs wide. */
 static int padded_width(const grouped_call_t* c) {
-  const int min_width = (PIXELS - 1) * c->stride + 3;
-  return c->W + 2 > min_width ? c->W + 2 : min_width;
+  return c->W + 2 > TILE_SPAN(c->stride) ? c->W + 2 : TILE_SPAN(c->stride);
 }
 
 /* Bytes of the padded input QB_GROUPED_CALL copies x into: the scratch its caller may pass. */
@@ -234,7 +241,7 @@ int QB_GROUPED_CALL(int threads, const grouped_call_t* c, const uint8_t* x, void
       fill_zero_point(c, dst + (c->W + 1) * C, (PW - c->W - 1) * C);
     }
     size_t tap[TAPS];
-    for (int t = 0; t < TAPS; t++) tap[t] = ((size_t)(t / 3) * PW + t % 3) * C * sizeof(value_t);
+    tap_offsets(tap, PW, C * sizeof(value_t));
 #pragma omp for schedule(static)
     for (int row = 0; row < c->N * c->OH; row++) {
       const int n = row / c->OH, oy = row % c->OH;
@@ -249,9 +256,6 @@ int QB_GROUPED_CALL(int threads, const grouped_call_t* c, const uint8_t* x, void
   return 0;
 }
 #else
-/* Pixels a border tile's windows span along a row. */
-#define BORDER_WIDTH(s) ((PIXELS - 1) * (s) + 3)
-
 /* The uint8 builds read x itself: no scratch (their windows inside the image read it in place). */
 size_t QB_GROUPED_SCRATCH(const grouped_call_t* c) {
   (void)c;
@@ -264,10 +268,10 @@ static inline int inside(const grouped_call_t* c, int oy, int start) {
   return oy * s >= 1 && oy * s + 1 < c->H && start * s >= 1 && (start + PIXELS - 1) * s + 1 < c->W;
 }
 
-/* A border tile's 3 input rows (from oy * s - 1) of BORDER_WIDTH pixels (from start * s - 1)
+/* A border tile's 3 input rows (from oy * s - 1) of TILE_SPAN pixels (from start * s - 1)
  * into ``copy``, the zero point where they leave the image. */
 static void copy_border_tile(const grouped_call_t* c, const uint8_t* x, int n, int oy, int start, uint8_t* copy) {
-  const int s = c->stride, width = BORDER_WIDTH(s), ix0 = start * s - 1;
+  const int s = c->stride, width = TILE_SPAN(s), ix0 = start * s - 1;
   const int first = ix0 < 0 ? -ix0 : 0, end = c->W - ix0 < width ? c->W - ix0 : width; /* columns in the image: [first, end) */
   const size_t C = (size_t)c->C;
   for (int r = 0; r < 3; r++) {
@@ -285,22 +289,20 @@ static void copy_border_tile(const grouped_call_t* c, const uint8_t* x, int n, i
 
 /* 0, or -1 when a thread could not allocate its border copy. A tile whose windows lie inside the
  * image reads x in place (its taps fixed offsets from the window's corner); a tile on the border
- * reads a copy of its 3 x BORDER_WIDTH pixels with the zero point outside the image. (A padded
+ * reads a copy of its 3 x TILE_SPAN pixels with the zero point outside the image. (A padded
  * copy of the whole input, as the int16 build makes, had cost a pass over it and its bytes in
  * the cache: regnet_y_400mf's 48-channel conv at 112x112, stride 2, batch 8, on 4.8 MB.) */
 int QB_GROUPED_CALL(int threads, const grouped_call_t* c, const uint8_t* x, void* y, void* scratch, void* unused) {
   (void)scratch, (void)unused;
-  const int s = c->stride, width = BORDER_WIDTH(s);
+  const int s = c->stride, width = TILE_SPAN(s);
   const size_t C = (size_t)c->C, pixel = (size_t)s * C;
   int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
     uint8_t* copy = malloc(3 * (size_t)width * C);
     size_t in_place[TAPS], in_copy[TAPS];
-    for (int t = 0; t < TAPS; t++) {
-      in_place[t] = ((size_t)(t / 3) * c->W + t % 3) * C;
-      in_copy[t] = ((size_t)(t / 3) * width + t % 3) * C;
-    }
+    tap_offsets(in_place, c->W, C);
+    tap_offsets(in_copy, width, C);
     if (!copy) {
 #pragma omp atomic write
       failed = 1;
