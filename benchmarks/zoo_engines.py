@@ -217,6 +217,7 @@ def prepare(name: str, batch: int, timing: Timing, work: Path, every_linear: boo
     import zoo_models
 
     torch.set_num_threads(THREADS)
+    work.mkdir(parents=True, exist_ok=True)  # (bench_zoo makes it; a direct call may name a new one)
     seconds, built, skipped, failed = {}, {}, {}, {}
     start = time.perf_counter()
     _build_qbackend_kernels()
