@@ -1,6 +1,8 @@
 """qbackend's own int8 conv kernels (depthwise 3x3, 1x1): the same integers as dequantize ->
 conv -> quantize, chosen on CPU where they apply, and oneDNN (with the reason) elsewhere."""
+import ctypes
 import math
+import mmap
 
 import expecttest
 import pytest
@@ -53,7 +55,7 @@ def _depthwise_case(channels, post, stride, padding, qmax, window=3):
 @pytest.mark.parametrize("post", sorted(CLAMPS))
 @pytest.mark.parametrize("stride,padding", [(1, 1), (2, 1), (1, 0), (2, 0)])
 @pytest.mark.parametrize("qmax", [255, 127], ids=["8-bit out", "7-bit out"])
-@pytest.mark.parametrize("channels", [16, 48, 58, 5], ids=["16 channels", "32 + 16 channels", "58: padded to 64", "5: padded to 16"])
+@pytest.mark.parametrize("channels", [16, 48, 58, 5], ids=["16 channels", "32 + 16 channels", "58: 3 groups + 10", "5: a part of a group"])
 def test_kernel_gives_the_reference_integers(post, stride, padding, qmax, channels, int8_build):
     run, expected = _depthwise_case(channels, post, stride, padding, qmax)
     actual = run()
@@ -65,7 +67,7 @@ def test_kernel_gives_the_reference_integers(post, stride, padding, qmax, channe
 @needs_own_kernels
 @pytest.mark.parametrize("post", sorted(CLAMPS))
 @pytest.mark.parametrize("stride,padding", [(1, "half"), (2, "half"), (1, 0), (2, 1)])
-@pytest.mark.parametrize("channels", [48, 5], ids=["32 + 16 channels", "5: padded to 16"])
+@pytest.mark.parametrize("channels", [48, 5], ids=["32 + 16 channels", "5: a part of a group"])
 @pytest.mark.parametrize("window", [5, 7])
 def test_larger_windows_give_the_reference_integers(post, stride, padding, channels, window, int8_build):
     """EfficientNet's and MobileNetV3's later stages (5x5), ConvNeXt's blocks (7x7): 25 or 49
@@ -82,7 +84,7 @@ ACTIVATIONS = {"none": lambda t: t, "swish": nn.functional.silu, "hardswish": nn
 @needs_own_kernels
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("float_out", [False, True], ids=["uint8 out", "float32 out"])
-@pytest.mark.parametrize("channels", [48, 58], ids=["48 channels", "58: padded to 64"])
+@pytest.mark.parametrize("channels", [48, 58], ids=["48 channels", "58: 3 groups + 10"])
 @pytest.mark.parametrize("window", [3, 5, 7])
 def test_kernels_run_activations_and_write_float32(activation, float_out, channels, window, int8_build):
     """EfficientNet's depthwise convs end in SiLU, MobileNetV3's in hardswish, MaxViT's in GELU,
@@ -113,6 +115,42 @@ def test_an_unknown_depthwise_activation_is_refused():
     packed = (torch.zeros(160, dtype=torch.int16), torch.zeros(16), torch.zeros(16))
     with pytest.raises(ValueError, match=r"activation 'mish' is not one of \['none', 'gelu', 'gelu_tanh', 'swish', 'hardswish'\]"):
         registry.op("qconv_depthwise")(x, 0, *packed, [1, 1], [1, 1], 0.0, 6.0, 1.0, 0, 0, 255, False, "mish")
+
+
+def _before_a_guard_page(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (uint8) copied so that their last byte is the last one before a page that
+    cannot be read: a kernel reading past the tensor's end crashes instead of passing."""
+    page = mmap.PAGESIZE
+    pages = -(-values.numel() // page) + 1
+    memory = mmap.mmap(-1, pages * page)
+    guard = ctypes.addressof(ctypes.c_char.from_buffer(memory)) + (pages - 1) * page
+    assert ctypes.CDLL(None, use_errno=True).mprotect(ctypes.c_void_p(guard), page, 0) == 0  # PROT_NONE
+    tensor = torch.frombuffer(memory, dtype=torch.uint8, count=values.numel(), offset=(pages - 1) * page - values.numel())
+    return tensor.copy_(values.flatten())
+
+
+@needs_own_kernels
+@pytest.mark.parametrize("channels", [58, 5, 24], ids=["58: 3 groups + 10", "5", "24: 16 + 8"])
+@pytest.mark.parametrize("float_out", [False, True], ids=["uint8 out", "float32 out"])
+def test_a_last_partial_channel_group_reads_and_writes_only_its_channels(channels, float_out):
+    """Channels past the last whole group of 16 run in place: the tail's loads read the next
+    pixel's channels, except at the tensor's end (here right before an unreadable page), and
+    its stores write only its own (a 16-lane store would overwrite the next pixel's first)."""
+    torch.manual_seed(0)
+    n, h, w = 2, 5, 7
+    values = torch.randint(0, 256, (n, h, w, channels), dtype=torch.uint8)
+    x = _before_a_guard_page(values).view(n, h, w, channels).permute(0, 3, 1, 2)
+    weight = torch.randint(-128, 128, (channels, 1, 3, 3), dtype=torch.int8)
+    w_scale, bias = torch.rand(channels) * 0.01 + 0.001, torch.randn(channels)
+    packed = depthwise.pack(weight, *scale_and_offset(weight, w_scale, 0.03, 7, bias), vnni=False)
+    actual = registry.op("qconv_depthwise")(x, 7, *packed, [1, 1], [1, 1], -math.inf, math.inf, 0.05, 60, 0, 255, float_out)
+    if float_out:
+        exact = nn.functional.conv2d((values.permute(0, 3, 1, 2).double() - 7) * 0.03,
+                                     weight.double() * w_scale.double()[:, None, None, None], bias.double(), 1, 1, groups=channels)
+        torch.testing.assert_close(actual.double(), exact, atol=2e-6, rtol=1e-6)
+    else:
+        expected = reference(values.permute(0, 3, 1, 2), 0.03, 7, weight, w_scale, bias, 1, 1, -math.inf, math.inf, 0.05, 60, 0, 255)
+        assert_int8_close(actual, expected, f"{channels} channels")
 
 
 @pytest.mark.parametrize("post", sorted(CLAMPS))
@@ -209,7 +247,7 @@ class TestDepthwiseLowering(expecttest.TestCase):
         call = [line for line in short_graph(captured.lowered).splitlines() if "qconv_depthwise" in line][0]
         self.assertExpectedInline(call, """qconv_depthwise = depthwise.qconv_depthwise(qconv, 12, <const>, <const>, <const>, (1, 1), (2, 2), -inf, inf, 1, 0, 0, 255, True, 'swish', 5)""")
 
-    def test_channels_that_are_not_whole_lanes_run_on_padded_copies(self):
+    def test_channels_that_are_not_whole_lanes_run_on_the_kernel(self):
         x = torch.randn(1, 8, 10, 10)
         model = quantize(InvertedResidual(expanded=40).eval(), (x,))  # 40 channels: not whole 16-lane steps
         actual, expected, captured = compile_and_run(model, (x,))
