@@ -69,10 +69,13 @@ def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, vnni: bool
 
 
 def pack_avx2(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Two taps' int16 weights per pair (vpmaddwd), in the AVX2 kernel's lane order."""
-    channels, window = weight.shape[0], weight.shape[-1] ** 2
-    groups = channels // LANES
-    taps = torch.nn.functional.pad(weight.reshape(channels, window).to(torch.int16), (0, window % 2))  # (a last, zero tap)
+    """Int16 pairs of two kernel rows' weights at one column (vpmaddwd), rows 2 rp and 2 rp + 1
+    (an odd window's last row with a zero one), pair (rp, column) in order, in the AVX2 kernel's
+    lane order."""
+    channels, window = weight.shape[0], weight.shape[-1]
+    groups, rows = channels // LANES, -(-window // 2) * 2
+    taps = torch.nn.functional.pad(weight.reshape(channels, window, window).to(torch.int16), (0, 0, 0, rows - window))
+    taps = taps.reshape(channels, rows // 2, 2, window).transpose(2, 3)  # [C, row pair, column, 2]
     # channel = 16 g + 8 half + 4 part + i with part 0 -> "lo" sums, 1 -> "hi" (vpunpck order)
     pairs = taps.reshape(groups, 2, 2, 4, -1, 2).permute(4, 0, 2, 1, 3, 5).contiguous()
     order = lambda v: v.float().reshape(groups, 2, 2, 4).permute(0, 2, 1, 3).contiguous().reshape(-1)  # noqa: E731

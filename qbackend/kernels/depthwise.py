@@ -58,7 +58,7 @@ def _prepare_dwconv(x, x_zero_point, weight, mult, add, stride, padding, low, hi
         function, dtype, taps = vnni, torch.int8, window * -(-window // 4) * 4  # rows of 4-byte quads
     else:
         function = isa.c_function("qb_dwconv_call", X_TO_Y_SIGNATURE, ctypes.c_int)
-        dtype, taps = torch.int16, (window * window + 1) // 2 * 2  # pairs of int16
+        dtype, taps = torch.int16, -(-window // 2) * 2 * window  # kernel rows in pairs (a last zero one), int16
     if mult.numel() != packed:
         raise ValueError(f"qbackend::qconv_depthwise: activations of {c} channels for constants packed for {mult.numel()} "
                          f"({c} channels pack as {packed})")

@@ -5,11 +5,16 @@
  *
  * Why: torch 2.13's onednn::qconv_pointwise spends ~50 us per call before computing and runs
  * depthwise convs at 3-11 GMAC/s here (MobileNetV2: 2 ms of its 8 ms). This kernel works on
- * 16 channels at a time: two taps' activations are interleaved as int16 pairs and multiplied
- * with the matching weight pairs by vpmaddwd into int32 sums.
+ * 16 channels at a time: the activations of two kernel rows at one column are interleaved as
+ * int16 pairs, once per input column of a row block (row_group), and multiplied with the
+ * matching weight pairs by vpmaddwd into int32 sums for every output pixel that covers them.
+ * Pairing taps within each output pixel's window (until 11-30) widened and interleaved every
+ * tap again for each of the K x K / stride^2 pixels sharing it: one Zen 3 thread, batch 8, us:
+ * 16 ch 112x112 3x3 1946 -> 1178; 384 ch 14x14 7x7 1600 -> 1085; 72 ch 56x56 3x3 1947 ->
+ * 1685; 120 ch 28x28 5x5 float out 1356 -> 1344 (batch 1: 182 -> 152).
  *
- * Padding taps read a row of zero-point bytes, so every output pixel sums all 9 taps and the
- * zero point is removed once per channel: acc - x_zp * sum(w), folded into ``add``.
+ * Padding taps read the zero point, so every output pixel sums all K x K taps and the zero
+ * point is removed once per channel: acc - x_zp * sum(w), folded into ``add``.
  * Lane order: vpunpck{l,h}wd work within 128-bit halves, so the "lo" int32 sums hold channels
  * 0-3 and 8-11 of a 16-channel group and "hi" 4-7 and 12-15; weights and per-channel
  * constants are packed in that order and vpackssdw restores the natural order.
@@ -24,14 +29,31 @@
 #include "vec_math.h"
 
 #define MAX_KERNEL 7
-#define MAX_PAIRS ((MAX_KERNEL * MAX_KERNEL + 1) / 2)
+#define MAX_ROW_PAIRS ((MAX_KERNEL + 1) / 2)
 #define LANES 16
-#define PIXEL_BLOCK 8 /* output pixels of a row per step */
+#define COLUMN_BLOCK 16 /* output pixels of a row whose input columns are widened once */
+#define MAX_SPAN ((COLUMN_BLOCK - 1) * 2 + MAX_KERNEL) /* input columns of a block (stride <= 2) */
+#define PIXELS 4 /* output pixels summed at once (8 sums in registers) */
 
-/* 16 activations of a tap: a load, or for a last group of ``tail`` channels (C % 16) that would
- * read past the end of x, a copy of the tail's bytes (loads elsewhere read the next pixel's
- * channels, which meet zero weights). */
-static inline __m256i tap_lanes(const uint8_t* p, int tail, const uint8_t* x_end) {
+/* One call's parameters and its epilogue's constants. */
+typedef struct {
+  int H, W, C, OH, OW, stride_h, stride_w, pad_h, pad_w, groups, activation;
+  const uint8_t* x;
+  const uint8_t* x_end;
+  const int16_t* weight;
+  const float* mult;
+  const float* add;
+  uint8_t* y;
+  float* yf;
+  __m256i x_zp;
+  __m256 lo, hi, inv, zp, qlow, qhigh; /* (qlow / qhigh: [qmin, qmax] and [lo, hi] mapped to the output's levels) */
+  __m128i qmin, qmax;
+} dw_t;
+
+/* 16 activations of a pixel as int16: a load, or for a last group of ``tail`` channels (C % 16)
+ * that would read past the end of x, a copy of the tail's bytes (loads elsewhere read the next
+ * pixel's channels, which meet zero weights). */
+static inline __m256i pixel_lanes(const uint8_t* p, int tail, const uint8_t* x_end) {
   if (tail && (uintptr_t)p + LANES > (uintptr_t)x_end) {
     uint8_t staged[LANES] = {0};
     memcpy(staged, p, (size_t)tail);
@@ -40,125 +62,150 @@ static inline __m256i tap_lanes(const uint8_t* p, int tail, const uint8_t* x_end
   return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
 }
 
-/* Channels [16 g, 16 g + 16) of one output pixel (the first ``tail`` of them when tail > 0):
- * taps[] point at the window's pixels, ``groups`` is the packing's channel groups. */
-static inline __attribute__((always_inline)) void pixel_group(const uint8_t* const* taps, int g, int tail, int pairs, int groups,
-                                                              const uint8_t* x_end, const int16_t* weight, const float* mult,
-                                                              const float* add, int activation, __m256 vlo, __m256 vhi,
-                                                              __m256 vinv, __m256 vzp, __m256 vqlow, __m256 vqhigh, __m128i vqmin,
-                                                              __m128i vqmax, uint8_t* y, float* yf) {
-  __m256i acc_lo = _mm256_setzero_si256(), acc_hi = _mm256_setzero_si256();
-  for (int p = 0; p < pairs; p++) {
-    const __m256i even = tap_lanes(taps[2 * p] + g * LANES, tail, x_end);
-    const __m256i odd = tap_lanes(taps[2 * p + 1] + g * LANES, tail, x_end);
-    const __m256i* w = (const __m256i*)(weight + ((size_t)p * groups + g) * 2 * LANES);
-    acc_lo = _mm256_add_epi32(acc_lo, _mm256_madd_epi16(_mm256_unpacklo_epi16(even, odd), _mm256_loadu_si256(w)));
-    acc_hi = _mm256_add_epi32(acc_hi, _mm256_madd_epi16(_mm256_unpackhi_epi16(even, odd), _mm256_loadu_si256(w + 1)));
-  }
-  const float* m = mult + (size_t)g * LANES;
-  const float* c = add + (size_t)g * LANES;
-  __m256 f[2] = {_mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_lo), _mm256_loadu_ps(m), _mm256_loadu_ps(c)),
-                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_hi), _mm256_loadu_ps(m + 8), _mm256_loadu_ps(c + 8))};
-  if (activation != CLAMP_ONLY) activate_lanes(activation, f, 2); /* (a group's two vectors in lockstep) */
-  /* (max_ps / min_ps return their second operand for a NaN: this order keeps one, as the reference's clamp) */
-  const __m256 f_lo = _mm256_min_ps(vhi, _mm256_max_ps(vlo, f[0]));
-  const __m256 f_hi = _mm256_min_ps(vhi, _mm256_max_ps(vlo, f[1]));
-  if (yf) { /* lo holds channels 0-3 and 8-11, hi 4-7 and 12-15 */
+/* The epilogue of one pixel's 16 channels (the first ``tail`` when tail > 0) at element ``at``
+ * of y / yf: sums -> float -> activation -> clamp -> uint8 or float32. */
+static inline __attribute__((always_inline)) void finish(const dw_t* d, __m256i acc_lo, __m256i acc_hi, const __m256* m, const __m256* c,
+                                                         int tail, size_t at) {
+  __m256 f[2] = {_mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_lo), m[0], c[0]), _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_hi), m[1], c[1])};
+  if (d->activation != CLAMP_ONLY) activate_lanes(d->activation, f, 2); /* (a group's two vectors in lockstep) */
+  if (d->yf) { /* lo holds channels 0-3 and 8-11, hi 4-7 and 12-15 */
+    /* (max_ps / min_ps return their second operand for a NaN: this order keeps one, as the reference's clamp) */
+    const __m256 f_lo = _mm256_min_ps(d->hi, _mm256_max_ps(d->lo, f[0])), f_hi = _mm256_min_ps(d->hi, _mm256_max_ps(d->lo, f[1]));
     const __m256 first = _mm256_permute2f128_ps(f_lo, f_hi, 0x20), second = _mm256_permute2f128_ps(f_lo, f_hi, 0x31);
+    float* out = d->yf + at;
     if (!tail) {
-      _mm256_storeu_ps(yf, first);
-      _mm256_storeu_ps(yf + 8, second);
+      _mm256_storeu_ps(out, first);
+      _mm256_storeu_ps(out + 8, second);
     } else { /* (the next pixel's channels follow: only the tail's are written) */
       const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-      _mm256_maskstore_ps(yf, _mm256_cmpgt_epi32(_mm256_set1_epi32(tail), lane), first);
-      _mm256_maskstore_ps(yf + 8, _mm256_cmpgt_epi32(_mm256_set1_epi32(tail - 8), lane), second);
+      _mm256_maskstore_ps(out, _mm256_cmpgt_epi32(_mm256_set1_epi32(tail), lane), first);
+      _mm256_maskstore_ps(out + 8, _mm256_cmpgt_epi32(_mm256_set1_epi32(tail - 8), lane), second);
     }
     return;
   }
-  /* clamped as floats first (a NaN lands on qmin, an infinity on the range's end, as the
-   * reference's quantize stores them); round half to even, as torch's quantize does */
-  const __m256 q_lo = _mm256_min_ps(_mm256_max_ps(_mm256_fmadd_ps(f_lo, vinv, vzp), vqlow), vqhigh);
-  const __m256 q_hi = _mm256_min_ps(_mm256_max_ps(_mm256_fmadd_ps(f_hi, vinv, vzp), vqlow), vqhigh);
+  /* The clamp to [lo, hi] after the requantizing map (monotone: the same bytes, as the VNNI
+   * kernel's). A NaN stays one (max_ps / min_ps return their second operand), converts to
+   * INT_MIN and lands on qmin, as the reference's quantize stores it; round half to even. */
+  const __m256 q_lo = _mm256_min_ps(d->qhigh, _mm256_max_ps(d->qlow, _mm256_fmadd_ps(f[0], d->inv, d->zp)));
+  const __m256 q_hi = _mm256_min_ps(d->qhigh, _mm256_max_ps(d->qlow, _mm256_fmadd_ps(f[1], d->inv, d->zp)));
   const __m256i q16 = _mm256_packs_epi32(_mm256_cvtps_epi32(q_lo), _mm256_cvtps_epi32(q_hi));
   const __m128i q8 = _mm_min_epu8(_mm_max_epu8(_mm_packus_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)),
-                                                vqmin), vqmax);
+                                                d->qmin), d->qmax);
+  uint8_t* out = d->y + at;
   if (!tail) {
-    _mm_storeu_si128((__m128i*)y, q8);
+    _mm_storeu_si128((__m128i*)out, q8);
   } else { /* the tail's bytes in 8 / 4 / 2 / 1-byte pieces (no library call a pixel) */
     __m128i rest = q8;
     if (tail & 8) {
-      _mm_storel_epi64((__m128i*)y, rest);
-      y += 8, rest = _mm_srli_si128(rest, 8);
+      _mm_storel_epi64((__m128i*)out, rest);
+      out += 8, rest = _mm_srli_si128(rest, 8);
     }
     const uint32_t low = (uint32_t)_mm_cvtsi128_si32(rest);
-    if (tail & 4) memcpy(y, &low, 4), y += 4;
+    if (tail & 4) memcpy(out, &low, 4), out += 4;
     const uint32_t next = tail & 4 ? (uint32_t)_mm_extract_epi32(rest, 1) : low;
-    if (tail & 2) memcpy(y, &next, 2), y += 2;
-    if (tail & 1) *y = (uint8_t)(tail & 2 ? next >> 16 : next);
+    if (tail & 2) memcpy(out, &next, 2), out += 2;
+    if (tail & 1) *out = (uint8_t)(tail & 2 ? next >> 16 : next);
   }
 }
 
-/* weight: [pairs][G][2 (lo, hi)][16] int16, pairs = (K * K + 1) / 2, G = ceil(C / 16) (channels
- * past C zero); mult, add: [G][2][8] float. f = clamp(activation(acc * mult + add), lo, hi);
+/* Output row ``oh`` of image ``n``, channel group ``g`` (``tail`` channels of it, 0: all 16), for
+ * a K x K window (a constant where it is inlined: the tap loops unroll). Kernel rows are taken
+ * in pairs (2 rp, 2 rp + 1; an odd K's last row with a zero-weight partner): for each input
+ * column of a block of output pixels, the pair's two pixels are widened and interleaved once,
+ * and every output pixel whose window covers the column multiplies them by its column's
+ * weight pair (vpmaddwd). Out-of-image rows and columns read the zero point. */
+static inline __attribute__((always_inline)) void row_group(const dw_t* d, const int K, int n, int oh, int g, int tail) {
+  const int R = (K + 1) / 2, S = d->stride_w;
+  __m256i pairs[MAX_ROW_PAIRS][MAX_SPAN][2]; /* [row pair][input column of the block][lo, hi] */
+  const uint8_t* rows[2 * MAX_ROW_PAIRS];
+  for (int r = 0; r < 2 * R; r++) {
+    const int ih = oh * d->stride_h - d->pad_h + r;
+    rows[r] = r < K && ih >= 0 && ih < d->H ? d->x + ((size_t)n * d->H + ih) * d->W * d->C + (size_t)g * LANES : NULL;
+  }
+  const __m256 m[2] = {_mm256_loadu_ps(d->mult + (size_t)g * LANES), _mm256_loadu_ps(d->mult + (size_t)g * LANES + 8)};
+  const __m256 c[2] = {_mm256_loadu_ps(d->add + (size_t)g * LANES), _mm256_loadu_ps(d->add + (size_t)g * LANES + 8)};
+  const size_t row_start = ((size_t)n * d->OH + oh) * d->OW;
+  for (int ow0 = 0; ow0 < d->OW; ow0 += COLUMN_BLOCK) {
+    const int block = d->OW - ow0 < COLUMN_BLOCK ? d->OW - ow0 : COLUMN_BLOCK;
+    const int span = (block - 1) * S + K, first_column = ow0 * S - d->pad_w;
+    for (int j = 0; j < span; j++) {
+      const int iw = first_column + j;
+      const int inside = iw >= 0 && iw < d->W;
+      for (int rp = 0; rp < R; rp++) {
+        const uint8_t *top = rows[2 * rp], *bottom = rows[2 * rp + 1];
+        const __m256i a = inside && top ? pixel_lanes(top + (size_t)iw * d->C, tail, d->x_end) : d->x_zp;
+        const __m256i b = inside && bottom ? pixel_lanes(bottom + (size_t)iw * d->C, tail, d->x_end) : d->x_zp;
+        pairs[rp][j][0] = _mm256_unpacklo_epi16(a, b);
+        pairs[rp][j][1] = _mm256_unpackhi_epi16(a, b);
+      }
+    }
+    int b0 = 0;
+    for (; b0 + PIXELS <= block; b0 += PIXELS) {
+      __m256i acc[PIXELS][2];
+      for (int i = 0; i < PIXELS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1 /* (unrolled taps kept more values live than registers: the sums spilled) */
+      for (int rp = 0; rp < R; rp++)
+#pragma GCC unroll 1
+        for (int col = 0; col < K; col++) {
+          const __m256i* w = (const __m256i*)(d->weight + ((size_t)(rp * K + col) * d->groups + g) * 2 * LANES);
+          const __m256i w_lo = _mm256_loadu_si256(w), w_hi = _mm256_loadu_si256(w + 1);
+          for (int i = 0; i < PIXELS; i++) {
+            const __m256i* v = pairs[rp][(b0 + i) * S + col];
+            acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(v[0], w_lo));
+            acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(v[1], w_hi));
+          }
+        }
+      for (int i = 0; i < PIXELS; i++) finish(d, acc[i][0], acc[i][1], m, c, tail, (row_start + ow0 + b0 + i) * d->C + (size_t)g * LANES);
+    }
+    for (; b0 < block; b0++) {
+      __m256i acc_lo = _mm256_setzero_si256(), acc_hi = _mm256_setzero_si256();
+#pragma GCC unroll 1
+      for (int rp = 0; rp < R; rp++)
+#pragma GCC unroll 1
+        for (int col = 0; col < K; col++) {
+          const __m256i* w = (const __m256i*)(d->weight + ((size_t)(rp * K + col) * d->groups + g) * 2 * LANES);
+          const __m256i* v = pairs[rp][b0 * S + col];
+          acc_lo = _mm256_add_epi32(acc_lo, _mm256_madd_epi16(v[0], _mm256_loadu_si256(w)));
+          acc_hi = _mm256_add_epi32(acc_hi, _mm256_madd_epi16(v[1], _mm256_loadu_si256(w + 1)));
+        }
+      finish(d, acc_lo, acc_hi, m, c, tail, (row_start + ow0 + b0) * d->C + (size_t)g * LANES);
+    }
+  }
+}
+
+/* Every channel group of one output row: whole groups with tail 0 (their loads and stores
+ * compile without the tail's checks), then a last partial one. */
+static inline __attribute__((always_inline)) void output_row(const dw_t* d, const int K, int n, int oh) {
+  const int full = d->C / LANES, tail = d->C % LANES;
+  for (int g = 0; g < full; g++) row_group(d, K, n, oh, g, 0);
+  if (tail) row_group(d, K, n, oh, full, tail);
+}
+
+static void output_row_3(const dw_t* d, int n, int oh) { output_row(d, 3, n, oh); }
+static void output_row_5(const dw_t* d, int n, int oh) { output_row(d, 5, n, oh); }
+static void output_row_7(const dw_t* d, int n, int oh) { output_row(d, 7, n, oh); }
+
+/* weight: [R K][G][2 (lo, hi)][16] int16 pairs (kernel rows 2 rp and 2 rp + 1 at one column;
+ * R = (K + 1) / 2, a last zero row for an odd K), G = ceil(C / 16) (channels past C zero);
+ * mult, add: [G][2][8] float. f = clamp(activation(acc * mult + add), lo, hi);
  * y = f / out_scale + out_zp, rounded and clamped to [qmin, qmax], or yf = f when yf is not NULL.
- * Pixels are C channels apart in x and y: a last partial group runs in place (pixel_group);
- * padded copies of the whole tensors had cost such layers 15-50% (Zen 3, batch 8, best of 4
- * alternated processes: 72 channels at 56x56 1573 -> 1023 us, 120 at 28x28 5x5 1125 -> 972). */
+ * Pixels are C channels apart in x and y: a last partial group runs in place; padded copies of
+ * the whole tensors had cost such layers 15-50% (Zen 3, batch 8, best of 4 alternated processes:
+ * 72 channels at 56x56 1573 -> 1023 us, 120 at 28x28 5x5 1125 -> 972). */
 static int dwconv(int threads, int N, int H, int W, int C, int K, int stride_h, int stride_w, int pad_h, int pad_w, int OH, int OW,
                   const uint8_t* x, int x_zp, const int16_t* weight, const float* mult, const float* add, int activation,
                   float lo, float hi, float out_inv_scale, int out_zp, int qmin, int qmax, uint8_t* y, float* yf) {
-  const int full = C / LANES, tail = C % LANES, groups = full + (tail > 0), pairs = (K * K + 1) / 2;
-  const uint8_t* x_end = x + (size_t)N * H * W * C;
-  uint8_t* zero_row = malloc((size_t)groups * LANES); /* (not on the stack: C is the caller's, up to 2^31) */
-  if (!zero_row) return -1;
-  memset(zero_row, x_zp, (size_t)groups * LANES);
-  const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi), vinv = _mm256_set1_ps(out_inv_scale);
-  const __m256 vzp = _mm256_set1_ps((float)out_zp);
-  const __m128i vqmin = _mm_set1_epi8((char)qmin), vqmax = _mm_set1_epi8((char)qmax);
-  const __m256 vqlow = _mm256_set1_ps((float)qmin), vqhigh = _mm256_set1_ps((float)qmax);
-  /* A window inside the image is its first tap plus these offsets: the per-tap bounds checks had
-   * cost small-channel layers half their time (one Zen 3 thread, 16 channels at 112x112: 359 ->
-   * 191 us; 32 with SiLU, float out: 747 -> 573; 672 at 14x14 unchanged). */
-  ptrdiff_t tap_offsets[MAX_KERNEL * MAX_KERNEL];
-  for (int r = 0; r < K; r++)
-    for (int col = 0; col < K; col++) tap_offsets[r * K + col] = ((ptrdiff_t)r * W + col) * C;
+  const __m256 vinv = _mm256_set1_ps(out_inv_scale), vzp = _mm256_set1_ps((float)out_zp);
+  const dw_t d = {
+      H, W, C, OH, OW, stride_h, stride_w, pad_h, pad_w, (C + LANES - 1) / LANES, activation, x, x + (size_t)N * H * W * C, weight,
+      mult, add, y, yf, _mm256_set1_epi16((short)x_zp), _mm256_set1_ps(lo), _mm256_set1_ps(hi), vinv, vzp,
+      _mm256_max_ps(_mm256_set1_ps((float)qmin), _mm256_fmadd_ps(_mm256_set1_ps(lo), vinv, vzp)),
+      _mm256_min_ps(_mm256_set1_ps((float)qmax), _mm256_fmadd_ps(_mm256_set1_ps(hi), vinv, vzp)),
+      _mm_set1_epi8((char)qmin), _mm_set1_epi8((char)qmax)};
+  void (*row)(const dw_t*, int, int) = K == 3 ? output_row_3 : K == 5 ? output_row_5 : output_row_7;
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
   for (int n = 0; n < N; n++)
-    for (int oh = 0; oh < OH; oh++) {
-      const uint8_t* taps[PIXEL_BLOCK][MAX_PAIRS * 2];
-      for (int ow0 = 0; ow0 < OW; ow0 += PIXEL_BLOCK) {
-        const int block = OW - ow0 < PIXEL_BLOCK ? OW - ow0 : PIXEL_BLOCK;
-        for (int b = 0; b < block; b++) {
-          const int ih0 = oh * stride_h - pad_h, iw0 = (ow0 + b) * stride_w - pad_w;
-          if (ih0 >= 0 && ih0 + K <= H && iw0 >= 0 && iw0 + K <= W) { /* inside the image: offsets from its first tap */
-            const uint8_t* first = x + (((size_t)n * H + ih0) * W + iw0) * C;
-            for (int t = 0; t < K * K; t++) taps[b][t] = first + tap_offsets[t];
-          } else {
-            for (int r = 0; r < K; r++) { /* (rows and columns as loops: t / K and t % K were two divisions a tap) */
-              const int ih = ih0 + r;
-              const uint8_t* row = x + ((size_t)n * H + ih) * W * C;
-              for (int col = 0; col < K; col++) {
-                const int iw = iw0 + col;
-                taps[b][r * K + col] = (ih < 0 || ih >= H || iw < 0 || iw >= W) ? zero_row : row + (size_t)iw * C;
-              }
-            }
-          }
-          taps[b][K * K] = taps[b][K * K - 1];
-        }
-        const size_t first_pixel = ((size_t)n * OH + oh) * OW + ow0;
-        for (int g = 0; g < groups; g++) /* (a group's weights, 64 bytes a tap pair, stay in L1 over the block) */
-          for (int b = 0; b < block; b++) {
-            const size_t at = (first_pixel + b) * C + (size_t)g * LANES;
-            if (g < full)
-              pixel_group(taps[b], g, 0, pairs, groups, x_end, weight, mult, add, activation, vlo, vhi, vinv, vzp, vqlow, vqhigh,
-                          vqmin, vqmax, yf ? NULL : y + at, yf ? yf + at : NULL);
-            else
-              pixel_group(taps[b], g, tail, pairs, groups, x_end, weight, mult, add, activation, vlo, vhi, vinv, vzp, vqlow, vqhigh,
-                          vqmin, vqmax, yf ? NULL : y + at, yf ? yf + at : NULL);
-          }
-      }
-    }
-  free(zero_row);
+    for (int oh = 0; oh < OH; oh++) row(&d, n, oh);
   return 0;
 }
 
