@@ -60,9 +60,9 @@ def vnni_built() -> bool:
 
 def pack(weight: torch.Tensor, mult: torch.Tensor, add: torch.Tensor, vnni: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(packed weights, multiplier, addend) in the order of the kernel that runs the conv:
-    int16 tap pairs for AVX2, int8 quads of a kernel row's taps for AVX512-VNNI; channels
-    padded to a multiple of LANES with zeros (the AVX2 kernel runs a last partial group
-    in place, the VNNI kernel such layers on padded copies)."""
+    int16 pairs of two kernel rows for AVX2, int8 quads of a kernel row's taps for
+    AVX512-VNNI; channels padded to a multiple of LANES with zeros (the AVX2 kernel runs a
+    last partial group in place, the VNNI kernel such layers on padded copies)."""
     pad = -weight.shape[0] % LANES
     weight, mult, add = (torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, pad)) for t in (weight, mult, add))
     return (pack_vnni if vnni else pack_avx2)(weight, mult, add)
