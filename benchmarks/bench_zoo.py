@@ -158,6 +158,14 @@ class Row:
     speedups: list = field(default_factory=list)  # the two-thread probe before each process
 
 
+def _lowering_note(lowering: Optional[dict]) -> str:
+    """A qbackend process's kernel choice in its log line: its layers on oneDNN and its chains."""
+    if not lowering:
+        return ""
+    onednn = lowering["onednn"]
+    return f"; {len(onednn)} layers on oneDNN{' (' + ', '.join(onednn) + ')' if onednn else ''}, {lowering['chains']} chains"
+
+
 def run_config(name: str, batch: int, work: Path, args) -> Row:
     timing = QUICK if args.quick else FULL
     folder, manifest = prepared(work, name, batch, timing, args)
@@ -180,7 +188,7 @@ def run_config(name: str, batch: int, work: Path, args) -> Row:
             row.runs[engine].append(result)
             log(f"{name} batch {batch} rep {rep + 1}: {engine}: "
                 + (result.get("error") or f"{result['median_ms']:.2f} ms, compile {result['compile_s']:.1f} s")
-                + f" ({result['process_s']:.0f} s process)")
+                + f" ({result['process_s']:.0f} s process)" + _lowering_note(result.get("lowering")))
     if args.in_process and engines:
         row.speedups.append(wait_for_parallel_speedup(timeout_s=args.probe_wait))
         log(f"{name} batch {batch}: every engine in one process, interleaved")

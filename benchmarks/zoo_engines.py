@@ -103,16 +103,28 @@ def _inductor(module, inputs, alone):
     return pt2e_flow.inductor_int8(module, inputs)
 
 
+# qbackend's reports of the process's compile: which layers its measured kernel choice gave
+# oneDNN (each one splits a kernel chain), which differ from process to process on a noisy VM
+REPORTS: list = []
+
+
 def _torch_compile(module, inputs, alone):
     import torch
 
-    return torch.compile(module, backend="qbackend")
+    return torch.compile(module, backend="qbackend", options={"report_sink": REPORTS.append})
 
 
 def _direct(module, inputs, alone):
     import qbackend
 
-    return qbackend.compile(module)
+    return qbackend.compile(module, {"report_sink": REPORTS.append})
+
+
+def lowering_summary(reports: list) -> dict:
+    """{"onednn": the layers (sources) oneDNN runs, "chains": own-kernel chains} of ``reports``."""
+    onednn = [d.source or d.node for r in reports for d in r.lowered if (d.op or "").startswith("onednn::")]
+    chains = [int(m.group(1)) for r in reports for n in r.notes for m in [re.search(r"run as (\d+) chains?", n)] if m]
+    return {"onednn": onednn, "chains": sum(chains)}
 
 
 def _read_openvino(path: Path):
@@ -360,6 +372,8 @@ def _run(name: str, work: Path, timing: Timing, profile: bool, scratch: Path) ->
     runner = engine.build(loaded, fresh(evaluation[0]), True)
     runner(*fresh(evaluation[0]))
     result = {"compile_s": time.perf_counter() - start}
+    if REPORTS:
+        result["lowering"] = lowering_summary(REPORTS)
     result.update(_accuracy(runner, evaluation, fresh, to_numpy, data, REFERENCES.get(engine.artifact)))
     times, faults = _timed_calls(runner, evaluation[0], fresh, timing)
     result.update(median_ms=statistics.median(times) * 1e3, calls=len(times), faults_per_call=faults)
