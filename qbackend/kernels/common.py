@@ -151,7 +151,8 @@ def run_x_to_y(prepared: Prepared, x: torch.Tensor, name: str) -> torch.Tensor:
     y = new_output(x, prepared)
     scratch = () if prepared.scratch is None else (thread_scratch(prepared.scratch) if prepared.scratch else None, None)
     if prepared.function(torch.get_num_threads(), prepared.address, x.data_ptr(), y.data_ptr(), *scratch):
-        raise MemoryError(f"qbackend::{name}: a thread could not allocate its scratch")
+        raise MemoryError(f"qbackend::{name}: the kernel failed: a thread could not allocate its scratch (or it "
+                          "refused arguments its checks should have)")
     return y
 
 

@@ -195,6 +195,8 @@ static void output_row_7(const dw_t* d, int n, int oh) { output_row(d, 7, n, oh)
 static int dwconv(int threads, int N, int H, int W, int C, int K, int stride_h, int stride_w, int pad_h, int pad_w, int OH, int OW,
                   const uint8_t* x, int x_zp, const int16_t* weight, const float* mult, const float* add, int activation,
                   float lo, float hi, float out_inv_scale, int out_zp, int qmin, int qmax, uint8_t* y, float* yf) {
+  /* (the caller checks both; the row buffer holds the columns of strides up to 2) */
+  if ((K != 3 && K != 5 && K != 7) || stride_w < 1 || stride_w > 2) return -1;
   const __m256 vinv = _mm256_set1_ps(out_inv_scale), vzp = _mm256_set1_ps((float)out_zp);
   const dw_t d = {
       H, W, C, OH, OW, stride_h, stride_w, pad_h, pad_w, (C + LANES - 1) / LANES, activation, x, x + (size_t)N * H * W * C, weight,
@@ -209,7 +211,8 @@ static int dwconv(int threads, int N, int H, int W, int C, int K, int stride_h, 
   return 0;
 }
 
-/* Returns 0, or -1 when a scratch buffer could not be allocated (as the VNNI kernel). */
+/* Returns 0, or -1 for a window or stride the kernel does not take (the VNNI kernel: -1 when a
+ * scratch buffer could not be allocated). */
 int qb_dwconv_call(int threads, const dwconv_call_t* c, const uint8_t* x, void* y) {
   return dwconv(threads, c->N, c->H, c->W, c->C, c->window, c->stride_h, c->stride_w, c->pad_h, c->pad_w, c->OH, c->OW, x, c->x_zp,
                 c->weight, c->mult, c->add, c->activation, c->lo, c->hi, c->out_inv_scale, c->out_zp, c->qmin, c->qmax,
