@@ -108,12 +108,36 @@ static inline __attribute__((always_inline)) void finish(const dw_t* d, __m256i 
   }
 }
 
+/* ``count`` (PIXELS or 1, a constant where inlined) output pixels of a block, from its pixel
+ * ``b0``: their sums over the window's (row pair, column) taps in ``pairs`` (row_group), then
+ * their epilogues; ``at``: the block's first pixel's element of channel group ``g`` in y. */
+static inline __attribute__((always_inline)) void block_pixels(const dw_t* d, const int K, const int count,
+                                                               __m256i pairs[MAX_ROW_PAIRS][MAX_SPAN][2], int g, int tail, int b0,
+                                                               const __m256* m, const __m256* c, size_t at) {
+  const int R = (K + 1) / 2, S = d->stride_w;
+  __m256i acc[PIXELS][2];
+  for (int i = 0; i < count; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 1 /* (unrolled taps kept more values live than registers: the sums spilled) */
+  for (int rp = 0; rp < R; rp++)
+#pragma GCC unroll 1
+    for (int col = 0; col < K; col++) {
+      const __m256i* w = (const __m256i*)(d->weight + ((size_t)(rp * K + col) * d->groups + g) * 2 * LANES);
+      const __m256i w_lo = _mm256_loadu_si256(w), w_hi = _mm256_loadu_si256(w + 1);
+      for (int i = 0; i < count; i++) {
+        const __m256i* v = pairs[rp][(b0 + i) * S + col];
+        acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(v[0], w_lo));
+        acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(v[1], w_hi));
+      }
+    }
+  for (int i = 0; i < count; i++) finish(d, acc[i][0], acc[i][1], m, c, tail, at + (size_t)(b0 + i) * d->C);
+}
+
 /* Output row ``oh`` of image ``n``, channel group ``g`` (``tail`` channels of it, 0: all 16), for
- * a K x K window (a constant where it is inlined: the tap loops unroll). Kernel rows are taken
- * in pairs (2 rp, 2 rp + 1; an odd K's last row with a zero-weight partner): for each input
- * column of a block of output pixels, the pair's two pixels are widened and interleaved once,
- * and every output pixel whose window covers the column multiplies them by its column's
- * weight pair (vpmaddwd). Out-of-image rows and columns read the zero point. */
+ * a K x K window (a constant where it is inlined). Kernel rows are taken in pairs (2 rp,
+ * 2 rp + 1; an odd K's last row with a zero-weight partner): for each input column of a block
+ * of output pixels, the pair's two pixels are widened and interleaved once, and every output
+ * pixel whose window covers the column multiplies them by its column's weight pair
+ * (vpmaddwd), PIXELS pixels at a time. Out-of-image rows and columns read the zero point. */
 static inline __attribute__((always_inline)) void row_group(const dw_t* d, const int K, int n, int oh, int g, int tail) {
   const int R = (K + 1) / 2, S = d->stride_w;
   __m256i pairs[MAX_ROW_PAIRS][MAX_SPAN][2]; /* [row pair][input column of the block][lo, hi] */
@@ -139,37 +163,10 @@ static inline __attribute__((always_inline)) void row_group(const dw_t* d, const
         pairs[rp][j][1] = _mm256_unpackhi_epi16(a, b);
       }
     }
+    const size_t at = (row_start + ow0) * d->C + (size_t)g * LANES;
     int b0 = 0;
-    for (; b0 + PIXELS <= block; b0 += PIXELS) {
-      __m256i acc[PIXELS][2];
-      for (int i = 0; i < PIXELS; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-#pragma GCC unroll 1 /* (unrolled taps kept more values live than registers: the sums spilled) */
-      for (int rp = 0; rp < R; rp++)
-#pragma GCC unroll 1
-        for (int col = 0; col < K; col++) {
-          const __m256i* w = (const __m256i*)(d->weight + ((size_t)(rp * K + col) * d->groups + g) * 2 * LANES);
-          const __m256i w_lo = _mm256_loadu_si256(w), w_hi = _mm256_loadu_si256(w + 1);
-          for (int i = 0; i < PIXELS; i++) {
-            const __m256i* v = pairs[rp][(b0 + i) * S + col];
-            acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(v[0], w_lo));
-            acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(v[1], w_hi));
-          }
-        }
-      for (int i = 0; i < PIXELS; i++) finish(d, acc[i][0], acc[i][1], m, c, tail, (row_start + ow0 + b0 + i) * d->C + (size_t)g * LANES);
-    }
-    for (; b0 < block; b0++) {
-      __m256i acc_lo = _mm256_setzero_si256(), acc_hi = _mm256_setzero_si256();
-#pragma GCC unroll 1
-      for (int rp = 0; rp < R; rp++)
-#pragma GCC unroll 1
-        for (int col = 0; col < K; col++) {
-          const __m256i* w = (const __m256i*)(d->weight + ((size_t)(rp * K + col) * d->groups + g) * 2 * LANES);
-          const __m256i* v = pairs[rp][b0 * S + col];
-          acc_lo = _mm256_add_epi32(acc_lo, _mm256_madd_epi16(v[0], _mm256_loadu_si256(w)));
-          acc_hi = _mm256_add_epi32(acc_hi, _mm256_madd_epi16(v[1], _mm256_loadu_si256(w + 1)));
-        }
-      finish(d, acc_lo, acc_hi, m, c, tail, (row_start + ow0 + b0) * d->C + (size_t)g * LANES);
-    }
+    for (; b0 + PIXELS <= block; b0 += PIXELS) block_pixels(d, K, PIXELS, pairs, g, tail, b0, m, c, at);
+    for (; b0 < block; b0++) block_pixels(d, K, 1, pairs, g, tail, b0, m, c, at);
   }
 }
 
