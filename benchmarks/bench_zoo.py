@@ -4,7 +4,7 @@ On the real architectures users run, every engine runs alone in fresh processes 
 
     pip install -e ".[bench]" && pip install --no-deps torchvision==0.28.0 pillow
     python benchmarks/bench_zoo.py [--models resnet50 ...] [--batches 1 8] [--reps 3] [--in-process]
-                                   [--quick] [--profile] [--reuse] [--work DIR] [--docs DIR]
+                                   [--quick] [--profile] [--reuse] [--collect] [--work DIR] [--docs DIR]
 
 Per model and batch, one preparation process (benchmarks/zoo_engines.py) builds the float model
 (fixed seeds), its calibration and evaluation batches, and saves what each engine loads: the
@@ -26,7 +26,9 @@ oneDNN ops and its own C kernels) beside Inductor and OpenVINO (its PERF_COUNT c
 type), each in its first process. Saved models are kept under ``--work`` (per model, batch,
 calibration and the versions of torch and the peers); ``--reuse`` takes them from an earlier run
 instead of preparing them again (with a warning when qbackend's or the benchmark's sources
-changed since).
+changed since). Each model and batch's row is saved there too, with the commit it was measured
+at: ``--collect`` writes the tables from the saved rows of this CPU, so a zoo longer than one
+sitting is measured in parts and reported whole.
 """
 from __future__ import annotations
 
@@ -113,11 +115,16 @@ def _child(command: list, log_path: Path, timeout_s: float) -> dict:
     return result
 
 
+def _folder(work: Path, name: str, batch: int, timing: Timing, args) -> Path:
+    """The work directory of ``name`` at ``batch``: one per calibration, recipe and versions."""
+    key = json.dumps([_versions(), timing.calibration_batches, args.inductor_recipe, sorted({e.artifact for e in ENGINES.values()})])
+    return work / f"{name}-b{batch}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
 def prepared(work: Path, name: str, batch: int, timing: Timing, args) -> tuple[Path, dict]:
     """(the work directory of ``name`` at ``batch``, its manifest): prepared again unless
     ``--reuse`` finds it complete (with a warning when the sources changed since)."""
-    key = json.dumps([_versions(), timing.calibration_batches, args.inductor_recipe, sorted({e.artifact for e in ENGINES.values()})])
-    folder = work / f"{name}-b{batch}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    folder = _folder(work, name, batch, timing, args)
     sources = folder / "sources.sha256"
     if args.reuse and (folder / "manifest.json").exists():
         log(f"{name} batch {batch}: reusing {folder}" + ("" if sources.exists() and sources.read_text() == _sources_digest()
@@ -158,6 +165,53 @@ class Row:
     speedups: list = field(default_factory=list)  # the two-thread probe before each process
 
 
+ROW_FILE = "row.json"  # a config's last measured row, for --collect
+
+
+def _code_state() -> dict:
+    """What a row was measured with: the commit, and a digest of the sources qbackend runs
+    (rows of one digest ran the same code, whatever the commit)."""
+    def git(*command):
+        done = subprocess.run(["git", "-C", str(PROJECT_ROOT), *command], capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    runtime = ("qbackend", "patterns", "lowering")
+    sources = sorted(p for d in runtime for p in (PROJECT_ROOT / d).rglob("*") if p.suffix in (".py", ".c", ".h"))
+    return {"commit": (git("rev-parse", "--short", "HEAD") or "unknown")
+            + (" + uncommitted changes" if git("status", "--porcelain", "--", *runtime) else ""),
+            "runtime_digest": hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]}
+
+
+def save_row(folder: Path, row: Row, timing: Timing) -> None:
+    state = {"cpu": cpu_key(), "date": datetime.date.today().isoformat(), "timing": timing.__dict__, **_code_state()}
+    (folder / ROW_FILE).write_text(json.dumps({"measured_with": state, "row": row.__dict__}))
+
+
+def saved_rows(work: Path, models: list, batches: list, timing: Timing, args) -> tuple[list, list, list]:
+    """(rows, each one's ``measured_with``, the configs with none): the last row saved for each
+    model and batch on this CPU with this timing."""
+    rows, states, missing = [], [], []
+    for name in models:
+        for batch in batches:
+            path = _folder(work, name, batch, timing, args) / ROW_FILE
+            saved = json.loads(path.read_text()) if path.is_file() else None
+            if saved and saved["measured_with"]["cpu"] == cpu_key() and saved["measured_with"]["timing"] == timing.__dict__:
+                rows.append(Row(**saved["row"]))
+                states.append(saved["measured_with"])
+            else:
+                missing.append(f"{name} b{batch}")
+    return rows, states, missing
+
+
+def runs_line(rows: list, states: list) -> str:
+    """Which code and day each row was measured with, grouped by the code qbackend ran."""
+    groups = {}
+    for row, state in zip(rows, states):
+        groups.setdefault((state["runtime_digest"], state["commit"]), []).append(f"{row.name} b{row.batch} ({state['date']})")
+    return "; ".join(f"commit {commit} (runtime sources {digest}): {', '.join(configs)}"
+                     for (digest, commit), configs in groups.items())
+
+
 def _lowering_note(lowering: Optional[dict]) -> str:
     """A qbackend process's kernel choice in its log line: its layers on oneDNN and its chains."""
     if not lowering:
@@ -177,6 +231,8 @@ def run_config(name: str, batch: int, work: Path, args) -> Row:
         else:
             row.runs[engine] = []
     engines = list(row.runs)
+    inductor_cache = folder / "inductor-cache"  # Inductor's first process compiles cold, the later ones reuse it
+    shutil.rmtree(inductor_cache, ignore_errors=True)
     for rep in range(args.reps):
         for engine in engines[rep % len(engines):] + engines[:rep % len(engines)]:
             if any("error" in r for r in row.runs[engine]):
@@ -184,7 +240,9 @@ def run_config(name: str, batch: int, work: Path, args) -> Row:
             row.speedups.append(wait_for_parallel_speedup(timeout_s=args.probe_wait))
             profile = args.profile and rep == 0 and engine in PROFILED
             result = _child(["run", "--engine", engine, "--work", str(folder), *(["--quick"] if args.quick else []),
-                             *(["--profile"] if profile else [])], folder / "run.log", RUN_TIMEOUT_S)
+                             *(["--profile"] if profile else []),
+                             *(["--inductor-cache", str(inductor_cache)] if engine == INDUCTOR else [])],
+                            folder / "run.log", RUN_TIMEOUT_S)
             row.runs[engine].append(result)
             log(f"{name} batch {batch} rep {rep + 1}: {engine}: "
                 + (result.get("error") or f"{result['median_ms']:.2f} ms, compile {result['compile_s']:.1f} s")
@@ -232,7 +290,7 @@ def found(row: Row, engine: str) -> Found:
     measured = runs or ([shared] if shared and "error" not in shared else [])
     medians = [r["median_ms"] for r in runs]
     return Found(best_ms=min(medians, default=None), median_ms=statistics.median(medians) if medians else None,
-                 processes=len(runs), compile_s=_median(measured, "compile_s"),
+                 processes=len(runs), compile_s=_median([r for r in measured if r.get("compile_cold", True)], "compile_s"),
                  dynamo_alone_s=_median(measured, "dynamo_alone_s"), cos_fp32=_median(measured, "cos_fp32"),
                  cos_ref=_median(measured, "cos_ref"), in_process_ms=shared.get("in_process_ms"),
                  faults_per_call=_median(runs, "faults_per_call"), error=errors[0] if errors else "")
@@ -403,9 +461,10 @@ NOTES = """- Latency, each engine alone: every engine runs in fresh processes of
   per-channel weights, CNNs only (TorchScript export), `intra_op_num_threads` 2, its thread
   spinning on (its default). The OpenVINO and ONNX Runtime processes never import torch; the
   torch processes run with `torch.set_num_threads(2)` and grad off.
-- Compile: building the loaded model and its first call, the median over the processes; every
-  process compiles cold (Inductor's cache directory empty, qbackend's kernel choices measured
-  afresh; qbackend's C kernels already built, as after its first use on a machine). "Dynamo
+- Compile: building the loaded model and its first call, the median over the processes that
+  compile cold: qbackend's every process (its kernel choices measured afresh; its C kernels
+  already built, as after its first use on a machine), Inductor's first (its cache directory
+  empty; the later ones reuse it, as a user's next run does: 30-60 s less a process). "Dynamo
   trace alone": `torch.compile(backend="eager")` on a fresh copy, after the compile in the same
   process (Dynamo's own one-time start paid on a tiny function before both); a torch.compile
   path's compile less it is the backend's own part.
@@ -445,6 +504,9 @@ def parse_args():
                         "versions instead of preparing them again (warns if the sources changed)")
     parser.add_argument("--probe-wait", type=float, default=60.0,
                         help="seconds to wait for the two-thread probe to read 1.2 or more before a process")
+    parser.add_argument("--collect", action="store_true",
+                        help="run nothing: write the tables from the rows saved by earlier runs on this CPU (the last "
+                             "of each model and batch; each row's commit and date are listed)")
     parser.add_argument("--docs", type=Path, default=PROJECT_ROOT / "docs")
     args = parser.parse_args()
     if args.reps < 0 or (args.reps == 0 and not args.in_process):
@@ -462,22 +524,29 @@ def main():
     if not args.reps:
         heading += ", every engine in one process"
     versions, started, rows = _versions(), time.perf_counter(), []
-    for name in args.models:
-        for batch in args.batches:
-            try:
-                rows.append(run_config(name, batch, work, args))
-            except Exception as error:
-                log(f"{name} batch {batch} failed: {type(error).__name__}: {error}")
-                continue
-            print(latency_table(rows[-1:], args.in_process).splitlines()[-1], flush=True)
+    if args.collect:
+        rows, states, missing = saved_rows(work, args.models, args.batches, timing, args)
+        if missing:
+            heading += f", missing: {' '.join(missing)}"
+        runs = f"- Rows saved by earlier runs: {runs_line(rows, states)}"
+    else:
+        for name in args.models:
+            for batch in args.batches:
+                try:
+                    rows.append(run_config(name, batch, work, args))
+                except Exception as error:
+                    log(f"{name} batch {batch} failed: {type(error).__name__}: {error}")
+                    continue
+                save_row(_folder(work, name, batch, timing, args), rows[-1], timing)
+                print(latency_table(rows[-1:], args.in_process).splitlines()[-1], flush=True)
+        runs = f"- Commit {_code_state()['commit']}; {(time.perf_counter() - started) / 60:.0f} min"
     if not rows:
         raise SystemExit("no model ran: nothing written")
     command = "python benchmarks/bench_zoo.py " + " ".join(sys.argv[1:])
     notes = NOTES.format(**vars(timing), probe_wait=args.probe_wait, **{k: v or "(not installed)" for k, v in versions.items()})
     body = "\n".join([f"- Machine: {machine}; load average {os.getloadavg()[0]:.2f} at the end, two-thread speedup "
                       f"{parallel_speedup():.2f}; peers: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v and k not in ("torch", "torchao")),
-                      f"- Date: {datetime.date.today().isoformat()}; command: `{command.strip()}`; "
-                      f"{(time.perf_counter() - started) / 60:.0f} min", notes, "",
+                      f"- Date: {datetime.date.today().isoformat()}; command: `{command.strip()}`", runs, notes, "",
                       summary(rows, args.in_process), "", latency_table(rows, args.in_process), "",
                       compile_accuracy_table(rows), ""])
     write_section(args.docs / "benchmarks_zoo.md", "qbackend on real architectures vs the int8 CPU engines", heading, body)

@@ -21,8 +21,8 @@ bench_zoo.py starts these processes. The work directory of a model and batch hol
 - ``manifest.json``: what was built and in how many seconds, what was skipped or failed and why.
 
 A ``run`` process writes one JSON object to ``--out``: ``compile_s`` (building the loaded model
-and its first call, with Inductor's caches in a fresh directory and qbackend's kernel choices
-measured afresh; for the torch.compile paths also ``dynamo_alone_s``: Dynamo's trace of a fresh
+and its first call, qbackend's kernel choices measured afresh; ``compile_cold``: Inductor's
+cache directory was empty, as it is unless ``--inductor-cache`` names a used one; for the torch.compile paths also ``dynamo_alone_s``: Dynamo's trace of a fresh
 copy with ``backend="eager"``, after the compile), ``median_ms`` of the timed calls,
 ``cos_fp32`` (mean over the evaluation batches) and ``cos_ref`` (PT2E paths: vs the converted
 module the engine loads, run eagerly), or ``error``. The OpenVINO and ONNX Runtime processes never import torch.
@@ -494,16 +494,20 @@ def main(argv=None) -> None:
     parser.add_argument("--inductor-recipe", action="store_true", help="prepare: quantize_x86(every_linear=False)")
     parser.add_argument("--engine", choices=ENGINES, help="run: the engine")
     parser.add_argument("--profile", action="store_true", help="run: also where the time goes")
+    parser.add_argument("--inductor-cache", type=Path,
+                        help="run: Inductor's cache directory, kept between processes (default: a fresh one)")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, help="interleaved: the engines")
     args = parser.parse_args(argv)
     timing = QUICK if args.quick else FULL
     with tempfile.TemporaryDirectory(prefix="bench_zoo_") as scratch:
-        # every process compiles cold: Inductor's caches (FX graph, C++ code) start empty
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "inductor")
+        # cold unless told: Inductor's caches (FX graph, C++ code) start empty
+        inductor_cache = args.inductor_cache or Path(scratch) / "inductor"
+        cold = not (inductor_cache.is_dir() and any(inductor_cache.iterdir()))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
         if args.command == "prepare":
             result = prepare(args.model, args.batch, timing, args.work, not args.inductor_recipe)
         elif args.command == "run":
-            result = run(args.engine, args.work, timing, args.profile, Path(scratch))
+            result = {**run(args.engine, args.work, timing, args.profile, Path(scratch)), "compile_cold": cold}
         else:
             result = interleaved(args.engines, args.work, timing, Path(scratch))
     args.out.write_text(json.dumps(result))
