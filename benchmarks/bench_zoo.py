@@ -182,8 +182,9 @@ def _code_state() -> dict:
             "runtime_digest": hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]}
 
 
-def save_row(folder: Path, row: Row, timing: Timing) -> None:
-    state = {"cpu": cpu_key(), "date": datetime.date.today().isoformat(), "timing": timing.__dict__, **_code_state()}
+def save_row(folder: Path, row: Row, timing: Timing, code: dict) -> None:
+    """``code``: _code_state() when the row's processes started (the working tree may change during a run)."""
+    state = {"cpu": cpu_key(), "date": datetime.date.today().isoformat(), "timing": timing.__dict__, **code}
     (folder / ROW_FILE).write_text(json.dumps({"measured_with": state, "row": row.__dict__}))
 
 
@@ -523,23 +524,23 @@ def main():
         heading += f", partial run: {' '.join(args.models)} at batch {' '.join(map(str, args.batches))}"
     if not args.reps:
         heading += ", every engine in one process"
-    versions, started, rows = _versions(), time.perf_counter(), []
+    versions, started, rows, code = _versions(), time.perf_counter(), [], _code_state()
     if args.collect:
         rows, states, missing = saved_rows(work, args.models, args.batches, timing, args)
-        if missing:
-            heading += f", missing: {' '.join(missing)}"
-        runs = f"- Rows saved by earlier runs: {runs_line(rows, states)}"
+        runs = f"- Rows saved by earlier runs: {runs_line(rows, states)}" + (
+            f"\n- **Missing** (no row saved on this CPU): {', '.join(missing)}" if missing else "")
     else:
         for name in args.models:
             for batch in args.batches:
+                config_code = _code_state()
                 try:
                     rows.append(run_config(name, batch, work, args))
                 except Exception as error:
                     log(f"{name} batch {batch} failed: {type(error).__name__}: {error}")
                     continue
-                save_row(_folder(work, name, batch, timing, args), rows[-1], timing)
+                save_row(_folder(work, name, batch, timing, args), rows[-1], timing, config_code)
                 print(latency_table(rows[-1:], args.in_process).splitlines()[-1], flush=True)
-        runs = f"- Commit {_code_state()['commit']}; {(time.perf_counter() - started) / 60:.0f} min"
+        runs = f"- Commit {code['commit']}; {(time.perf_counter() - started) / 60:.0f} min"
     if not rows:
         raise SystemExit("no model ran: nothing written")
     command = "python benchmarks/bench_zoo.py " + " ".join(sys.argv[1:])
