@@ -123,8 +123,7 @@ def _direct(module, inputs, alone):
 def lowering_summary(reports: list) -> dict:
     """{"onednn": the layers (sources) oneDNN runs, "chains": own-kernel chains} of ``reports``."""
     onednn = [d.source or d.node for r in reports for d in r.lowered if (d.op or "").startswith("onednn::")]
-    chains = [int(m.group(1)) for r in reports for n in r.notes for m in [re.search(r"run as (\d+) chains?", n)] if m]
-    return {"onednn": onednn, "chains": sum(chains)}
+    return {"onednn": onednn, "chains": sum(r.chains for r in reports)}
 
 
 def _read_openvino(path: Path):

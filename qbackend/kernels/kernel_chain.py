@@ -461,6 +461,11 @@ def chain_own_kernels(gm: GraphModule) -> Optional[str]:
     return f"{steps} own-kernel calls run as {len(runs)} chain{'s' * (len(runs) != 1)} (one C call each)"
 
 
+def chain_calls(gm: GraphModule) -> int:
+    """How many chain calls ``gm`` makes (the report counts them)."""
+    return sum(isinstance(node.target, KernelChain) for node in gm.graph.nodes)
+
+
 def _replace(gm: GraphModule, run_nodes: list, kernel_targets: dict, number: int) -> None:
     index = {node: i for i, node in enumerate(run_nodes)}
     inputs: list[Node] = []

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch.fx import GraphModule
 
+from qbackend.kernels.kernel_chain import chain_calls
 from qbackend.passes.batch_major import linears_in_row_order
 from qbackend.pipeline.cleanup import cleanup, drop_inference_dropout
 from qbackend.passes.einsum import einsums_as_matmuls
@@ -123,6 +124,7 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
         report.notes.append(row_order)
     report.notes.extend(cleanup(work, device, fast_boundary=not inductor, kernel_choice=options.kernel_choice,
                                 weight_only_compute=options.weight_only_compute, kv_cache=options.kv_cache))
+    report.chains = chain_calls(work)
     compiled = inductor and compile_with_inductor(work, [example_inputs[i] for i in runtime_inputs], report)
     return runnable(compiled or work, runtime_inputs, len(example_inputs)), report, work
 

@@ -72,6 +72,7 @@ class Report:
     notes: list = field(default_factory=list)  # graph-level facts (missing ops, fallbacks)
     graphs: int = 1
     moves: list = field(default_factory=list)  # a Decision per view chain / cat, lowered or not
+    chains: int = 0  # own-kernel chain calls (one C call each) the lowered graphs make
 
     @property
     def lowered(self) -> list:
@@ -84,7 +85,7 @@ class Report:
     def merge(self, other: "Report") -> "Report":
         return Report(self.device if self.device == other.device else f"{self.device},{other.device}",
                       self.decisions + other.decisions, self.notes + other.notes, self.graphs + other.graphs,
-                      self.moves + other.moves)
+                      self.moves + other.moves, self.chains + other.chains)
 
     def moves_line(self) -> str:
         """e.g. 'int8 flow: 2 view chains, 1 cat run on int8; 3 smoothing multiplies fused into

@@ -87,6 +87,7 @@ kernel_chain_0 = kernel_chain(quantize_per_tensor_default, dequantize_per_tensor
 getitem = _operator.getitem(kernel_chain_0, 0)
 return (getitem)""")
         assert "note: 3 own-kernel calls run as 1 chain (one C call each)" in str(captured.report)
+        assert captured.report.chains == 1 and captured.report.merge(captured.report).chains == 2
 
 
 def test_outputs_are_fresh_and_inputs_untouched():
