@@ -54,6 +54,28 @@ def test_activation_in_the_epilogue_gives_the_reference_values(activation, int8_
     assert (ints.reshape(reference.shape) == reference).double().mean() > 0.999
 
 
+@needs_own_kernels
+@pytest.mark.parametrize("activation", ["hardswish", "swish"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["", "uint8 residual"])
+@pytest.mark.parametrize("bounds", [(-float("inf"), float("inf")), (-0.2, 2.0)], ids=["no clamp", "clamp after"])
+def test_uint8_out_activation_with_residual_and_clamp(activation, with_residual, bounds, int8_build):
+    """Hardswish on uint8 out runs on the output grid (its gate and product folded into the
+    requantization), SiLU on floats: with a uint8 residual summed first (its zero point folded
+    into the offset) and a clamp after, both give the reference integers, rarely one step off."""
+    x, (w, mult, add), exact = _gemm_case()
+    residual = torch.randint(0, 256, exact.shape, dtype=torch.uint8) if with_residual else None
+    r_scale, r_zp = 0.02, 128
+    summed = exact + (residual.double() - r_zp) * r_scale if with_residual else exact
+    expected = ACTIVATIONS[activation](summed).clamp(*bounds)
+    out_scale, out_zp = 0.02, 40
+    ints = registry.op("qconv")(x, w, mult, add - r_zp * r_scale if with_residual else add,
+                                None if residual is None else residual.reshape(*exact.shape, 1, 1), r_scale, *bounds,
+                                out_scale, out_zp, 0, 255, False, activation).reshape(exact.shape)
+    reference = (torch.round(expected / out_scale) + out_zp).clamp(0, 255).to(torch.uint8)
+    assert_int8_close(ints, reference, activation)
+    assert (ints == reference).double().mean() > 0.999
+
+
 def _streamed_weights_limit() -> int:
     """conv_gemm_int8.c weights_streamed(): 4x the L2 (256 KB where the OS does not say)."""
     l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE") if "SC_LEVEL2_CACHE_SIZE" in os.sysconf_names else -1

@@ -122,9 +122,11 @@ typedef struct {
   __m256 residual_scale, low, high, out_inv_scale, out_zp;
   __m256 qlow, qhigh; /* qmin, qmax as floats: the grid's clamp before the integer conversion (no byte clamp after it) */
   /* NULL, or per output channel acc * grid_mult + grid_add lands on the output grid directly:
-   * set (in conv) where the post-op is a clamp, the output uint8 and any residual uint8 */
+   * set (in conv) where the post-op is a clamp or hardswish, the output uint8 and any residual
+   * uint8 (hardswish: the grid without its zero point, added after the gate) */
   const float *grid_mult, *grid_add;
   __m256 grid_residual_scale, grid_low, grid_high;
+  __m256 grid_gate_scale; /* hardswish: its gate clamp(f / 6 + 1/2, 0, 1) is clamp(u * grid_gate_scale + 1/2, 0, 1) of u = f / scale */
 } epilogue_t;
 
 /* The float result of 8 outputs before the post-op: acc * mult + add (+ residual). */
@@ -186,13 +188,18 @@ static inline void finish4x8(const epilogue_t* e, const __m256 f[4], int o, int 
   store4x8_bytes(q, Cout, y + pixel * Cout + o);
 }
 
-/* 8 outputs of a clamp-only epilogue on the output grid (e->grid_mult set), as int32 within
- * [qmin, qmax]: one multiply-add (and the uint8 residual's) and one clamp. */
+/* 8 outputs of a clamp-only or hardswish epilogue on the output grid (e->grid_mult set), as
+ * int32 within [qmin, qmax]: one multiply-add (and the uint8 residual's), hardswish's gate and
+ * product with it (3 multiply-adds and a clamp where the float route took 9 operations), one clamp. */
 static inline __attribute__((always_inline)) __m256i on_grid8(const epilogue_t* e, __m256i acc, __m256 mult, __m256 add,
-                                                              const uint8_t* residual) {
+                                                              const uint8_t* residual, int hardswish) {
   __m256 q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), mult, add);
   if (residual) q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)residual))),
                                     e->grid_residual_scale, q);
+  if (hardswish) {
+    const __m256 gate = _mm256_fmadd_ps(q, e->grid_gate_scale, _mm256_set1_ps(0.5f));
+    q = _mm256_fmadd_ps(q, _mm256_min_ps(_mm256_max_ps(gate, _mm256_setzero_ps()), _mm256_set1_ps(1.0f)), e->out_zp);
+  }
   return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, e->grid_low), e->grid_high)); /* (the packs saturate nothing) */
 }
 
@@ -213,12 +220,13 @@ static inline __m256i block_half(block_t acc, int half) {
 #endif
 }
 
-/* A whole tile's clamp-only epilogue on the output grid: each 8 outputs' constants loaded once
+/* A whole tile's clamp-only or hardswish epilogue on the output grid: each 8 outputs' constants loaded once
  * for the tile's pixels, 4 pixels' bytes packed and stored together (8 at a time, reloading the
  * constants and storing 8 bytes, it took half a small-K conv's cycles: a 25088 x 24 -> 144 1x1
  * conv on one Zen 4 thread 1262 -> 1159 us; oneDNN 847). */
 static inline __attribute__((always_inline)) void store_tile_on_grid(const epilogue_t* e, block_t acc[PIXEL_TILE][4], int pixels,
-                                                                     int blocks, int o, int Cout, size_t p, uint8_t* restrict y) {
+                                                                     int blocks, int o, int Cout, size_t p, uint8_t* restrict y,
+                                                                     int hardswish) {
 #pragma GCC unroll 4
   for (int b = 0; b < blocks; b++)
 #pragma GCC unroll 2
@@ -231,12 +239,14 @@ static inline __attribute__((always_inline)) void store_tile_on_grid(const epilo
         __m256i q[4];
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++)
-          q[j] = on_grid8(e, block_half(acc[i + j][b], half), mult, add, e->residual ? e->residual + (p + i + j) * Cout + o8 : NULL);
+          q[j] = on_grid8(e, block_half(acc[i + j][b], half), mult, add, e->residual ? e->residual + (p + i + j) * Cout + o8 : NULL,
+                          hardswish);
         store4x8_bytes(q, Cout, y + (p + i) * Cout + o8);
       }
 #pragma GCC unroll 4
       for (; i < pixels; i++) {
-        const __m256i q32 = on_grid8(e, block_half(acc[i][b], half), mult, add, e->residual ? e->residual + (p + i) * Cout + o8 : NULL);
+        const __m256i q32 = on_grid8(e, block_half(acc[i][b], half), mult, add, e->residual ? e->residual + (p + i) * Cout + o8 : NULL,
+                                        hardswish);
         const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
         _mm_storel_epi64((__m128i*)(y + (p + i) * Cout + o8), _mm_packus_epi16(q16, q16));
       }
@@ -401,8 +411,11 @@ static inline __attribute__((always_inline)) void tile(int pixels, int blocks, i
     return;
   }
 #endif
-  if (e.grid_mult) {
-    store_tile_on_grid(&e, acc, pixels, blocks, o, Cout, p, y);
+  if (e.grid_mult) { /* (a constant ``hardswish`` each: the clamp-only code keeps no branch) */
+    if (e.activation == HARDSWISH)
+      store_tile_on_grid(&e, acc, pixels, blocks, o, Cout, p, y, 1);
+    else
+      store_tile_on_grid(&e, acc, pixels, blocks, o, Cout, p, y, 0);
     return;
   }
   if (e.float_out && e.activation == CLAMP_ONLY) {
@@ -496,13 +509,16 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
                   _mm256_set1_ps(out_inv_scale), _mm256_set1_ps((float)out_zp), _mm256_set1_ps((float)qmin),
                   _mm256_set1_ps((float)qmax)};
   float* grid = NULL;
-  if (activation == CLAMP_ONLY && !yf && !residual_is_float && out_inv_scale > 0) {
+  const int hardswish = activation == HARDSWISH;
+  if ((activation == CLAMP_ONLY || hardswish) && !yf && !residual_is_float && out_inv_scale > 0) {
     /* On the output grid, the float result's clamp and requantization are one multiply-add and
      * one clamp (a third of the epilogue's work, which is what a 1x1 conv of 64 inputs waits on);
      * rounding the folded constants moves a result by at most a float ulp before its rounding. */
     grid = malloc(2 * (size_t)Cout * sizeof(float));
     if (!grid) return -1;
-    for (int o = 0; o < Cout; o++) grid[o] = mult[o] * out_inv_scale, grid[Cout + o] = add[o] * out_inv_scale + out_zp;
+    for (int o = 0; o < Cout; o++)
+      grid[o] = mult[o] * out_inv_scale, grid[Cout + o] = add[o] * out_inv_scale + (hardswish ? 0.0f : (float)out_zp);
+    e.grid_gate_scale = _mm256_set1_ps(1.0f / (6.0f * out_inv_scale));
     e.grid_mult = grid, e.grid_add = grid + Cout;
     e.grid_residual_scale = _mm256_set1_ps(residual_scale * out_inv_scale);
     const float grid_low = low * out_inv_scale + out_zp, grid_high = high * out_inv_scale + out_zp;
