@@ -1,26 +1,31 @@
-"""ShuffleNet's channel shuffle in one pass (csrc/channel_shuffle.c): the kernels, their checks
-and the functions lowered graphs call. The graph rewrite: qbackend/passes/channel_shuffle.py."""
+"""ShuffleNet's channel shuffle in one pass (csrc/channel_shuffle.c): the kernel's checks, the
+functions lowered graphs call and their kernel chain step. The graph rewrite:
+qbackend/passes/channel_shuffle.py.
+
+``shuffle_pair(a, b, dequantized, quantized)`` is the whole shuffle of ``cat([a, b], 1)`` in two
+groups, ``shuffle_halves`` (same arguments) its two halves as the next ShuffleNetV2 block
+splits it. ``dequantized``: None for float32 inputs, or (scale, zero point) of uint8 ones, read
+as the reference's dequantize gives them; ``quantized``: None, or (scale, zero point, qmin,
+qmax) to write the whole shuffle (the second half) as quantize_per_tensor gives it, uint8.
+ATen's ops run what the kernel does not take (the same values)."""
 from __future__ import annotations
 
 import ctypes
-import functools
 from typing import Optional
 
 import torch
 
 from qbackend.kernels import fast_qdq
 from qbackend.kernels import isa
+from qbackend.kernels.chain_step import StepCall, step_call
+from qbackend.kernels.structs import ShuffleCall
+
+_SIGNATURE = (ctypes.c_int,) + (ctypes.c_void_p,) * 5  # (threads, the call, a, b, first, second)
 
 
-_PAIR = (ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p)
-_HALVES = _PAIR[:-1] + (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_float) + (ctypes.c_int,) * 3
-
-
-@functools.lru_cache(maxsize=None)
 def kernel():
-    """The C functions (pair, halves), or None where the own kernels are not built."""
-    pair = isa.c_function("qb_shuffle_pair_f32", _PAIR)
-    return None if pair is None else (pair, isa.c_function("qb_shuffle_halves_f32", _HALVES))
+    """The C function, or None where the own kernels are not built."""
+    return isa.c_function("qb_shuffle_call", _SIGNATURE, ctypes.c_int)
 
 
 def pixel_stride(x: torch.Tensor) -> Optional[int]:
@@ -36,79 +41,89 @@ def pixel_stride(x: torch.Tensor) -> Optional[int]:
     return step
 
 
-def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _dequantized(t: torch.Tensor, dequantized: Optional[tuple]) -> torch.Tensor:
+    return t if dequantized is None else (t.float() - dequantized[1]) * dequantized[0]  # (the reference's formula)
+
+
+def _quantized(t: torch.Tensor, quantized: Optional[tuple]) -> torch.Tensor:
+    return t if quantized is None else fast_qdq.quantize_per_tensor_channels_last(t, *quantized, torch.uint8, nan_as=quantized[2])
+
+
+def _reference(a: torch.Tensor, b: torch.Tensor, dequantized: Optional[tuple] = None) -> torch.Tensor:
     n, half, h, w = a.shape
-    shuffled = torch.cat([a, b], 1).reshape(n, 2, half, h, w).transpose(1, 2)
-    return shuffled.reshape(n, 2 * half, h, w).contiguous(memory_format=torch.channels_last)
+    both = torch.cat([_dequantized(a, dequantized), _dequantized(b, dequantized)], 1)
+    return both.reshape(n, 2, half, h, w).transpose(1, 2).reshape(n, 2 * half, h, w).contiguous(memory_format=torch.channels_last)
 
 
-def _strides(a: torch.Tensor, b: torch.Tensor) -> Optional[tuple[int, int]]:
-    """The inputs' pixel strides where the kernels apply, else None: the kernels built, plain
-    float32 CPU tensors of one 4-D shape (not fake ones under tracing), channels contiguous in
-    each pixel (read in place: no slice tensors, ~4 us each)."""
+def _call(a: torch.Tensor, b: torch.Tensor, halves: bool, dequantized: Optional[tuple],
+          quantized: Optional[tuple]) -> Optional[ShuffleCall]:
+    """The kernel's call where it applies, else None: the kernels built, plain CPU tensors of
+    one 4-D shape (not fake ones under tracing) of the dtype ``dequantized`` says, channels
+    contiguous in each pixel (read in place: no slice tensors, ~4 us each), a uint8 range."""
+    dtype = torch.float32 if dequantized is None else torch.uint8
     if (kernel() is None or type(a) is not torch.Tensor or type(b) is not torch.Tensor or a.dim() != 4
-            or a.shape != b.shape or a.dtype != torch.float32 or b.dtype != torch.float32
-            or a.device.type != "cpu" or b.device.type != "cpu"):
+            or a.shape != b.shape or a.dtype != dtype or b.dtype != dtype or a.device.type != "cpu" or b.device.type != "cpu"
+            or (quantized is not None and not (0 <= quantized[2] <= quantized[3] <= 255 and quantized[0] > 0))):
         return None
     a_stride, b_stride = pixel_stride(a), pixel_stride(b)
-    return None if a_stride is None or b_stride is None else (a_stride, b_stride)
-
-
-def _channels_last(n: int, c: int, h: int, w: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty((n, c, h, w), dtype=dtype, memory_format=torch.channels_last)
-
-
-def shuffle_pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The channels-last [N, 2 * half, H, W] tensor whose channel 2k + g is ``(a, b)[g]``'s
-    channel k: ShuffleNet's shuffle of ``cat([a, b], 1)`` in two groups; ATen's ops where the
-    kernel does not apply (the same values)."""
-    strides = _strides(a, b)
-    if strides is None:
-        return _reference(a, b)
+    if a_stride is None or b_stride is None:
+        return None
     n, half, h, w = a.shape
-    out = _channels_last(n, 2 * half, h, w, torch.float32)
-    if out.numel():
-        kernel()[0](torch.get_num_threads(), n * h * w, half, a.data_ptr(), strides[0], b.data_ptr(), strides[1], out.data_ptr())
+    in_scale, in_zp = dequantized or (1.0, 0)
+    scale, zero_point, qmin, qmax = quantized or (1.0, 0, 0, 0)
+    return ShuffleCall(n * h * w, a_stride, b_stride, half, halves, dequantized is not None, in_scale, in_zp,
+                       quantized is not None, 1.0 / scale, zero_point, qmin, qmax)
+
+
+def _channels_last(n: int, c: int, h: int, w: int, quantized: bool) -> torch.Tensor:
+    return torch.empty((n, c, h, w), dtype=torch.uint8 if quantized else torch.float32, memory_format=torch.channels_last)
+
+
+def _run(call: ShuffleCall, a: torch.Tensor, b: torch.Tensor, first: torch.Tensor, second: Optional[torch.Tensor]) -> None:
+    if call.pixels and call.half:
+        kernel()(torch.get_num_threads(), ctypes.addressof(call), a.data_ptr(), b.data_ptr(), first.data_ptr(),
+                 None if second is None else second.data_ptr())
+
+
+def shuffle_pair(a: torch.Tensor, b: torch.Tensor, dequantized: Optional[tuple] = None,
+                 quantized: Optional[tuple] = None) -> torch.Tensor:
+    """The channels-last [N, 2 * half, H, W] tensor whose channel 2k + g is ``(a, b)[g]``'s
+    channel k: ShuffleNet's shuffle of ``cat([a, b], 1)`` in two groups."""
+    call = _call(a, b, False, dequantized, quantized)
+    if call is None:
+        return _quantized(_reference(a, b, dequantized), quantized)
+    n, half, h, w = a.shape
+    out = _channels_last(n, 2 * half, h, w, quantized is not None)
+    _run(call, a, b, out, None)
     return out
 
 
-def _halves(a: torch.Tensor, b: torch.Tensor, quantized: Optional[tuple]) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """The kernel's two halves (the second uint8 when ``quantized`` gives (scale, zero point,
-    qmin, qmax)), or None where it does not apply."""
-    strides = _strides(a, b)
-    if strides is None:
-        return None
+def shuffle_halves(a: torch.Tensor, b: torch.Tensor, dequantized: Optional[tuple] = None,
+                   quantized: Optional[tuple] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``shuffle_pair(a, b).chunk(2, 1)`` as two dense channels-last tensors (the chunk's
+    halves would be strided slices, copied again by what reads them), in one kernel call: the
+    first half shuffles the first half of each input's channels, the second half the rest;
+    ``quantized`` applies to the second half."""
+    call = _call(a, b, True, dequantized, quantized)
+    if call is None:
+        first, second = (t.contiguous(memory_format=torch.channels_last) for t in _reference(a, b, dequantized).chunk(2, 1))
+        return first, _quantized(second, quantized)
     n, half, h, w = a.shape
     quarter = half // 2
-    first = _channels_last(n, 2 * quarter, h, w, torch.float32)
-    second = _channels_last(n, 2 * (half - quarter), h, w, torch.float32 if quantized is None else torch.uint8)
-    scale, zero_point, qmin, qmax = quantized or (1.0, 0, 0, 0)
-    if first.numel() or second.numel():
-        kernel()[1](torch.get_num_threads(), n * h * w, half, a.data_ptr(), strides[0], b.data_ptr(), strides[1],
-                     first.data_ptr(), second.data_ptr(), quantized is not None, 1.0 / scale, zero_point, qmin, qmax)
+    first, second = _channels_last(n, 2 * quarter, h, w, False), _channels_last(n, 2 * (half - quarter), h, w, quantized is not None)
+    _run(call, a, b, first, second)
     return first, second
 
 
-def shuffle_halves(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``shuffle_pair(a, b).chunk(2, 1)`` as two dense channels-last tensors (the chunk's
-    halves would be strided slices, copied again by what reads them), in one kernel call: the
-    first half shuffles the first half of each input's channels, the second half the rest."""
-    found = _halves(a, b, None)
-    if found is None:
-        return tuple(t.contiguous(memory_format=torch.channels_last) for t in _reference(a, b).chunk(2, 1))
-    return found
+def chain_call(args: tuple, result) -> Optional[StepCall]:
+    """``shuffle_pair`` / ``shuffle_halves`` as a kernel chain step, where the kernel ran it."""
+    a, b, *options = args
+    halves = isinstance(result, tuple)
+    call = _call(a, b, halves, *(options + [None] * (2 - len(options))))
+    outputs = result if halves else (result, None)
+    if call is None or not all(t is None or t.is_contiguous(memory_format=torch.channels_last) for t in outputs):
+        return None
+    return step_call(isa.c_address("qb_shuffle_call"), call, (a, b, *outputs))
 
 
-def shuffle_halves_quantized(a: torch.Tensor, b: torch.Tensor, scale: float, zero_point: int, qmin: int,
-                             qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``shuffle_halves`` whose second half is quantized to uint8 as
-    ``fast_qdq.quantize_per_tensor_channels_last`` does it (the same bytes; a NaN as qmin)."""
-    if 0 <= qmin <= qmax <= 255 and scale > 0:
-        found = _halves(a, b, (scale, zero_point, qmin, qmax))
-        if found is not None:
-            return found
-    first, second = shuffle_halves(a, b)
-    return first, fast_qdq.quantize_per_tensor_channels_last(second, scale, zero_point, qmin, qmax, torch.uint8, nan_as=qmin)
-
-
-shuffle_pair.fresh_output = shuffle_halves.fresh_output = shuffle_halves_quantized.fresh_output = True  # (patterns/inplace.py: a later kernel may write into them)
+shuffle_pair.fresh_output = shuffle_halves.fresh_output = True  # (patterns/inplace.py: a later kernel may write into them)

@@ -33,7 +33,7 @@ from torch.fx.node import map_aggregate, map_arg
 from qbackend.kernels.weight_only_linear import unflatten_rows
 
 from qbackend.kernels import kv_append, rms_norm, rotary, silu_mul
-from qbackend.kernels import (attention, conv_gemm, depthwise, fast_qdq, grouped, isa, library, pools, quantize, registry,
+from qbackend.kernels import (attention, channel_shuffle, conv_gemm, depthwise, fast_qdq, grouped, isa, library, pools, quantize, registry,
                               scale_quantize, stem, weight_only_mm)
 from qbackend.kernels.chain_step import FOUR, X_TO_Y, KeyLength
 from qbackend.kernels.structs import ChainStep, Operand
@@ -52,7 +52,7 @@ CONVS = {"qconv": FOUR, "qconv_depthwise": X_TO_Y, "qconv_grouped": X_TO_Y, "qco
 VIEW_METHODS = frozenset({"view", "reshape", "transpose", "unsqueeze", "squeeze", "contiguous", "permute", "flatten"})
 VIEW_FUNCTIONS = frozenset({unflatten_rows, aten.slice.Tensor, aten.view.default, aten.reshape.default, aten.transpose.int,
                             aten.unsqueeze.default, aten.squeeze.dim})
-KERNEL_TUPLES = frozenset({rms_norm.add_rms_norm})  # kernels returning several tensors (read through getitem)
+KERNEL_TUPLES = frozenset({rms_norm.add_rms_norm, channel_shuffle.shuffle_halves})  # kernels returning several tensors (read through getitem)
 
 
 @functools.cache
@@ -69,7 +69,9 @@ def kernels() -> dict:
             "rms_norm": (rms_norm.rms_norm, rms_norm.chain_call), "add_rms_norm": (rms_norm.add_rms_norm, rms_norm.chain_call),
             "rotary": (rotary.rotary, rotary.chain_call), "silu_mul": (silu_mul.silu_mul, silu_mul.chain_call),
             "attention_f32": (attention.attention_f32, attention.chain_call),
-            "kv_append": (kv_append.append, kv_append.chain_call)}
+            "kv_append": (kv_append.append, kv_append.chain_call),
+            "shuffle_pair": (channel_shuffle.shuffle_pair, channel_shuffle.chain_call),
+            "shuffle_halves": (channel_shuffle.shuffle_halves, channel_shuffle.chain_call)}
 
 
 @library.once

@@ -144,8 +144,16 @@ class SiluMulCall(ctypes.Structure):
     _fields_ = [(name, _long) for name in ("rows", "n", "a_row", "b_row")]
 
 
+class ShuffleCall(ctypes.Structure):
+    """channel_shuffle.c's (eager, or a kernel chain step)."""
+
+    c_name = "shuffle_call_t"
+    _fields_ = ([(name, _long) for name in ("pixels", "a_stride", "b_stride")] + _ints("half", "halves", "in_u8")
+                + [("in_scale", _float)] + _ints("in_zp", "out_u8") + [("inv_scale", _float)] + _ints("zero_point", "qmin", "qmax"))
+
+
 STRUCTS = (ConvCall, DepthwiseCall, GroupedCall, StemCall, MaxPoolCall, GlobalAvgPoolCall, ScaleQuantizeCall, QuantizeCall,
-           AttentionCall, WeightOnlyCall, Operand, ChainStep, KvAppendCall, RmsNormCall, SiluMulCall)
+           AttentionCall, WeightOnlyCall, Operand, ChainStep, KvAppendCall, RmsNormCall, SiluMulCall, ShuffleCall)
 
 
 def layout(struct) -> list[int]:

@@ -6,7 +6,9 @@ quantizer leaves it there). On the channels-last tensors the int8 convs write, A
 as a cat and two full copies. ``shuffles_in_one_pass`` rewrites the lowered graph's shuffles
 of two groups into one kernel call that reads the two halves (the cat's inputs, or channel
 slices of the tensor) and writes the shuffled channels-last tensor; what read the contiguous
-5-D tensor reads a view of it instead.
+5-D tensor reads a view of it instead. The call also takes the steps around it: a stage's first
+shuffle reads a uint8 cat through a dequantize (the call reads the cat's uint8 inputs), and a
+quantize of the shuffle, or of its second half, is written by the call.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from qbackend.kernels import fast_qdq
-from qbackend.kernels.channel_shuffle import kernel, shuffle_halves, shuffle_halves_quantized, shuffle_pair
+from qbackend.kernels.channel_shuffle import kernel, shuffle_halves, shuffle_pair
 from qbackend.patterns.base import fake_value
 
 
@@ -86,21 +88,40 @@ def _cat_of_halves(x: Node, half: int) -> bool:
     return len(parts) == 2 and all(isinstance(v := fake_value(p), torch.Tensor) and v.shape[1] == half for p in parts)
 
 
-def _second_half_quantized(pair: Node) -> list[Node]:
-    """Where the second half of ``pair`` (a shuffle_halves call) is read only by a uint8
-    quantize (the next block's branch), the call writes it quantized: returns the quantize,
-    now unused; else []."""
-    second = [user for user in pair.users if user.args[1] == 1]
-    quantize = next(iter(second[0].users)) if len(second) == 1 and len(second[0].users) == 1 else None
-    if quantize is None or quantize.target is not fast_qdq.quantize_per_tensor_channels_last or len(quantize.args) != 6:
-        return []
+def _uint8_quantize(value: Node, targets: tuple) -> Optional[tuple[Node, tuple]]:
+    """(the quantize, its (scale, zero point, qmin, qmax)) where ``value`` is read only by a
+    uint8 quantize of ``targets`` that stores a NaN as qmin (as the kernel does), else None."""
+    quantize = next(iter(value.users)) if len(value.users) == 1 else None
+    if quantize is None or quantize.target not in targets or len(quantize.args) != 6:
+        return None
     _, scale, zero_point, qmin, qmax, dtype = quantize.args
     if dtype != torch.uint8 or quantize.kwargs.get("nan_as", 0) != qmin or set(quantize.kwargs) - {"nan_as"}:
+        return None
+    return quantize, (scale, zero_point, qmin, qmax)
+
+
+def _quantize_taken(call: Node, value: Node, targets: tuple) -> list[Node]:
+    """Where ``value`` (``call``'s result, a view of it or its second half) is read only by a
+    uint8 quantize (the next block's branch), the call writes it quantized: returns the
+    quantize, now unused; else []."""
+    found = _uint8_quantize(value, targets)
+    if found is None:
         return []
-    pair.target, pair.args = shuffle_halves_quantized, (*pair.args, scale, zero_point, qmin, qmax)
-    quantize.replace_all_uses_with(second[0])
-    second[0].meta = dict(quantize.meta)  # (a uint8 value now)
+    quantize, qparams = found
+    call.args = (*call.args[:2], call.args[2] if len(call.args) > 2 else None, qparams)
+    quantize.replace_all_uses_with(value)
+    value.meta = dict(quantize.meta)  # (a uint8 value now)
     return [quantize]
+
+
+def _read_as_uint8(x: Node) -> tuple[Node, Optional[tuple]]:
+    """(the tensor the shuffle reads, its (scale, zero point) when uint8): a uint8 tensor's
+    dequantize that only the shuffle reads (a stage's first shuffle, of the cat of its two
+    branches' uint8 outputs) is read as its uint8 input, the kernel dequantizing as it goes."""
+    if (x.target is fast_qdq.dequantize_per_tensor and len(x.users) == 1 and not x.kwargs and len(x.args) == 6
+            and x.args[5] == torch.uint8 and isinstance(x.args[0], Node)):
+        return x.args[0], (x.args[1], x.args[2])
+    return x, None
 
 
 def shuffles_in_one_pass(gm: GraphModule) -> Optional[str]:
@@ -113,25 +134,33 @@ def shuffles_in_one_pass(gm: GraphModule) -> Optional[str]:
         found = _two_group_shuffle(node)
         if found is None or _returned(node):
             continue
-        x, half = found.x, found.half
+        source, dequantized = _read_as_uint8(found.x)
+        half = found.half
         with graph.inserting_before(node):
-            if _cat_of_halves(x, half):
-                halves = x.args[0]
+            if _cat_of_halves(source, half):
+                halves = source.args[0]
             else:
-                halves = [graph.call_function(aten.slice.Tensor, (x, 1, 0, half)),
-                          graph.call_function(aten.slice.Tensor, (x, 1, half, 2 * half))]
+                halves = [graph.call_function(aten.slice.Tensor, (source, 1, 0, half)),
+                          graph.call_function(aten.slice.Tensor, (source, 1, half, 2 * half))]
+            args = (*halves, dequantized) if dequantized else tuple(halves)
             chunk = _chunked_in_two(node, half)
             if chunk is not None:  # (its getitems read the pair of halves instead)
-                pair = graph.call_function(shuffle_halves, tuple(halves))
+                pair = graph.call_function(shuffle_halves, args)
                 chunk.replace_all_uses_with(pair)
-                dead = [chunk, chunk.args[0], node, found.transpose, found.view] + _second_half_quantized(pair)
+                second = [user for user in pair.users if user.args[1] == 1]
+                dead = [chunk, chunk.args[0], node, found.transpose, found.view] + (
+                    _quantize_taken(pair, second[0], (fast_qdq.quantize_per_tensor_channels_last,)) if len(second) == 1 else [])
             else:
-                shuffled = graph.call_function(shuffle_pair, tuple(halves))
-                node.replace_all_uses_with(graph.call_function(aten.view.default, (shuffled, found.shape)))
-                dead = [node, found.transpose, found.view]
+                shuffled = graph.call_function(shuffle_pair, args)
+                view = graph.call_function(aten.view.default, (shuffled, found.shape))
+                node.replace_all_uses_with(view)
+                dead = [node, found.transpose, found.view] + _quantize_taken(
+                    shuffled, view, (fast_qdq.quantize_per_tensor, fast_qdq.quantize_per_tensor_channels_last))
         for erased in dead:
             graph.erase_node(erased)
-        if x.target is aten.cat.default and not x.users:
-            graph.erase_node(x)
+        for unused in dict.fromkeys((found.x, source)):  # (the dequantize, then the cat: read by the shuffle alone)
+            if unused.op == "call_function" and unused.target in (fast_qdq.dequantize_per_tensor, aten.cat.default) \
+                    and not unused.users:
+                graph.erase_node(unused)
         rewritten += 1
     return f"{rewritten} channel shuffle(s) in one pass (qbackend's kernel)" if rewritten else None

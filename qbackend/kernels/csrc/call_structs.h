@@ -150,6 +150,18 @@ typedef struct {
   float eps;
 } rms_norm_call_t;
 
+/* channel_shuffle.c's call (eager, or a step of a kernel chain). */
+typedef struct {
+  long pixels, a_stride, b_stride; /* pixel rows; a's and b's row strides in elements */
+  int half, halves;                /* channels of a and of b; write the two halves (else the whole) */
+  int in_u8;                       /* a and b uint8, read as (q - in_zp) * in_scale */
+  float in_scale;
+  int in_zp;
+  int out_u8; /* the whole shuffle, or the second half, quantized to uint8 */
+  float inv_scale;
+  int zero_point, qmin, qmax;
+} shuffle_call_t;
+
 /* silu_mul.c, as a step of a kernel chain. */
 typedef struct {
   long rows, n, a_row, b_row;

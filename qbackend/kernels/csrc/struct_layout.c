@@ -23,6 +23,7 @@
 #define U(f) AT(silu_mul_call_t, f)
 #define Q(f) AT(scale_quantize_call_t, f)
 #define Z(f) AT(quantize_call_t, f)
+#define H(f) AT(shuffle_call_t, f)
 
 static const struct {
   const char* name;
@@ -56,6 +57,8 @@ static const struct {
     LAYOUT(scale_quantize_call_t, Q(N), Q(C), Q(HW), Q(channels_last), Q(s_batch_stride), Q(gate), Q(inv_scale), Q(zp),
            Q(qmin), Q(qmax)),
     LAYOUT(quantize_call_t, Z(n), Z(inv_scale), Z(zp), Z(qmin), Z(qmax), Z(is_signed), Z(nan_byte), Z(wide)),
+    LAYOUT(shuffle_call_t, H(pixels), H(a_stride), H(b_stride), H(half), H(halves), H(in_u8), H(in_scale), H(in_zp),
+           H(out_u8), H(inv_scale), H(zero_point), H(qmin), H(qmax)),
 };
 
 /* Struct ``name``'s layout (*count values), or NULL for a name not here. */
