@@ -88,27 +88,17 @@ def _cat_of_halves(x: Node, half: int) -> bool:
     return len(parts) == 2 and all(isinstance(v := fake_value(p), torch.Tensor) and v.shape[1] == half for p in parts)
 
 
-def _uint8_quantize(value: Node, targets: tuple) -> Optional[tuple[Node, tuple]]:
-    """(the quantize, its (scale, zero point, qmin, qmax)) where ``value`` is read only by a
-    uint8 quantize of ``targets`` that stores a NaN as qmin (as the kernel does), else None."""
-    quantize = next(iter(value.users)) if len(value.users) == 1 else None
-    if quantize is None or quantize.target not in targets or len(quantize.args) != 6:
-        return None
-    _, scale, zero_point, qmin, qmax, dtype = quantize.args
-    if dtype != torch.uint8 or quantize.kwargs.get("nan_as", 0) != qmin or set(quantize.kwargs) - {"nan_as"}:
-        return None
-    return quantize, (scale, zero_point, qmin, qmax)
-
-
 def _quantize_taken(call: Node, value: Node, targets: tuple) -> list[Node]:
     """Where ``value`` (``call``'s result, a view of it or its second half) is read only by a
-    uint8 quantize (the next block's branch), the call writes it quantized: returns the
-    quantize, now unused; else []."""
-    found = _uint8_quantize(value, targets)
-    if found is None:
+    uint8 quantize of ``targets`` that stores a NaN as qmin (the next block's branch), ``call``
+    writes it quantized: returns the quantize, now unused; else []."""
+    quantize = next(iter(value.users)) if len(value.users) == 1 else None
+    if quantize is None or quantize.target not in targets or len(quantize.args) != 6:
         return []
-    quantize, qparams = found
-    call.args = (*call.args[:2], call.args[2] if len(call.args) > 2 else None, qparams)
+    _, scale, zero_point, qmin, qmax, dtype = quantize.args
+    if dtype != torch.uint8 or quantize.kwargs.get("nan_as", 0) != qmin or set(quantize.kwargs) - {"nan_as"}:
+        return []
+    call.args = (*call.args[:2], call.args[2] if len(call.args) > 2 else None, (scale, zero_point, qmin, qmax))
     quantize.replace_all_uses_with(value)
     value.meta = dict(quantize.meta)  # (a uint8 value now)
     return [quantize]
