@@ -77,13 +77,17 @@ def _versions() -> dict:
     return found
 
 
+def _digest(paths: list) -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in paths)).hexdigest()
+
+
 def _sources_digest() -> str:
     """What the saved models depend on besides the versions: qbackend's sources (its PT2E flow)
     and the benchmark's model and peer code (``--reuse`` warns when they changed)."""
     sources = sorted((PROJECT_ROOT / "qbackend").rglob("*.py")) + [
         Path(__file__).with_name(f) for f in ("zoo_models.py", "zoo_engines.py", "ov_peer.py", "ort_peer.py",
                                                "bench_smoothquant.py", "sentences.py")]
-    return hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
+    return _digest(sources)
 
 
 def _private_dir(path: Path) -> Path:
@@ -179,13 +183,15 @@ def _code_state() -> dict:
     sources = sorted(p for d in runtime for p in (PROJECT_ROOT / d).rglob("*") if p.suffix in (".py", ".c", ".h"))
     return {"commit": (git("rev-parse", "--short", "HEAD") or "unknown")
             + (" + uncommitted changes" if git("status", "--porcelain", "--", *runtime) else ""),
-            "runtime_digest": hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]}
+            "runtime_digest": _digest(sources)[:12]}
 
 
-def save_row(folder: Path, row: Row, timing: Timing, code: dict) -> None:
-    """``code``: _code_state() when the row's processes started (the working tree may change during a run)."""
+def save_row(folder: Path, row: Row, timing: Timing, code: dict) -> dict:
+    """Saves ``row`` with what it was measured with (returned); ``code``: _code_state() when
+    its processes started (the working tree may change during a long run)."""
     state = {"cpu": cpu_key(), "date": datetime.date.today().isoformat(), "timing": timing.__dict__, **code}
     (folder / ROW_FILE).write_text(json.dumps({"measured_with": state, "row": row.__dict__}))
+    return state
 
 
 def saved_rows(work: Path, models: list, batches: list, timing: Timing, args) -> tuple[list, list, list]:
@@ -221,8 +227,10 @@ def _lowering_note(lowering: Optional[dict]) -> str:
     return f"; {len(onednn)} layers on oneDNN{' (' + ', '.join(onednn) + ')' if onednn else ''}, {lowering['chains']} chains"
 
 
-def run_config(name: str, batch: int, work: Path, args) -> Row:
+def run_config(name: str, batch: int, work: Path, args) -> tuple[Row, dict]:
+    """The row of ``name`` at ``batch``, saved, and what it was measured with."""
     timing = QUICK if args.quick else FULL
+    code = _code_state()  # (before the processes: the working tree may change during a long run)
     folder, manifest = prepared(work, name, batch, timing, args)
     row = Row(name, batch, {}, {})
     for engine in ENGINES:
@@ -255,7 +263,7 @@ def run_config(name: str, batch: int, work: Path, args) -> Row:
                                  *(["--quick"] if args.quick else [])], folder / "interleaved.log", RUN_TIMEOUT_S)
         if "error" in row.in_process:
             log(f"{name} batch {batch}: the one process of every engine failed: {row.in_process['error']}")
-    return row
+    return row, save_row(folder, row, timing, code)
 
 
 # --- what a row says about each engine ------------------------------------------------------------
@@ -524,7 +532,7 @@ def main():
         heading += f", partial run: {' '.join(args.models)} at batch {' '.join(map(str, args.batches))}"
     if not args.reps:
         heading += ", every engine in one process"
-    versions, started, rows, code = _versions(), time.perf_counter(), [], _code_state()
+    versions, started, rows, states = _versions(), time.perf_counter(), [], []
     if args.collect:
         rows, states, missing = saved_rows(work, args.models, args.batches, timing, args)
         runs = f"- Rows saved by earlier runs: {runs_line(rows, states)}" + (
@@ -532,15 +540,15 @@ def main():
     else:
         for name in args.models:
             for batch in args.batches:
-                config_code = _code_state()
                 try:
-                    rows.append(run_config(name, batch, work, args))
+                    row, state = run_config(name, batch, work, args)
                 except Exception as error:
                     log(f"{name} batch {batch} failed: {type(error).__name__}: {error}")
                     continue
-                save_row(_folder(work, name, batch, timing, args), rows[-1], timing, config_code)
+                rows.append(row)
+                states.append(state)
                 print(latency_table(rows[-1:], args.in_process).splitlines()[-1], flush=True)
-        runs = f"- Commit {code['commit']}; {(time.perf_counter() - started) / 60:.0f} min"
+        runs = f"- Rows of this run ({(time.perf_counter() - started) / 60:.0f} min): {runs_line(rows, states)}"
     if not rows:
         raise SystemExit("no model ran: nothing written")
     command = "python benchmarks/bench_zoo.py " + " ".join(sys.argv[1:])

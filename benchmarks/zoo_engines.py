@@ -22,8 +22,9 @@ bench_zoo.py starts these processes. The work directory of a model and batch hol
 
 A ``run`` process writes one JSON object to ``--out``: ``compile_s`` (building the loaded model
 and its first call, qbackend's kernel choices measured afresh; ``compile_cold``: Inductor's
-cache directory was empty, as it is unless ``--inductor-cache`` names a used one; for the torch.compile paths also ``dynamo_alone_s``: Dynamo's trace of a fresh
-copy with ``backend="eager"``, after the compile), ``median_ms`` of the timed calls,
+cache directory was empty, as it is unless ``--inductor-cache`` names a used one; for the
+torch.compile paths also ``dynamo_alone_s``: Dynamo's trace of a fresh copy with
+``backend="eager"``, after the compile), ``median_ms`` of the timed calls,
 ``cos_fp32`` (mean over the evaluation batches) and ``cos_ref`` (PT2E paths: vs the converted
 module the engine loads, run eagerly), or ``error``. The OpenVINO and ONNX Runtime processes never import torch.
 """
