@@ -190,7 +190,9 @@ def save_row(folder: Path, row: Row, timing: Timing, code: dict) -> dict:
     """Saves ``row`` with what it was measured with (returned); ``code``: _code_state() when
     its processes started (the working tree may change during a long run)."""
     state = {"cpu": cpu_key(), "date": datetime.date.today().isoformat(), "timing": timing.__dict__, **code}
-    (folder / ROW_FILE).write_text(json.dumps({"measured_with": state, "row": row.__dict__}))
+    partial = folder / (ROW_FILE + ".partial")  # (renamed when whole: a run killed mid-write leaves the last row)
+    partial.write_text(json.dumps({"measured_with": state, "row": row.__dict__}))
+    partial.replace(folder / ROW_FILE)
     return state
 
 
@@ -553,8 +555,9 @@ def main():
         raise SystemExit("no model ran: nothing written")
     command = "python benchmarks/bench_zoo.py " + " ".join(sys.argv[1:])
     notes = NOTES.format(**vars(timing), probe_wait=args.probe_wait, **{k: v or "(not installed)" for k, v in versions.items()})
-    body = "\n".join([f"- Machine: {machine}; load average {os.getloadavg()[0]:.2f} at the end, two-thread speedup "
-                      f"{parallel_speedup():.2f}; peers: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v and k not in ("torch", "torchao")),
+    state_now = "" if args.collect else (  # (a collection measures nothing: the moment's state says nothing of its rows)
+        f"; load average {os.getloadavg()[0]:.2f} at the end, two-thread speedup {parallel_speedup():.2f}")
+    body = "\n".join([f"- Machine: {machine}{state_now}; peers: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v and k not in ("torch", "torchao")),
                       f"- Date: {datetime.date.today().isoformat()}; command: `{command.strip()}`", runs, notes, "",
                       summary(rows, args.in_process), "", latency_table(rows, args.in_process), "",
                       compile_accuracy_table(rows), ""])
