@@ -529,7 +529,7 @@ def main():
     args = parse_args()
     work = _private_dir(args.work)
     timing = QUICK if args.quick else FULL
-    machine, heading = machine_description(), cpu_key() + (", quantize_x86(every_linear=False)" if args.inductor_recipe else "")
+    machine, heading = machine_description(load=not args.collect), cpu_key() + (", quantize_x86(every_linear=False)" if args.inductor_recipe else "")
     if list(args.models) != list(MODELS) or list(args.batches) != [1, 8]:  # (a section of its own: the full run's stays)
         heading += f", partial run: {' '.join(args.models)} at batch {' '.join(map(str, args.batches))}"
     if not args.reps:
@@ -555,7 +555,7 @@ def main():
         raise SystemExit("no model ran: nothing written")
     command = "python benchmarks/bench_zoo.py " + " ".join(sys.argv[1:])
     notes = NOTES.format(**vars(timing), probe_wait=args.probe_wait, **{k: v or "(not installed)" for k, v in versions.items()})
-    state_now = "" if args.collect else (  # (a collection measures nothing: the moment's state says nothing of its rows)
+    state_now = "" if args.collect else (  # (a collection measures nothing: the moment's load says nothing of its rows)
         f"; load average {os.getloadavg()[0]:.2f} at the end, two-thread speedup {parallel_speedup():.2f}")
     body = "\n".join([f"- Machine: {machine}{state_now}; peers: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v and k not in ("torch", "torchao")),
                       f"- Date: {datetime.date.today().isoformat()}; command: `{command.strip()}`", runs, notes, "",

@@ -156,10 +156,11 @@ def cpu_key() -> str:
     return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
 
 
-def machine_description(num_threads=NUM_THREADS):
-    load_1min = os.getloadavg()[0]  # other work on a shared machine skews latencies
-    return (f"{cpu_key()}, {os.cpu_count()} CPUs, {num_threads} torch threads, "
-            f"load average {load_1min:.2f} at start; "
+def machine_description(num_threads=NUM_THREADS, load=True):
+    """``load``: with the load average now (other work on a shared machine skews latencies);
+    off where nothing is measured now (results collected from earlier runs)."""
+    now = f"load average {os.getloadavg()[0]:.2f} at start; " if load else ""
+    return (f"{cpu_key()}, {os.cpu_count()} CPUs, {num_threads} torch threads, {now}"
             f"torch {torch.__version__}, torchao {importlib.metadata.version('torchao')}")
 
 
