@@ -1,10 +1,12 @@
 """uint8 pools: a max pool (``csrc/max_pool_uint8.c``; torch's quantized::max_pool2d runs on one
 thread) and a global average pool (``csrc/global_avg_pool_uint8.c``; torch's needs a
-quantized-tensor copy): ``qbackend::max_pool_u8``, ``qbackend::global_avg_pool_u8``."""
+quantized-tensor copy): ``qbackend::max_pool_u8``, ``qbackend::global_avg_pool_u8``, and the latter of a
+quantized float32 tensor in one pass, ``qbackend::global_avg_pool_quantize``."""
 from __future__ import annotations
 
 import ctypes
 import functools
+import math
 
 import torch
 
@@ -17,6 +19,9 @@ from qbackend.kernels.structs import GlobalAvgPoolCall, MaxPoolCall
 SCHEMAS = {
     "max_pool_u8": "max_pool_u8(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation, bool ceil_mode=False) -> Tensor",
     "global_avg_pool_u8": "global_avg_pool_u8(Tensor x, int zero_point, int qmin, int qmax) -> Tensor",
+    # (global_avg_pool_u8 of quantize_per_tensor(x) for a float32 x, without the uint8 tensor)
+    "global_avg_pool_quantize": "global_avg_pool_quantize(Tensor x, float scale, int x_zero_point, int x_qmin, int x_qmax, "
+                                "int nan_as, int zero_point, int qmin, int qmax) -> Tensor",
 }
 
 
@@ -75,11 +80,48 @@ def global_avg_pool_u8(x, zero_point, qmin, qmax):
     return run_x_to_y(_global_avg_pool_prepared(x, zero_point, qmin, qmax), x, "global_avg_pool_u8")
 
 
+@functools.lru_cache(maxsize=256)  # per input shape and quantization
+def _global_avg_pool_quantize_prepared_for(shape, scale, x_zero_point, x_qmin, x_qmax, nan_as, zero_point, qmin,
+                                           qmax) -> Prepared:
+    n, c, h, w = shape
+    name = "global_avg_pool_quantize"
+    check_levels(name, x_zero_point, zero_point, x_qmin, x_qmax)
+    check_levels(name, x_zero_point, zero_point, qmin, qmax)
+    if not (math.isfinite(scale) and scale > 0 and 0 <= nan_as <= 255):
+        raise ValueError(f"qbackend::{name}: scale {scale}, a NaN's value {nan_as} (a positive finite scale, a NaN in 0..255)")
+    if not 0 < h * w <= GLOBAL_POOL_MAX_PIXELS:
+        raise ValueError(f"qbackend::{name} takes 1 to {GLOBAL_POOL_MAX_PIXELS} pixels, got {h}x{w}")
+    call = GlobalAvgPoolCall(n, h * w, c, zero_point, qmin, qmax, 1.0 / scale, x_zero_point, x_qmin, x_qmax, nan_as)
+    function = isa.c_function("qb_global_avg_pool_quantize_call", X_TO_Y_SIGNATURE, ctypes.c_int)
+    return make_prepared(call, (n, c, 1, 1), torch.uint8, function, ())
+
+
+def _global_avg_pool_quantize_prepared(x, *args, trusted=False) -> Prepared:
+    if x.dim() != 4 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"qbackend::global_avg_pool_quantize takes float32 CPU activations [N, C, H, W], got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")
+    return _global_avg_pool_quantize_prepared_for(tuple(x.shape), *args)
+
+
+def _global_avg_pool_quantize_fake(x, *args):
+    return channels_last_like(x, (x.shape[0], x.shape[1], 1, 1), torch.uint8)
+
+
+def global_avg_pool_quantize(x, scale, x_zero_point, x_qmin, x_qmax, nan_as, zero_point, qmin, qmax):
+    """``qbackend::global_avg_pool_quantize``: what global_avg_pool_u8 gives for
+    quantize_per_tensor(x, scale, x_zero_point, x_qmin, x_qmax, uint8) (a NaN as ``nan_as``)."""
+    prepared = _global_avg_pool_quantize_prepared(x, scale, x_zero_point, x_qmin, x_qmax, nan_as, zero_point, qmin, qmax)
+    return run_x_to_y(prepared, x, "global_avg_pool_quantize")
+
+
 max_pool_chain_call = prepared_chain_call(_max_pool_prepared, X_TO_Y)
 global_avg_pool_chain_call = prepared_chain_call(_global_avg_pool_prepared, X_TO_Y)
+global_avg_pool_quantize_chain_call = prepared_chain_call(_global_avg_pool_quantize_prepared, X_TO_Y)
 KERNELS = {
     "max_pool_u8": Kernel(SCHEMAS["max_pool_u8"], max_pool_u8, _max_pool_fake, max_pool_u8),
     "global_avg_pool_u8": Kernel(SCHEMAS["global_avg_pool_u8"], global_avg_pool_u8, _global_avg_pool_fake,
                                  global_avg_pool_u8),
+    "global_avg_pool_quantize": Kernel(SCHEMAS["global_avg_pool_quantize"], global_avg_pool_quantize,
+                                       _global_avg_pool_quantize_fake, global_avg_pool_quantize),
 }
-max_pool_u8.fresh_output = global_avg_pool_u8.fresh_output = True  # (patterns/inplace.py)
+max_pool_u8.fresh_output = global_avg_pool_u8.fresh_output = global_avg_pool_quantize.fresh_output = True  # (patterns/inplace.py)

@@ -70,7 +70,8 @@ class GlobalAvgPoolCall(ctypes.Structure):
     """global_avg_pool_uint8.c's."""
 
     c_name = "global_avg_pool_call_t"
-    _fields_ = _ints("N", "HW", "C", "zp", "qmin", "qmax")
+    _fields_ = [*_ints("N", "HW", "C", "zp", "qmin", "qmax"), ("x_inv_scale", ctypes.c_float),
+                *_ints("x_zp", "x_qmin", "x_qmax", "x_nan_as")]
 
 
 class ScaleQuantizeCall(ctypes.Structure):

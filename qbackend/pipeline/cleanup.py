@@ -34,6 +34,7 @@ from qbackend.kernels.kernel_chain import chain_own_kernels
 from qbackend.llm.kv_append import kv_cache_appends
 from qbackend.llm.kv_int8 import kv_cache_int8
 from qbackend.passes.l2_normalize import l2_normalizes_fused
+from qbackend.passes.pool_quantize import pools_read_floats
 from qbackend.llm.rms_norm import rms_norms_fused
 from qbackend.llm.rotary import rotaries_fused
 from qbackend.llm.rotary_table import rotary_tables_cached
@@ -245,7 +246,7 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
              rotaries_fused(gm) if fast_boundary else None, rms_norms_fused(gm) if fast_boundary else None,
              silu_muls_fused(gm) if fast_boundary else None, l2_normalizes_fused(gm) if fast_boundary else None,
              shuffles_in_one_pass(gm) if fast_boundary else None, batch_norms_quantized(gm) if fast_boundary else None,
-             depthwise_norms_fused(gm) if fast_boundary else None,
+             depthwise_norms_fused(gm) if fast_boundary else None, pools_read_floats(gm) if fast_boundary else None,
              dense_slices_pass(gm, kernel_choice, weight_only_compute) if fast_boundary and device == "cpu" else None,
              swiglus_fused(gm) if fast_boundary and device == "cpu" else None,
              view_chains_collapsed(gm) if fast_boundary else None,

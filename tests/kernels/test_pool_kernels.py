@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend.kernels import pools, registry
+from qbackend.kernels import fast_qdq, pools, registry
 
 from tests.helpers import assert_matches_reference, needs_own_kernels, quantize
 from tests.tolerances import assert_int8_close
@@ -75,6 +75,26 @@ def test_global_average_pool_gives_the_reference_integers(zero_point, channels):
     for actual in (pools.global_avg_pool_u8(x, zero_point, 0, 255), registry.op("global_avg_pool_u8")(x, zero_point, 0, 255)):
         assert actual.shape == (3, channels, 1, 1)
         assert_int8_close(actual, expected, f"zero point {zero_point}")
+
+
+@pytest.mark.parametrize("channels", [104, 36, 5], ids=["3 x 32 + 8 channels", "32 + 4 channels", "5 channels"])
+@pytest.mark.parametrize("scale, zero_point, qmin, qmax, nan_as", [(0.02, 0, 0, 255, 0), (0.05, 128, 0, 255, 7),
+                                                                   (0.03, 63, 0, 127, 0)], ids=["zp 0", "zp 128", "7 bits"])
+def test_the_pool_of_a_quantized_float_tensor_is_the_pool_of_its_quantize(channels, scale, zero_point, qmin, qmax, nan_as):
+    """global_avg_pool_quantize(x) == global_avg_pool_u8(quantize_per_tensor(x)): the same
+    integers (clamped values, ties, a NaN stored as ``nan_as``) summed without the uint8 tensor."""
+    torch.manual_seed(0)
+    x = (torch.randn(3, channels, 7, 6) * 4).contiguous(memory_format=torch.channels_last)
+    x[0, 0] = (torch.arange(42.0).reshape(7, 6) % 2 + 0.5) * scale  # values halfway between two levels
+    x[1, channels - 1, 2, 3] = float("nan")
+    x[2, :, 0, 0] = float("inf")
+    expected = pools.global_avg_pool_u8(fast_qdq.quantize_per_tensor(x, scale, zero_point, qmin, qmax, torch.uint8, nan_as),
+                                        zero_point, qmin, qmax)
+    args = (scale, zero_point, qmin, qmax, nan_as, zero_point, qmin, qmax)
+    for actual in (pools.global_avg_pool_quantize(x, *args), registry.op("global_avg_pool_quantize")(x, *args),
+                   pools.global_avg_pool_quantize(x.contiguous(), *args)):
+        assert actual.shape == (3, channels, 1, 1) and actual.dtype == torch.uint8
+        assert torch.equal(actual, expected)
 
 
 def pool_head(pool):

@@ -67,9 +67,12 @@ typedef struct {
   int N, H, W, C, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, OH, OW;
 } max_pool_call_t;
 
-/* global_avg_pool_uint8.c */
+/* global_avg_pool_uint8.c: the pool's zero point and levels; for a float32 input (the pool of
+ * its quantized values) the quantize's: 1 / scale, zero point, levels, a NaN's value */
 typedef struct {
   int N, HW, C, zp, qmin, qmax;
+  float x_inv_scale;
+  int x_zp, x_qmin, x_qmax, x_nan_as;
 } global_avg_pool_call_t;
 
 /* scale_quantize.c: y = quantize(x * gate(s)), x float32 [N][C][HW] or [N][HW][C]. */
