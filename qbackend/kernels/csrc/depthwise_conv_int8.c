@@ -172,7 +172,10 @@ static inline __attribute__((always_inline)) void row_group(const dw_t* d, const
 
 /* Every channel group of one output row: whole groups with tail 0 (their loads and stores
  * compile without the tail's checks), then a last partial one. */
-static inline __attribute__((always_inline)) void output_row(const dw_t* d, const int K, int n, int oh) {
+static inline __attribute__((always_inline)) void output_row(const dw_t* call, const int K, int n, int oh) {
+  /* (a local copy: the uint8 stores could alias the caller's struct, so its fields were loaded
+   * again after every pixel's store) */
+  const dw_t copy = *call, *d = &copy;
   const int full = d->C / LANES, tail = d->C % LANES;
   for (int g = 0; g < full; g++) row_group(d, K, n, oh, g, 0);
   if (tail) row_group(d, K, n, oh, full, tail);
