@@ -105,7 +105,7 @@ def _in_kernel_order(weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(by_position, (0, -weight.shape[1] % 4)).reshape(weight.shape[0], -1)
 
 
-def _largest_adjacent_pair_sum(weight: torch.Tensor) -> int:
+def largest_adjacent_pair_sum(weight: torch.Tensor) -> int:
     """max |w[o][2j]| + |w[o][2j+1]| in the kernel's order: what its vpmaddubsw adds in int16
     per unit of activation."""
     magnitudes = _in_kernel_order(weight).reshape(weight.shape[0], -1, 2).to(torch.int32).abs()
@@ -131,7 +131,7 @@ def int16_pairs_refusal(match) -> Optional[str]:
     """Why the AVX2 build of a kernel summing 4-input words (the GEMM, the grouped conv) would
     saturate on this match (None where it cannot, or the VNNI build, which adds in int32, runs)."""
     if isa.int8_build() == "avx2":
-        bound = match.x.qparams.qmax * _largest_adjacent_pair_sum(match.weight.int8)
+        bound = match.x.qparams.qmax * largest_adjacent_pair_sum(match.weight.int8)
         if bound > INT16_MAX:
             return f"its int16 pair sums could reach {bound} > {INT16_MAX} (8-bit weights; no AVX512-VNNI here)"
     return None

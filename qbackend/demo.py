@@ -48,7 +48,8 @@ def main(argv=None):
     inputs = models.example_inputs("resnet18_like", args.batch)
     print("1. PT2E: export (strict=True), prepare with X86InductorQuantizer, calibrate, convert")
     if cpu_needs_reduce_range():
-        print("   this CPU has no VNNI: its int8 kernels overflow 8-bit x 8-bit products, so weights are 7-bit (reduce_range='weights')")
+        print("   this CPU has no VNNI: its int8 kernels add product pairs in int16, so each weight channel's scale keeps "
+              "its pairs within 128 (reduce_range='pairs')")
     converted = quantize_x86(model, inputs, models.calibration_batches("resnet18_like", args.batch, 4))
 
     print("2. torch.compile(converted, backend='qbackend')")

@@ -14,6 +14,7 @@ import torch
 from qbackend.flow import accuracy_control as control
 from qbackend.flow import activation_ranges as ranges
 from qbackend.flow import bias_correction as correction
+from qbackend.flow import pair_bound
 from qbackend.flow import recipe
 from qbackend.flow.batches import BatchCheck, batch_dynamic, calibration_batches, positional_and_keyword
 from qbackend.flow.graph_copy import graph_copy
@@ -35,8 +36,16 @@ def cpu_needs_reduce_range() -> bool:
     return int8_pairs_saturate("cpu", "conv") or int8_pairs_saturate("cpu", "linear")
 
 
-REDUCE_RANGE_CHOICES = (False, True, "activations", "weights")
+REDUCE_RANGE_CHOICES = (False, True, "activations", "weights", "pairs")
 SEVEN_BIT_WEIGHTS = (-64, 63)
+
+
+def _resolved_reduce_range(reduce_range):
+    if reduce_range is None:
+        return "pairs" if cpu_needs_reduce_range() else False
+    if reduce_range not in REDUCE_RANGE_CHOICES:
+        raise ValueError(f"reduce_range must be None or one of {REDUCE_RANGE_CHOICES}, got {reduce_range!r}")
+    return reduce_range
 
 
 def _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float, every_linear):
@@ -44,22 +53,20 @@ def _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float, every_linear):
 
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as xiq
 
-    if reduce_range is None:
-        reduce_range = "weights" if cpu_needs_reduce_range() else False
-    if reduce_range not in REDUCE_RANGE_CHOICES:
-        raise ValueError(f"reduce_range must be None or one of {REDUCE_RANGE_CHOICES}, got {reduce_range!r}")
     config = xiq.get_default_x86_inductor_quantization_config(
         is_qat=is_qat, is_dynamic=is_dynamic, reduce_range=reduce_range in (True, "activations")
     )
     full_range = config.weight
-    if reduce_range == "weights":
+    if reduce_range in ("weights", "pairs"):
         low, high = SEVEN_BIT_WEIGHTS
         config = dataclasses.replace(config, weight=dataclasses.replace(config.weight, quant_min=low, quant_max=high))
     x86 = xiq.X86InductorQuantizer().set_global(config)
     for name in keep_float:
         x86.set_module_name_qconfig(name, None)
     quantizer = _with_float_layers(x86, config, keep_float, {**(LEFT_FLOAT_LINEARS if every_linear else {}), **LEFT_FLOAT_CONV3D})
-    return _with_full_range_where_exact(quantizer, full_range) if reduce_range == "weights" else quantizer
+    if reduce_range not in ("weights", "pairs"):
+        return quantizer
+    return _with_full_range_where_exact(quantizer, full_range, bounded_pairs=reduce_range == "pairs" and not is_qat)
 
 
 def _followed_by(quantizer, annotate):
@@ -78,27 +85,36 @@ def _followed_by(quantizer, annotate):
     return ComposableQuantizer([*getattr(quantizer, "quantizers", [quantizer]), Then()])
 
 
-def _with_full_range_where_exact(quantizer, full_range):
+def _with_full_range_where_exact(quantizer, full_range, bounded_pairs=False):
     """``quantizer`` followed by one giving back their 8-bit weights to the convs whose kernels
     are exact with them at the same speed: 7-bit weights keep int16 pair sums from saturating
     where a kernel adds two input channels' products (no VNNI), and a depthwise conv (one input
     channel per group) has no such pairs (``lowering/cpu._largest_pair_sum``); a network's stem
     runs on the stem kernel, whose AVX2 build multiplies int16 pairs (``_stem_kernel_takes``).
+    ``bounded_pairs``: the convs and linears ``pair_bound.takes`` get 8-bit weights too, each
+    channel's scale set by its largest pair (``pair_bound.observer``): exact, finer than 7 bits.
     Measured (Zen 3, cosine vs fp32, the zoo's 4 batches, eager converted model): the stem's 8
     bits raise regnet_y_400mf 0.98874 -> 0.98946, resnet50 0.98203 -> 0.98261,
     efficientnet_b0 0.98914 -> 0.99044."""
     from torchao.quantization.pt2e.quantizer.x86_inductor_quantizer import QUANT_ANNOTATION_KEY
 
+    import dataclasses
+
     convs = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default)
+    pair_bounded = dataclasses.replace(full_range, observer_or_fake_quant_ctr=pair_bound.observer().with_args(eps=2 ** -12))
 
     def annotate(model):
         for node in model.graph.nodes:
-            if node.target not in convs or QUANT_ANNOTATION_KEY not in node.meta:
+            if node.target not in (*convs, torch.ops.aten.linear.default) or QUANT_ANNOTATION_KEY not in node.meta:
                 continue
             weight, specs = node.args[1], node.meta[QUANT_ANNOTATION_KEY].input_qspec_map
             value = weight.meta.get("val")
-            if weight in specs and value is not None and (value.shape[1] == 1 or _stem_kernel_takes(node, value)):
+            if weight not in specs or value is None:
+                continue
+            if node.target in convs and (value.shape[1] == 1 or _stem_kernel_takes(node, value)):
                 specs[weight] = full_range
+            elif bounded_pairs and pair_bound.takes(value.shape):
+                specs[weight] = pair_bounded
 
     return _followed_by(quantizer, annotate)
 
@@ -261,14 +277,19 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
             the QAT graph after zero training steps. Exporting in eval mode
             instead ran but was inaccurate (tiny_resnet cosine vs fp32 0.976
             after 4 calibration batches, 0.900 after 32; 0.9999 this way).
-        reduce_range: for CPUs without VNNI, whose int8 kernels overflow 8-bit activations
-            times 8-bit weights. ``"weights"``: 7-bit weights ([-64, 63], as ONNX Runtime's
-            reduce_range; depthwise convs, which add no pairs of products, and a stem the stem
-            kernel runs keep 8 bits); ``True`` / ``"activations"``: 7-bit activations ([0, 127],
-            torchao's reduce_range); ``False``: neither. None (default): ``"weights"`` exactly
-            when this CPU needs it (``cpu_needs_reduce_range``), else ``False``. Measured on
-            all-MiniLM-L6-v2: embedding cosine vs fp32 0.9929 with 7-bit weights, 0.9791 with
-            7-bit activations (per-tensor activations lose more); ResNet-18: equal.
+        reduce_range: for CPUs without VNNI, whose int8 kernels add two input channels'
+            products in int16, which 8-bit activations times 8-bit weights overflow.
+            ``"pairs"``: 8-bit weights whose per-channel scale keeps every pair a kernel adds
+            within 128 (qbackend/flow/pair_bound.py: steps ~1.4x finer than 7 bits; convs and
+            linears whose input channels come in groups of 4, others 7-bit; with ``is_qat``,
+            7-bit); ``"weights"``: 7-bit weights
+            ([-64, 63], as ONNX Runtime's reduce_range); with both, depthwise convs, which add
+            no pairs of products, and a stem the stem kernel runs keep 8 bits; ``True`` /
+            ``"activations"``: 7-bit activations ([0, 127], torchao's reduce_range); ``False``:
+            none. None (default): ``"pairs"`` exactly when this CPU needs it
+            (``cpu_needs_reduce_range``), else ``False``. Measured on all-MiniLM-L6-v2:
+            embedding cosine vs fp32 0.9929 with 7-bit weights, 0.9791 with 7-bit activations
+            (per-tensor activations lose more); ResNet-18: equal.
         smooth: None, or keyword arguments of ``qbackend.smooth_quant`` (e.g.
             ``{"alpha": "search"}``): SmoothQuant runs on the exported graph with
             the same calibration batches before ``prepare_pt2e``; its report is
@@ -326,8 +347,10 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
     say = control.speaker(progress)
     goal = control.checked_goal(model, target_cosine, validate, max_drop, say)
 
+    weights = _resolved_reduce_range(reduce_range)
+
     def convert(kept, batches, **calibration_options):
-        quantizer = _x86_quantizer(is_qat, is_dynamic, reduce_range, kept, every_linear)
+        quantizer = _x86_quantizer(is_qat, is_dynamic, weights, kept, every_linear)
         return _convert(model, example_inputs, batches, quantizer, is_qat, smooth, **calibration_options, **flow)
 
     if goal is None:

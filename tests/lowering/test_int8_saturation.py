@@ -125,6 +125,53 @@ def test_pair_bound_reads_input_channel_pairs_per_output_and_kernel_position():
     assert _largest_pair_sum(w) == 227
     assert _largest_pair_sum(torch.full((4, 1, 3, 3), -128, dtype=torch.int8)) == 128  # depthwise
     assert 127 * 256 <= INT16_MAX < 255 * 2 * 127
+    # whole groups of 4 input channels: the pairs oneDNN adds, 2j and 2j + 1 (0-1 and 2-3 here)
+    grouped = torch.zeros(1, 4, 1, 1, dtype=torch.int8)
+    grouped[0, :, 0, 0] = torch.tensor([127, 0, 0, -127], dtype=torch.int8)
+    assert _largest_pair_sum(grouped) == 127
+
+
+class PairBoundModel(nn.Module):
+    """Layers whose input channels come in groups of 4 (a 3x3 conv, a 1x1, a linear) and one
+    whose do not (6), normal-initialized as trained weights are shaped."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Conv2d(8, 6, 3, padding=1), nn.Conv2d(6, 16, 1)
+        self.third, self.head = nn.Conv2d(16, 8, 1), nn.Linear(8 * 6 * 6, 12)
+        for layer in (self.first, self.second, self.third, self.head):
+            nn.init.normal_(layer.weight, std=0.1)
+
+    def forward(self, x):
+        x = self.third(torch.relu(self.second(torch.relu(self.first(x)))))
+        return self.head(torch.relu(x).flatten(1))
+
+
+@pytest.mark.parametrize("kernels", ["own kernels", "oneDNN only"])
+def test_pair_bounded_weights_keep_8_bits_and_lower_exactly_where_the_kernel_saturates(monkeypatch, kernels):
+    """reduce_range="pairs" (the default on such CPUs): each channel's scale is its largest
+    adjacent pair sum / 127, so every pair the kernels add stays within 128 with 8-bit integers;
+    a layer whose input channels do not come in groups of 4 gets 7 bits."""
+    from qbackend.flow import pair_bound
+
+    simulate_cpu(monkeypatch, saturates=True)
+    if kernels == "oneDNN only":
+        onednn_only(monkeypatch)
+    torch.manual_seed(0)
+    float_model, inputs = PairBoundModel().eval(), (torch.randn(2, 8, 6, 6),)
+    model = quantize(float_model, inputs, reduce_range="pairs")
+    dequantizes = [n for n in model.graph.nodes if "dequantize_per_channel" in str(n.target)]
+    found = {}
+    for node, layer in zip(dequantizes, (float_model.first, float_model.second, float_model.third, float_model.head)):
+        ints, scale = getattr(model, node.args[0].target), getattr(model, node.args[1].target)
+        found[layer.weight.shape[1]] = (node.args[4], node.args[5], int(ints.abs().max()) > 64,
+                                        int(pair_bound.largest_pair_sums(ints.int()).max()) <= 128)
+        if pair_bound.takes(layer.weight.shape):
+            assert torch.allclose(scale, pair_bound.largest_pair_sums(layer.weight.detach()) / 127)
+    assert found == {8: (-128, 127, True, True), 6: (-64, 63, False, True), 16: (-128, 127, True, True),
+                     288: (-128, 127, True, True)}, found
+    report = assert_matches_reference(model, inputs).report
+    assert not report.kept, str(report)
 
 
 @pytest.mark.parametrize("post_op,clipped_by", [(None, "hardtanh"), ("relu", "hardtanh"), ("relu6", "hardtanh"),

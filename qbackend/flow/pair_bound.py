@@ -1,0 +1,49 @@
+"""8-bit weights that stay exact on x86 CPUs without VNNI (``reduce_range="pairs"``).
+
+There the int8 kernels (qbackend's GEMM and grouped conv, oneDNN's convs and linears) add the
+products of two adjacent input channels in int16 (vpmaddubsw): 255 x (|w_a| + |w_b|) must fit
+32767, so a pair's integers may add up to 128 in magnitude. 7-bit weights ([-64, 63]) keep
+every pair within that: a per-channel scale of absmax / 63.5. Here each output channel's scale
+is its largest pair's magnitude sum / 127 instead, 8-bit integers whose every pair rounds to at
+most 128 (each to at most 127): ResNet-50's convs get 1.41-1.52x finer steps than 7 bits
+(never coarser: a pair adds up to at most twice the absmax). Shrinking only the pairs past the
+bound at 8-bit scales was tried: ~2% of pairs move by tens of steps, 20x 7 bits' squared error.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+SCALE_STEPS = 127  # a pair's largest magnitude sum / scale: rounded, each pair within 128
+
+
+def takes(weight_shape) -> bool:
+    """Whether a conv's / linear's weight [out, in per group, ...] gets the pair-bound scale: its
+    input channels come in whole groups of 4, so the kernels' pairs are input channels 2j, 2j + 1
+    at one kernel position (lowering/gemm.py ``_in_kernel_order``)."""
+    return len(weight_shape) >= 2 and weight_shape[1] > 1 and weight_shape[1] % 4 == 0
+
+
+def largest_pair_sums(weight: torch.Tensor) -> torch.Tensor:
+    """Per output channel, the largest |w[2j]| + |w[2j + 1]| over input channel pairs at one
+    kernel position."""
+    return weight.movedim(1, -1).reshape(weight.shape[0], -1, 2).abs().sum(-1).amax(1)
+
+
+@functools.cache
+def observer():
+    """The weight observer: torchao's per-channel min / max observer whose range is each channel's
+    largest pair sum (so the symmetric scale, range / 127.5, is that sum / SCALE_STEPS). Built on
+    first use: torchao stays out of qbackend's import path."""
+    from torchao.quantization.pt2e.observer import PerChannelMinMaxObserver
+
+    class PairBoundObserver(PerChannelMinMaxObserver):
+        def forward(self, x_orig):
+            x = super().forward(x_orig)
+            bound = largest_pair_sums(x.detach().to(self.max_val.dtype)) * (127.5 / SCALE_STEPS)
+            self.min_val.resize_(bound.shape).copy_(-bound)
+            self.max_val.resize_(bound.shape).copy_(bound)
+            return x
+
+    return PairBoundObserver
