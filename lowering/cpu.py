@@ -51,7 +51,7 @@ def _largest_pair_sum(weight: torch.Tensor) -> int:
     magnitudes = weight.to(torch.int32).abs()  # (int8 abs of -128 is -128)
     if magnitudes.shape[1] == 1:  # one input channel per group (depthwise): no pairs
         return int(magnitudes.amax())
-    if magnitudes.shape[1] % 4 == 0:
+    if gemm.pairs_of_whole_words(weight.shape):
         return gemm.largest_adjacent_pair_sum(weight)
     return int(magnitudes.topk(2, dim=1).values.sum(dim=1).amax())
 

@@ -105,11 +105,22 @@ def _in_kernel_order(weight: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(by_position, (0, -weight.shape[1] % 4)).reshape(weight.shape[0], -1)
 
 
+def pairs_of_whole_words(weight_shape) -> bool:
+    """Whether a weight [out, in per group, ...] has its input channels in whole groups of 4: its
+    kernel order then pairs input channels 2j, 2j + 1 at one kernel position, as oneDNN's AVX2
+    convs and linears do (measured: lowering/cpu.py ``_largest_pair_sum``)."""
+    return len(weight_shape) >= 2 and weight_shape[1] > 1 and weight_shape[1] % 4 == 0
+
+
+def largest_pair_sums(weight: torch.Tensor) -> torch.Tensor:
+    """Per output channel, max |w[o][2j]| + |w[o][2j+1]| in the kernel's order: what its
+    vpmaddubsw adds in int16 per unit of activation."""
+    as_ints = weight.to(torch.int32) if not weight.is_floating_point() else weight
+    return _in_kernel_order(as_ints).reshape(weight.shape[0], -1, 2).abs().sum(-1).amax(1)
+
+
 def largest_adjacent_pair_sum(weight: torch.Tensor) -> int:
-    """max |w[o][2j]| + |w[o][2j+1]| in the kernel's order: what its vpmaddubsw adds in int16
-    per unit of activation."""
-    magnitudes = _in_kernel_order(weight).reshape(weight.shape[0], -1, 2).to(torch.int32).abs()
-    return int(magnitudes.sum(-1).amax())
+    return int(largest_pair_sums(weight).amax())
 
 
 def _operands_refusal(match, output_shape: list[int]) -> Optional[str]:

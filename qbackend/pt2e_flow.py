@@ -20,6 +20,7 @@ from qbackend.flow.batches import BatchCheck, batch_dynamic, calibration_batches
 from qbackend.flow.graph_copy import graph_copy
 from qbackend.graph_constants import constant_value
 from qbackend.lowering.capabilities import int8_pairs_saturate
+from qbackend.lowering.gemm import pairs_of_whole_words
 from qbackend.pipeline.direct import EXPORT_RANGES
 from qbackend.pipeline.static_module import mark_static
 from qbackend.smoothquant.smooth_quant import smooth_quant
@@ -91,7 +92,8 @@ def _with_full_range_where_exact(quantizer, full_range, bounded_pairs=False):
     where a kernel adds two input channels' products (no VNNI), and a depthwise conv (one input
     channel per group) has no such pairs (``lowering/cpu._largest_pair_sum``); a network's stem
     runs on the stem kernel, whose AVX2 build multiplies int16 pairs (``_stem_kernel_takes``).
-    ``bounded_pairs``: the convs and linears ``pair_bound.takes`` get 8-bit weights too, each
+    ``bounded_pairs``: the convs and linears whose pairs are adjacent input channels
+    (``pairs_of_whole_words``) get 8-bit weights too, each
     channel's scale set by its largest pair (``pair_bound.observer``): exact, finer than 7 bits.
     Measured (Zen 3, cosine vs fp32, the zoo's 4 batches, eager converted model): the stem's 8
     bits raise regnet_y_400mf 0.98874 -> 0.98946, resnet50 0.98203 -> 0.98261,
@@ -113,7 +115,7 @@ def _with_full_range_where_exact(quantizer, full_range, bounded_pairs=False):
                 continue
             if node.target in convs and (value.shape[1] == 1 or _stem_kernel_takes(node, value)):
                 specs[weight] = full_range
-            elif bounded_pairs and pair_bound.takes(value.shape):
+            elif bounded_pairs and pairs_of_whole_words(value.shape):
                 specs[weight] = pair_bounded
 
     return _followed_by(quantizer, annotate)

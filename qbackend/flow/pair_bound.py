@@ -1,4 +1,5 @@
-"""8-bit weights that stay exact on x86 CPUs without VNNI (``reduce_range="pairs"``).
+"""8-bit weights that stay exact on x86 CPUs without VNNI (``reduce_range="pairs"``), for convs
+and linears whose pairs are adjacent input channels (lowering/gemm.py ``pairs_of_whole_words``).
 
 There the int8 kernels (qbackend's GEMM and grouped conv, oneDNN's convs and linears) add the
 products of two adjacent input channels in int16 (vpmaddubsw): 255 x (|w_a| + |w_b|) must fit
@@ -13,22 +14,9 @@ from __future__ import annotations
 
 import functools
 
-import torch
+from qbackend.lowering.gemm import largest_pair_sums
 
 SCALE_STEPS = 127  # a pair's largest magnitude sum / scale: rounded, each pair within 128
-
-
-def takes(weight_shape) -> bool:
-    """Whether a conv's / linear's weight [out, in per group, ...] gets the pair-bound scale: its
-    input channels come in whole groups of 4, so the kernels' pairs are input channels 2j, 2j + 1
-    at one kernel position (lowering/gemm.py ``_in_kernel_order``)."""
-    return len(weight_shape) >= 2 and weight_shape[1] > 1 and weight_shape[1] % 4 == 0
-
-
-def largest_pair_sums(weight: torch.Tensor) -> torch.Tensor:
-    """Per output channel, the largest |w[2j]| + |w[2j + 1]| over input channel pairs at one
-    kernel position."""
-    return weight.movedim(1, -1).reshape(weight.shape[0], -1, 2).abs().sum(-1).amax(1)
 
 
 @functools.cache

@@ -152,7 +152,7 @@ def test_pair_bounded_weights_keep_8_bits_and_lower_exactly_where_the_kernel_sat
     """reduce_range="pairs" (the default on such CPUs): each channel's scale is its largest
     adjacent pair sum / 127, so every pair the kernels add stays within 128 with 8-bit integers;
     a layer whose input channels do not come in groups of 4 gets 7 bits."""
-    from qbackend.flow import pair_bound
+    from qbackend.lowering.gemm import largest_pair_sums, pairs_of_whole_words
 
     simulate_cpu(monkeypatch, saturates=True)
     if kernels == "oneDNN only":
@@ -165,9 +165,9 @@ def test_pair_bounded_weights_keep_8_bits_and_lower_exactly_where_the_kernel_sat
     for node, layer in zip(dequantizes, (float_model.first, float_model.second, float_model.third, float_model.head)):
         ints, scale = getattr(model, node.args[0].target), getattr(model, node.args[1].target)
         found[layer.weight.shape[1]] = (node.args[4], node.args[5], int(ints.abs().max()) > 64,
-                                        int(pair_bound.largest_pair_sums(ints.int()).max()) <= 128)
-        if pair_bound.takes(layer.weight.shape):
-            assert torch.allclose(scale, pair_bound.largest_pair_sums(layer.weight.detach()) / 127)
+                                        int(largest_pair_sums(ints).max()) <= 128)
+        if pairs_of_whole_words(layer.weight.shape):
+            assert torch.allclose(scale, largest_pair_sums(layer.weight.detach()) / 127)
     assert found == {8: (-128, 127, True, True), 6: (-64, 63, False, True), 16: (-128, 127, True, True),
                      288: (-128, 127, True, True)}, found
     report = assert_matches_reference(model, inputs).report
