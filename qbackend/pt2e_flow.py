@@ -103,7 +103,9 @@ def _with_full_range_where_exact(quantizer, full_range, bounded_pairs=False):
     import dataclasses
 
     convs = (torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default)
-    pair_bounded = dataclasses.replace(full_range, observer_or_fake_quant_ctr=pair_bound.observer().with_args(eps=2 ** -12))
+    if bounded_pairs:  # (with the quantizer's own observer arguments: its eps)
+        observer = pair_bound.observer().with_args(**full_range.observer_or_fake_quant_ctr.p.keywords)
+        pair_bounded = dataclasses.replace(full_range, observer_or_fake_quant_ctr=observer)
 
     def annotate(model):
         for node in model.graph.nodes:
