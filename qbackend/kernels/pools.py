@@ -56,12 +56,16 @@ def max_pool_u8(x, kernel_size, stride, padding, dilation, ceil_mode=False):
 GLOBAL_POOL_MAX_PIXELS = 1 << 23  # the kernel sums 8-bit values in int32
 
 
+def _check_pixels(name: str, h: int, w: int) -> None:
+    if not 0 < h * w <= GLOBAL_POOL_MAX_PIXELS:
+        raise ValueError(f"qbackend::{name} takes 1 to {GLOBAL_POOL_MAX_PIXELS} pixels, got {h}x{w}")
+
+
 @functools.lru_cache(maxsize=256)  # per input shape and zero point
 def _global_avg_pool_prepared_for(shape, zero_point, qmin, qmax) -> Prepared:
     n, c, h, w = shape
     check_levels("global_avg_pool_u8", zero_point, zero_point, qmin, qmax)
-    if not 0 < h * w <= GLOBAL_POOL_MAX_PIXELS:
-        raise ValueError(f"qbackend::global_avg_pool_u8 takes 1 to {GLOBAL_POOL_MAX_PIXELS} pixels, got {h}x{w}")
+    _check_pixels("global_avg_pool_u8", h, w)
     call = GlobalAvgPoolCall(n, h * w, c, zero_point, qmin, qmax)
     return make_prepared(call, (n, c, 1, 1), torch.uint8, isa.c_function("qb_global_avg_pool_u8_call", X_TO_Y_SIGNATURE, ctypes.c_int), ())
 
@@ -89,8 +93,7 @@ def _global_avg_pool_quantize_prepared_for(shape, scale, x_zero_point, x_qmin, x
     check_levels(name, x_zero_point, zero_point, qmin, qmax)
     if not (math.isfinite(scale) and scale > 0 and 0 <= nan_as <= 255):
         raise ValueError(f"qbackend::{name}: scale {scale}, a NaN's value {nan_as} (a positive finite scale, a NaN in 0..255)")
-    if not 0 < h * w <= GLOBAL_POOL_MAX_PIXELS:
-        raise ValueError(f"qbackend::{name} takes 1 to {GLOBAL_POOL_MAX_PIXELS} pixels, got {h}x{w}")
+    _check_pixels(name, h, w)
     call = GlobalAvgPoolCall(n, h * w, c, zero_point, qmin, qmax, 1.0 / scale, x_zero_point, x_qmin, x_qmax, nan_as)
     function = isa.c_function("qb_global_avg_pool_quantize_call", X_TO_Y_SIGNATURE, ctypes.c_int)
     return make_prepared(call, (n, c, 1, 1), torch.uint8, function, ())

@@ -46,11 +46,6 @@ int qb_global_avg_pool_u8_call(int threads, const global_avg_pool_call_t* c, con
 
 #define FLOAT_BLOCK 32 /* channels a task sums: 128 bytes of each pixel, 4 vectors */
 
-/* The quantize's integer for one float value: round_to_grid, a NaN stored as x_nan_as. */
-static inline int quantized(float v, const global_avg_pool_call_t* c) {
-  return v != v ? c->x_nan_as : round_to_grid(v * c->x_inv_scale, c->x_zp, c->x_qmin, c->x_qmax);
-}
-
 /* The pool of quantize(x) for a float32 NHWC x, without the uint8 tensor between them: the same
  * integers (each value quantized as quantize_per_tensor does, then summed per channel as above).
  * Why: a squeeze-excitation block (RegNetY's, EfficientNet's, MobileNetV3's) multiplies the
@@ -61,6 +56,7 @@ int qb_global_avg_pool_quantize_call(int threads, const global_avg_pool_call_t* 
   const __m256 inv = _mm256_set1_ps(c->x_inv_scale), zp = _mm256_set1_ps((float)c->x_zp);
   const __m256 lo = _mm256_set1_ps((float)c->x_qmin), hi = _mm256_set1_ps((float)c->x_qmax);
   const __m256i nan_as = _mm256_set1_epi32(c->x_nan_as);
+  const int check_nan = c->x_nan_as != c->x_qmin;
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
   for (int n = 0; n < c->N; n++)
     for (int b = 0; b < blocks; b++) {
@@ -71,13 +67,10 @@ int qb_global_avg_pool_quantize_call(int threads, const global_avg_pool_call_t* 
       int64_t rest[8] = {0};
       for (int p = 0; p < HW; p++) {
         const float* pixel = image + (size_t)p * C;
-        for (int v = 0; v < vectors; v++) {
-          const __m256 value = _mm256_loadu_ps(pixel + 8 * v);
-          const __m256i q = quantize_scaled8(_mm256_mul_ps(value, inv), zp, lo, hi);
-          const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(value, value, _CMP_UNORD_Q));
-          sum[v] = _mm256_add_epi32(sum[v], _mm256_blendv_epi8(q, nan_as, nan));
-        }
-        for (int i = 8 * vectors; i < width; i++) rest[i - 8 * vectors] += quantized(pixel[i], c);
+        for (int v = 0; v < vectors; v++)
+          sum[v] = _mm256_add_epi32(sum[v], quantize8_or_nan(pixel + 8 * v, inv, zp, lo, hi, nan_as, check_nan));
+        for (int i = 8 * vectors; i < width; i++)
+          rest[i - 8 * vectors] += grid_value_or_nan(pixel[i], c->x_inv_scale, c->x_zp, c->x_qmin, c->x_qmax, c->x_nan_as);
       }
       uint8_t* out = y + (size_t)n * C + c0;
       for (int v = 0; v < vectors; v++) {

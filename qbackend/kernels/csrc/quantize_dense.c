@@ -16,15 +16,6 @@
 
 #define CHUNK 16384 /* values per parallel task */
 
-/* 8 values -> their int32 grid values; a NaN (when ``check_nan``) -> ``nan_value``. Without the
- * check a NaN lands on lo (max_ps returns its second operand), right where nan_value is lo. */
-static inline __m256i quantize8_dense(const float* in, __m256 inv, __m256 zp, __m256 lo, __m256 hi, __m256i nan_value,
-                                      int check_nan) {
-  const __m256 v = _mm256_loadu_ps(in);
-  const __m256i q = quantize_scaled8(_mm256_mul_ps(v, inv), zp, lo, hi);
-  return check_nan ? _mm256_blendv_epi8(q, nan_value, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) : q;
-}
-
 /* n values with AVX2, 32 per step: two packs and one lane permute to 32 ordered bytes. */
 static void quantize_run256(const float* x, long n, float inv_scale, int zp, int lo, int hi, int bias, int nan_byte,
                             uint8_t* y) {
@@ -34,16 +25,16 @@ static void quantize_run256(const float* x, long n, float inv_scale, int zp, int
   const int check_nan = (nan_byte ^ bias) != lo;
   long i = 0;
   for (; i + 32 <= n; i += 32) {
-    const __m256i a = quantize8_dense(x + i, vinv, vzp, vlo, vhi, nan_value, check_nan);
-    const __m256i b = quantize8_dense(x + i + 8, vinv, vzp, vlo, vhi, nan_value, check_nan);
-    const __m256i c = quantize8_dense(x + i + 16, vinv, vzp, vlo, vhi, nan_value, check_nan);
-    const __m256i d = quantize8_dense(x + i + 24, vinv, vzp, vlo, vhi, nan_value, check_nan);
+    const __m256i a = quantize8_or_nan(x + i, vinv, vzp, vlo, vhi, nan_value, check_nan);
+    const __m256i b = quantize8_or_nan(x + i + 8, vinv, vzp, vlo, vhi, nan_value, check_nan);
+    const __m256i c = quantize8_or_nan(x + i + 16, vinv, vzp, vlo, vhi, nan_value, check_nan);
+    const __m256i d = quantize8_or_nan(x + i + 24, vinv, vzp, vlo, vhi, nan_value, check_nan);
     /* per 128-bit lane: packs(a, b) = a0-3 b0-3 | a4-7 b4-7; packus of those two -> dwords a0 b0 c0 d0 | a1 b1 c1 d1 */
     const __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
     const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256((__m256i*)(y + i), _mm256_xor_si256(ordered, flip));
   }
-  for (; i < n; i++) y[i] = x[i] != x[i] ? (uint8_t)nan_byte : (uint8_t)(round_to_grid(x[i] * inv_scale, zp, lo, hi) ^ bias);
+  for (; i < n; i++) y[i] = (uint8_t)(grid_value_or_nan(x[i], inv_scale, zp, lo, hi, nan_byte ^ bias) ^ bias);
 }
 
 /* quantize_run256 with AVX512, where the CPU has it: 64 values per step (55 vs 62 us at
@@ -76,7 +67,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) static void quantize_run512
     ints = _mm512_mask_mov_epi32(ints, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), nan_value);
     _mm_storeu_si128((__m128i*)(y + i), _mm_xor_si128(_mm512_cvtusepi32_epi8(ints), flip));
   }
-  for (; i < n; i++) y[i] = x[i] != x[i] ? (uint8_t)nan_byte : (uint8_t)(round_to_grid(x[i] * inv_scale, zp, lo, hi) ^ bias);
+  for (; i < n; i++) y[i] = (uint8_t)(grid_value_or_nan(x[i], inv_scale, zp, lo, hi, nan_byte ^ bias) ^ bias);
 }
 
 /* ``is_signed``: y is int8 (computed biased by 128 in [0, 255], then flipped back); ``wide``:

@@ -129,6 +129,21 @@ static inline __m256i quantize_scaled8(__m256 scaled, __m256 zp, __m256 lo, __m2
   return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, zp), lo), hi));
 }
 
+/* The 8 floats at ``in`` quantized: their int32 grid values (quantize_scaled8 of in * inv); a NaN
+ * (when ``check_nan``) -> ``nan_value``. Without the check a NaN lands on lo (max_ps returns its
+ * second operand), right where nan_value is lo. */
+static inline __m256i quantize8_or_nan(const float* in, __m256 inv, __m256 zp, __m256 lo, __m256 hi, __m256i nan_value,
+                                       int check_nan) {
+  const __m256 v = _mm256_loadu_ps(in);
+  const __m256i q = quantize_scaled8(_mm256_mul_ps(v, inv), zp, lo, hi);
+  return check_nan ? _mm256_blendv_epi8(q, nan_value, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) : q;
+}
+
+/* quantize8_or_nan for one value: round_to_grid(v * inv_scale), a NaN -> nan_value. */
+static inline int grid_value_or_nan(float v, float inv_scale, int zero_point, int qmin, int qmax, int nan_value) {
+  return v != v ? nan_value : round_to_grid(v * inv_scale, zero_point, qmin, qmax);
+}
+
 /* quantize_scaled8, stored as 8 bytes at y. */
 static inline void store_quantized8(__m256 scaled, __m256 zp, __m256 lo, __m256 hi, uint8_t* y) {
   const __m256i ints = quantize_scaled8(scaled, zp, lo, hi);
