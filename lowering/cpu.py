@@ -48,11 +48,11 @@ def _largest_pair_sum(weight: torch.Tensor) -> int:
     2j, 2j + 1 at one kernel position, as the GEMM: measured on Zen 3's convs and linears,
     1x1 / 3x3, 32-3072 inputs: exact with every such pair within 128 and a larger other pair);
     else of any two input channels meeting the same output (channel and kernel position)."""
+    if gemm.pairs_of_whole_words(weight.shape):
+        return gemm.largest_adjacent_pair_sum(weight)
     magnitudes = weight.to(torch.int32).abs()  # (int8 abs of -128 is -128)
     if magnitudes.shape[1] == 1:  # one input channel per group (depthwise): no pairs
         return int(magnitudes.amax())
-    if gemm.pairs_of_whole_words(weight.shape):
-        return gemm.largest_adjacent_pair_sum(weight)
     return int(magnitudes.topk(2, dim=1).values.sum(dim=1).amax())
 
 

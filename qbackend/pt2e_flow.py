@@ -39,6 +39,7 @@ def cpu_needs_reduce_range() -> bool:
 
 REDUCE_RANGE_CHOICES = (False, True, "activations", "weights", "pairs")
 SEVEN_BIT_WEIGHTS = (-64, 63)
+SEVEN_BIT_BY_DEFAULT = ("weights", "pairs")  # (the global weight spec; _with_full_range_where_exact gives back 8 bits)
 
 
 def _resolved_reduce_range(reduce_range):
@@ -58,14 +59,14 @@ def _x86_quantizer(is_qat, is_dynamic, reduce_range, keep_float, every_linear):
         is_qat=is_qat, is_dynamic=is_dynamic, reduce_range=reduce_range in (True, "activations")
     )
     full_range = config.weight
-    if reduce_range in ("weights", "pairs"):
+    if reduce_range in SEVEN_BIT_BY_DEFAULT:
         low, high = SEVEN_BIT_WEIGHTS
         config = dataclasses.replace(config, weight=dataclasses.replace(config.weight, quant_min=low, quant_max=high))
     x86 = xiq.X86InductorQuantizer().set_global(config)
     for name in keep_float:
         x86.set_module_name_qconfig(name, None)
     quantizer = _with_float_layers(x86, config, keep_float, {**(LEFT_FLOAT_LINEARS if every_linear else {}), **LEFT_FLOAT_CONV3D})
-    if reduce_range not in ("weights", "pairs"):
+    if reduce_range not in SEVEN_BIT_BY_DEFAULT:
         return quantizer
     return _with_full_range_where_exact(quantizer, full_range, bounded_pairs=reduce_range == "pairs" and not is_qat)
 
