@@ -43,17 +43,22 @@ def _post_op(match):
 
 
 def _largest_pair_sum(weight: torch.Tensor) -> int:
-    """A bound on what oneDNN's kernel adds in int16 per unit of activation: with whole groups of
-    4 input channels, the largest |w_a| + |w_b| of the adjacent pairs it adds (input channels
-    2j, 2j + 1 at one kernel position, as the GEMM: measured on Zen 3's convs and linears,
-    1x1 / 3x3, 32-3072 inputs: exact with every such pair within 128 and a larger other pair);
-    else of any two input channels meeting the same output (channel and kernel position)."""
+    """A bound on what oneDNN's kernel adds in int16 per unit of uint8 activation (``gemm.
+    largest_pair_sums``: a pair of one sign adds up, of opposite signs never passes its larger
+    member): with whole groups of 4 input channels, over the adjacent pairs it adds (input
+    channels 2j, 2j + 1 at one kernel position, as the GEMM: measured on Zen 3's convs and
+    linears, 1x1 / 3x3, 32-3072 inputs: exact with every such pair within 128 and a larger other
+    pair, or opposite signs up to 254); else over any two input channels meeting the same output
+    (channel and kernel position): its two largest positive or two largest negative weights."""
     if gemm.pairs_of_whole_words(weight.shape):
         return gemm.largest_adjacent_pair_sum(weight)
-    magnitudes = weight.to(torch.int32).abs()  # (int8 abs of -128 is -128)
-    if magnitudes.shape[1] == 1:  # one input channel per group (depthwise): no pairs
-        return int(magnitudes.amax())
-    return int(magnitudes.topk(2, dim=1).values.sum(dim=1).amax())
+    ints = weight.to(torch.int32)
+    if ints.shape[1] == 1:  # one input channel per group (depthwise): no pairs
+        return int(ints.abs().amax())
+
+    def two_largest(values):
+        return values.clamp(min=0).topk(2, dim=1).values.sum(dim=1)
+    return int(torch.maximum(two_largest(ints), two_largest(-ints)).amax())
 
 
 def _int16_pairs_overflow(match):

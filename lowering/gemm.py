@@ -113,10 +113,12 @@ def pairs_of_whole_words(weight_shape) -> bool:
 
 
 def largest_pair_sums(weight: torch.Tensor) -> torch.Tensor:
-    """Per output channel, max |w[o][2j]| + |w[o][2j+1]| in the kernel's order: what its
-    vpmaddubsw adds in int16 per unit of activation."""
+    """Per output channel, the most vpmaddubsw's int16 sum of a pair (w[o][2j], w[o][2j+1] in
+    the kernel's order) can reach per unit of uint8 activation: max(|w_a + w_b|, |w_a|, |w_b|)
+    (activations 0..qmax: same signs add up, opposite signs never pass the larger one)."""
     as_ints = weight.to(torch.int32) if not weight.is_floating_point() else weight
-    return _in_kernel_order(as_ints).reshape(weight.shape[0], -1, 2).abs().sum(-1).amax(1)
+    pairs = _in_kernel_order(as_ints).reshape(weight.shape[0], -1, 2)
+    return torch.maximum(pairs.sum(-1).abs(), pairs.abs().amax(-1)).amax(1)
 
 
 def largest_adjacent_pair_sum(weight: torch.Tensor) -> int:

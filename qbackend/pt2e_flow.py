@@ -285,7 +285,7 @@ def quantize_x86(model, example_inputs, calibration, *, is_qat=False, is_dynamic
         reduce_range: for CPUs without VNNI, whose int8 kernels add two input channels'
             products in int16, which 8-bit activations times 8-bit weights overflow.
             ``"pairs"``: 8-bit weights whose per-channel scale keeps every pair a kernel adds
-            within 128 (qbackend/flow/pair_bound.py: steps ~1.4x finer than 7 bits; convs and
+            within 128 (qbackend/flow/pair_bound.py: steps ~1.5x finer than 7 bits; convs and
             linears whose input channels come in groups of 4, others 7-bit; with ``is_qat``,
             7-bit); ``"weights"``: 7-bit weights
             ([-64, 63], as ONNX Runtime's reduce_range); with both, depthwise convs, which add

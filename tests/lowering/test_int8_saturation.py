@@ -118,17 +118,23 @@ def test_seven_bit_weights_leave_a_stem_its_8_bits_where_the_stem_kernel_runs_it
     assert not assert_matches_reference(patch, inputs).report.kept
 
 
-def test_pair_bound_reads_input_channel_pairs_per_output_and_kernel_position():
+def test_pair_bound_reads_input_channel_pairs_of_one_sign_per_output_and_kernel_position():
+    """With uint8 activations two products of one sign add up; of opposite signs a pair never
+    passes its larger member."""
     w = torch.zeros(2, 3, 2, 2, dtype=torch.int8)
-    w[0, 0, 0, 0], w[0, 1, 0, 0], w[0, 2, 1, 1] = 127, -100, 127  # one pair at (0, 0); (1, 1) is alone
+    w[0, 0, 0, 0], w[0, 1, 0, 0], w[0, 2, 1, 1] = 127, -100, 127  # opposite signs at (0, 0); (1, 1) is alone
     w[1, :, 0, 1] = torch.tensor([50, 60, -70], dtype=torch.int8)
-    assert _largest_pair_sum(w) == 227
+    assert _largest_pair_sum(w) == 127
+    w[1, :, 1, 0] = torch.tensor([-100, 30, -60], dtype=torch.int8)
+    assert _largest_pair_sum(w) == 160
     assert _largest_pair_sum(torch.full((4, 1, 3, 3), -128, dtype=torch.int8)) == 128  # depthwise
     assert 127 * 256 <= INT16_MAX < 255 * 2 * 127
     # whole groups of 4 input channels: the pairs oneDNN adds, 2j and 2j + 1 (0-1 and 2-3 here)
     grouped = torch.zeros(1, 4, 1, 1, dtype=torch.int8)
     grouped[0, :, 0, 0] = torch.tensor([127, 0, 0, -127], dtype=torch.int8)
     assert _largest_pair_sum(grouped) == 127
+    grouped[0, :, 0, 0] = torch.tensor([127, -127, -100, -29], dtype=torch.int8)
+    assert _largest_pair_sum(grouped) == 129
 
 
 class PairBoundModel(nn.Module):
@@ -172,6 +178,47 @@ def test_pair_bounded_weights_keep_8_bits_and_lower_exactly_where_the_kernel_sat
                      288: (-128, 127, True, True)}, found
     report = assert_matches_reference(model, inputs).report
     assert not report.kept, str(report)
+
+
+class OppositeSignPairs(nn.Module):
+    """A 1x1 conv, a 3x3 conv and a linear whose adjacent input channels (features) have
+    opposite signs: 8-bit weights whose pairs add up to ~250 in magnitude, ~128 in reach."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second, self.head = nn.Conv2d(8, 16, 1), nn.Conv2d(16, 8, 3, padding=1), nn.Linear(8 * 6 * 6, 12)
+        torch.manual_seed(0)
+        for layer in (self.first, self.second, self.head):
+            sign = torch.tensor([1.0, -1.0]).repeat(layer.weight.shape[1] // 2)
+            with torch.no_grad():
+                layer.weight.copy_(torch.empty_like(layer.weight).uniform_(0.6, 1.0)
+                                   * sign.reshape(1, -1, *[1] * (layer.weight.dim() - 2)))
+
+    def forward(self, x):
+        x = torch.relu(self.second(torch.relu(self.first(x))))
+        return self.head(x.flatten(1))
+
+
+@pytest.mark.parametrize("kernels", ["own kernels", "oneDNN only"])
+def test_weights_whose_pairs_have_opposite_signs_keep_8_bits_on_the_fast_kernels(monkeypatch, kernels):
+    """8-bit activations x 8-bit weights where every pair the kernels add mixes signs: no int16
+    sum can pass 255 x 127, so oneDNN and the GEMM's vpmaddubsw build run every layer exactly
+    (by |w_a| + |w_b| each pair would have reached ~250 x 255)."""
+    from qbackend.lowering.gemm import largest_pair_sums
+
+    simulate_cpu(monkeypatch, saturates=True)
+    if kernels == "oneDNN only":
+        onednn_only(monkeypatch)
+    inputs = (torch.randn(2, 8, 6, 6) * 3,)
+    model = quantize(OppositeSignPairs().eval(), inputs, reduce_range=False)
+    weights = [getattr(model, n.args[0].target) for n in model.graph.nodes if "dequantize_per_channel" in str(n.target)]
+    assert [(int(largest_pair_sums(w).max()) <= 128, int(w.to(torch.int32).abs().amax()) >= 127) for w in weights] == [
+        (True, True)] * 3
+    assert all(w.to(torch.int32).reshape(w.shape[0], -1).abs().reshape(w.shape[0], -1, 2).sum(-1).amax() > 200
+               for w in weights if w.dim() == 2 or w.shape[1] > 8)
+    report = assert_matches_reference(model, inputs).report
+    assert not report.kept, str(report)
+    assert not any("exact int16 build" in (d.reason or "") for d in report.decisions), str(report)
 
 
 @pytest.mark.parametrize("post_op,clipped_by", [(None, "hardtanh"), ("relu", "hardtanh"), ("relu6", "hardtanh"),
