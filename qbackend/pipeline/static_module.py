@@ -8,6 +8,13 @@ most of that only with ``freezing=True``, a global setting. Dynamo's own per-mod
 ``torchdynamo_force_dynamic = False`` (``torch/_dynamo/mutation_guard.py``), asks it to specialize
 on the module instead: tensors become ``get_attr`` nodes, checked by identity (qbackend freezes
 them at compile time either way). It changes only the modules it is set on.
+
+Dynamo also walks the module tree down to each tensor the graph reads and guards every step
+(a submodule's dict, its identity, its child's): 731 guard nodes for mobilenet_v2_like's 212
+tensors, a third of a cold call's ~1 ms in Dynamo. So the tensors read from submodules move to
+the root under flat names (``state_dict`` and ``load_state_dict`` keep the dotted keys, through
+``RenamedKeys``), and ``get_attr`` nodes nothing reads (a converted module exported and loaded
+again keeps one per float weight ``convert_pt2e`` replaced) go.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from torch.fx.graph_module import _USER_PRESERVED_ATTRIBUTES_KEY
 from qbackend.pipeline.freeze import is_written
 
 DYNAMO_SWITCH = "torchdynamo_force_dynamic"
+FLAT_SEPARATOR = "__"  # (a dotted target "a.b.w" is read from the root as "a__b__w")
 
 
 def _writes_state(gm: GraphModule) -> bool:
@@ -26,10 +34,82 @@ def _writes_state(gm: GraphModule) -> bool:
     return any(node.op == "get_attr" and is_written(node) for node in gm.graph.nodes)
 
 
+class RenamedKeys:
+    """A state-dict hook renaming its module's own keys by
+    ``names``: the flat names of the tensors ``mark_static`` moved to the root to their dotted
+    keys after ``state_dict`` (in ``order``, the keys' order before the move), back before
+    ``load_state_dict``, so both keep the dotted keys."""
+
+    def __init__(self, names: dict, order: tuple = ()):
+        self.names, self.rank = names, {key: i for i, key in enumerate(order)}
+
+    def __call__(self, module, state: dict, prefix: str, *_):
+        items = []
+        for key, value in state.items():
+            local = key[len(prefix):] if key.startswith(prefix) else None
+            items.append((self.names.get(local, local), key, value))
+        # the module's keys in their order (others of its own after them), the keys saved before
+        # its own (a parent's, a sibling's: not under ``prefix``) first, as they came
+        unranked = len(self.rank)
+        items.sort(key=lambda item: -1 if item[0] is None else self.rank.get(item[0], unranked))
+        state.clear()  # (in place: the hook's contract)
+        for local, key, value in items:
+            state[key if local is None else prefix + local] = value
+
+
+def _drop_unread_attributes(gm: GraphModule) -> None:
+    for node in [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users]:
+        gm.graph.erase_node(node)
+
+
+def _flat_name(target: str) -> str:
+    """A Python identifier (as a ``get_attr`` target an archive takes): ``0.weight`` -> ``_0__weight``."""
+    flat = target.replace(".", FLAT_SEPARATOR)
+    return flat if flat.isidentifier() else "_" + flat
+
+
+def _move_to_root(gm: GraphModule, target: str) -> bool:
+    """Move the tensor at ``target`` (in a submodule) to the root under its flat name, as the
+    same kind of attribute (parameter, buffer, plain); False where that name is taken."""
+    path, _, leaf = target.rpartition(".")
+    owner, flat = gm.get_submodule(path), _flat_name(target)
+    if hasattr(gm, flat) or not flat.isidentifier():
+        return False
+    if leaf in owner._parameters:
+        gm.register_parameter(flat, owner._parameters.pop(leaf))
+    elif leaf in owner._buffers:
+        persistent = leaf not in owner._non_persistent_buffers_set
+        owner._non_persistent_buffers_set.discard(leaf)
+        gm.register_buffer(flat, owner._buffers.pop(leaf), persistent=persistent)
+    elif isinstance(owner.__dict__.get(leaf), torch.Tensor):
+        setattr(gm, flat, owner.__dict__.pop(leaf))
+    else:
+        return False
+    return True
+
+
+def _flatten_attributes(gm: GraphModule) -> None:
+    """Every tensor a ``get_attr`` node reads from a submodule, read from the root (module docstring)."""
+    nested = {node.target for node in gm.graph.nodes if node.op == "get_attr" and "." in node.target}
+    order = tuple(gm.state_dict(keep_vars=True))
+    dotted_by_flat = {_flat_name(target): target for target in sorted(nested) if _move_to_root(gm, target)}
+    flat_by_dotted = {dotted: flat for flat, dotted in dotted_by_flat.items()}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.target in flat_by_dotted:
+            node.target = flat_by_dotted[node.target]
+    if dotted_by_flat:
+        gm.register_state_dict_post_hook(RenamedKeys(dotted_by_flat, order))
+        gm.register_load_state_dict_pre_hook(RenamedKeys(flat_by_dotted))
+
+
 def mark_static(gm: GraphModule) -> GraphModule:
-    """Mark ``gm`` and its submodules for Dynamo to specialize on (module docstring), unless its
-    graph updates a tensor of its own; kept by ``copy.deepcopy``. Returns ``gm``."""
+    """Mark ``gm`` and its submodules for Dynamo to specialize on, its tensors read from the root
+    and its unread ``get_attr`` nodes gone (module docstring), unless its graph updates a tensor
+    of its own; kept by ``copy.deepcopy``. Returns ``gm``."""
     if isinstance(gm, GraphModule) and not _writes_state(gm):
+        _drop_unread_attributes(gm)
+        _flatten_attributes(gm)
+        gm.recompile()
         for module in gm.modules():
             setattr(module, DYNAMO_SWITCH, False)
         gm.meta.setdefault(_USER_PRESERVED_ATTRIBUTES_KEY, {})[DYNAMO_SWITCH] = False  # (what GraphModule's deepcopy sets again)

@@ -87,6 +87,51 @@ def test_a_converted_model_passes_dynamo_no_weights_per_call():
     assert _placeholders(captured.graphs[0][0]) == 1 + tensors  # (the default: every tensor an input)
 
 
+def _get_attr_targets(gm) -> list:
+    return [node.target for node in gm.graph.nodes if node.op == "get_attr"]
+
+
+def test_a_marked_model_reads_its_tensors_from_the_root_with_its_state_dict_keys():
+    """A converted model saved with torch.export and loaded again reads its weights from
+    submodules and keeps a get_attr node per float weight convert_pt2e replaced, nothing reading
+    it: each a chain of guards Dynamo checks per call. Marked, every tensor the graph reads is
+    the root's and the unread nodes are gone; ``state_dict`` keeps its keys and their order (a
+    copy too, and inside a parent module), ``load_state_dict`` takes them, outputs are the same."""
+    inputs = (torch.randn(2, 3, 32, 32),)
+    loaded = torch.export.export(quantize(tiny_resnet(), inputs), inputs).module()
+    assert any("." in target for target in _get_attr_targets(loaded))
+    unread = sum(not node.users for node in loaded.graph.nodes if node.op == "get_attr")
+    assert unread > 0
+    state = {key: value.clone() for key, value in loaded.state_dict().items()}
+    reads = len(_get_attr_targets(loaded)) - unread
+    with torch.no_grad():
+        expected = loaded(*inputs)
+        marked = static_module.mark_static(loaded)
+        assert len(_get_attr_targets(marked)) == reads and not any("." in t for t in _get_attr_targets(marked))
+        assert list(marked.state_dict()) == list(state)
+        assert not marked.load_state_dict(state).missing_keys
+        for model in (marked, copy.deepcopy(marked)):
+            assert list(model.state_dict()) == list(state) and torch.equal(model(*inputs), expected)
+        parent = torch.nn.Sequential(torch.nn.Identity(), marked)
+        assert list(parent.state_dict()) == [f"1.{key}" for key in state]
+        parent.load_state_dict({f"1.{key}": torch.zeros_like(value) for key, value in state.items()})
+        assert not torch.equal(marked(*inputs), expected)  # (the loaded zeros are what the graph reads)
+        marked.load_state_dict(state)
+        actual, reference, captured = compile_and_run(marked, inputs)
+    assert _placeholders(captured.graphs[0][0]) == 1
+    assert torch.equal(reference, expected)
+    assert_outputs_close(actual, expected, "tiny_resnet loaded")
+
+
+def test_flat_names_are_identifiers():
+    """A Sequential's ``0.bias`` is read as ``_0__bias``: a get_attr target an archive takes."""
+    inputs = (torch.randn(2, 8, 6, 6),)
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1))
+    loaded = torch.export.export(quantize(model.eval(), inputs), inputs).module()
+    targets = _get_attr_targets(static_module.mark_static(loaded))
+    assert "_0__bias" in targets and all(t.isidentifier() for t in targets), targets
+
+
 def test_replacing_a_weight_of_a_static_model_recompiles():
     """Specialized means guarded by identity: a tensor swapped for another is seen (an in-place
     edit is not, as with any frozen weights: test_weights_are_snapshotted_at_compile_time)."""
