@@ -35,10 +35,10 @@ def _writes_state(gm: GraphModule) -> bool:
 
 
 class RenamedKeys:
-    """A state-dict hook renaming its module's own keys by
-    ``names``: the flat names of the tensors ``mark_static`` moved to the root to their dotted
-    keys after ``state_dict`` (in ``order``, the keys' order before the move), back before
-    ``load_state_dict``, so both keep the dotted keys."""
+    """A state-dict hook renaming its module's own keys by ``names``: the flat names of the
+    tensors ``mark_static`` moved to the root to their dotted keys after ``state_dict`` (in
+    ``order``, the keys' order before the move), back before ``load_state_dict``, so both keep
+    the dotted keys."""
 
     def __init__(self, names: dict, order: tuple = ()):
         self.names, self.rank = names, {key: i for i, key in enumerate(order)}
@@ -70,7 +70,8 @@ def _flat_name(target: str) -> str:
 
 def _move_to_root(gm: GraphModule, target: str) -> bool:
     """Move the tensor at ``target`` (in a submodule) to the root under its flat name, as the
-    same kind of attribute (parameter, buffer, plain); False where that name is taken."""
+    same kind of attribute (parameter, buffer, plain); False where that name is taken or no
+    identifier, or the attribute is no tensor."""
     path, _, leaf = target.rpartition(".")
     owner, flat = gm.get_submodule(path), _flat_name(target)
     if hasattr(gm, flat) or not flat.isidentifier():
@@ -91,6 +92,8 @@ def _move_to_root(gm: GraphModule, target: str) -> bool:
 def _flatten_attributes(gm: GraphModule) -> None:
     """Every tensor a ``get_attr`` node reads from a submodule, read from the root (module docstring)."""
     nested = {node.target for node in gm.graph.nodes if node.op == "get_attr" and "." in node.target}
+    if not nested:
+        return
     order = tuple(gm.state_dict(keep_vars=True))
     dotted_by_flat = {_flat_name(target): target for target in sorted(nested) if _move_to_root(gm, target)}
     flat_by_dotted = {dotted: flat for flat, dotted in dotted_by_flat.items()}
