@@ -7,9 +7,9 @@
  * their AVX2 int8 kernels ran 1.05-1.3x this one's time on ResNet-18's 3x3 convs and BERT-base's
  * linears at batch 1. out[p][o] = sum over kernel positions t and input channels i of
  * x[p's input at t][i] * w[o][t][i]; vpmaddubsw multiplies uint8 activations by int8 weights
- * and adds adjacent pairs in int16, which saturates unless the caller checked
- * qmax_x * (|w[o][2j]| + |w[o][2j+1]|) <= 32767 (7-bit weights always pass); vpmaddwd by ones
- * then widens to int32.
+ * and adds adjacent pairs in int16, which saturates unless the caller checked qmax_x times the
+ * pair's reach, max(|w[o][2j] + w[o][2j+1]|, |w[o][2j]|, |w[o][2j+1]|), <= 32767 (lowering/gemm.py
+ * largest_pair_sums; 7-bit weights always pass); vpmaddwd by ones then widens to int32.
  *
  * On CPUs with AVX512-VNNI, conv_gemm_int8_vnni.c builds this file again as qb_conv_call_vnni with
  * vpdpbusd, which adds each 4 uint8 x int8 products straight into int32: exact for any weights
