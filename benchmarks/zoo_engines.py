@@ -95,8 +95,8 @@ def _exported(path: Path):
 def _converted(path: Path):
     """The module quantize_x86 returns, as saved: marked for Dynamo (mark_static, as quantize_x86
     does) and without the input checks torch.export.load's module runs before each call in
-    Python (convert_pt2e's module has none; through torch.compile they cost mobilenet_v3_large
-    ~0.2 ms a call)."""
+    Python (convert_pt2e's module has none; through torch.compile they cost mobilenet_v2_like
+    130-180 us a call, cold)."""
     from qbackend.pipeline.static_module import mark_static
 
     module = _exported(path)

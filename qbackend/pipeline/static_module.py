@@ -48,10 +48,10 @@ class RenamedKeys:
         for key, value in state.items():
             local = key[len(prefix):] if key.startswith(prefix) else None
             items.append((self.names.get(local, local), key, value))
-        # the module's keys in their order (others of its own after them), the keys saved before
-        # its own (a parent's, a sibling's: not under ``prefix``) first, as they came
-        unranked = len(self.rank)
-        items.sort(key=lambda item: -1 if item[0] is None else self.rank.get(item[0], unranked))
+        if self.rank:  # (after state_dict: the module's keys in their order, others of its own after
+            # them; the keys saved before its own, a parent's or a sibling's, first as they came)
+            unranked = len(self.rank)
+            items.sort(key=lambda item: -1 if item[0] is None else self.rank.get(item[0], unranked))
         state.clear()  # (in place: the hook's contract)
         for local, key, value in items:
             state[key if local is None else prefix + local] = value
