@@ -24,7 +24,8 @@ GEOMETRIES = [  # kernel, stride, padding, dilation
 
 @pytest.mark.parametrize("ceil_mode", [False, True], ids=["floor", "ceil"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
-@pytest.mark.parametrize("channels", [64, 40, 3], ids=["64 channels", "32 + 8 channels", "3 channels"])
+@pytest.mark.parametrize("channels", [64, 40, 59, 24, 3],
+                         ids=["64 channels", "32 + 8 channels", "32 + 16 + 8 + 3 channels", "16 + 8 channels", "3 channels"])
 def test_kernel_gives_torchs_bytes(geometry, channels, ceil_mode):
     torch.manual_seed(0)
     for height, width in ((11, 9), (14, 14), (7, 10)):  # (ceil mode: a last, partial window or none, by size)
