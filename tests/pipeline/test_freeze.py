@@ -71,7 +71,8 @@ def _placeholders(gm) -> int:
 def test_a_converted_model_passes_dynamo_no_weights_per_call():
     """quantize_x86's result is one Dynamo specializes on (qbackend/pipeline/static_module.py): its
     tensors reach the backend as graph attributes, not as inputs gathered and checked on every
-    call; a deepcopy keeps that, and the numerics are the reference's."""
+    call; a deepcopy keeps that, and the numerics are the reference's. Unmarked, every tensor is
+    an input, and the report says so and what to call."""
     inputs = (torch.randn(2, 3, 32, 32),)
     converted = quantize(tiny_resnet(), inputs)
     assert static_module.is_static(converted) and all(map(static_module.is_static, converted.modules()))
@@ -79,12 +80,16 @@ def test_a_converted_model_passes_dynamo_no_weights_per_call():
         actual, expected, captured = compile_and_run(model, inputs)
         assert _placeholders(captured.graphs[0][0]) == 1
         assert_outputs_close(actual, expected, "tiny_resnet")
+        assert not any("mark_static" in note for note in captured.report.notes), captured.report.notes
     plain = copy.deepcopy(converted)
     for module in plain.modules():
         del module.torchdynamo_force_dynamic
     tensors = len({node.target for node in plain.graph.nodes if node.op == "get_attr"})
     _, _, captured = compile_and_run(plain, inputs)
     assert _placeholders(captured.graphs[0][0]) == 1 + tensors  # (the default: every tensor an input)
+    assert tensors >= static_module.LIFTED_WEIGHTS_NOTED
+    assert static_module.lifted_weights_note(tensors) in captured.report.notes, captured.report.notes
+    assert static_module.lifted_weights_note(static_module.LIFTED_WEIGHTS_NOTED - 1) is None
 
 
 def _get_attr_targets(gm) -> list:
