@@ -212,11 +212,14 @@ def saved_rows(work: Path, models: list, batches: list, timing: Timing, args) ->
     return rows, states, missing
 
 
-def runs_line(rows: list, states: list) -> str:
-    """Which code and day each row was measured with, grouped by the code qbackend ran."""
+def runs_line(rows: list, states: list, reps: int) -> str:
+    """Which code and day each row was measured with, grouped by the code qbackend ran, and its
+    processes per engine where they were not ``reps``."""
     groups = {}
     for row, state in zip(rows, states):
-        groups.setdefault((state["runtime_digest"], state["commit"]), []).append(f"{row.name} b{row.batch} ({state['date']})")
+        processes = max(map(len, row.runs.values()), default=0)
+        other = f", {processes} processes per engine" if processes != reps else ""
+        groups.setdefault((state["runtime_digest"], state["commit"]), []).append(f"{row.name} b{row.batch} ({state['date']}{other})")
     return "; ".join(f"commit {commit} (runtime sources {digest}): {', '.join(configs)}"
                      for (digest, commit), configs in groups.items())
 
@@ -537,7 +540,7 @@ def main():
     versions, started, rows, states = _versions(), time.perf_counter(), [], []
     if args.collect:
         rows, states, missing = saved_rows(work, args.models, args.batches, timing, args)
-        runs = f"- Rows saved by earlier runs: {runs_line(rows, states)}" + (
+        runs = f"- Rows saved by earlier runs: {runs_line(rows, states, args.reps)}" + (
             f"\n- **Missing** (no row saved on this CPU): {', '.join(missing)}" if missing else "")
     else:
         for name in args.models:
@@ -550,7 +553,7 @@ def main():
                 rows.append(row)
                 states.append(state)
                 print(latency_table(rows[-1:], args.in_process).splitlines()[-1], flush=True)
-        runs = f"- Rows of this run ({(time.perf_counter() - started) / 60:.0f} min): {runs_line(rows, states)}"
+        runs = f"- Rows of this run ({(time.perf_counter() - started) / 60:.0f} min): {runs_line(rows, states, args.reps)}"
     if not rows:
         raise SystemExit("no model ran: nothing written")
     command = "python benchmarks/bench_zoo.py " + " ".join(sys.argv[1:])
