@@ -29,9 +29,9 @@ static inline uint8_t load1(const uint8_t* p) { return *p; }
 static inline void store1(uint8_t* p, uint8_t v) { *p = v; }
 static inline uint8_t max1(uint8_t a, uint8_t b) { return a > b ? a : b; }
 
-/* out[ch..] = the max over the window of the channels from ch, ``LOAD`` / ``STORE`` wide (a
- * channel count off a multiple of 32 goes 16, 8, then 1 at a time: one at a time throughout,
- * ShuffleNet's 24-channel pool had taken 19x the time of a 32-channel one) */
+/* out[ch..] = the max over the window of the channels from ch, ``LOAD`` / ``STORE`` wide: past
+ * a multiple of 32, channels go 16, 8, then 1 at a time (all one at a time, ShuffleNet's
+ * 24-channel pool had taken 17x a 32-channel one's time) */
 #define WINDOW_MAX(TYPE, ZERO, LOAD, MAX, STORE)                                                    \
   {                                                                                                 \
     TYPE m = ZERO;                                                                                  \
