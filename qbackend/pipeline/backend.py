@@ -115,14 +115,14 @@ def compile_graph(gm: GraphModule, example_inputs, options: Options, registry=No
     device = options.device or graph_device(example_inputs, gm)
     work = GraphModule(gm, copy.deepcopy(gm.graph))
     runtime_inputs = freeze(work, example_inputs)
-    lifted = lifted_weights_note(len(example_inputs) - len(runtime_inputs))
+    lifted_note = lifted_weights_note(len(example_inputs) - len(runtime_inputs))
     drop_inference_dropout(work)
     einsums_as_matmuls(work)
     row_order = linears_in_row_order(work)
     inductor = options.remainder == "inductor"  # (Inductor traces the graph: ops with Meta kernels, its own q/dq)
     report = lower(work, device, registry, options.weight_only_compute, options.weight_only_dense_rows,
                    options.need_meta or inductor, options.kernel_choice)
-    report.notes.extend(note for note in (lifted, row_order) if note)
+    report.notes.extend(note for note in (lifted_note, row_order) if note)
     report.notes.extend(cleanup(work, device, fast_boundary=not inductor, kernel_choice=options.kernel_choice,
                                 weight_only_compute=options.weight_only_compute, kv_cache=options.kv_cache))
     report.chains = chain_calls(work)
