@@ -303,24 +303,20 @@ def _timed_calls(runner, inputs, fresh, timing: Timing) -> tuple[list, float]:
     ``warmup_s`` at least): the steady state of a loop over the model; the process's minor page
     faults a timed call, inside the call only (not the input's fresh copy before it): memory an
     engine's calls allocate afresh and Linux maps in again, each page zeroed)."""
-    faults = [0]
-
-    def call() -> float:
+    def call() -> tuple[float, int]:
         args = fresh(inputs)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         runner(*args)
         elapsed = time.perf_counter() - start
-        faults[0] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-        return elapsed
+        return elapsed, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
     warm, spent = 0, 0.0
     while warm < timing.warmup_calls or spent < timing.warmup_s:
-        spent, warm = spent + call(), warm + 1
+        spent, warm = spent + call()[0], warm + 1
     calls = max(timing.min_calls, min(timing.max_calls, round(timing.target_s * warm / spent)))
-    faults[0] = 0
-    times = [call() for _ in range(calls)]
-    return times, faults[0] / calls
+    times, faults = zip(*(call() for _ in range(calls)))
+    return list(times), sum(faults) / calls
 
 
 def _set_up_torch(scratch: Path) -> None:
