@@ -141,3 +141,29 @@ def int8_pairs_saturate(device: str, kind: str) -> bool:
     else:
         _ask(device, ("qlinear", "qlinear_prepack"), run_linear)
     return bool(result) and result[0].flatten()[0].item() != 2 * 255 * 127
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_conv_inexact(device: str, per_group: int) -> bool:
+    """Whether the device's int8 conv of 2 groups of ``per_group`` channels (3x3, padding 1, an
+    input zero point of 3) misses the exact sums: torch 2.13's oneDNN on an AMX Xeon (family 6
+    model 167) is off past the first group at 24 channels a group (probed exact there at 4, 8,
+    16, 32-48; exact on Zen 3 / Zen 4). Unit scales and float32 out: the sums are integers below
+    2^24, exact in float32. A missing op or a refusal: False (nothing lowers through it)."""
+    channels, zero_point = 2 * per_group, 3
+    x = ((torch.arange(channels * 25).reshape(1, channels, 5, 5) * 37) % 256).to(torch.uint8)
+    x = x.to(device).contiguous(memory_format=torch.channels_last)
+    w = ((torch.arange(channels * per_group * 9).reshape(channels, per_group, 3, 3) * 53) % 255 - 127).to(torch.int8).to(device)
+    scale, zp = torch.ones(channels, device=device), torch.zeros(channels, dtype=torch.int64, device=device)
+    result = []
+
+    def run(qconv, prepack):
+        packed = prepack(w, scale, 1.0, zero_point, [1, 1], [1, 1], [1, 1], 2, x.shape)
+        result.append(qconv(x, 1.0, zero_point, packed, scale, zp, None, [1, 1], [1, 1], [1, 1], 2, 1.0, 0, torch.float32,
+                            "none", [], ""))
+
+    _ask(device, (qconv_for_rank(2), "qconv_prepack"), run)
+    if not result:
+        return False
+    exact = torch.nn.functional.conv2d(x.double() - zero_point, w.double(), None, 1, 1, 1, 2)
+    return bool((result[0].double() - exact).abs().max() > 0.5)

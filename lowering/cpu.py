@@ -7,7 +7,7 @@ import torch
 
 from qbackend.patterns.base import fake_value
 
-from .capabilities import (INT16_MAX, conv_binary_post_op_refusal, conv_post_op_refusal, int8_pairs_saturate,
+from .capabilities import (INT16_MAX, conv_binary_post_op_refusal, conv_post_op_refusal, grouped_conv_inexact, int8_pairs_saturate,
                            linear_binary_post_op_refusal, linear_post_op_refusal, quantized_tensor_pool_refusal)
 from . import add_quantize, attention, choice, depthwise, gemm, grouped, layer_norm, pools, scale, stem
 from .base import Lowering
@@ -74,12 +74,26 @@ def _int16_pairs_overflow(match):
     return f"this CPU's oneDNN int8 kernel adds pairs of products in int16 (no VNNI) and this layer's can reach {bound} > {INT16_MAX}"
 
 
+def _inexact_groups(match):
+    # oneDNN's grouped conv misses the exact sums at some group widths on some CPUs (probed)
+    p, w = match.conv, match.weight
+    if p is None or w is None or not 1 < p.groups < w.int8.shape[0]:
+        return None
+    per_group = w.int8.shape[0] // p.groups
+    if not grouped_conv_inexact("cpu", per_group):
+        return None
+    return f"this CPU's oneDNN grouped int8 conv misses the exact sums at {per_group} channels a group (probed)"
+
+
 def _exact_int8_products(match):
     """Why a match stays float where no own kernel runs it exactly (_conv_linear_row), or None."""
     overflow = _int16_pairs_overflow(match)
-    return overflow and (f"{overflow}: kept so its result stays exact; quantize with weights whose pairs fit "
-                         "(qbackend.pt2e_flow.quantize_x86's default on such a CPU, reduce_range='pairs'), 7-bit "
-                         "weights ([-64, 63]) or 7-bit activations to lower it")
+    if overflow:
+        return (f"{overflow}: kept so its result stays exact; quantize with weights whose pairs fit "
+                "(qbackend.pt2e_flow.quantize_x86's default on such a CPU, reduce_range='pairs'), 7-bit "
+                "weights ([-64, 63]) or 7-bit activations to lower it")
+    inexact = _inexact_groups(match)
+    return inexact and f"{inexact}: kept so its result stays exact"
 
 
 def _limits(match):
@@ -108,14 +122,15 @@ def _own_kernel_or(onednn_emit, *kernels, fallback="oneDNN"):
 
 def _conv_linear_row(row: str, onednn_emit, *kernels) -> Lowering:
     """A conv / linear row: ``_own_kernel_or``, and a match oneDNN cannot run (its post-op: GELU
-    after a conv, MaxViT; or its int16 pair sums, which saturate: 8-bit weights on a CPU without
-    VNNI) runs on the first own kernel that takes it, unmeasured."""
+    after a conv, MaxViT; its int16 pair sums, which saturate: 8-bit weights on a CPU without
+    VNNI; a grouped conv whose sums it misses, probed) runs on the first own kernel that takes
+    it, unmeasured."""
     def taker(ctx, match):
         return next((k for k in kernels if k.applies(match) and k.refusal(ctx, match) is None), None)
 
     def onednn_refusal(match):
         post_op = _post_op(match)
-        return f"oneDNN refuses the post-op: {post_op}" if post_op else _int16_pairs_overflow(match)
+        return f"oneDNN refuses the post-op: {post_op}" if post_op else _int16_pairs_overflow(match) or _inexact_groups(match)
 
     def runs_anyway(ctx, match) -> bool:
         return onednn_refusal(match) is not None and not _uint8_activations(match) and taker(ctx, match) is not None
