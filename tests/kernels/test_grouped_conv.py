@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 from qbackend.kernels import registry
-from qbackend.lowering import grouped
-from qbackend.lowering import choice
+from qbackend.lowering import choice, grouped
+from qbackend.lowering import cpu as lowering_cpu
 from qbackend.lowering.capabilities import grouped_conv_inexact
 from qbackend.lowering.own_conv import scale_and_offset
 from qbackend.ops import resolve
@@ -163,8 +163,6 @@ def test_weights_whose_pair_sums_saturate_run_on_the_exact_build(int8_build):
 def test_group_widths_onednn_misses_run_on_the_kernel_unmeasured(monkeypatch):
     """Where the CPU's oneDNN misses a grouped conv's exact sums (24 channels a group on an AMX
     Xeon), the kernel runs it without timing oneDNN, even in the measured choice, saying why."""
-    from qbackend.lowering import cpu as lowering_cpu
-
     monkeypatch.setattr(lowering_cpu, "grouped_conv_inexact", lambda device, per_group: per_group == 4)
     monkeypatch.setenv("QBACKEND_KERNEL_CHOICE", "measure")
     monkeypatch.setattr(choice, "measure", lambda runs: {"own": 2e-3, "fallback": 1e-3})  # (timed, oneDNN would win)

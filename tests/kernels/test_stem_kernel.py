@@ -227,7 +227,7 @@ def test_activation_runs_in_the_avx2_build_only(int8_build):
         assert decision.op == STEM_OP, str(captured.report)
         assert "'hardswish')" in [line for line in short_graph(captured.lowered).splitlines() if "qconv_stem" in line][0]
     else:  # (the GEMM or oneDNN then runs it: the CPU's prior table or its measurement decides)
-        assert decision.op in ("onednn::qconv_pointwise", "qbackend::qconv.default"), str(captured.report)
+        assert decision.op in ("onednn::qconv_pointwise", f"{registry.NAMESPACE}::qconv.default"), str(captured.report)
         assert "not qbackend's stem conv kernel: post-op hardswish: the kernel folds none / relu / hardtanh" in decision.reason
 
 
