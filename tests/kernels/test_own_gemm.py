@@ -37,11 +37,13 @@ def _gemm_case(rows=37, cin=64, cout=40, x_zp=9, x_scale=0.03):
 
 @needs_own_kernels
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
-def test_activation_in_the_epilogue_gives_the_reference_values(activation, int8_build):
+@pytest.mark.parametrize("cout", [40, 128], ids=["16-wide tail", "64-wide tiles"])
+def test_activation_in_the_epilogue_gives_the_reference_values(activation, cout, int8_build):
     """Float out: within 2e-6 of the float64 activation over the exact sum (37 rows: a tail
-    tile; 40 outputs: a 16-wide tail). uint8 out: the reference integers, rarely one step off
-    where a value sits on a rounding boundary."""
-    x, constants, exact = _gemm_case()
+    tile; 40 outputs: a 16-wide tail, half of the zmm build's last block masked; 128: its tiles
+    of 6 pixels x 64 outputs). uint8 out: the reference integers, rarely one step off where a
+    value sits on a rounding boundary."""
+    x, constants, exact = _gemm_case(cout=cout)
     expected = ACTIVATIONS[activation](exact)
     assert (exact < -3).any() and (exact > 3).any()  # both tails and the middle of each activation
     kernel = registry.op("qconv")
@@ -97,13 +99,15 @@ def test_both_loop_orders_give_the_exact_sums(cout, beyond, int8_build):
 
 
 @needs_own_kernels
-def test_float_residual_is_added_before_the_post_op(int8_build):
+@pytest.mark.parametrize("activation", ["none", "swish"])
+def test_float_residual_is_added_before_the_post_op(activation, int8_build):
     x, constants, exact = _gemm_case()
     residual = torch.randn(exact.shape)
     floats = registry.op("qconv")(x, *constants, residual.reshape(*exact.shape, 1, 1), 1.0, 0.0, float("inf"),
-                                   1.0, 0, 0, 255, True)
-    torch.testing.assert_close(floats.reshape(exact.shape).double(), (exact + residual.double()).clamp_min(0),
-                               atol=2e-6, rtol=1e-6)
+                                   1.0, 0, 0, 255, True, activation)
+    summed = exact + residual.double()
+    expected = (summed if activation == "none" else ACTIVATIONS[activation](summed)).clamp_min(0)
+    torch.testing.assert_close(floats.reshape(exact.shape).double(), expected, atol=2e-6, rtol=1e-6)
 
 
 @needs_own_kernels

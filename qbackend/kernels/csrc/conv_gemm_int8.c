@@ -17,6 +17,7 @@
  * registers (qb_conv_call_vnni512). Which width is faster depends on the core: on a Zen 4 EPYC
  * zmm vpdpbusd ran a third of ymm's instructions per ns (1.6x fewer products), on a Zen 5 EPYC
  * 2 per cycle like ymm (2x the products). qbackend/kernels/isa.py asks qb_vnni_zmm_speedup once.
+ * The zmm build runs its activations (GELU, SiLU, hardswish) on zmm too (vec_math512.h).
  *
  * Weights, every build: [ceil(Cout / 16)][KH * KW * ceil(Cin / 4)][16 outputs][4 inputs], Cout
  * and each kernel position's Cin padded with zero weights. A zmm block is one 64-byte row of 16
@@ -42,6 +43,9 @@
 #define ACTIVATION_LANES 8
 #endif
 #include "vec_math.h"
+#ifdef QB_ZMM
+#include "vec_math512.h"
+#endif
 
 #define MAX_TAPS 9 /* up to 3x3 kernels */
 #define ROW_BLOCK_BYTES (128 * 1024)
@@ -346,6 +350,7 @@ static inline void store_block(const epilogue_t e, block_t acc, int o, int Cout,
 #endif
 }
 
+#ifndef QB_ZMM /* (store_activated16 below) */
 /* The epilogue of a tile whose post-op is an activation (GELU, SiLU, hardswish): 8 outputs of
  * ACTIVATION_LANES pixels at a time, in lockstep (vec_math.h). One copy of this code, called once per
  * tile; a short last group of pixels repeats its first pixel's sums and stores only its own. */
@@ -371,6 +376,43 @@ static __attribute__((noinline)) void store_activated(const epilogue_t* shared, 
       }
     }
 }
+
+#else
+/* store_activated on zmm: 16 outputs of ACTIVATION_LANES16 pixels at a time (vec_math512.h), a
+ * block past Cout's last 16 masked. */
+static __attribute__((noinline)) void store_activated16(const epilogue_t* shared, block_t acc[PIXEL_TILE][4], int pixels,
+                                                        int blocks, int o, int Cout, size_t p, uint8_t* restrict y) {
+  const epilogue_t e = *shared; /* (local: see store8) */
+  const wide_epilogue_t w = wide_epilogue(&e);
+  for (int b = 0; b < blocks; b++) {
+    const int ob = o + BLOCK * b;
+    const __mmask16 real = ob + 16 <= Cout ? 0xffff : (__mmask16)((1u << (Cout - ob)) - 1);
+    const __m512 mult = _mm512_maskz_loadu_ps(real, e.mult + ob), add = _mm512_maskz_loadu_ps(real, e.add + ob);
+    for (int first = 0; first < pixels; first += ACTIVATION_LANES16) {
+      __m512 f[ACTIVATION_LANES16];
+      for (int j = 0; j < ACTIVATION_LANES16; j++) {
+        const int i = first + j < pixels ? first + j : first;
+        const size_t at = (p + i) * Cout + ob;
+        f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][b]), mult, add);
+        if (e.residual)
+          f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(real, e.residual + at))),
+                                 w.residual_scale, f[j]);
+        else if (e.residual_f)
+          f[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(real, e.residual_f + at), w.residual_scale, f[j]);
+      }
+      activate16_lanes(e.activation, f, ACTIVATION_LANES16);
+      for (int j = 0; j < ACTIVATION_LANES16 && first + j < pixels; j++) {
+        const size_t at = (p + first + j) * Cout + ob;
+        const __m512 clamped = _mm512_min_ps(w.high, _mm512_max_ps(w.low, f[j])); /* (clamped8's order: a NaN stays) */
+        if (e.float_out)
+          _mm512_mask_storeu_ps(e.float_out + at, real, clamped);
+        else
+          _mm512_mask_cvtepi32_storeu_epi8(y + at, real, quantized(&w, clamped));
+      }
+    }
+  }
+}
+#endif
 
 #ifndef WIDE_PIXELS
 #define WIDE_PIXELS 0 /* (no 4-block tiles) */
@@ -423,7 +465,11 @@ static inline __attribute__((always_inline)) void tile(int pixels, int blocks, i
     return;
   }
   if (e.activation != CLAMP_ONLY) { /* (``shared``: a pointer to ``e`` would make its copy a memcpy per tile) */
+#ifdef QB_ZMM
+    store_activated16(shared, acc, pixels, blocks, o, Cout, p, y);
+#else
     store_activated(shared, acc, pixels, blocks, o, Cout, p, y);
+#endif
     return;
   }
   for (int i = 0; i < pixels; i++)
