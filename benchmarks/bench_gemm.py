@@ -148,13 +148,10 @@ STEMS = [("ResNet stem 7x7 s2 + relu", 64, 7, 2, 3, "relu"), ("RegNet stem 3x3 s
 
 def stem_rows() -> list:
     """The stem conv kernel (the build that runs here) against oneDNN's conv, on 224x224 images
-    (7-bit weights: exact in oneDNN's int16 pair sums without VNNI too). Activations other than
-    relu: the AVX2 build only."""
+    (7-bit weights: exact in oneDNN's int16 pair sums without VNNI too)."""
     build = kernel_isa.int8_build()
     prepack, qconv, rows, fused = resolve("qconv_prepack", "cpu").op, resolve("qconv", "cpu").op, [], []
     for name, cout, k, s, pad, post in STEMS:
-        if post != "relu" and build != "avx2":
-            continue
         for batch in (1, 8):
             torch.manual_seed(0)
             x = torch.randint(0, 256, (batch, 3, 224, 224), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)

@@ -63,9 +63,7 @@ def refusal(ctx: EmitContext, match) -> Optional[str]:
     reason = sizes_refusal(static_shape(match.x.node), match.weight.int8.shape, p.stride, p.dilation)
     if reason is not None:
         return reason
-    # (the AVX2 build's epilogue runs the activations; the VNNI build's folds clamps only)
-    activations = tuple(own_conv.ACTIVATIONS) if isa.int8_build() == "avx2" else ()
-    return own_conv.refusal(ctx, match, (match.x.qparams, match.output_quant), activations)
+    return own_conv.refusal(ctx, match, (match.x.qparams, match.output_quant), tuple(own_conv.ACTIVATIONS))
 
 
 def prior(match) -> Optional[str]:

@@ -85,8 +85,6 @@ def _prepare_stem_conv(x, x_zero_point, weight, mult, add, kernel_size, stride, 
         function = isa.vnni_function("qb_stem_conv_vnni_call", X_TO_Y_SIGNATURE, ctypes.c_int)
         if function is None:
             raise ValueError(f"qbackend::qconv_stem: int8 weights are packed for AVX512-VNNI: {isa.vnni_unavailable()}")
-        if activation != "none":
-            raise ValueError(f"qbackend::qconv_stem: activation {activation!r}: the AVX512-VNNI build folds clamps only")
     else:
         function = isa.c_function("qb_stem_conv_call", X_TO_Y_SIGNATURE, ctypes.c_int)
     if activation not in ACTIVATIONS:

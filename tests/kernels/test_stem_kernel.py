@@ -86,10 +86,11 @@ def test_fused_max_pool_gives_the_separate_pools_bytes(shape, pool, int8_build):
 @needs_own_kernels
 @pytest.mark.parametrize("activation", ["swish", "hardswish"])
 @pytest.mark.parametrize("shape", [SHAPES[k] for k in ("MobileNet 3x3 s2", "1 channel 5x5")], ids=["MobileNet 3x3 s2", "1 channel 5x5"])
-def test_avx2_build_runs_activations(shape, activation):
-    """EfficientNet's stem ends in SiLU, MobileNetV3's in hardswish: the AVX2 build's epilogue
-    runs them before the clamp; with a pool fused too."""
-    args, expected = _case(shape, "relu6", "avx2", activation)
+def test_activations_run_in_the_epilogue(shape, activation, int8_build):
+    """EfficientNet's stem ends in SiLU, MobileNetV3's in hardswish: each build's epilogue runs
+    them before the clamp (the VNNI build on zmm, a block's pixels in lockstep); with a pool
+    fused too."""
+    args, expected = _case(shape, "relu6", int8_build, activation)
     run = registry.op("qconv_stem")
     actual = run(*args, *stem_kernel.NO_POOL, activation)
     assert_int8_close(actual, expected, activation)
@@ -216,19 +217,15 @@ class HardswishStem(nn.Module):
 
 
 @needs_own_kernels
-def test_activation_runs_in_the_avx2_build_only(int8_build):
-    """The AVX2 build's epilogue runs the hardswish; the VNNI build's folds clamps only, so
-    there oneDNN runs the conv, saying why."""
+def test_activation_runs_in_the_stem_kernel(int8_build):
+    """Every build's epilogue runs the hardswish (the VNNI build's folded clamps only before:
+    oneDNN or the GEMM ran such a stem)."""
     x = torch.randn(1, 3, 32, 32)
     actual, expected, captured = compile_and_run(quantize(HardswishStem().eval(), (x,)), (x,))
     assert_outputs_close(actual, expected, "hardswish stem")
     decision = captured.report.decisions[0]
-    if int8_build == "avx2":
-        assert decision.op == STEM_OP, str(captured.report)
-        assert "'hardswish')" in [line for line in short_graph(captured.lowered).splitlines() if "qconv_stem" in line][0]
-    else:  # (the GEMM or oneDNN then runs it: the CPU's prior table or its measurement decides)
-        assert decision.op in ("onednn::qconv_pointwise", f"{registry.NAMESPACE}::qconv.default"), str(captured.report)
-        assert "not qbackend's stem conv kernel: post-op hardswish: the kernel folds none / relu / hardtanh" in decision.reason
+    assert decision.op == STEM_OP, str(captured.report)
+    assert "'hardswish')" in [line for line in short_graph(captured.lowered).splitlines() if "qconv_stem" in line][0]
 
 
 @needs_own_kernels
@@ -260,9 +257,9 @@ def test_bad_inputs_get_a_clear_error_not_a_crash():
         op(args[0], args[1], args[2][: 24 * 14 * 2], args[3][:24], args[4][:24], *args[5:])
     with pytest.raises(ValueError, match=r"activation 'mish' is not one of \['none', 'gelu', 'gelu_tanh', 'swish', 'hardswish'\]"):
         op(*args, *stem_kernel.NO_POOL, "mish")
-    vnni_packed = stem.pack(torch.zeros(32, 3, 3, 3, dtype=torch.int8))
-    with pytest.raises(ValueError, match="AVX512-VNNI"):  # (no VNNI: its build is absent; else it folds no activation)
-        op(args[0], args[1], vnni_packed, *args[3:], *stem_kernel.NO_POOL, "swish")
+    if isa.vnni_unavailable():  # (int8 weights are the VNNI build's packing)
+        with pytest.raises(ValueError, match="int8 weights are packed for AVX512-VNNI"):
+            op(args[0], args[1], stem.pack(torch.zeros(32, 3, 3, 3, dtype=torch.int8)), *args[3:])
     with pytest.raises(ValueError, match="no output"):
         op(args[0][..., :2, :2], *args[1:6], [1, 1], [0, 0], *args[8:])
     with pytest.raises(ValueError, match=r"stride \[-1, -1\]: two ints from 1"):  # (#20: a 3x3 output of a 1x1 input)

@@ -59,7 +59,7 @@ typedef struct {
   int out_zp, qmin, qmax;
   /* A max pool of the conv's output, fused (pool_kh 0: none): y is then the pool's PH x PW output. */
   int pool_kh, pool_kw, pool_sh, pool_sw, pool_ph, pool_pw, PH, PW;
-  int activation; /* vec_math.h's, before the clamp (stem_conv_int8.c only: the VNNI build takes CLAMP_ONLY) */
+  int activation; /* vec_math.h's, before the clamp */
 } stem_call_t;
 
 /* max_pool_uint8.c */

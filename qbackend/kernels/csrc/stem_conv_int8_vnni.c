@@ -1,6 +1,7 @@
 /* int8 convolution of inputs with few channels (a network's stem: ResNet's 7x7 stride-2 conv
  * of 3 channels, MobileNet's 3x3 one), AVX512-VNNI: uint8 NHWC activations, per-channel int8
- * weights, a clamp post-op and requantization to uint8.
+ * weights, an activation (GELU, SiLU, hardswish: vec_math512.h), a clamp and requantization to
+ * uint8.
  *
  * Why: oneDNN runs ResNet-18's 7x7 stem at ~280 GMAC/s here, against 420-490 for its 3x3
  * layers. With 3 channels a window row has 21 bytes, not a multiple of the 4 that one dot
@@ -18,7 +19,8 @@
  *
  * GEMM: tiles of up to 6 pixels x 64 outputs (24 zmm sums); vpdpbusd adds 4 uint8 x int8
  * products per output into int32, exact. The epilogue is conv_gemm_int8.c's: acc * mult +
- * add, clamp, scale, round half to even, clamp to [qmin, qmax].
+ * add, the activation (a block's pixels in lockstep), clamp, scale, round half to even, clamp
+ * to [qmin, qmax].
  */
 #include <immintrin.h>
 #include <stddef.h>
@@ -27,6 +29,7 @@
 #include <string.h>
 
 #include "call_structs.h"
+#include "vec_math512.h"
 
 #define PIECE 64     /* output pixels of a row per step (their leftover bytes: a small buffer) */
 #define MAX_LEFTOVER 64 /* leftover bytes per pixel: KH * L <= 3 * KH */
@@ -41,10 +44,11 @@ typedef struct {
 typedef struct {
   __m512 low, high, inv_scale, zp;
   __m512i qmin, qmax;
+  int activation;
 } requant_t;
 
-static inline void store16(const requant_t r, __m512i acc, __m512 mult, __m512 add, uint8_t* y) {
-  __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), mult, add);
+/* 16 outputs after the activation: clamped, requantized, stored. */
+static inline void store16(const requant_t r, __m512 f, uint8_t* y) {
   f = _mm512_min_ps(_mm512_max_ps(f, r.low), r.high);
   __m512i q = _mm512_cvtps_epi32(_mm512_fmadd_ps(f, r.inv_scale, r.zp)); /* round half to even, as torch */
   q = _mm512_min_epi32(_mm512_max_epi32(q, r.qmin), r.qmax);
@@ -96,7 +100,10 @@ static inline __attribute__((always_inline)) void tile(int PIXELS, int BLOCKS, c
   const requant_t r = *shared;
   for (int j = 0; j < BLOCKS; j++) {
     const __m512 mult = _mm512_loadu_ps(c->mult + (b + j) * 16), add = _mm512_loadu_ps(c->add + (b + j) * 16);
-    for (int i = 0; i < PIXELS; i++) store16(r, sums[4 * i + j], mult, add, y + (size_t)i * c->Cout + (b + j) * 16);
+    __m512 f[6];
+    for (int i = 0; i < PIXELS; i++) f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[4 * i + j]), mult, add);
+    if (r.activation != CLAMP_ONLY) activate16_lanes(r.activation, f, PIXELS);
+    for (int i = 0; i < PIXELS; i++) store16(r, f[i], y + (size_t)i * c->Cout + (b + j) * 16);
   }
 }
 
@@ -207,7 +214,8 @@ int qb_stem_conv_vnni_call(int threads, const stem_call_t* c, const uint8_t* x, 
   steps_t s = {run / 4, run % 4, (c->KH * (run % 4) + 3) / 4, 0, (size_t)span * c->C, (size_t)c->stride_w * c->C};
   s.K4 = c->KH * s.F + s.LQ;
   const requant_t r = {_mm512_set1_ps(c->low), _mm512_set1_ps(c->high), _mm512_set1_ps(c->out_inv_scale),
-                       _mm512_set1_ps((float)c->out_zp), _mm512_set1_epi32(c->qmin), _mm512_set1_epi32(c->qmax)};
+                       _mm512_set1_ps((float)c->out_zp), _mm512_set1_epi32(c->qmin), _mm512_set1_epi32(c->qmax),
+                       c->activation};
   int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
