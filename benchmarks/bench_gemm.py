@@ -64,7 +64,8 @@ def builds():
     """The GEMM builds this CPU runs (kernel_isa.gemm_build's values; the depthwise kernel has the
     first two only)."""
     vnni = kernel_isa._vnni_library()[0] is not None
-    return [build for build, (isa, _) in library.GEMM_BUILDS.items() if isa == "avx2" or vnni]
+    return [build for build, (isa, _) in library.GEMM_BUILDS.items()
+            if (isa == "avx2" or vnni) and (build != "avx512_amx" or kernel_isa.amx_ready())]
 
 
 def conv_runners(batch, cin, h, w, cout, k, s, zp):

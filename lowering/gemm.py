@@ -58,8 +58,13 @@ class Limits:
 # zmm 0.88-1.09x at batch 1 (115M multiply-adds each: ResNet-18 at batch 1 ran 2.46-2.53 ms
 # with them on the GEMM, 2.87-3.02 on oneDNN, interleaved) and 0.95-1.14x at batch 8 (925M:
 # end to end no gain, 1568 output pixels and up a loss), so up to 256M multiply-adds.
+# AMX (the zmm build, its 1x1 convs of stride 1 and linears of 16 rows and more on tiles; a
+# Sapphire Rapids Xeon, one thread, interleaved): linears 0.79-0.82x at 32-128 rows, 0.89-1.06x
+# at 197 (ViT-B's); 1x1 convs 0.62-0.72x at batch 1 (196-3136 pixels), 0.78-1.08x at batch 8;
+# its 3x3 convs are the zmm build's.
 LIMITS = {"avx2": Limits(max_rows=256, max_conv_pixels=8192), "avx512_vnni": Limits(max_rows=16, max_conv_pixels=1024),
-          "avx512_vnni_zmm": Limits(max_rows=32, max_conv_pixels=1024, max_dense_macs=256_000_000)}
+          "avx512_vnni_zmm": Limits(max_rows=32, max_conv_pixels=1024, max_dense_macs=256_000_000),
+          "avx512_amx": Limits(max_rows=256, max_conv_pixels=1024, max_dense_macs=256_000_000)}
 
 
 def limits() -> Limits:

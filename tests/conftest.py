@@ -23,11 +23,14 @@ def _kernel_choice_from_the_fixed_tables(monkeypatch):
 @pytest.fixture(params=list(library.GEMM_BUILDS))
 def int8_build(request, monkeypatch):
     """Run the test on each build of qbackend's int8 kernels this CPU has (isa.gemm_build:
-    the AVX2 one always; where the CPU has AVX512-VNNI, its GEMM on ymm and on zmm registers).
+    the AVX2 one always; where the CPU has AVX512-VNNI, its GEMM on ymm and on zmm registers, and
+    where it has AMX-INT8, on tiles).
     Returns isa.int8_build's value."""
     build = library.GEMM_BUILDS[request.param][0]
     if build == "avx512_vnni" and isa._vnni_library()[0] is None:
         pytest.skip(f"needs the AVX512-VNNI kernels: {isa._vnni_library()[1]}")
+    if request.param == "avx512_amx" and not isa.amx_ready():
+        pytest.skip("needs AMX-INT8")
     monkeypatch.setattr(isa, "int8_build", lambda: build)
     monkeypatch.setattr(isa, "gemm_build", lambda: request.param)
     return build

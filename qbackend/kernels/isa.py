@@ -76,7 +76,16 @@ def _vnni_library() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     except (RuntimeError, OSError) as error:
         return None, f"the AVX512-VNNI kernels could not be built or loaded: {error}"
     vnni.qb_vnni_zmm_speedup.argtypes, vnni.qb_vnni_zmm_speedup.restype = [ctypes.c_int], ctypes.c_double
+    vnni.qb_amx_ready.argtypes, vnni.qb_amx_ready.restype = [], ctypes.c_int
     return vnni, None
+
+
+@functools.lru_cache(maxsize=None)
+def amx_ready() -> bool:
+    """Whether the GEMM's AMX build runs here: the CPU has AMX-INT8 and Linux lets this process
+    use the tile registers (qb_amx_ready asks once, as oneDNN does)."""
+    vnni = _vnni_library()[0]
+    return vnni is not None and bool(vnni.qb_amx_ready())
 
 
 # zmm over ymm products per second above which the VNNI GEMM runs on zmm: a Zen 4 EPYC measured
@@ -110,16 +119,21 @@ def zmm_speedup() -> float:
 
 
 def gemm_build() -> str:
-    """The build of qbackend::qconv's GEMM that runs here: int8_build's, and for AVX512-VNNI the
-    register width this core runs faster ("avx512_vnni": ymm, "avx512_vnni_zmm"). All take the
-    same packed weights; lowering/gemm.py LIMITS holds where each beats oneDNN."""
+    """The build of qbackend::qconv's GEMM that runs here: int8_build's, and for AVX512-VNNI
+    "avx512_amx" where the CPU has AMX-INT8 (the zmm build, 1x1 convs and linears on tiles), else
+    the register width this core runs faster ("avx512_vnni": ymm, "avx512_vnni_zmm"). All take
+    the same packed weights; lowering/gemm.py LIMITS holds where each beats oneDNN."""
     build, forced = int8_build(), library.switch()
     if forced in library.GEMM_BUILDS:
         needed = library.GEMM_BUILDS[forced][0]
         if needed != build:
             raise RuntimeError(f"qbackend: ${library.SWITCH}={forced} needs the {needed} kernels: {vnni_unavailable()}")
+        if forced == "avx512_amx" and not amx_ready():
+            raise RuntimeError(f"qbackend: ${library.SWITCH}={forced} needs AMX-INT8, which this CPU or Linux does not give")
         return forced
-    return "avx512_vnni_zmm" if build == "avx512_vnni" and zmm_speedup() >= ZMM_MIN_SPEEDUP else build
+    if build != "avx512_vnni":
+        return build
+    return "avx512_amx" if amx_ready() else "avx512_vnni_zmm" if zmm_speedup() >= ZMM_MIN_SPEEDUP else build
 
 
 def vnni_unavailable() -> Optional[str]:

@@ -46,7 +46,8 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # Two libraries: every kernel for AVX2, and the int8 conv kernels, attention and the weight-only
 # kernels again for AVX512-VNNI (optional: a compiler without these flags or a CPU without VNNI
 # leaves the AVX2 ones; the AVX512-BF16 kernel there checks its CPU and compiler itself).
-VNNI_ONLY = (CSRC / "conv_gemm_int8_vnni.c", CSRC / "conv_gemm_int8_vnni512.c", CSRC / "depthwise_conv_int8_vnni.c",
+VNNI_ONLY = (CSRC / "conv_gemm_int8_vnni.c", CSRC / "conv_gemm_int8_vnni512.c", CSRC / "conv_gemm_int8_amx.c",
+             CSRC / "depthwise_conv_int8_vnni.c",
              CSRC / "stem_conv_int8_vnni.c", CSRC / "grouped_conv_int8_vnni.c", CSRC / "weight_only_bf16.c")
 VNNI_SOURCES = VNNI_ONLY + (CSRC / "attention_f32.c", CSRC / "weight_only_int16.c", CSRC / "struct_layout.c")
 SOURCES = tuple(sorted(set(CSRC.glob("*.c")) - set(VNNI_ONLY)))

@@ -22,7 +22,7 @@ from .structs import check_layouts
 SWITCH = "QBACKEND_KERNELS"
 # isa.gemm_build's values -> the isa.int8_build they belong to and their C function
 GEMM_BUILDS = {"avx2": ("avx2", "qb_conv_call"), "avx512_vnni": ("avx512_vnni", "qb_conv_call_vnni"),
-               "avx512_vnni_zmm": ("avx512_vnni", "qb_conv_call_vnni512")}
+               "avx512_vnni_zmm": ("avx512_vnni", "qb_conv_call_vnni512"), "avx512_amx": ("avx512_vnni", "qb_conv_call_amx")}
 
 
 @functools.lru_cache(maxsize=None)

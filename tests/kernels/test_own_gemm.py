@@ -99,6 +99,18 @@ def test_both_loop_orders_give_the_exact_sums(cout, beyond, int8_build):
 
 
 @needs_own_kernels
+@pytest.mark.parametrize("rows, cin, cout", [(45, 132, 72), (45, 20, 24), (300, 200, 16), (7, 132, 72)],
+                         ids=["K tail, 3 blocks", "K under one step", "rows outer", "7 rows"])
+def test_any_input_width_and_row_count_gives_the_exact_sums(rows, cin, cout, int8_build):
+    """Input widths that are not whole 64-byte steps (the AMX build's last step reads zero-padded
+    weights, and past each row's end), outputs that leave a half tile, a last pixel tile of
+    13 or 12 rows (read from a zero-padded copy), and 7 rows (under the AMX build's minimum: zmm)."""
+    x, constants, exact = _gemm_case(rows=rows, cin=cin, cout=cout)
+    floats = registry.op("qconv")(x, *constants, None, 0.0, float("-inf"), float("inf"), 1.0, 0, 0, 255, True)
+    torch.testing.assert_close(floats.reshape(exact.shape).double(), exact, atol=2e-6, rtol=1e-6)
+
+
+@needs_own_kernels
 @pytest.mark.parametrize("activation", ["none", "swish"])
 def test_float_residual_is_added_before_the_post_op(activation, int8_build):
     x, constants, exact = _gemm_case()

@@ -82,7 +82,12 @@ static inline block_t block_zero(void) { return _mm256_setzero_si256(); }
 static inline block_t block_load(const int8_t* w) { return _mm256_loadu_si256((const __m256i*)w); }
 static inline block_t block_broadcast(int32_t four) { return _mm256_set1_epi32(four); }
 #endif
-#if defined(QB_ZMM)
+#if defined(QB_AMX)
+#define QB_CONV_CALL qb_conv_call_amx
+#define PIXEL_TILE 8
+#define WIDE_PIXELS 6
+static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) { return _mm512_dpbusd_epi32(acc, x, w); }
+#elif defined(QB_ZMM)
 #define QB_CONV_CALL qb_conv_call_vnni512
 #define PIXEL_TILE 8 /* 8 x 3 accumulators of AVX512's 32 registers */
 #define WIDE_PIXELS 6 /* or 6 x 4, where Cout is a multiple of 64 (4 weight loads and 6 broadcasts per 24 sums) */
@@ -418,31 +423,10 @@ static __attribute__((noinline)) void store_activated16(const epilogue_t* shared
 #define WIDE_PIXELS 0 /* (no 4-block tiles) */
 #endif
 
-/* ``pixels`` (1 to PIXEL_TILE) output pixels times ``blocks`` (1-4) blocks of BLOCK outputs
- * from ``o``; the sum runs over ``taps`` kernel positions, pixel i's input for tap t at rows[i][t]. */
-static inline __attribute__((always_inline)) void tile(int pixels, int blocks, int taps, int Cin, int Cout, size_t p, int o,
-                        const uint8_t* const rows[PIXEL_TILE][MAX_TAPS], const int8_t* restrict w,
-                        const epilogue_t* shared, uint8_t* restrict y) {
-  block_t acc[PIXEL_TILE][4];
-  for (int i = 0; i < pixels; i++)
-    for (int b = 0; b < blocks; b++) acc[i][b] = block_zero();
-  const int steps = Cin / 4, total = taps * steps;
-  const int8_t* wb[4];
-  for (int b = 0; b < blocks; b++) wb[b] = block_weights(w, o + BLOCK * b, total);
-  for (int t = 0; t < taps; t++) {
-    for (int k = 0; k < steps; k++) {
-      const size_t step = ((size_t)t * steps + k) * 4 * PACKED;
-      block_t wv[4];
-      for (int b = 0; b < blocks; b++) wv[b] = block_load(wb[b] + step);
-      for (int i = 0; i < pixels; i++) {
-        int32_t four;
-        memcpy(&four, rows[i][t] + 4 * k, 4);
-        const block_t xb = block_broadcast(four);
-        for (int b = 0; b < blocks; b++)
-          acc[i][b] = dot4_accumulate(acc[i][b], xb, wv[b]);
-      }
-    }
-  }
+/* The epilogue of a tile's sums: ``pixels`` output pixels from p times ``blocks`` blocks of
+ * BLOCK outputs from o. */
+static inline __attribute__((always_inline)) void finish_tile(const epilogue_t* shared, block_t acc[PIXEL_TILE][4], int pixels,
+                                                              int blocks, int o, int Cout, size_t p, uint8_t* restrict y) {
   const epilogue_t e = *shared; /* copied once the sums are done: no registers taken from the loop above */
 #ifdef QB_ZMM
   if (blocks == 4 && e.activation == CLAMP_ONLY && !e.float_out && o + 64 <= Cout) {
@@ -476,6 +460,34 @@ static inline __attribute__((always_inline)) void tile(int pixels, int blocks, i
     for (int b = 0; b < blocks; b++) store_block(e, acc[i][b], o + BLOCK * b, Cout, p + i, y);
 }
 
+/* ``pixels`` (1 to PIXEL_TILE) output pixels times ``blocks`` (1-4) blocks of BLOCK outputs
+ * from ``o``; the sum runs over ``taps`` kernel positions, pixel i's input for tap t at rows[i][t]. */
+static inline __attribute__((always_inline)) void tile(int pixels, int blocks, int taps, int Cin, int Cout, size_t p, int o,
+                        const uint8_t* const rows[PIXEL_TILE][MAX_TAPS], const int8_t* restrict w,
+                        const epilogue_t* shared, uint8_t* restrict y) {
+  block_t acc[PIXEL_TILE][4];
+  for (int i = 0; i < pixels; i++)
+    for (int b = 0; b < blocks; b++) acc[i][b] = block_zero();
+  const int steps = Cin / 4, total = taps * steps;
+  const int8_t* wb[4];
+  for (int b = 0; b < blocks; b++) wb[b] = block_weights(w, o + BLOCK * b, total);
+  for (int t = 0; t < taps; t++) {
+    for (int k = 0; k < steps; k++) {
+      const size_t step = ((size_t)t * steps + k) * 4 * PACKED;
+      block_t wv[4];
+      for (int b = 0; b < blocks; b++) wv[b] = block_load(wb[b] + step);
+      for (int i = 0; i < pixels; i++) {
+        int32_t four;
+        memcpy(&four, rows[i][t] + 4 * k, 4);
+        const block_t xb = block_broadcast(four);
+        for (int b = 0; b < blocks; b++)
+          acc[i][b] = dot4_accumulate(acc[i][b], xb, wv[b]);
+      }
+    }
+  }
+  finish_tile(shared, acc, pixels, blocks, o, Cout, p, y);
+}
+
 /* tile() with constant sizes, so that its loops unroll and its sums stay in registers */
 #define TILE_CASE(PIXELS, BLOCKS) \
   case PIXELS: tile(PIXELS, BLOCKS, taps, g.Cin, Cout, p, o, rows, w, &e, y); break;
@@ -505,6 +517,205 @@ static inline int tile_start(int ot, int blocks) {
   const int full = blocks % 3 == 1 && blocks > 1 ? blocks / 3 - 1 : blocks / 3;
   return ot <= full ? 3 * ot : 3 * full + 2 * (ot - full);
 }
+
+#ifdef QB_AMX
+/* AMX-INT8: 1x1 convs of stride 1 and linears (a GEMM over rows of Cin bytes) on tile
+ * registers. Tiles: C = 16 pixels x 16 outputs of int32 sums (4: 32 x 32), A = 16 pixels x 64
+ * input bytes (2), B = 16 steps of 4 inputs x 16 outputs (2): the packed weights' rows as they
+ * are ([16 outputs][4 inputs] a row: TDPBUSD's layout), so every build takes the same packing. */
+#include <cpuid.h>
+#include <sys/syscall.h>
+#define AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* (Linux: a process asks once for the tile registers' state) */
+#define XFEATURE_XTILEDATA 18
+#define AMX_PIXELS 32
+#define AMX_STEP 64 /* input bytes per tile step */
+#define AMX_TILE_BYTES 1024
+/* fewer rows run on zmm: a tile of 32 rows for 1 (a classifier's 2048 -> 1000) took 92 us, zmm 67 */
+#define AMX_MIN_ROWS 16
+
+/* 1 where this CPU has AMX-TILE and AMX-INT8 and Linux lets this process use them (asked once,
+ * as oneDNN asks), else 0. */
+int qb_amx_ready(void) {
+  static int ready = -1; /* (threads racing here store the same value) */
+  if (ready < 0) {
+    unsigned a, b, c, d;
+    const int has = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1);
+    ready = has && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }
+  return ready;
+}
+
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+} amx_config_t;
+
+/* C tiles 0-3, A tiles 4-5, B tiles 6-7: all 16 rows of 64 bytes. */
+static AMX_TARGET void amx_configure(void) {
+  amx_config_t config;
+  memset(&config, 0, sizeof config);
+  config.palette = 1;
+  for (int t = 0; t < 8; t++) config.colsb[t] = 64, config.rows[t] = 16;
+  /* (asm with the struct as its operand: GCC 12 -O3 dropped the stores before _tile_loadconfig,
+   * whose memory read it does not see, and the first tile instruction faulted) */
+  __asm__ volatile("ldtilecfg %0" : : "m"(config));
+}
+
+/* on_grid8 on 16 outputs: a row of a C tile's sums to bytes on the output grid (clamp-only or
+ * hardswish, uint8 out, no residual or a uint8 one). ``real`` masks the outputs past Cout. */
+static inline __attribute__((always_inline)) void amx_grid_row(const epilogue_t* e, const int32_t* sums, __m512 mult, __m512 add,
+                                                               __m512 low, __m512 high, const uint8_t* residual, int hardswish,
+                                                               __mmask16 real, uint8_t* y) {
+  __m512 q = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums)), mult, add);
+  if (residual)
+    q = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(real, residual))),
+                        _mm512_broadcast_f32x8(e->grid_residual_scale), q);
+  if (hardswish) {
+    const __m512 gate = _mm512_fmadd_ps(q, _mm512_broadcast_f32x8(e->grid_gate_scale), _mm512_set1_ps(0.5f));
+    q = _mm512_fmadd_ps(q, _mm512_min_ps(_mm512_max_ps(gate, _mm512_setzero_ps()), _mm512_set1_ps(1.0f)),
+                        _mm512_broadcast_f32x8(e->out_zp));
+  }
+  const __m512i bytes = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, low), high));
+  if (real == 0xffff)
+    _mm_storeu_si128((__m128i*)y, _mm512_cvtepi32_epi8(bytes));
+  else
+    _mm512_mask_cvtepi32_storeu_epi8(y, real, bytes);
+}
+
+/* A 32 x 32 (or 32 x 16) tile's sums on the output grid, a block's constants loaded once: the
+ * tile-wide finish_tile (8 pixels' acc reloaded, then ymm) had taken 64 -> 256 1x1 convs at
+ * 25088 pixels 1.8x oneDNN's time. */
+static void amx_finish_on_grid(const epilogue_t* e, const int32_t sums[4][16][16], int pixels, int two, int o, int Cout,
+                               size_t p, uint8_t* restrict y, int hardswish) {
+  const __m512 low = _mm512_broadcast_f32x8(e->grid_low), high = _mm512_broadcast_f32x8(e->grid_high);
+  for (int b = 0; b <= two; b++) {
+    const int ob = o + 16 * b;
+    const __mmask16 real = ob + 16 <= Cout ? 0xffff : (__mmask16)((1u << (Cout - ob)) - 1);
+    const __m512 mult = _mm512_maskz_loadu_ps(real, e->grid_mult + ob), add = _mm512_maskz_loadu_ps(real, e->grid_add + ob);
+    for (int i = 0; i < pixels; i++) {
+      const size_t at = (p + i) * Cout + ob;
+      amx_grid_row(e, sums[2 * (i / 16) + b][i % 16], mult, add, low, high, e->residual ? e->residual + at : NULL, hardswish,
+                   real, y + at);
+    }
+  }
+}
+
+/* The epilogue of one 32 x 32 (or 32 x 16: ``two`` 0) tile of sums, 8 pixels at a time. */
+static void amx_finish(const epilogue_t* e, const int32_t sums[4][16][16], int pixels, int two, int o, int Cout, size_t p,
+                       uint8_t* restrict y) {
+  if (e->grid_mult) {
+    if (e->activation == HARDSWISH)
+      amx_finish_on_grid(e, sums, pixels, two, o, Cout, p, y, 1);
+    else
+      amx_finish_on_grid(e, sums, pixels, two, o, Cout, p, y, 0);
+    return;
+  }
+  for (int first = 0; first < pixels; first += PIXEL_TILE) {
+    block_t acc[PIXEL_TILE][4];
+    const int n = pixels - first < PIXEL_TILE ? pixels - first : PIXEL_TILE;
+    for (int i = 0; i < n; i++) {
+      const int row = first + i, half = row / 16;
+      acc[i][0] = _mm512_load_si512(sums[2 * half][row % 16]);
+      acc[i][1] = _mm512_load_si512(sums[2 * half + 1][row % 16]);
+    }
+    if (n == PIXEL_TILE && two)
+      finish_tile(e, acc, PIXEL_TILE, 2, o, Cout, p + first, y);
+    else
+      finish_tile(e, acc, n, 1 + two, o, Cout, p + first, y);
+  }
+}
+
+/* One 32-pixel x 32-output tile: A rows at a (``stride`` bytes apart), weights of blocks b0 and
+ * b0 + 1 (``two``); the K tail's weights from ``tail_w`` (16 rows a block, zero past the real ones). */
+static inline AMX_TARGET void amx_tile(const uint8_t* a, size_t stride, const int8_t* w, const int8_t* tail_w, int total,
+                                       int full, int tail, int b0, int two, int32_t sums[4][16][16]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int8_t* w0 = w + (size_t)b0 * total * 64;
+  const int8_t* w1 = w0 + (size_t)total * 64;
+  for (int k = 0; k < full; k++) {
+    _tile_loadd(4, a + k * AMX_STEP, stride);
+    _tile_loadd(5, a + 16 * stride + k * AMX_STEP, stride);
+    _tile_loadd(6, w0 + k * AMX_TILE_BYTES, 64);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(2, 5, 6);
+    if (two) {
+      _tile_loadd(7, w1 + k * AMX_TILE_BYTES, 64);
+      _tile_dpbusd(1, 4, 7);
+      _tile_dpbusd(3, 5, 7);
+    }
+  }
+  if (tail) { /* A's bytes past Cin (the next row's) meet the zero rows of tail_w */
+    _tile_loadd(4, a + full * AMX_STEP, stride);
+    _tile_loadd(5, a + 16 * stride + full * AMX_STEP, stride);
+    _tile_loadd(6, tail_w + (size_t)b0 * AMX_TILE_BYTES, 64);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(2, 5, 6);
+    if (two) {
+      _tile_loadd(7, tail_w + (size_t)(b0 + 1) * AMX_TILE_BYTES, 64);
+      _tile_dpbusd(1, 4, 7);
+      _tile_dpbusd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums[0], 64);
+  _tile_stored(2, sums[2], 64);
+  if (two) {
+    _tile_stored(1, sums[1], 64);
+    _tile_stored(3, sums[3], 64);
+  }
+}
+
+static AMX_TARGET void amx_release(void) { _tile_release(); }
+
+/* y[P][Cout] from x[P][Cin] (Cin % 4 == 0, Cout % 8 == 0) on AMX tiles, e's epilogue; 0, or -1
+ * where a buffer could not be allocated. The operand read again for every tile of the other is
+ * the smaller one, so it comes from cache: the weights where Cout <= P (each thread's pixel
+ * tiles, A rows in L1 while the weights stream past), else the rows (each thread's share of the
+ * weights read once: 197-row linears of 1.7-2.4 MB weights had taken 1.2-1.4x oneDNN's time
+ * streaming all of them per pixel tile). The last pixel tile reads a zero-padded copy of its
+ * rows (its tiles would read past x); the K tail's weights are copied into whole zero-padded tiles. */
+static int amx_rows(int threads, int P, int Cin, int Cout, const uint8_t* x, const int8_t* w, const epilogue_t* e, uint8_t* y) {
+  const int total = Cin / 4, full = total / 16, tail = total % 16, blocks = (Cout + 15) / 16;
+  const int pixel_tiles = (P + AMX_PIXELS - 1) / AMX_PIXELS, output_tiles = (blocks + 1) / 2;
+  const size_t padded = (size_t)(full + (tail > 0)) * AMX_STEP, last = (size_t)(pixel_tiles - 1) * AMX_PIXELS;
+  const int pixels_outer = Cout <= P;
+  int8_t* tail_w = tail ? aligned_alloc(64, (size_t)blocks * AMX_TILE_BYTES) : NULL;
+  uint8_t* last_rows = aligned_alloc(64, AMX_PIXELS * padded);
+  if ((tail && !tail_w) || !last_rows) {
+    free(tail_w);
+    free(last_rows);
+    return -1;
+  }
+  if (tail) {
+    memset(tail_w, 0, (size_t)blocks * AMX_TILE_BYTES);
+    for (int b = 0; b < blocks; b++) memcpy(tail_w + (size_t)b * AMX_TILE_BYTES, w + ((size_t)b * total + full * 16) * 64, (size_t)tail * 64);
+  }
+  memset(last_rows, 0, AMX_PIXELS * padded);
+  copy_rows(last_rows, x + last * Cin, P - last, Cin, padded, 1);
+#pragma omp parallel num_threads(threads)
+  {
+    amx_configure();
+    int32_t sums[4][16][16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+    for (int tile = 0; tile < pixel_tiles * output_tiles; tile++) {
+      const int pt = pixels_outer ? tile / output_tiles : tile % pixel_tiles;
+      const int ot = pixels_outer ? tile % output_tiles : tile / pixel_tiles;
+      const size_t p = (size_t)pt * AMX_PIXELS;
+      const int final = pt == pixel_tiles - 1, pixels = final ? P - (int)p : AMX_PIXELS, b0 = 2 * ot, two = b0 + 1 < blocks;
+      amx_tile(final ? last_rows : x + p * Cin, final ? padded : (size_t)Cin, w, tail_w, total, full, tail, b0, two, sums);
+      amx_finish(e, (const int32_t(*)[16][16])sums, pixels, two, b0 * 16, Cout, p, y);
+    }
+    amx_release();
+  }
+  free(tail_w);
+  free(last_rows);
+  return 0;
+}
+#endif
 
 typedef struct {
   int N, H, W, Cin, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w;
@@ -571,6 +782,14 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
     e.grid_low = _mm256_set1_ps(grid_low > qmin ? grid_low : (float)qmin);
     e.grid_high = _mm256_set1_ps(grid_high < qmax ? grid_high : (float)qmax);
   }
+#ifdef QB_AMX
+  if (KH == 1 && KW == 1 && stride_h == 1 && stride_w == 1 && pad_h == 0 && pad_w == 0 && N * OH * OW >= AMX_MIN_ROWS &&
+      qb_amx_ready()) {
+    const int status = amx_rows(threads, N * OH * OW, Cin, Cout, x, w, &e, y);
+    free(grid);
+    return status;
+  }
+#endif
   uint8_t* padding = malloc((size_t)g.Cin);
   if (!padding) {
     free(grid);
