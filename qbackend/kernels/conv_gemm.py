@@ -1,7 +1,8 @@
 """The int8 GEMM for convs up to 3x3 and linears (``csrc/conv_gemm_int8.c``, AVX2; built again
 for AVX512-VNNI on ymm and on zmm registers, ``conv_gemm_int8_vnni.c``,
-``conv_gemm_int8_vnni512.c``: ``isa.gemm_build`` picks; int16 weights run the exact AVX2 build,
-``conv_gemm_int8_exact16.c``, whatever the CPU): ``qbackend::qconv``. onednn's
+``conv_gemm_int8_vnni512.c``, and for AMX-INT8, ``conv_gemm_int8_amx.c``: ``isa.gemm_build``
+picks; int16 weights run the exact AVX2 build, ``conv_gemm_int8_exact16.c``, whatever the
+CPU): ``qbackend::qconv``. onednn's
 qconv_pointwise / qlinear_pointwise spend ~50 us per call before computing, and their AVX2 int8
 kernels are slower than this GEMM's below a few thousand output rows.
 """
@@ -24,7 +25,7 @@ SCHEMAS = {
              "str activation='none', int[2] kernel_size=[1, 1], int[2] stride=[1, 1], int[2] padding=[0, 0], "
              "int[2] dilation=[1, 1], int x_zero_point=0) -> Tensor",
 }
-# every build (qb_conv_call, _vnni, _vnni512, _exact16) is (threads, call, x, residual, y, yf) -> 0 / -1
+# every build (qb_conv_call, _vnni, _vnni512, _amx, _exact16) is (threads, call, x, residual, y, yf) -> 0 / -1
 # (a scratch buffer could not be allocated): FOUR_SIGNATURE
 EXACT16_FUNCTION = "qb_conv_call_exact16"  # (the AVX2 library's: int16 weights, exact for any int8 values)
 

@@ -259,7 +259,7 @@ def _built(name: str, sources: tuple, flags: tuple) -> Built:
         return Built(target, cached)
     # (a warning: the one-time build is a pause of up to a minute in a user's first compile, which
     # no log level showed; Python prints warnings without any logging set up)
-    log.warning("qbackend: compiling its C kernels (%s) for this machine with %s (once, 15-50 s on 2 cores; later processes "
+    log.warning("qbackend: compiling its C kernels (%s) for this machine with %s (once, 15-80 s on 2 cores; later processes "
                 "load them from %s; to warm a container image: python -m qbackend warm)", name, words[0], directory)
     started = time.monotonic()
     library = _write_durably(directory, f".{target.stem}-", ".partial.so", lambda path: _compile(words, sources, flags, path))

@@ -82,13 +82,12 @@ static inline block_t block_zero(void) { return _mm256_setzero_si256(); }
 static inline block_t block_load(const int8_t* w) { return _mm256_loadu_si256((const __m256i*)w); }
 static inline block_t block_broadcast(int32_t four) { return _mm256_set1_epi32(four); }
 #endif
-#if defined(QB_AMX)
-#define QB_CONV_CALL qb_conv_call_amx
-#define PIXEL_TILE 8
-#define WIDE_PIXELS 6
-static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) { return _mm512_dpbusd_epi32(acc, x, w); }
-#elif defined(QB_ZMM)
+#if defined(QB_ZMM)
+#ifdef QB_AMX
+#define QB_CONV_CALL qb_conv_call_amx /* (its 1x1 convs and linears on tiles, the rest as the zmm build) */
+#else
 #define QB_CONV_CALL qb_conv_call_vnni512
+#endif
 #define PIXEL_TILE 8 /* 8 x 3 accumulators of AVX512's 32 registers */
 #define WIDE_PIXELS 6 /* or 6 x 4, where Cout is a multiple of 64 (4 weight loads and 6 broadcasts per 24 sums) */
 static inline block_t dot4_accumulate(block_t acc, block_t x, block_t w) { return _mm512_dpbusd_epi32(acc, x, w); }
@@ -519,6 +518,14 @@ static inline int tile_start(int ot, int blocks) {
 }
 
 #ifdef QB_AMX
+/* (a compiler without AMX intrinsics, e.g. GCC 8, still builds the rest of the VNNI library:
+ * qb_amx_ready then says no) */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define QB_AMX_TILES 1
+#endif
+#endif
+
+#ifdef QB_AMX_TILES
 /* AMX-INT8: 1x1 convs of stride 1 and linears (a GEMM over rows of Cin bytes) on tile
  * registers. Tiles: C = 16 pixels x 16 outputs of int32 sums (4: 32 x 32), A = 16 pixels x 64
  * input bytes (2), B = 16 steps of 4 inputs x 16 outputs (2): the packed weights' rows as they
@@ -534,17 +541,6 @@ static inline int tile_start(int ot, int blocks) {
 /* fewer rows run on zmm: a tile of 32 rows for 1 (a classifier's 2048 -> 1000) took 92 us, zmm 67 */
 #define AMX_MIN_ROWS 16
 
-/* 1 where this CPU has AMX-TILE and AMX-INT8 and Linux lets this process use them (asked once,
- * as oneDNN asks), else 0. */
-int qb_amx_ready(void) {
-  static int ready = -1; /* (threads racing here store the same value) */
-  if (ready < 0) {
-    unsigned a, b, c, d;
-    const int has = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1);
-    ready = has && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }
-  return ready;
-}
 
 typedef struct {
   uint8_t palette, start_row, reserved[14];
@@ -717,6 +713,24 @@ static int amx_rows(int threads, int P, int Cin, int Cout, const uint8_t* x, con
 }
 #endif
 
+#ifdef QB_AMX
+/* 1 where this CPU has AMX-TILE and AMX-INT8 and Linux lets this process use them (asked once,
+ * as oneDNN asks), else 0. */
+int qb_amx_ready(void) {
+  static int ready = -1; /* (threads racing here store the same value) */
+  if (ready < 0) {
+#ifdef QB_AMX_TILES
+    unsigned a, b, c, d;
+    const int has = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1);
+    ready = has && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    ready = 0;
+#endif
+  }
+  return ready;
+}
+#endif
+
 typedef struct {
   int N, H, W, Cin, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w;
 } geometry_t;
@@ -782,7 +796,7 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
     e.grid_low = _mm256_set1_ps(grid_low > qmin ? grid_low : (float)qmin);
     e.grid_high = _mm256_set1_ps(grid_high < qmax ? grid_high : (float)qmax);
   }
-#ifdef QB_AMX
+#ifdef QB_AMX_TILES
   if (KH == 1 && KW == 1 && stride_h == 1 && stride_w == 1 && pad_h == 0 && pad_w == 0 && N * OH * OW >= AMX_MIN_ROWS &&
       qb_amx_ready()) {
     const int status = amx_rows(threads, N * OH * OW, Cin, Cout, x, w, &e, y);
