@@ -316,6 +316,9 @@ static inline __m512i quantized(const wide_epilogue_t* w, __m512 f) {
   return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(_mm512_fmadd_ps(f, w->inv_scale, w->zp), w->qlow), w->qhigh));
 }
 
+/* The outputs of the 16 from ob that are below Cout (a last block may be half padding). */
+static inline __mmask16 block_mask(int ob, int Cout) { return ob + 16 <= Cout ? 0xffff : (__mmask16)((1u << (Cout - ob)) - 1); }
+
 /* store8 on 16 channels, for a clamp-only epilogue. */
 static inline void store16(const epilogue_t e, __m512i acc, int o, int Cout, size_t pixel, uint8_t* restrict y) {
   const wide_epilogue_t w = wide_epilogue(&e);
@@ -390,7 +393,7 @@ static __attribute__((noinline)) void store_activated16(const epilogue_t* shared
   const wide_epilogue_t w = wide_epilogue(&e);
   for (int b = 0; b < blocks; b++) {
     const int ob = o + BLOCK * b;
-    const __mmask16 real = ob + 16 <= Cout ? 0xffff : (__mmask16)((1u << (Cout - ob)) - 1);
+    const __mmask16 real = block_mask(ob, Cout);
     const __m512 mult = _mm512_maskz_loadu_ps(real, e.mult + ob), add = _mm512_maskz_loadu_ps(real, e.add + ob);
     for (int first = 0; first < pixels; first += ACTIVATION_LANES16) {
       __m512 f[ACTIVATION_LANES16];
@@ -588,7 +591,7 @@ static void amx_finish_on_grid(const epilogue_t* e, const int32_t sums[4][16][16
   const __m512 low = _mm512_broadcast_f32x8(e->grid_low), high = _mm512_broadcast_f32x8(e->grid_high);
   for (int b = 0; b <= two; b++) {
     const int ob = o + 16 * b;
-    const __mmask16 real = ob + 16 <= Cout ? 0xffff : (__mmask16)((1u << (Cout - ob)) - 1);
+    const __mmask16 real = block_mask(ob, Cout);
     const __m512 mult = _mm512_maskz_loadu_ps(real, e->grid_mult + ob), add = _mm512_maskz_loadu_ps(real, e->grid_add + ob);
     for (int i = 0; i < pixels; i++) {
       const size_t at = (p + i) * Cout + ob;
