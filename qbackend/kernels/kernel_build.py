@@ -22,7 +22,9 @@ This module imports no torch: the package build loads it by path.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -39,7 +41,7 @@ from typing import Iterable, NamedTuple, Optional
 
 CSRC = Path(__file__).parent / "csrc"
 PREBUILT = Path(__file__).parent / "prebuilt"
-COMPILE_SECONDS = 120
+COMPILE_SECONDS = 300  # (one file: ~40 s on a quiet core; the bound is for a compiler that hangs)
 log = logging.getLogger("qbackend")
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
@@ -47,7 +49,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # kernels again for AVX512-VNNI (optional: a compiler without these flags or a CPU without VNNI
 # leaves the AVX2 ones; the AVX512-BF16 kernel there checks its CPU and compiler itself).
 VNNI_ONLY = (CSRC / "conv_gemm_int8_vnni.c", CSRC / "conv_gemm_int8_vnni512.c", CSRC / "conv_gemm_int8_amx.c",
-             CSRC / "depthwise_conv_int8_vnni.c",
+             CSRC / "depthwise_conv_int8_vnni.c", CSRC / "depthwise_conv_int8_vnni512.c",
              CSRC / "stem_conv_int8_vnni.c", CSRC / "grouped_conv_int8_vnni.c", CSRC / "weight_only_bf16.c")
 VNNI_SOURCES = VNNI_ONLY + (CSRC / "attention_f32.c", CSRC / "weight_only_int16.c", CSRC / "struct_layout.c")
 SOURCES = tuple(sorted(set(CSRC.glob("*.c")) - set(VNNI_ONLY)))
@@ -257,6 +259,26 @@ def _built(name: str, sources: tuple, flags: tuple) -> Built:
     cached = _intact(target)
     if cached is not None:
         return Built(target, cached)
+    with _build_lock(directory / f".{target.stem}.lock"):
+        cached = _intact(target)  # (built by the process this one waited for)
+        return Built(target, cached) if cached is not None else _compile_and_place(name, words, sources, flags, directory, target)
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    """One build at a time of a library: processes started together (pytest's workers, a
+    server's) had each compiled it, 4 compilers on 2 cores, until one file passed
+    COMPILE_SECONDS and the kernels were left out. The others wait here, then load its build."""
+    handle = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)  # (releases the lock)
+
+
+def _compile_and_place(name: str, words: tuple, sources: tuple, flags: tuple, directory: Path, target: Path) -> Built:
+    """``sources`` compiled into ``target`` in ``directory``, its digest beside it; the library open."""
     # (a warning: the one-time build is a pause of up to a minute in a user's first compile, which
     # no log level showed; Python prints warnings without any logging set up)
     log.warning("qbackend: compiling its C kernels (%s) for this machine with %s (once, 15-80 s on 2 cores; later processes "

@@ -1,6 +1,8 @@
 """qbackend.kernels.kernel_build: the kernels' library is built once, and only this user's intact build loads."""
 import ctypes
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -85,6 +87,33 @@ def test_cc_is_split_into_words_and_the_compiler_version_is_in_the_key(cache, mo
         assert kernel_build.build("answer", [source], FLAGS) != first
     finally:
         compiler.cache_clear()  # (the next build asks the real $CC again)
+
+
+BUILD_BY_PATH = """
+import importlib.util, pathlib, sys
+spec = importlib.util.spec_from_file_location("kernel_build", sys.argv[1])
+kernel_build = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(kernel_build)
+print(kernel_build.build("answer", [pathlib.Path(sys.argv[2])], ("-O1", "-shared", "-fPIC")))
+"""
+
+
+def test_processes_building_at_once_compile_once(cache, tmp_path):
+    """pytest's workers, a server's processes: one compiles, the others wait and load its build
+    (each compiling had put 4 compilers on 2 cores and passed the compile timeout)."""
+    directory, source = cache
+    calls = tmp_path / "calls"
+    slow_cc = tmp_path / "slow-cc"  # (1 s a call: every process asks before the first build is done)
+    slow_cc.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nsleep 1\nexec cc \"$@\"\n")
+    slow_cc.chmod(0o755)
+    env = dict(os.environ, QBACKEND_CACHE_DIR=str(directory), CC=str(slow_cc))
+    processes = [subprocess.Popen([sys.executable, "-c", BUILD_BY_PATH, kernel_build.__file__, str(source)], env=env,
+                                  stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    paths = {process.communicate(timeout=120)[0].strip() for process in processes}
+    assert [process.returncode for process in processes] == [0, 0, 0]
+    assert len(paths) == 1 and _answer(paths.pop()) == 42
+    compiles = [line for line in calls.read_text().splitlines() if "--version" not in line]
+    assert len(compiles) == 2, compiles  # one compile and one link in all
 
 
 def test_threads_loading_at_once_load_once():
