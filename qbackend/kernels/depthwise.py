@@ -32,7 +32,14 @@ SCHEMAS = {
 }
 
 
-DEPTHWISE_VNNI_GROUP = 32  # channels per step of the VNNI depthwise kernel (and a last one of 16)
+DEPTHWISE_VNNI_GROUP = 32  # channels per group of the VNNI kernel's packing (and a last one of 16); a ymm step's
+
+
+# Channels above which the VNNI kernel runs its zmm build where the GEMM does (64 channels a
+# step): at 32 and fewer half a zmm step's lanes are empty and ymm ran faster (Sapphire Rapids,
+# one thread, batch 8, SiLU, 32 channels at 112 x 112: ymm 6194 us, zmm 7092; 144 at 56 x 56:
+# 6442 / 5074).
+DEPTHWISE_ZMM_MIN_CHANNELS = 33
 
 
 DEPTHWISE_WINDOWS = (3, 5, 7)  # square windows the kernels take
@@ -52,7 +59,8 @@ def _prepare_dwconv(x, x_zero_point, weight, mult, add, stride, padding, low, hi
     if window not in DEPTHWISE_WINDOWS:
         raise ValueError(f"qbackend::qconv_depthwise: a {window}x{window} window; the kernel takes {DEPTHWISE_WINDOWS}")
     if weight.dtype == torch.int8:
-        vnni = isa.vnni_function("qb_dwconv_vnni_call", X_TO_Y_SIGNATURE, ctypes.c_int)
+        name = "qb_dwconv_vnni512_call" if isa.on_zmm() and c >= DEPTHWISE_ZMM_MIN_CHANNELS else "qb_dwconv_vnni_call"
+        vnni = isa.vnni_function(name, X_TO_Y_SIGNATURE, ctypes.c_int)
         if vnni is None:
             raise ValueError(f"qbackend::qconv_depthwise: int8 weights are packed for AVX512-VNNI: {isa.vnni_unavailable()}")
         function, dtype, taps = vnni, torch.int8, window * -(-window // 4) * 4  # rows of 4-byte quads

@@ -136,6 +136,15 @@ def gemm_build() -> str:
     return "avx512_amx" if amx_ready() else "avx512_vnni_zmm" if zmm_speedup() >= ZMM_MIN_SPEEDUP else build
 
 
+ZMM_BUILDS = ("avx512_vnni_zmm", "avx512_amx")  # GEMM builds on zmm registers
+
+
+def on_zmm() -> bool:
+    """Whether the int8 kernels built for both widths (the GEMM, the depthwise conv) run their
+    zmm build here: gemm_build's choice, so a forced build tests both kernels' paths."""
+    return gemm_build() in ZMM_BUILDS
+
+
 def vnni_unavailable() -> Optional[str]:
     """None where the AVX512-VNNI kernels run here, else why not."""
     return _vnni_library()[1]

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from qbackend.kernels import common, conv_gemm, isa, registry
+from qbackend.kernels import common, conv_gemm, isa, library, registry
 from qbackend.kernels import depthwise as depthwise_kernel
 from qbackend.lowering import capabilities, depthwise, gemm
 from qbackend.lowering.own_conv import scale_and_offset
@@ -55,7 +55,8 @@ def _depthwise_case(channels, post, stride, padding, qmax, window=3):
 @pytest.mark.parametrize("post", sorted(CLAMPS))
 @pytest.mark.parametrize("stride,padding", [(1, 1), (2, 1), (1, 0), (2, 0)])
 @pytest.mark.parametrize("qmax", [255, 127], ids=["8-bit out", "7-bit out"])
-@pytest.mark.parametrize("channels", [16, 48, 58, 5], ids=["16 channels", "32 + 16 channels", "58: 3 groups + 10", "5: a part of a group"])
+@pytest.mark.parametrize("channels", [16, 48, 58, 5, 96], ids=["16 channels", "32 + 16 channels", "58: 3 groups + 10",
+                                                               "5: a part of a group", "96: 64 + 32"])
 def test_kernel_gives_the_reference_integers(post, stride, padding, qmax, channels, int8_build):
     run, expected = _depthwise_case(channels, post, stride, padding, qmax)
     actual = run()
@@ -84,7 +85,7 @@ ACTIVATIONS = {"none": lambda t: t, "swish": nn.functional.silu, "hardswish": nn
 @needs_own_kernels
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("float_out", [False, True], ids=["uint8 out", "float32 out"])
-@pytest.mark.parametrize("channels", [48, 58], ids=["48 channels", "58: 3 groups + 10"])
+@pytest.mark.parametrize("channels", [112, 58], ids=["112: 64 + 48", "58: 3 groups + 10"])
 @pytest.mark.parametrize("window", [3, 5, 7])
 def test_kernels_run_activations_and_write_float32(activation, float_out, channels, window, int8_build):
     """EfficientNet's depthwise convs end in SiLU, MobileNetV3's in hardswish, MaxViT's in GELU,
@@ -130,19 +131,20 @@ def _before_a_guard_page(values: torch.Tensor) -> torch.Tensor:
 
 
 @needs_own_kernels
-@pytest.mark.parametrize("channels", [58, 5, 24], ids=["58: 3 groups + 10", "5", "24: 16 + 8"])
+@pytest.mark.parametrize("channels", [58, 5, 24, 72], ids=["58: 3 groups + 10", "5", "24: 16 + 8", "72: 64 + 8"])
 @pytest.mark.parametrize("float_out", [False, True], ids=["uint8 out", "float32 out"])
-def test_a_last_partial_channel_group_reads_and_writes_only_its_channels(channels, float_out):
-    """Channels past the last whole group of 16 run in place: the tail's loads read the next
-    pixel's channels, except at the tensor's end (here right before an unreadable page), and
-    its stores write only its own (a 16-lane store would overwrite the next pixel's first)."""
+def test_a_last_partial_channel_group_reads_and_writes_only_its_channels(channels, float_out, int8_build):
+    """Channels past the last whole group run in place: the tail's loads read the next pixel's
+    channels (AVX2) or only its own (AVX512's masked loads), never past the tensor's end (here
+    right before an unreadable page), and its stores write only its own (a whole group's store
+    would overwrite the next pixel's first)."""
     torch.manual_seed(0)
     n, h, w = 2, 5, 7
     values = torch.randint(0, 256, (n, h, w, channels), dtype=torch.uint8)
     x = _before_a_guard_page(values).view(n, h, w, channels).permute(0, 3, 1, 2)
     weight = torch.randint(-128, 128, (channels, 1, 3, 3), dtype=torch.int8)
     w_scale, bias = torch.rand(channels) * 0.01 + 0.001, torch.randn(channels)
-    packed = depthwise.pack(weight, *scale_and_offset(weight, w_scale, 0.03, 7, bias), vnni=False)
+    packed = depthwise.pack(weight, *scale_and_offset(weight, w_scale, 0.03, 7, bias), depthwise.vnni_built())
     actual = registry.op("qconv_depthwise")(x, 7, *packed, [1, 1], [1, 1], -math.inf, math.inf, 0.05, 60, 0, 255, float_out)
     if float_out:
         exact = nn.functional.conv2d((values.permute(0, 3, 1, 2).double() - 7) * 0.03,
@@ -156,13 +158,16 @@ def test_a_last_partial_channel_group_reads_and_writes_only_its_channels(channel
 @pytest.mark.parametrize("post", sorted(CLAMPS))
 def test_depthwise_builds_give_the_same_bytes(post, monkeypatch):
     """The VNNI kernel clamps after the requantizing map instead of before it: the same bytes,
-    as the map is monotone (and any rounding differs from the reference's in both alike)."""
+    as the map is monotone (and any rounding differs from the reference's in both alike); its
+    ymm and zmm builds too."""
     _needs_vnni_library()
     results = {}
-    for build in ("avx2", "avx512_vnni"):
-        monkeypatch.setattr(isa, "int8_build", lambda: build)
-        results[build] = _depthwise_case(64, post, 1, 1, 255)[0]()
+    for gemm_build in ("avx2", "avx512_vnni", "avx512_vnni_zmm"):
+        monkeypatch.setattr(isa, "int8_build", lambda: library.GEMM_BUILDS[gemm_build][0])
+        monkeypatch.setattr(isa, "gemm_build", lambda: gemm_build)
+        results[gemm_build] = _depthwise_case(112, post, 1, 1, 255)[0]()
     assert torch.equal(results["avx2"], results["avx512_vnni"])
+    assert torch.equal(results["avx2"], results["avx512_vnni_zmm"])
 
 
 class InvertedResidual(nn.Module):
