@@ -32,7 +32,7 @@ SCHEMAS = {
 }
 
 
-DEPTHWISE_VNNI_GROUP = 32  # channels per group of the VNNI kernel's packing (and a last one of 16); a ymm step's
+DEPTHWISE_VNNI_GROUP = 32  # channels per group of the VNNI kernel's packing (a last one may be 16): a ymm step
 
 
 # Channels above which the VNNI kernel runs its zmm build where the GEMM does (64 channels a

@@ -298,17 +298,25 @@ static inline wide_epilogue_t wide_epilogue(const epilogue_t* e) {
   return w;
 }
 
+/* 16 outputs' acc * mult + add (+ the residual at element ``at``) before the post-op
+ * (pre_activation_at on zmm); ``real`` masks the residual's outputs past Cout. */
+static inline __m512 pre_activation16(const epilogue_t* e, const wide_epilogue_t* w, __m512i acc, __m512 mult, __m512 add,
+                                      size_t at, __mmask16 real) {
+  __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), mult, add);
+  if (e->residual)
+    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(real, e->residual + at))), w->residual_scale, f);
+  else if (e->residual_f)
+    f = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(real, e->residual_f + at), w->residual_scale, f);
+  return f;
+}
+
+/* clamped8 on 16 outputs (its operand order: a NaN stays). */
+static inline __m512 clamped16(const wide_epilogue_t* w, __m512 f) { return _mm512_min_ps(w->high, _mm512_max_ps(w->low, f)); }
+
 /* 16 channels' float result: acc * mult + add (+ residual), clamped (store8's arithmetic). */
 static inline __m512 float_result(const epilogue_t* e, const wide_epilogue_t* w, __m512i acc, __m512 mult, __m512 add,
                                   int o, int Cout, size_t pixel) {
-  __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), mult, add);
-  if (e->residual) {
-    const __m512i r = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(e->residual + pixel * Cout + o)));
-    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), w->residual_scale, f);
-  } else if (e->residual_f) {
-    f = _mm512_fmadd_ps(_mm512_loadu_ps(e->residual_f + pixel * Cout + o), w->residual_scale, f);
-  }
-  return _mm512_min_ps(w->high, _mm512_max_ps(w->low, f)); /* (store8's operand order: a NaN stays) */
+  return clamped16(w, pre_activation16(e, w, acc, mult, add, pixel * Cout + o, 0xffff));
 }
 
 static inline __m512i quantized(const wide_epilogue_t* w, __m512 f) {
@@ -399,18 +407,12 @@ static __attribute__((noinline)) void store_activated16(const epilogue_t* shared
       __m512 f[ACTIVATION_LANES16];
       for (int j = 0; j < ACTIVATION_LANES16; j++) {
         const int i = first + j < pixels ? first + j : first;
-        const size_t at = (p + i) * Cout + ob;
-        f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][b]), mult, add);
-        if (e.residual)
-          f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(real, e.residual + at))),
-                                 w.residual_scale, f[j]);
-        else if (e.residual_f)
-          f[j] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(real, e.residual_f + at), w.residual_scale, f[j]);
+        f[j] = pre_activation16(&e, &w, acc[i][b], mult, add, (p + i) * Cout + ob, real);
       }
       activate16_lanes(e.activation, f, ACTIVATION_LANES16);
       for (int j = 0; j < ACTIVATION_LANES16 && first + j < pixels; j++) {
         const size_t at = (p + first + j) * Cout + ob;
-        const __m512 clamped = _mm512_min_ps(w.high, _mm512_max_ps(w.low, f[j])); /* (clamped8's order: a NaN stays) */
+        const __m512 clamped = clamped16(&w, f[j]);
         if (e.float_out)
           _mm512_mask_storeu_ps(e.float_out + at, real, clamped);
         else
@@ -614,13 +616,8 @@ static void amx_finish_float(const epilogue_t* e, const int32_t sums[4][16][16],
     const __m512 mult = _mm512_maskz_loadu_ps(real, e->mult + ob), add = _mm512_maskz_loadu_ps(real, e->add + ob);
     for (int i = 0; i < pixels; i++) {
       const size_t at = (p + i) * Cout + ob;
-      __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[2 * (i / 16) + b][i % 16])), mult, add);
-      if (e->residual)
-        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(real, e->residual + at))),
-                            w.residual_scale, f);
-      else if (e->residual_f)
-        f = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(real, e->residual_f + at), w.residual_scale, f);
-      _mm512_mask_storeu_ps(e->float_out + at, real, _mm512_min_ps(w.high, _mm512_max_ps(w.low, f))); /* (clamped8's order) */
+      const __m512 f = pre_activation16(e, &w, _mm512_load_si512(sums[2 * (i / 16) + b][i % 16]), mult, add, at, real);
+      _mm512_mask_storeu_ps(e->float_out + at, real, clamped16(&w, f));
     }
   }
 }
