@@ -11,7 +11,9 @@ A linear is row-wise: the rows it reads, in any order, give the same rows in tha
 - ``linear(transpose(x))``, whose result only views then attention read, becomes
   ``transpose(linear(x))`` (the attention reads the strided heads where they are);
 - ``views(linear(views(a)))`` that put the rows back in an order ``a`` can give directly
-  become ``linear(a.permute(...).reshape(...))``, the result in place, no view after it.
+  become ``linear(a.permute(...).reshape(...))``, the result in place, no view after it; at
+  batch 1 too, where the transposes move no rows but hid the result from the residual add
+  that reads it (vit_b_16's out-projection then adds the residual in its epilogue).
 Per-tensor quantize / dequantize between the views and the linear are elementwise and move
 with it. Each row still goes through the same op: the values are bit-identical.
 """
@@ -185,13 +187,18 @@ def _rows_in_result_order(gm: GraphModule, linear: Node) -> bool:
         return False
     k, n = rows_read.shape[-1], out.shape[-1]
     m = rows_read.numel() // k
-    row_ids = replayed(results, torch.arange(m * n, dtype=torch.int32).floor_divide(n).reshape(out.shape))
-    if row_ids is None or row_ids.shape[-1] != n or not torch.equal(row_ids, row_ids[..., :1].expand(row_ids.shape)):
+    element_ids = replayed(results, torch.arange(m * n, dtype=torch.int32).reshape(out.shape))
+    if element_ids is None or element_ids.shape[-1] != n:
         return False
-    result_rows = row_ids[..., 0].reshape(-1)
-    if torch.equal(result_rows, torch.arange(m, dtype=torch.int32)):
-        return False  # (the rows already come out in order: nothing to gain)
-    wanted = rows_read.reshape(m, k)[result_rows.long()].reshape(*row_ids.shape[:-1], k)
+    result_rows = element_ids[..., 0].reshape(-1).floor_divide(n)
+    # each result row one whole row of the linear's, its columns in order (a permute inside
+    # the rows is no row order)
+    if not torch.equal(element_ids.reshape(-1, n), result_rows[:, None] * n + torch.arange(n, dtype=torch.int32)):
+        return False
+    if torch.equal(result_rows, torch.arange(m, dtype=torch.int32)) and not any(
+            view.target in _LEADING_PERMUTES for view in results):
+        return False  # (rows in order, only reshapes after: nothing to gain)
+    wanted = rows_read.reshape(m, k)[result_rows.long()].reshape(*element_ids.shape[:-1], k)
     order = _permutation_giving(start, wanted)
     if order is None:
         return False
