@@ -33,14 +33,17 @@ def save(model, path) -> None:
     ov.save_model(model, str(path), compress_to_fp16=False)
 
 
-def runner(model, threads: int):
+def runner(model, threads: int, precision=None):
     """A callable taking numpy arrays and returning the first output as a numpy array;
-    ``model``: an ``ov.Model`` or the path of a saved one. Its ``openvino_profile(arrays,
-    calls)`` gives OpenVINO's own per-node counters."""
+    ``model``: an ``ov.Model`` or the path of a saved one; ``precision``: the float remainder's
+    (``INFERENCE_PRECISION_HINT``, e.g. "f32"), else OpenVINO's default for the CPU. Its
+    ``precision`` says which ran, its ``openvino_profile(arrays, calls)`` gives OpenVINO's own
+    per-node counters."""
     import openvino as ov
 
     core = ov.Core()
-    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads}
+    config = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads,
+              **({"INFERENCE_PRECISION_HINT": precision} if precision else {})}
     compiled = core.compile_model(model, "CPU", config)
     request = compiled.create_infer_request()
     output = compiled.output(0)
@@ -66,4 +69,5 @@ def runner(model, threads: int):
         return wall, sorted(((key, ms, nodes[key]) for key, ms in totals.items()), key=lambda op: -op[1])
 
     run.openvino_profile = openvino_profile
+    run.precision = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()  # e.g. "bf16"
     return run

@@ -140,10 +140,13 @@ def _read_openvino(path: Path):
     return ov.Core().read_model(path)
 
 
+OV_PRECISION = None  # the float remainder's precision OpenVINO runs (``--ov-precision``), else its default
+
+
 def _openvino(model, inputs, alone):
     import ov_peer
 
-    return ov_peer.runner(model, THREADS)
+    return ov_peer.runner(model, THREADS, OV_PRECISION)
 
 
 def _ort(path, inputs, alone):
@@ -380,6 +383,8 @@ def _run(name: str, work: Path, timing: Timing, profile: bool, scratch: Path) ->
     runner = engine.build(loaded, fresh(evaluation[0]), True)
     runner(*fresh(evaluation[0]))
     result = {"compile_s": time.perf_counter() - start}
+    if hasattr(runner, "precision"):
+        result["precision"] = runner.precision
     if REPORTS:
         result["lowering"] = lowering_summary(REPORTS)
     result.update(_accuracy(runner, evaluation, fresh, to_numpy, data, REFERENCES.get(engine.artifact)))
@@ -502,10 +507,14 @@ def main(argv=None) -> None:
     parser.add_argument("--inductor-recipe", action="store_true", help="prepare: quantize_x86(every_linear=False)")
     parser.add_argument("--engine", choices=ENGINES, help="run: the engine")
     parser.add_argument("--profile", action="store_true", help="run: also where the time goes")
+    parser.add_argument("--ov-precision", choices=("f32", "bf16", "f16"),
+                        help="run: OpenVINO's float precision (its INFERENCE_PRECISION_HINT; default: its own choice)")
     parser.add_argument("--inductor-cache", type=Path,
                         help="run: Inductor's cache directory, kept between processes (default: a fresh one)")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, help="interleaved: the engines")
     args = parser.parse_args(argv)
+    global OV_PRECISION
+    OV_PRECISION = args.ov_precision
     timing = QUICK if args.quick else FULL
     with tempfile.TemporaryDirectory(prefix="bench_zoo_") as scratch:
         # cold unless told: Inductor's caches (FX graph, C++ code) start empty
