@@ -8,7 +8,7 @@ import torch.nn as nn
 import qbackend
 from qbackend.kernels import fast_qdq
 from qbackend.pipeline.backend import Options, compile_graph
-from qbackend.pipeline.direct import CompiledGraphModule, _with_shapes
+from qbackend.pipeline.direct import CompiledGraphModule, InputBinding, _with_shapes
 from qbackend.lowering.common import static_shape
 from qbackend.models import bert_encoder_like, tiny_resnet
 
@@ -165,3 +165,21 @@ def test_inputs_passed_by_name_as_to_the_module():
     with torch.no_grad():
         expected = model(inputs[0], mask=inputs[1])
         torch.testing.assert_close(qbackend.compile(model)(inputs[0], mask=inputs[1]), expected, atol=0.05, rtol=0.05)
+
+
+def test_positional_tensors_as_export_took_them_skip_the_binding_and_give_what_it_gives():
+    """Tensors passed positionally, as many as export took and no keywords, are the placeholders
+    as they come (``InputBinding.plain``: no signature binding, no pytree); every other call
+    binds, and both give the same placeholders, or None."""
+    inputs = (torch.randn(2, 8), torch.ones(2, 8))
+    model = quantize(Masked(), inputs)
+    fast, bound = InputBinding(model), InputBinding(model)
+    bound.plain = False
+    assert fast.plain
+    calls = [(inputs, {}), (inputs[:1], {"mask": inputs[1]}), ((inputs[0], nn.Parameter(inputs[1])), {}),
+             (inputs[:1], {}), (inputs * 2, {})]
+    for args, kwargs in calls:
+        got, expected = fast.placeholders(args, kwargs), bound.placeholders(args, kwargs)
+        assert (got is None) == (expected is None)
+        assert got is None or [id(t) for t in got] == [id(t) for t in expected]
+    assert [fast.placeholders(args, kwargs) is None for args, kwargs in calls] == [False, False, False, True, True]
