@@ -149,8 +149,9 @@ def grouped_conv_inexact(device: str, per_group: int) -> bool:
     input zero point of 3) misses the exact sums: torch 2.13's oneDNN on an AMX Xeon (family 6
     model 167) is off past the first group at 24 channels a group (probed exact there at 4, 8,
     16, 32-48; exact on Zen 4); where its pair sums saturate in int16 (``int8_pairs_saturate``:
-    Zen 3) the probe's full 8-bit weights miss at every width. Unit scales and float32 out: the sums are integers below
-    2^24, exact in float32. A missing op or a refusal: False (nothing lowers through it)."""
+    Zen 3) the probe's full 8-bit weights miss at every width. Unit scales and float32 out: the
+    sums are integers below 2^24, exact in float32. A missing op or a refusal: False (nothing
+    lowers through it)."""
     channels, zero_point = 2 * per_group, 3
     x = ((torch.arange(channels * 25).reshape(1, channels, 5, 5) * 37) % 256).to(torch.uint8)
     x = x.to(device).contiguous(memory_format=torch.channels_last)
