@@ -18,6 +18,8 @@ from qbackend.ops import resolve
 from tests.helpers import assert_matches_reference, needs_own_kernels, quantize
 from tests.tolerances import assert_int8_close
 
+X_SCALE, X_ZP, OUT_SCALE, OUT_ZP = 0.02, 3, 0.05, 5  # (the tests' input and output quantization)
+
 # (batch, channels, size, groups, stride): 4 / 8 / 16 / 32 channels a group; rows of fewer than 8
 # output pixels and rows not a multiple of 8; borders at every side
 CASES = [(1, 64, 12, 16, 1), (2, 64, 9, 8, 2), (1, 64, 7, 4, 1), (1, 32, 5, 8, 2), (2, 128, 11, 4, 2), (1, 96, 6, 3, 1),
@@ -43,10 +45,9 @@ def _case(batch, channels, size, groups, stride, seed=0, weight_bits=8):
 def test_grouped_kernel_bytes_match_the_reference_and_onednn(case, int8_build):
     batch, channels, size, groups, stride = case
     x, w, w_scale, bias = _case(*case, weight_bits=7 if int8_build == "avx2" else 8)  # (AVX2: what the lowering gives it)
-    x_scale, x_zp, out_scale, out_zp = 0.02, 3, 0.05, 5
-    expected = _expected(x, w, w_scale, bias, case, x_scale, x_zp, out_scale, out_zp)
-    mult, add = scale_and_offset(w, w_scale, x_scale, x_zp, bias)
-    args = (x, x_zp, *grouped.pack(w, mult, add), groups, stride, 0.0, math.inf, out_scale, out_zp, 0, 255)
+    expected = _requantized(_reference(x, w, w_scale, bias, case).relu())
+    mult, add = scale_and_offset(w, w_scale, X_SCALE, X_ZP, bias)
+    args = (x, X_ZP, *grouped.pack(w, mult, add), groups, stride, 0.0, math.inf, OUT_SCALE, OUT_ZP, 0, 255)
     for kernel in registry.own_kernel_forms("qconv_grouped"):
         actual = kernel(*args)
         assert actual.is_contiguous(memory_format=torch.channels_last)
@@ -56,29 +57,32 @@ def test_grouped_kernel_bytes_match_the_reference_and_onednn(case, int8_build):
         # on full 8-bit weights and activations
         x_full, w_full = x.clone(), _case(*case)[1]
         x_full[..., 0, :] = 255
-        misses = [(_onednn(*inputs, w_scale, bias, case, x_scale, x_zp, out_scale, out_zp).int()
-                   - _expected(*inputs, w_scale, bias, case, x_scale, x_zp, out_scale, out_zp).int()).abs().max().item()
+        misses = [(_onednn(*inputs, w_scale, bias, case).int()
+                   - _requantized(_reference(*inputs, w_scale, bias, case).relu()).int()).abs().max().item()
                   for inputs in ((x, w), (x_full, w_full))]
         assert max(misses) > 1, f"{case}: the probe called oneDNN inexact, yet it matches"
     else:
-        assert_int8_close(actual, _onednn(x, w, w_scale, bias, case, x_scale, x_zp, out_scale, out_zp), f"{case} vs oneDNN")
+        assert_int8_close(actual, _onednn(x, w, w_scale, bias, case), f"{case} vs oneDNN")
 
 
-def _expected(x, w, w_scale, bias, case, x_scale, x_zp, out_scale, out_zp):
-    """The float64 reference of the conv + ReLU, requantized."""
+def _reference(x, w, w_scale, bias, case):
+    """The float64 conv of ``case`` on the dequantized input and weights, before its activation."""
     stride, groups = case[4], case[3]
-    reference = torch.nn.functional.conv2d((x.double() - x_zp) * x_scale, w.double() * w_scale.double()[:, None, None, None],
-                                           bias.double(), stride, 1, 1, groups).relu()
-    return torch.clamp(torch.round(reference / out_scale) + out_zp, 0, 255).to(torch.uint8)
+    return torch.nn.functional.conv2d((x.double() - X_ZP) * X_SCALE, w.double() * w_scale.double()[:, None, None, None],
+                                      bias.double(), stride, 1, 1, groups)
 
 
-def _onednn(x, w, w_scale, bias, case, x_scale, x_zp, out_scale, out_zp):
-    """The same conv + ReLU through torch's oneDNN op."""
+def _requantized(reference):
+    return torch.clamp(torch.round(reference / OUT_SCALE) + OUT_ZP, 0, 255).to(torch.uint8)
+
+
+def _onednn(x, w, w_scale, bias, case):
+    """The conv + ReLU through torch's oneDNN op."""
     stride, groups = case[4], case[3]
     prepack, qconv = resolve("qconv_prepack", "cpu").op, resolve("qconv", "cpu").op
-    packed = prepack(w, w_scale, x_scale, x_zp, [stride] * 2, [1, 1], [1, 1], groups, x.shape)
-    return qconv(x, x_scale, x_zp, packed, w_scale, torch.zeros(w.shape[0], dtype=torch.int64), bias, [stride] * 2, [1, 1],
-                 [1, 1], groups, out_scale, out_zp, None, "relu", [], "")
+    packed = prepack(w, w_scale, X_SCALE, X_ZP, [stride] * 2, [1, 1], [1, 1], groups, x.shape)
+    return qconv(x, X_SCALE, X_ZP, packed, w_scale, torch.zeros(w.shape[0], dtype=torch.int64), bias, [stride] * 2, [1, 1],
+                 [1, 1], groups, OUT_SCALE, OUT_ZP, None, "relu", [], "")
 
 
 @needs_own_kernels
@@ -91,20 +95,18 @@ def test_exact16_build_gives_the_reference_for_8_bit_weights(case, float_out):
     batch, channels, size, groups, stride = case
     x, w, w_scale, bias = _case(*case)
     x[..., 0, :] = 255  # (a row of full activations: 255 x (|w_a| + |w_b|) well past 32767)
-    x_scale, x_zp, out_scale, out_zp = 0.02, 3, 0.05, 5
-    reference = torch.nn.functional.conv2d((x.double() - x_zp) * x_scale, w.double() * w_scale.double()[:, None, None, None],
-                                           bias.double(), stride, 1, 1, groups).clamp(-1.0, 6.0)
-    mult, add = scale_and_offset(w, w_scale, x_scale, x_zp, bias)
+    reference = _reference(x, w, w_scale, bias, case).clamp(-1.0, 6.0)
+    mult, add = scale_and_offset(w, w_scale, X_SCALE, X_ZP, bias)
     weight, mult, add = grouped.pack(w, mult, add, exact16=True)
     assert weight.dtype == torch.int16
-    requantize = (1.0, 0, 0, 255, True) if float_out else (out_scale, out_zp, 0, 255)
-    args = (x, x_zp, weight, mult, add, groups, stride, -1.0, 6.0, *requantize)
+    requantize = (1.0, 0, 0, 255, True) if float_out else (OUT_SCALE, OUT_ZP, 0, 255)
+    args = (x, X_ZP, weight, mult, add, groups, stride, -1.0, 6.0, *requantize)
     for kernel in registry.own_kernel_forms("qconv_grouped"):
         actual = kernel(*args)
         if float_out:
             torch.testing.assert_close(actual.double(), reference, atol=1e-5, rtol=1e-5)
         else:
-            assert_int8_close(actual, torch.clamp(torch.round(reference / out_scale) + out_zp, 0, 255).to(torch.uint8), f"{case}")
+            assert_int8_close(actual, _requantized(reference), f"{case}")
 
 
 @pytest.mark.parametrize("case", CASES[:10], ids=str)
@@ -113,11 +115,9 @@ def test_grouped_kernel_float_output_is_the_clamped_reference(case, int8_build):
     float32 result in channel order, also where a vector holds two groups' channels interleaved."""
     batch, channels, size, groups, stride = case
     x, w, w_scale, bias = _case(*case, weight_bits=7 if int8_build == "avx2" else 8)
-    x_scale, x_zp = 0.02, 3
-    reference = torch.nn.functional.conv2d((x.double() - x_zp) * x_scale, w.double() * w_scale.double()[:, None, None, None],
-                                           bias.double(), stride, 1, 1, groups).clamp(0.0, 6.0)
-    mult, add = scale_and_offset(w, w_scale, x_scale, x_zp, bias)
-    args = (x, x_zp, *grouped.pack(w, mult, add), groups, stride, 0.0, 6.0, 1.0, 0, 0, 255, True)
+    reference = _reference(x, w, w_scale, bias, case).clamp(0.0, 6.0)
+    mult, add = scale_and_offset(w, w_scale, X_SCALE, X_ZP, bias)
+    args = (x, X_ZP, *grouped.pack(w, mult, add), groups, stride, 0.0, 6.0, 1.0, 0, 0, 255, True)
     for kernel in registry.own_kernel_forms("qconv_grouped"):
         actual = kernel(*args)
         assert actual.dtype == torch.float32 and actual.is_contiguous(memory_format=torch.channels_last)
