@@ -48,7 +48,6 @@
 #endif
 
 #define MAX_TAPS 9 /* up to 3x3 kernels */
-#define CHUNKS_PER_THREAD 8 /* chunks of tiles a thread takes one by one (conv) */
 #define ROW_BLOCK_BYTES (128 * 1024)
 
 /* Weights up to this many bytes stream past pixel tiles whose inputs stay in L1 (see conv):
@@ -851,8 +850,8 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
   /* A pixel tile's inputs stay in L1 while every output tile's weights stream past them (from
    * L2, or L3 beyond it) when the weights are not too large (weights_streamed). Else the output tiles go round
    * each block of pixel tiles whose inputs fit ROW_BLOCK_BYTES, so that block stays in L2: blocks
-   * of equal size, as many for each thread (under the former static schedule a short last one
-   * left a thread 40% idle on ResNet's layer3 / 4 convs at batch 8). One block
+   * of equal size, as many for each thread (the static schedule gives each thread whole blocks;
+   * a short last one left a thread 40% idle on ResNet's layer3 / 4 convs at batch 8). One block
    * (every input fits) stays one, the threads splitting its output tiles and each streaming its
    * share of the weights: split by pixels, ResNet's 512 -> 512 3x3 conv at 7x7, batch 1, gave the
    * threads 28 and 21 pixels (2 threads on Zen 3: 780 -> 724 us). */
@@ -872,19 +871,14 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
   ptrdiff_t tap_offsets[MAX_TAPS]; /* from a window's first input row, for windows inside the image */
   for (int kh = 0; kh < g.KH; kh++)
     for (int kw = 0; kw < g.KW; kw++) tap_offsets[kh * g.KW + kw] = ((ptrdiff_t)kh * g.dil_h * g.W + kw * g.dil_w) * g.Cin;
-  /* Each thread takes the next chunk of tiles when done with its last (a chunk ~1/CHUNKS_PER_THREAD
-   * of its share): a static split waits for the slower thread, and on a shared host one core is
-   * often slower (another process, or the hypervisor, takes some of its time). 2 threads on Zen 3,
-   * ResNet-50's conv shapes: 0.95-1.03x the static split's time on two idle cores, 0.67-0.97x
-   * where a busy loop at nice 5 shared one core (docs/design/gemm.md). */
-  const long tiles = (long)row_blocks * block_tiles * output_tiles;
-  const int chunk = tiles / ((long)threads * CHUNKS_PER_THREAD) > 1 ? (int)(tiles / ((long)threads * CHUNKS_PER_THREAD)) : 1;
 #pragma omp parallel num_threads(threads)
   {
     /* a pixel tile's input rows, kept while this thread's next tiles are the same pixels' */
     const uint8_t* rows[PIXEL_TILE][MAX_TAPS];
     int rows_of = -1;
-#pragma omp for schedule(dynamic, chunk) collapse(3)
+    /* (static: a thread gets the same pixels in every layer and reads what its own core wrote;
+     * chunks handed out dynamically cost mobilenet_v2_like b1 12%: docs/design/gemm.md) */
+#pragma omp for schedule(static) collapse(3)
     for (int block = 0; block < row_blocks; block++)
       for (int outer = 0; outer < (pixels_outer ? block_tiles : output_tiles); outer++)
         for (int inner = 0; inner < (pixels_outer ? output_tiles : block_tiles); inner++) {
