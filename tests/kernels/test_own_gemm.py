@@ -99,6 +99,22 @@ def test_both_loop_orders_give_the_exact_sums(cout, beyond, int8_build):
 
 
 @needs_own_kernels
+@pytest.mark.parametrize("threads", [1, 3, 5])
+def test_every_tile_is_computed_once_whichever_thread_takes_it(threads, int8_build):
+    """A thread takes its own share of the tiles from the front, then the others' from their
+    ends (conv_gemm_int8.c take_tiles): an odd team, more threads than cores (a descheduled
+    one's share is taken from its end), 301 rows (a tail tile), 3-block tiles."""
+    x, constants, exact = _gemm_case(rows=301, cin=64, cout=400)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        floats = registry.op("qconv")(x, *constants, None, 0.0, float("-inf"), float("inf"), 1.0, 0, 0, 255, True)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(floats.reshape(exact.shape).double(), exact, atol=2e-6, rtol=1e-6)
+
+
+@needs_own_kernels
 @pytest.mark.parametrize("rows, cin, cout", [(45, 132, 72), (45, 20, 24), (300, 200, 16), (7, 132, 72)],
                          ids=["K tail, 3 blocks", "K under one step", "rows outer", "7 rows"])
 def test_any_input_width_and_row_count_gives_the_exact_sums(rows, cin, cout, int8_build):

@@ -33,6 +33,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #include <unistd.h>
 
 #include "call_structs.h"
@@ -759,6 +760,38 @@ int qb_amx_ready(void) {
 }
 #endif
 
+/* How conv's threads share the tiles. Each thread owns a contiguous share, the one a static
+ * split gives it, so it computes the same pixels in every layer and reads what its own core
+ * wrote (tiles handed out in chunks cost mobilenet_v2_like b1 12%); it takes its tiles from the
+ * front, and when done takes the far ends of the others' shares, so a core slowed by another
+ * process or the hypervisor does not hold the layer up (docs/design/gemm.md, 2026-12-02). A
+ * share is [first, end) in one 64-bit word on a cache line of its own, changed by compare-and-swap. */
+#define STEAL_PARTS 16 /* a take is ~1/STEAL_PARTS of a share */
+typedef struct {
+  uint64_t range; /* first | end << 32 */
+  char pad[56];
+} share_t;
+
+static void init_share(share_t* share, long first, long end) {
+  __atomic_store_n(&share->range, (uint64_t)first | (uint64_t)end << 32, __ATOMIC_RELAXED);
+}
+
+/* Up to ``chunk`` units of ``share``, from its front or (``back``) its end, into [*first, *last);
+ * 0 once it is empty. */
+static int take_tiles(share_t* share, int chunk, int back, long* first, long* last) {
+  uint64_t seen = __atomic_load_n(&share->range, __ATOMIC_ACQUIRE);
+  for (;;) {
+    const uint32_t lo = (uint32_t)seen, hi = (uint32_t)(seen >> 32);
+    if (lo >= hi) return 0;
+    const uint32_t n = hi - lo < (uint32_t)chunk ? hi - lo : (uint32_t)chunk;
+    const uint64_t rest = back ? (uint64_t)lo | (uint64_t)(hi - n) << 32 : (uint64_t)(lo + n) | (uint64_t)hi << 32;
+    if (__atomic_compare_exchange_n(&share->range, &seen, rest, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+      *first = back ? hi - n : lo, *last = back ? hi : lo + n;
+      return 1;
+    }
+  }
+}
+
 typedef struct {
   int N, H, W, Cin, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w;
 } geometry_t;
@@ -871,17 +904,30 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
   ptrdiff_t tap_offsets[MAX_TAPS]; /* from a window's first input row, for windows inside the image */
   for (int kh = 0; kh < g.KH; kh++)
     for (int kw = 0; kw < g.KW; kw++) tap_offsets[kh * g.KW + kw] = ((ptrdiff_t)kh * g.dil_h * g.W + kw * g.dil_w) * g.Cin;
+  const long outer_tiles = pixels_outer ? block_tiles : output_tiles, inner_tiles = pixels_outer ? output_tiles : block_tiles;
+  const long tiles = row_blocks * outer_tiles * inner_tiles;
+  const long unit = tiles / UINT32_MAX + 1, units = (tiles + unit - 1) / unit; /* (a share counts units of tiles in 32 bits) */
+  share_t* shares = aligned_alloc(64, (size_t)threads * sizeof(share_t));
+  if (!shares) {
+    free(padding);
+    free(grid);
+    return -1;
+  }
 #pragma omp parallel num_threads(threads)
   {
     /* a pixel tile's input rows, kept while this thread's next tiles are the same pixels' */
     const uint8_t* rows[PIXEL_TILE][MAX_TAPS];
     int rows_of = -1;
-    /* (static: a thread gets the same pixels in every layer and reads what its own core wrote;
-     * chunks handed out dynamically cost mobilenet_v2_like b1 12%: docs/design/gemm.md) */
-#pragma omp for schedule(static) collapse(3)
-    for (int block = 0; block < row_blocks; block++)
-      for (int outer = 0; outer < (pixels_outer ? block_tiles : output_tiles); outer++)
-        for (int inner = 0; inner < (pixels_outer ? output_tiles : block_tiles); inner++) {
+    const int team = omp_get_num_threads(), me = omp_get_thread_num();
+    init_share(&shares[me], units * me / team, units * (me + 1) / team);
+#pragma omp barrier
+    const int chunk = units / team / STEAL_PARTS > 1 ? (int)(units / team / STEAL_PARTS) : 1;
+    long first, last;
+    for (int k = 0; k < team; k++) /* this thread's own share from its front, then the others' from their ends */
+      while (take_tiles(&shares[(me + k) % team], chunk, k > 0, &first, &last))
+        for (long tile_index = first * unit; tile_index < last * unit && tile_index < tiles; tile_index++) {
+          const int block = (int)(tile_index / (outer_tiles * inner_tiles));
+          const int outer = (int)(tile_index / inner_tiles % outer_tiles), inner = (int)(tile_index % inner_tiles);
           const int pt = block * block_tiles + (pixels_outer ? outer : inner), ot = pixels_outer ? inner : outer;
           if (pt >= pixel_tiles) continue;
           const size_t p = (size_t)pt * tile_pixels;
@@ -907,6 +953,7 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
           }
         }
   }
+  free(shares);
   free(padding);
   free(grid);
   return 0;
