@@ -34,10 +34,15 @@ def reference(x, x_scale, x_zp, w, w_scale, bias, stride, padding, low, high, ou
     return (torch.round(y / out_scale) + out_zp).clamp(qmin, qmax).to(torch.uint8)
 
 
-def _depthwise_case(channels, post, stride, padding, qmax, window=3):
+# the output's zero point: 60, or 0, where a clamp-only uint8 epilogue leaves its low clamp to the
+# byte packs' saturation (every result below 0 packs to 0)
+OUT_ZERO_POINTS = pytest.mark.parametrize("out_zp", [60, 0], ids=["zero point 60", "zero point 0"])
+
+
+def _depthwise_case(channels, post, stride, padding, qmax, window=3, out_zp=60):
     """Random uint8 activations, full 8-bit weights, and the kernel's call and the reference's."""
     torch.manual_seed(0)
-    x_scale, x_zp, out_scale, out_zp = 0.03, 7, 0.05, 60
+    x_scale, x_zp, out_scale = 0.03, 7, 0.05
     x = torch.randint(0, 256, (2, channels, 9, 11), dtype=torch.uint8)  # odd sizes: every border case
     w = torch.randint(-128, 128, (channels, 1, window, window), dtype=torch.int8)  # full 8-bit weights are exact here
     w_scale, bias = torch.rand(channels) * 0.01 + 0.001, torch.randn(channels)
@@ -57,8 +62,10 @@ def _depthwise_case(channels, post, stride, padding, qmax, window=3):
 @pytest.mark.parametrize("qmax", [255, 127], ids=["8-bit out", "7-bit out"])
 @pytest.mark.parametrize("channels", [16, 48, 58, 5, 96], ids=["16 channels", "32 + 16 channels", "58: 3 groups + 10",
                                                                "5: a part of a group", "96: 64 + 32"])
-def test_kernel_gives_the_reference_integers(post, stride, padding, qmax, channels, int8_build):
-    run, expected = _depthwise_case(channels, post, stride, padding, qmax)
+@OUT_ZERO_POINTS
+def test_kernel_gives_the_reference_integers(post, stride, padding, qmax, channels, out_zp, int8_build):
+    run, expected = _depthwise_case(channels, post, stride, padding, qmax, out_zp=out_zp)
+    assert out_zp or (expected == 0).any()  # (results below 0: the packs clamped them)
     actual = run()
     assert actual.is_contiguous(memory_format=torch.channels_last)
     assert_int8_close(actual, expected, f"{post} stride {stride} padding {padding}")
@@ -275,9 +282,10 @@ def test_without_the_kernels_onednn_runs_it(monkeypatch):
 @pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
 @pytest.mark.parametrize("cout", [24, 40, 56, 64], ids=["24-wide tiles", "16-wide tail", "8-wide tail", "whole zmm blocks"])
 @pytest.mark.parametrize("qmax", [255, 127], ids=["8-bit out", "7-bit out"])
-def test_1x1_kernel_gives_the_reference_integers(post, residual, cout, qmax, int8_build):
+@OUT_ZERO_POINTS
+def test_1x1_kernel_gives_the_reference_integers(post, residual, cout, qmax, out_zp, int8_build):
     torch.manual_seed(0)
-    cin, x_scale, x_zp, out_scale, out_zp, r_scale, r_zp = 36, 0.03, 7, 0.05, 60, 0.04, 11
+    cin, x_scale, x_zp, out_scale, r_scale, r_zp = 36, 0.03, 7, 0.05, 0.04, 11
     x = torch.randint(0, 128, (2, cin, 3, 5), dtype=torch.uint8)  # 30 pixels: a 2-pixel tail tile
     w = torch.randint(-128, 128, (cout, cin, 1, 1), dtype=torch.int8)  # 127 x 256 < 32767: exact
     w_scale, bias = torch.rand(cout) * 0.01 + 0.001, torch.randn(cout)
@@ -287,6 +295,7 @@ def test_1x1_kernel_gives_the_reference_integers(post, residual, cout, qmax, int
     mult, add = mult.float(), add.float()
     actual = registry.op("qconv")(x, weight, mult, add, r, r_scale if residual else 0.0, low, high, out_scale, out_zp, 0, qmax)
     expected = reference(x, x_scale, x_zp, w, w_scale, bias, 1, 0, low, high, out_scale, out_zp, 0, qmax, r, r_scale, r_zp)
+    assert out_zp or (expected == 0).any()  # (results below 0: the packs clamped them)
     assert actual.is_contiguous(memory_format=torch.channels_last)
     assert_int8_close(actual, expected, f"1x1 {post} residual={residual} cout={cout}")
 

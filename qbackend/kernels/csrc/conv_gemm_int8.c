@@ -135,6 +135,7 @@ typedef struct {
    * uint8 (hardswish: the grid without its zero point, added after the gate) */
   const float *grid_mult, *grid_add;
   __m256 grid_residual_scale, grid_low, grid_high;
+  int grid_floor; /* 0 where grid_low is 0 = qmin: the byte packs' saturation clamps there (on_grid8) */
   __m256 grid_gate_scale; /* hardswish: its gate clamp(f / 6 + 1/2, 0, 1) is clamp(u * grid_gate_scale + 1/2, 0, 1) of u = f / scale */
 } epilogue_t;
 
@@ -201,7 +202,7 @@ static inline void finish4x8(const epilogue_t* e, const __m256 f[4], int o, int 
  * int32 within [qmin, qmax]: one multiply-add (and the uint8 residual's), hardswish's gate and
  * product with it (3 multiply-adds and a clamp where the float route took 9 operations), one clamp. */
 static inline __attribute__((always_inline)) __m256i on_grid8(const epilogue_t* e, __m256i acc, __m256 mult, __m256 add,
-                                                              const uint8_t* residual, int hardswish) {
+                                                              const uint8_t* residual, int hardswish, int floor) {
   __m256 q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), mult, add);
   if (residual) q = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)residual))),
                                     e->grid_residual_scale, q);
@@ -209,7 +210,10 @@ static inline __attribute__((always_inline)) __m256i on_grid8(const epilogue_t* 
     const __m256 gate = _mm256_fmadd_ps(q, e->grid_gate_scale, _mm256_set1_ps(0.5f));
     q = _mm256_fmadd_ps(q, _mm256_min_ps(_mm256_max_ps(gate, _mm256_setzero_ps()), _mm256_set1_ps(1.0f)), e->out_zp);
   }
-  return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, e->grid_low), e->grid_high)); /* (the packs saturate nothing) */
+  /* floor 0: a negative result (INT_MIN for -inf or NaN, which min_ps(high, q) keeps) packs to 0 = qmin
+   * (small-K 1x1 convs 2-4% faster, one Zen 3 thread: 16 -> 96 channels at 112x112 617 -> 593 us) */
+  if (!floor) return _mm256_cvtps_epi32(_mm256_min_ps(e->grid_high, q));
+  return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, e->grid_low), e->grid_high));
 }
 
 /* 8 outputs of a clamp-only epilogue off the grid (a float output or residual). ``e`` is a local
@@ -235,7 +239,7 @@ static inline __m256i block_half(block_t acc, int half) {
  * conv on one Zen 4 thread 1262 -> 1159 us; oneDNN 847). */
 static inline __attribute__((always_inline)) void store_tile_on_grid(const epilogue_t* e, block_t acc[PIXEL_TILE][4], int pixels,
                                                                      int blocks, int o, int Cout, size_t p, uint8_t* restrict y,
-                                                                     int hardswish) {
+                                                                     int hardswish, int floor) {
 #pragma GCC unroll 4
   for (int b = 0; b < blocks; b++)
 #pragma GCC unroll 2
@@ -249,13 +253,13 @@ static inline __attribute__((always_inline)) void store_tile_on_grid(const epilo
 #pragma GCC unroll 4
         for (int j = 0; j < 4; j++)
           q[j] = on_grid8(e, block_half(acc[i + j][b], half), mult, add, e->residual ? e->residual + (p + i + j) * Cout + o8 : NULL,
-                          hardswish);
+                          hardswish, floor);
         store4x8_bytes(q, Cout, y + (p + i) * Cout + o8);
       }
 #pragma GCC unroll 4
       for (; i < pixels; i++) {
         const __m256i q32 = on_grid8(e, block_half(acc[i][b], half), mult, add, e->residual ? e->residual + (p + i) * Cout + o8 : NULL,
-                                        hardswish);
+                                        hardswish, floor);
         const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q32), _mm256_extracti128_si256(q32, 1));
         _mm_storel_epi64((__m128i*)(y + (p + i) * Cout + o8), _mm_packus_epi16(q16, q16));
       }
@@ -444,9 +448,11 @@ static inline __attribute__((always_inline)) void finish_tile(const epilogue_t* 
 #endif
   if (e.grid_mult) { /* (a constant ``hardswish`` each: the clamp-only code keeps no branch) */
     if (e.activation == HARDSWISH)
-      store_tile_on_grid(&e, acc, pixels, blocks, o, Cout, p, y, 1);
+      store_tile_on_grid(&e, acc, pixels, blocks, o, Cout, p, y, 1, 1);
+    else if (e.grid_floor)
+      store_tile_on_grid(&e, acc, pixels, blocks, o, Cout, p, y, 0, 1);
     else
-      store_tile_on_grid(&e, acc, pixels, blocks, o, Cout, p, y, 0);
+      store_tile_on_grid(&e, acc, pixels, blocks, o, Cout, p, y, 0, 0);
     return;
   }
   if (e.float_out && e.activation == CLAMP_ONLY) {
@@ -796,6 +802,14 @@ typedef struct {
   int N, H, W, Cin, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w;
 } geometry_t;
 
+/* The tile after (block, outer, inner): inner runs fastest. */
+static inline void next_tile(int* block, int* outer, int* inner, long outer_tiles, long inner_tiles) {
+  if (++*inner == inner_tiles) {
+    *inner = 0;
+    if (++*outer == outer_tiles) *outer = 0, ++*block;
+  }
+}
+
 /* rows[i][t]: the input row (Cin bytes) under tap t of output pixel p + i, or ``padding`` (the
  * zero point) where the window leaves the image. One division for the tile's first pixel, then
  * a walk along the output rows; a window inside the image is its first row plus tap_offsets
@@ -855,6 +869,7 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
     e.grid_residual_scale = _mm256_set1_ps(residual_scale * out_inv_scale);
     const float grid_low = low * out_inv_scale + out_zp, grid_high = high * out_inv_scale + out_zp;
     e.grid_low = _mm256_set1_ps(grid_low > qmin ? grid_low : (float)qmin);
+    e.grid_floor = qmin != 0 || grid_low > 0;
     e.grid_high = _mm256_set1_ps(grid_high < qmax ? grid_high : (float)qmax);
   }
 #ifdef QB_AMX_TILES
@@ -924,10 +939,12 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
     const int chunk = units / team / STEAL_PARTS > 1 ? (int)(units / team / STEAL_PARTS) : 1;
     long first, last;
     for (int k = 0; k < team; k++) /* this thread's own share from its front, then the others' from their ends */
-      while (take_tiles(&shares[(me + k) % team], chunk, k > 0, &first, &last))
-        for (long tile_index = first * unit; tile_index < last * unit && tile_index < tiles; tile_index++) {
-          const int block = (int)(tile_index / (outer_tiles * inner_tiles));
-          const int outer = (int)(tile_index / inner_tiles % outer_tiles), inner = (int)(tile_index % inner_tiles);
+      while (take_tiles(&shares[(me + k) % team], chunk, k > 0, &first, &last)) {
+        const long end = last * unit < tiles ? last * unit : tiles;
+        /* (counted up from the take's first tile: three 64-bit divisions a tile had cost small-K convs ~1%) */
+        int block = (int)(first * unit / (outer_tiles * inner_tiles)), outer = (int)(first * unit / inner_tiles % outer_tiles),
+            inner = (int)(first * unit % inner_tiles);
+        for (long tile_index = first * unit; tile_index < end; tile_index++, next_tile(&block, &outer, &inner, outer_tiles, inner_tiles)) {
           const int pt = block * block_tiles + (pixels_outer ? outer : inner), ot = pixels_outer ? inner : outer;
           if (pt >= pixel_tiles) continue;
           const size_t p = (size_t)pt * tile_pixels;
@@ -952,6 +969,7 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
             TILE_CASES(pixels, 1)
           }
         }
+      }
   }
   free(shares);
   free(padding);
