@@ -35,6 +35,15 @@
 #define MAX_SPAN ((COLUMN_BLOCK - 1) * 2 + MAX_KERNEL) /* input columns of a block (stride <= 2) */
 #define PIXELS 4 /* output pixels summed at once (8 sums in registers) */
 
+/* An epilogue's kind, a constant in each compiled row function (row_for): the activation (enum
+ * activation), plus FLOAT_OUT for a float32 output, or PACKS_CLAMP for a clamp-only uint8 output
+ * into [0, 255] whose clamp starts at or below 0, where the byte packs' saturation is the low
+ * clamp. Checked per pixel, kind and clamps had cost a third of the epilogue: one Zen 3 thread,
+ * 144 ch 56x56, ReLU6 262 -> 202 us, hardswish 540 -> 431, SiLU float out 556 -> 513. */
+#define FLOAT_OUT 8
+#define PACKS_CLAMP 16
+#define ACTIVATIONS 5 /* enum activation's count */
+
 /* One call's parameters and its epilogue's constants. */
 typedef struct {
   int H, W, C, OH, OW, stride_h, stride_w, pad_h, pad_w, groups, activation;
@@ -63,15 +72,12 @@ static inline __m256i pixel_lanes(const uint8_t* p, int tail, const uint8_t* x_e
 }
 
 /* The epilogue of one pixel's 16 channels (the first ``tail`` when tail > 0) at element ``at``
- * of y / yf: sums -> float -> activation -> clamp -> uint8 or float32. ``bytes_only`` (a
- * constant): clamp-only, uint8 out, [qmin, qmax] = [0, 255] and the clamp's low end at 0, where
- * the byte packs' saturation clamps below and nothing else branches (per pixel, those checks
- * and clamps had cost 22% of a ReLU6 depthwise conv: one Zen 3 thread, 144 ch 56x56 262 -> 202 us). */
+ * of y / yf: sums -> float -> activation -> clamp -> uint8 or float32, as ``kind`` says. */
 static inline __attribute__((always_inline)) void finish(const dw_t* d, __m256i acc_lo, __m256i acc_hi, const __m256* m, const __m256* c,
-                                                         int tail, size_t at, const int bytes_only) {
+                                                         int tail, size_t at, const int kind) {
   __m256 f[2] = {_mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_lo), m[0], c[0]), _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_hi), m[1], c[1])};
-  if (!bytes_only && d->activation != CLAMP_ONLY) activate_lanes(d->activation, f, 2); /* (a group's two vectors in lockstep) */
-  if (!bytes_only && d->yf) { /* lo holds channels 0-3 and 8-11, hi 4-7 and 12-15 */
+  activate_lanes(kind % FLOAT_OUT, f, 2); /* (a group's two vectors in lockstep) */
+  if (kind & FLOAT_OUT) { /* lo holds channels 0-3 and 8-11, hi 4-7 and 12-15 */
     /* (max_ps / min_ps return their second operand for a NaN: this order keeps one, as the reference's clamp) */
     const __m256 f_lo = _mm256_min_ps(d->hi, _mm256_max_ps(d->lo, f[0])), f_hi = _mm256_min_ps(d->hi, _mm256_max_ps(d->lo, f[1]));
     const __m256 first = _mm256_permute2f128_ps(f_lo, f_hi, 0x20), second = _mm256_permute2f128_ps(f_lo, f_hi, 0x31);
@@ -90,11 +96,11 @@ static inline __attribute__((always_inline)) void finish(const dw_t* d, __m256i 
    * kernel's). A NaN stays one (max_ps / min_ps return their second operand), converts to
    * INT_MIN and lands on qmin, as the reference's quantize stores it; round half to even. */
   __m256 q_lo = _mm256_fmadd_ps(f[0], d->inv, d->zp), q_hi = _mm256_fmadd_ps(f[1], d->inv, d->zp);
-  if (!bytes_only) q_lo = _mm256_max_ps(d->qlow, q_lo), q_hi = _mm256_max_ps(d->qlow, q_hi);
+  if (!(kind & PACKS_CLAMP)) q_lo = _mm256_max_ps(d->qlow, q_lo), q_hi = _mm256_max_ps(d->qlow, q_hi);
   q_lo = _mm256_min_ps(d->qhigh, q_lo), q_hi = _mm256_min_ps(d->qhigh, q_hi);
   const __m256i q16 = _mm256_packs_epi32(_mm256_cvtps_epi32(q_lo), _mm256_cvtps_epi32(q_hi));
   __m128i q8 = _mm_packus_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1));
-  if (!bytes_only) q8 = _mm_min_epu8(_mm_max_epu8(q8, d->qmin), d->qmax);
+  if (!(kind & PACKS_CLAMP)) q8 = _mm_min_epu8(_mm_max_epu8(q8, d->qmin), d->qmax);
   uint8_t* out = d->y + at;
   if (!tail) {
     _mm_storeu_si128((__m128i*)out, q8);
@@ -117,7 +123,7 @@ static inline __attribute__((always_inline)) void finish(const dw_t* d, __m256i 
  * their epilogues; ``at``: the block's first pixel's element of channel group ``g`` in y. */
 static inline __attribute__((always_inline)) void block_pixels(const dw_t* d, const int K, const int count,
                                                                __m256i pairs[MAX_ROW_PAIRS][MAX_SPAN][2], int g, int tail, int b0,
-                                                               const __m256* m, const __m256* c, size_t at, const int bytes_only) {
+                                                               const __m256* m, const __m256* c, size_t at, const int kind) {
   const int R = (K + 1) / 2, S = d->stride_w;
   __m256i acc[PIXELS][2];
   for (int i = 0; i < count; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
@@ -133,7 +139,7 @@ static inline __attribute__((always_inline)) void block_pixels(const dw_t* d, co
         acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(v[1], w_hi));
       }
     }
-  for (int i = 0; i < count; i++) finish(d, acc[i][0], acc[i][1], m, c, tail, at + (size_t)(b0 + i) * d->C, bytes_only);
+  for (int i = 0; i < count; i++) finish(d, acc[i][0], acc[i][1], m, c, tail, at + (size_t)(b0 + i) * d->C, kind);
 }
 
 /* Output row ``oh`` of image ``n``, channel group ``g`` (``tail`` channels of it, 0: all 16), for
@@ -143,7 +149,7 @@ static inline __attribute__((always_inline)) void block_pixels(const dw_t* d, co
  * pixel whose window covers the column multiplies them by its column's weight pair
  * (vpmaddwd), PIXELS pixels at a time. Out-of-image rows and columns read the zero point. */
 static inline __attribute__((always_inline)) void row_group(const dw_t* d, const int K, int n, int oh, int g, int tail,
-                                                            const int bytes_only) {
+                                                            const int kind) {
   const int R = (K + 1) / 2, S = d->stride_w;
   __m256i pairs[MAX_ROW_PAIRS][MAX_SPAN][2]; /* [row pair][input column of the block][lo, hi] */
   const uint8_t* rows[2 * MAX_ROW_PAIRS];
@@ -170,28 +176,35 @@ static inline __attribute__((always_inline)) void row_group(const dw_t* d, const
     }
     const size_t at = (row_start + ow0) * d->C + (size_t)g * LANES;
     int b0 = 0;
-    for (; b0 + PIXELS <= block; b0 += PIXELS) block_pixels(d, K, PIXELS, pairs, g, tail, b0, m, c, at, bytes_only);
-    for (; b0 < block; b0++) block_pixels(d, K, 1, pairs, g, tail, b0, m, c, at, bytes_only);
+    for (; b0 + PIXELS <= block; b0 += PIXELS) block_pixels(d, K, PIXELS, pairs, g, tail, b0, m, c, at, kind);
+    for (; b0 < block; b0++) block_pixels(d, K, 1, pairs, g, tail, b0, m, c, at, kind);
   }
 }
 
 /* Every channel group of one output row: whole groups with tail 0 (their loads and stores
  * compile without the tail's checks), then a last partial one. */
-static inline __attribute__((always_inline)) void output_row(const dw_t* call, const int K, int n, int oh, const int bytes_only) {
+static inline __attribute__((always_inline)) void output_row(const dw_t* call, const int K, int n, int oh, const int kind) {
   /* (a local copy: the uint8 stores could alias the caller's struct, so its fields were loaded
    * again after every pixel's store) */
   const dw_t copy = *call, *d = &copy;
   const int full = d->C / LANES, tail = d->C % LANES;
-  for (int g = 0; g < full; g++) row_group(d, K, n, oh, g, 0, bytes_only);
-  if (tail) row_group(d, K, n, oh, full, tail, bytes_only);
+  for (int g = 0; g < full; g++) row_group(d, K, n, oh, g, 0, kind);
+  if (tail) row_group(d, K, n, oh, full, tail, kind);
 }
 
-static void output_row_3(const dw_t* d, int n, int oh) { output_row(d, 3, n, oh, 0); }
-static void output_row_5(const dw_t* d, int n, int oh) { output_row(d, 5, n, oh, 0); }
-static void output_row_7(const dw_t* d, int n, int oh) { output_row(d, 7, n, oh, 0); }
-static void bytes_row_3(const dw_t* d, int n, int oh) { output_row(d, 3, n, oh, 1); }
-static void bytes_row_5(const dw_t* d, int n, int oh) { output_row(d, 5, n, oh, 1); }
-static void bytes_row_7(const dw_t* d, int n, int oh) { output_row(d, 7, n, oh, 1); }
+/* output_row compiled for each window and epilogue kind */
+typedef void (*row_fn)(const dw_t*, int, int);
+#define ROW(K, KIND) \
+  static void row_##K##_##KIND(const dw_t* d, int n, int oh) { output_row(d, K, n, oh, KIND); }
+#define ROWS(K) ROW(K, 0) ROW(K, 1) ROW(K, 2) ROW(K, 3) ROW(K, 4) ROW(K, 8) ROW(K, 9) ROW(K, 10) ROW(K, 11) ROW(K, 12) ROW(K, 16)
+ROWS(3)
+ROWS(5)
+ROWS(7)
+#define ENTRY(K, KIND) [KIND] = row_##K##_##KIND,
+#define TABLE(K)                                                                                                   \
+  {ENTRY(K, 0) ENTRY(K, 1) ENTRY(K, 2) ENTRY(K, 3) ENTRY(K, 4) ENTRY(K, 8) ENTRY(K, 9) ENTRY(K, 10) ENTRY(K, 11) \
+   ENTRY(K, 12) ENTRY(K, 16)}
+static const row_fn ROW_TABLE[3][PACKS_CLAMP + 1] = {TABLE(3), TABLE(5), TABLE(7)};
 
 /* weight: [R K][G][2 (lo, hi)][16] int16 pairs (kernel rows 2 rp and 2 rp + 1 at one column;
  * R = (K + 1) / 2, a last zero row for an odd K), G = ceil(C / 16) (channels past C zero);
@@ -204,7 +217,7 @@ static int dwconv(int threads, int N, int H, int W, int C, int K, int stride_h, 
                   const uint8_t* x, int x_zp, const int16_t* weight, const float* mult, const float* add, int activation,
                   float lo, float hi, float out_inv_scale, int out_zp, int qmin, int qmax, uint8_t* y, float* yf) {
   /* (the caller checks both; the row buffer holds the columns of strides up to 2) */
-  if ((K != 3 && K != 5 && K != 7) || stride_w < 1 || stride_w > 2) return -1;
+  if ((K != 3 && K != 5 && K != 7) || stride_w < 1 || stride_w > 2 || activation < 0 || activation >= ACTIVATIONS) return -1;
   const __m256 vinv = _mm256_set1_ps(out_inv_scale), vzp = _mm256_set1_ps((float)out_zp);
   const dw_t d = {
       H, W, C, OH, OW, stride_h, stride_w, pad_h, pad_w, (C + LANES - 1) / LANES, activation, x, x + (size_t)N * H * W * C, weight,
@@ -212,9 +225,8 @@ static int dwconv(int threads, int N, int H, int W, int C, int K, int stride_h, 
       _mm256_max_ps(_mm256_set1_ps((float)qmin), _mm256_fmadd_ps(_mm256_set1_ps(lo), vinv, vzp)),
       _mm256_min_ps(_mm256_set1_ps((float)qmax), _mm256_fmadd_ps(_mm256_set1_ps(hi), vinv, vzp)),
       _mm_set1_epi8((char)qmin), _mm_set1_epi8((char)qmax)};
-  const int bytes_only = activation == CLAMP_ONLY && !yf && qmin == 0 && qmax == 255 && !(lo * out_inv_scale + out_zp > 0);
-  void (*row)(const dw_t*, int, int) = bytes_only ? (K == 3 ? bytes_row_3 : K == 5 ? bytes_row_5 : bytes_row_7)
-                                                  : (K == 3 ? output_row_3 : K == 5 ? output_row_5 : output_row_7);
+  const int packs_clamp = activation == CLAMP_ONLY && !yf && qmin == 0 && qmax == 255 && !(lo * out_inv_scale + out_zp > 0);
+  const row_fn row = ROW_TABLE[K / 2 - 1][packs_clamp ? PACKS_CLAMP : activation + (yf ? FLOAT_OUT : 0)];
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
   for (int n = 0; n < N; n++)
     for (int oh = 0; oh < OH; oh++) row(&d, n, oh);
