@@ -35,7 +35,7 @@
 #define MAX_SPAN ((COLUMN_BLOCK - 1) * 2 + MAX_KERNEL) /* input columns of a block (stride <= 2) */
 #define PIXELS 4 /* output pixels summed at once (8 sums in registers) */
 
-/* An epilogue's kind, a constant in each compiled row function (row_for): the activation (enum
+/* An epilogue's kind, a constant in each compiled row function (ROW_TABLE): the activation (enum
  * activation), plus FLOAT_OUT for a float32 output, or PACKS_CLAMP for a clamp-only uint8 output
  * into [0, 255] whose clamp starts at or below 0, where the byte packs' saturation is the low
  * clamp. Checked per pixel, kind and clamps had cost a third of the epilogue: one Zen 3 thread,
@@ -46,7 +46,7 @@
 
 /* One call's parameters and its epilogue's constants. */
 typedef struct {
-  int H, W, C, OH, OW, stride_h, stride_w, pad_h, pad_w, groups, activation;
+  int H, W, C, OH, OW, stride_h, stride_w, pad_h, pad_w, groups;
   const uint8_t* x;
   const uint8_t* x_end;
   const int16_t* weight;
@@ -220,7 +220,7 @@ static int dwconv(int threads, int N, int H, int W, int C, int K, int stride_h, 
   if ((K != 3 && K != 5 && K != 7) || stride_w < 1 || stride_w > 2 || activation < 0 || activation >= ACTIVATIONS) return -1;
   const __m256 vinv = _mm256_set1_ps(out_inv_scale), vzp = _mm256_set1_ps((float)out_zp);
   const dw_t d = {
-      H, W, C, OH, OW, stride_h, stride_w, pad_h, pad_w, (C + LANES - 1) / LANES, activation, x, x + (size_t)N * H * W * C, weight,
+      H, W, C, OH, OW, stride_h, stride_w, pad_h, pad_w, (C + LANES - 1) / LANES, x, x + (size_t)N * H * W * C, weight,
       mult, add, y, yf, _mm256_set1_epi16((short)x_zp), _mm256_set1_ps(lo), _mm256_set1_ps(hi), vinv, vzp,
       _mm256_max_ps(_mm256_set1_ps((float)qmin), _mm256_fmadd_ps(_mm256_set1_ps(lo), vinv, vzp)),
       _mm256_min_ps(_mm256_set1_ps((float)qmax), _mm256_fmadd_ps(_mm256_set1_ps(hi), vinv, vzp)),
