@@ -26,8 +26,9 @@ oneDNN ops and its own C kernels) beside Inductor and OpenVINO (its PERF_COUNT c
 type), each in its first process. Saved models are kept under ``--work`` (per model, batch,
 calibration and the versions of torch and the peers); ``--reuse`` takes them from an earlier run
 instead of preparing them again (with a warning when qbackend's or the benchmark's sources
-changed since). Each model and batch's row is saved there too, with the commit it was measured
-at: ``--collect`` writes the tables from the saved rows of this CPU, so a zoo longer than one
+changed since). Each model and batch's row is saved in the repository (``ROWS``: a machine's
+caches do not outlive its session), with the commit it was measured at and the peers' versions:
+``--collect`` writes the tables from the saved rows of this CPU, so a zoo longer than one
 sitting is measured in parts and reported whole.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import shutil
 import stat
 import statistics
@@ -169,7 +171,13 @@ class Row:
     speedups: list = field(default_factory=list)  # the two-thread probe before each process
 
 
-ROW_FILE = "row.json"  # a config's last measured row, for --collect
+ROWS = PROJECT_ROOT / "benchmarks" / "zoo_rows"  # each CPU's last measured row of each config, for --collect
+
+
+def row_path(name: str, batch: int, timing: Timing, args) -> Path:
+    """Where the row of ``name`` at ``batch`` (with this timing and recipe) is kept: a folder a CPU."""
+    config = f"{name}-b{batch}" + ("-quick" if timing is QUICK else "") + ("-inductor-recipe" if args.inductor_recipe else "")
+    return ROWS / re.sub(r"[^A-Za-z0-9]+", "-", cpu_key()).strip("-") / f"{config}.json"
 
 
 def _code_state() -> dict:
@@ -186,25 +194,28 @@ def _code_state() -> dict:
             "runtime_digest": _digest(sources)[:12]}
 
 
-def save_row(folder: Path, row: Row, timing: Timing, code: dict) -> dict:
-    """Saves ``row`` with what it was measured with (returned); ``code``: _code_state() when
-    its processes started (the working tree may change during a long run)."""
-    state = {"cpu": cpu_key(), "date": datetime.date.today().isoformat(), "timing": timing.__dict__, **code}
-    partial = folder / (ROW_FILE + ".partial")  # (renamed when whole: a run killed mid-write leaves the last row)
-    partial.write_text(json.dumps({"measured_with": state, "row": row.__dict__}))
-    partial.replace(folder / ROW_FILE)
+def save_row(path: Path, row: Row, timing: Timing, code: dict) -> dict:
+    """Saves ``row`` at ``path`` with what it was measured with (returned); ``code``: _code_state()
+    when its processes started (the working tree may change during a long run)."""
+    state = {"cpu": cpu_key(), "date": datetime.date.today().isoformat(), "timing": timing.__dict__, "versions": _versions(),
+             **code}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")  # (renamed when whole: a run killed mid-write leaves the last row)
+    partial.write_text(json.dumps({"measured_with": state, "row": row.__dict__}, indent=1))
+    partial.replace(path)
     return state
 
 
-def saved_rows(work: Path, models: list, batches: list, timing: Timing, args) -> tuple[list, list, list]:
+def saved_rows(models: list, batches: list, timing: Timing, args) -> tuple[list, list, list]:
     """(rows, each one's ``measured_with``, the configs with none): the last row saved for each
-    model and batch on this CPU with this timing."""
+    model and batch on this CPU with this timing and these versions of torch and the peers."""
     rows, states, missing = [], [], []
     for name in models:
         for batch in batches:
-            path = _folder(work, name, batch, timing, args) / ROW_FILE
+            path = row_path(name, batch, timing, args)
             saved = json.loads(path.read_text()) if path.is_file() else None
-            if saved and saved["measured_with"]["cpu"] == cpu_key() and saved["measured_with"]["timing"] == timing.__dict__:
+            state = saved["measured_with"] if saved else {}
+            if state.get("cpu") == cpu_key() and state.get("timing") == timing.__dict__ and state.get("versions") == _versions():
                 rows.append(Row(**saved["row"]))
                 states.append(saved["measured_with"])
             else:
@@ -268,7 +279,7 @@ def run_config(name: str, batch: int, work: Path, args) -> tuple[Row, dict]:
                                  *(["--quick"] if args.quick else [])], folder / "interleaved.log", RUN_TIMEOUT_S)
         if "error" in row.in_process:
             log(f"{name} batch {batch}: the one process of every engine failed: {row.in_process['error']}")
-    return row, save_row(folder, row, timing, code)
+    return row, save_row(row_path(name, batch, timing, args), row, timing, code)
 
 
 # --- what a row says about each engine ------------------------------------------------------------
@@ -540,7 +551,7 @@ def main():
         heading += ", every engine in one process"
     versions, started, rows, states = _versions(), time.perf_counter(), [], []
     if args.collect:
-        rows, states, missing = saved_rows(work, args.models, args.batches, timing, args)
+        rows, states, missing = saved_rows(args.models, args.batches, timing, args)
         runs = f"- Rows saved by earlier runs: {runs_line(rows, states, args.reps)}" + (
             f"\n- **Missing** (no row saved on this CPU): {', '.join(missing)}" if missing else "")
     else:
