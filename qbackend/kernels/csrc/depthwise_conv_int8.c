@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "call_structs.h"
+#include "depthwise_kinds.h"
 #include "vec_math.h"
 
 #define MAX_KERNEL 7
@@ -34,15 +35,6 @@
 #define COLUMN_BLOCK 16 /* output pixels of a row whose input columns are widened once */
 #define MAX_SPAN ((COLUMN_BLOCK - 1) * 2 + MAX_KERNEL) /* input columns of a block (stride <= 2) */
 #define PIXELS 4 /* output pixels summed at once (8 sums in registers) */
-
-/* An epilogue's kind, a constant in each compiled row function (ROW_TABLE): the activation (enum
- * activation), plus FLOAT_OUT for a float32 output, or PACKS_CLAMP for a clamp-only uint8 output
- * into [0, 255] whose clamp starts at or below 0, where the byte packs' saturation is the low
- * clamp. Checked per pixel, kind and clamps had cost a third of the epilogue: one Zen 3 thread,
- * 144 ch 56x56, ReLU6 262 -> 202 us, hardswish 540 -> 431, SiLU float out 556 -> 513. */
-#define FLOAT_OUT 8
-#define PACKS_CLAMP 16
-#define ACTIVATIONS 5 /* enum activation's count */
 
 /* One call's parameters and its epilogue's constants. */
 typedef struct {
@@ -196,15 +188,16 @@ static inline __attribute__((always_inline)) void output_row(const dw_t* call, c
 typedef void (*row_fn)(const dw_t*, int, int);
 #define ROW(K, KIND) \
   static void row_##K##_##KIND(const dw_t* d, int n, int oh) { output_row(d, K, n, oh, KIND); }
-#define ROWS(K) ROW(K, 0) ROW(K, 1) ROW(K, 2) ROW(K, 3) ROW(K, 4) ROW(K, 8) ROW(K, 9) ROW(K, 10) ROW(K, 11) ROW(K, 12) ROW(K, 16)
-ROWS(3)
-ROWS(5)
-ROWS(7)
-#define ENTRY(K, KIND) [KIND] = row_##K##_##KIND,
-#define TABLE(K)                                                                                                   \
-  {ENTRY(K, 0) ENTRY(K, 1) ENTRY(K, 2) ENTRY(K, 3) ENTRY(K, 4) ENTRY(K, 8) ENTRY(K, 9) ENTRY(K, 10) ENTRY(K, 11) \
-   ENTRY(K, 12) ENTRY(K, 16)}
-static const row_fn ROW_TABLE[3][PACKS_CLAMP + 1] = {TABLE(3), TABLE(5), TABLE(7)};
+#define ROW3(KIND) ROW(3, KIND)
+#define ROW5(KIND) ROW(5, KIND)
+#define ROW7(KIND) ROW(7, KIND)
+EPILOGUE_KINDS(ROW3)
+EPILOGUE_KINDS(ROW5)
+EPILOGUE_KINDS(ROW7)
+#define ENTRY3(KIND) [KIND] = row_3_##KIND,
+#define ENTRY5(KIND) [KIND] = row_5_##KIND,
+#define ENTRY7(KIND) [KIND] = row_7_##KIND,
+static const row_fn ROW_TABLE[3][PACKS_CLAMP + 1] = {{EPILOGUE_KINDS(ENTRY3)}, {EPILOGUE_KINDS(ENTRY5)}, {EPILOGUE_KINDS(ENTRY7)}};
 
 /* weight: [R K][G][2 (lo, hi)][16] int16 pairs (kernel rows 2 rp and 2 rp + 1 at one column;
  * R = (K + 1) / 2, a last zero row for an odd K), G = ceil(C / 16) (channels past C zero);
@@ -217,7 +210,8 @@ static int dwconv(int threads, int N, int H, int W, int C, int K, int stride_h, 
                   const uint8_t* x, int x_zp, const int16_t* weight, const float* mult, const float* add, int activation,
                   float lo, float hi, float out_inv_scale, int out_zp, int qmin, int qmax, uint8_t* y, float* yf) {
   /* (the caller checks both; the row buffer holds the columns of strides up to 2) */
-  if ((K != 3 && K != 5 && K != 7) || stride_w < 1 || stride_w > 2 || activation < 0 || activation >= ACTIVATIONS) return -1;
+  const int kind = epilogue_kind(activation, yf != NULL, lo, out_inv_scale, out_zp, qmin, qmax);
+  if ((K != 3 && K != 5 && K != 7) || stride_w < 1 || stride_w > 2 || kind < 0) return -1;
   const __m256 vinv = _mm256_set1_ps(out_inv_scale), vzp = _mm256_set1_ps((float)out_zp);
   const dw_t d = {
       H, W, C, OH, OW, stride_h, stride_w, pad_h, pad_w, (C + LANES - 1) / LANES, x, x + (size_t)N * H * W * C, weight,
@@ -225,8 +219,7 @@ static int dwconv(int threads, int N, int H, int W, int C, int K, int stride_h, 
       _mm256_max_ps(_mm256_set1_ps((float)qmin), _mm256_fmadd_ps(_mm256_set1_ps(lo), vinv, vzp)),
       _mm256_min_ps(_mm256_set1_ps((float)qmax), _mm256_fmadd_ps(_mm256_set1_ps(hi), vinv, vzp)),
       _mm_set1_epi8((char)qmin), _mm_set1_epi8((char)qmax)};
-  const int packs_clamp = activation == CLAMP_ONLY && !yf && qmin == 0 && qmax == 255 && !(lo * out_inv_scale + out_zp > 0);
-  const row_fn row = ROW_TABLE[K / 2 - 1][packs_clamp ? PACKS_CLAMP : activation + (yf ? FLOAT_OUT : 0)];
+  const row_fn row = ROW_TABLE[K / 2 - 1][kind];
 #pragma omp parallel for num_threads(threads) schedule(static) collapse(2)
   for (int n = 0; n < N; n++)
     for (int oh = 0; oh < OH; oh++) row(&d, n, oh);

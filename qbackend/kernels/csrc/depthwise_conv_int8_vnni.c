@@ -37,6 +37,7 @@
 #include <omp.h>
 
 #include "call_structs.h"
+#include "depthwise_kinds.h"
 #include "layer_norm_rows.h"
 #include "padded_channels.h"
 #include "vec_math.h"
@@ -184,7 +185,7 @@ static void build_quads(const dwconv_call_t* c, const uint8_t* x, int n, int ih,
 /* What every pixel's epilogue reads. */
 typedef struct {
   fvec mult[4], add[4], lo, hi, inv, zp, lo_q, hi_q;
-  int activation, channels; /* (channels: of the group being run, GROUP but in a last one) */
+  int channels; /* (of the group being run, GROUP but in a last one) */
 } epilogue_t;
 
 /* ``count`` (1 .. a vector's lanes) floats of a vector: a store, or a masked one for the last
@@ -230,19 +231,23 @@ static inline __attribute__((always_inline)) void store_bytes(ivec bytes, int ch
 /* f = clamp(activation(acc * mult + add), lo, hi) in lane order: stored as float32 in channel
  * order, or y = round(f * inv_scale + out_zp) within [qmin, qmax] — the clamp applied after
  * that map to bounds carried through it (lo_q / hi_q, cut to [qmin, qmax]): the same bytes, as
- * the map is monotone, and no int32 overflow for huge values. */
-static inline __attribute__((always_inline)) void finish_pixel(const epilogue_t* e, const ivec acc[4], uint8_t* y, float* yf) {
+ * the map is monotone, and no int32 overflow for huge values. ``kind`` (depthwise_kinds.h), a
+ * constant where inlined: with PACKS_CLAMP the packs' saturation at 0 is the low clamp. */
+static inline __attribute__((always_inline)) void finish_pixel(const epilogue_t* e, const ivec acc[4], uint8_t* y, float* yf,
+                                                               const int kind) {
   fvec f[4];
   for (int v = 0; v < 4; v++) f[v] = FMADD(CVT_F(acc[v]), e->mult[v], e->add[v]);
-  ACTIVATE(e->activation, f, 4);
-  if (yf) {
+  ACTIVATE(kind % FLOAT_OUT, f, 4);
+  if (kind & FLOAT_OUT) {
     for (int v = 0; v < 4; v++) f[v] = MIN_F(e->hi, MAX_F(e->lo, f[v]));
     store_floats(f, e->channels, yf);
     return;
   }
   ivec q[4];
-  for (int v = 0; v < 4; v++) /* round half to even, as torch */
-    q[v] = CVT_I(MIN_F(MAX_F(FMADD(f[v], e->inv, e->zp), e->lo_q), e->hi_q));
+  for (int v = 0; v < 4; v++) { /* round half to even, as torch; a NaN lands on qmin (INT_MIN packs to 0) */
+    const fvec level = FMADD(f[v], e->inv, e->zp);
+    q[v] = CVT_I(kind & PACKS_CLAMP ? MIN_F(e->hi_q, level) : MIN_F(MAX_F(level, e->lo_q), e->hi_q));
+  }
   store_bytes(PACKUS16(PACKS32(q[0], q[1]), PACKS32(q[2], q[3])), e->channels, y);
 }
 
@@ -251,7 +256,7 @@ static inline __attribute__((always_inline)) void finish_pixel(const epilogue_t*
  * constants where this is inlined. */
 static inline __attribute__((always_inline)) void output_pixels(
     const epilogue_t* e, const int8_t* weight, size_t weight_row, int quarters, int K, int pixels,
-    const uint8_t* const rows[MAX_WINDOW], size_t quad_offset, int C, uint8_t* y, float* yf) {
+    const uint8_t* const rows[MAX_WINDOW], size_t quad_offset, int C, uint8_t* y, float* yf, const int kind) {
   const int Q = quads_of(K);
   ivec acc[PIXELS][4];
   /* one vector at a time over every tap block: ``pixels`` accumulators in registers */
@@ -266,13 +271,13 @@ static inline __attribute__((always_inline)) void output_pixels(
     for (int p = 0; p < pixels; p++) acc[p][v] = sum[p];
   }
   for (int p = 0; p < pixels; p++)
-    finish_pixel(e, acc[p], y ? y + (size_t)p * C : NULL, yf ? yf + (size_t)p * C : NULL);
+    finish_pixel(e, acc[p], y ? y + (size_t)p * C : NULL, yf ? yf + (size_t)p * C : NULL, kind);
 }
 
 /* One group of one output row; y / yf at the group's first channel of the row's first pixel. */
 static inline __attribute__((always_inline)) void output_group(
     const dwconv_call_t* c, const epilogue_t* row_epilogue, const int8_t* weight, const float* mult, const float* add,
-    int quarters, int channels, int K, const uint8_t* const group_rows[MAX_WINDOW], uint8_t* y, float* yf) {
+    int quarters, int channels, int K, const uint8_t* const group_rows[MAX_WINDOW], uint8_t* y, float* yf, const int kind) {
   const int C = c->C, OW = c->OW;
   const size_t quad_offset = (size_t)4 / c->stride_w * QUAD_BYTES; /* from a quad to the next of the same output */
   epilogue_t local = *row_epilogue, *e = &local; /* (a local: the byte stores may alias the caller's, so GCC reloaded it) */
@@ -285,20 +290,21 @@ static inline __attribute__((always_inline)) void output_group(
     uint8_t* yp = y ? y + (size_t)ow * C : NULL;
     float* yfp = yf ? yf + (size_t)ow * C : NULL;
     const int pixels = OW - ow >= PIXELS ? PIXELS : OW - ow >= 4 ? 4 : 1;
-    if (pixels == PIXELS) output_pixels(e, weight, weight_row, quarters, K, PIXELS, rows, quad_offset, C, yp, yfp);
-    else if (pixels == 4) output_pixels(e, weight, weight_row, quarters, K, 4, rows, quad_offset, C, yp, yfp);
-    else output_pixels(e, weight, weight_row, quarters, K, 1, rows, quad_offset, C, yp, yfp);
+    if (pixels == PIXELS) output_pixels(e, weight, weight_row, quarters, K, PIXELS, rows, quad_offset, C, yp, yfp, kind);
+    else if (pixels == 4) output_pixels(e, weight, weight_row, quarters, K, 4, rows, quad_offset, C, yp, yfp, kind);
+    else output_pixels(e, weight, weight_row, quarters, K, 1, rows, quad_offset, C, yp, yfp, kind);
     ow += pixels;
   }
 }
 
 /* output_group with its window and width as constants (each its own unrolled copy): whole
  * groups, or a last one of ``channels``, in 16-channel lanes. */
-static void output_group_for(const dwconv_call_t* c, const epilogue_t* e, const int8_t* weight, const float* mult,
-                             const float* add, int channels, const uint8_t* const group_rows[MAX_WINDOW], uint8_t* y, float* yf) {
+static inline __attribute__((always_inline)) void output_group_for(
+    const dwconv_call_t* c, const epilogue_t* e, const int8_t* weight, const float* mult, const float* add, int channels,
+    const uint8_t* const group_rows[MAX_WINDOW], uint8_t* y, float* yf, const int kind) {
   const int quarters = (channels + 15) / 16;
 #define WIDTH_CASE(K, q) \
-  case q: output_group(c, e, weight, mult, add, q, channels, K, group_rows, y, yf); return;
+  case q: output_group(c, e, weight, mult, add, q, channels, K, group_rows, y, yf, kind); return;
 #ifdef QB_ZMM
 #define WINDOW_CASE(K) \
   case K: switch (quarters) { WIDTH_CASE(K, 4) WIDTH_CASE(K, 3) WIDTH_CASE(K, 2) WIDTH_CASE(K, 1) } return;
@@ -316,25 +322,35 @@ static void output_group_for(const dwconv_call_t* c, const epilogue_t* e, const 
 }
 
 /* One output row from the quads of its K input rows, its first pixel ``pixel`` pixels into out. */
-static void output_row(const dwconv_call_t* c, const uint8_t* const rows[MAX_WINDOW], size_t pixel, void* out) {
+static inline __attribute__((always_inline)) void output_row(const dwconv_call_t* c, const uint8_t* const rows[MAX_WINDOW],
+                                                             size_t pixel, void* out, const int kind) {
   const int C = c->C, K = c->window, groups = (C + GROUP - 1) / GROUP;
   epilogue_t e;
   e.inv = SET1_F(c->out_inv_scale), e.zp = SET1_F((float)c->out_zp);
   e.lo = SET1_F(c->lo), e.hi = SET1_F(c->hi);
   e.lo_q = MAX_F(SET1_F((float)c->qmin), FMADD(e.lo, e.inv, e.zp));
   e.hi_q = MIN_F(SET1_F((float)c->qmax), FMADD(e.hi, e.inv, e.zp));
-  e.activation = c->activation;
   for (int g = 0; g < groups; g++) {
     const size_t offset = (size_t)g * quad_columns(c) * QUAD_BYTES;
     const uint8_t* group_rows[MAX_WINDOW];
     for (int r = 0; r < K; r++) group_rows[r] = rows[r] + offset;
-    uint8_t* y = c->float_out ? NULL : (uint8_t*)out + pixel * C + g * GROUP;
-    float* yf = c->float_out ? (float*)out + pixel * C + g * GROUP : NULL;
+    uint8_t* y = kind & FLOAT_OUT ? NULL : (uint8_t*)out + pixel * C + g * GROUP;
+    float* yf = kind & FLOAT_OUT ? (float*)out + pixel * C + g * GROUP : NULL;
     const int left = C - g * GROUP;
     output_group_for(c, &e, (const int8_t*)c->weight + (size_t)g * GROUP * 4, c->mult + (size_t)g * GROUP, c->add + (size_t)g * GROUP,
-                     left < GROUP ? left : GROUP, group_rows, y, yf);
+                     left < GROUP ? left : GROUP, group_rows, y, yf, kind);
   }
 }
+
+/* output_row compiled for each epilogue kind */
+typedef void (*row_fn)(const dwconv_call_t*, const uint8_t* const[MAX_WINDOW], size_t, void*);
+#define ROW(KIND)                                                                                    \
+  static void row_##KIND(const dwconv_call_t* c, const uint8_t* const rows[MAX_WINDOW], size_t pixel, void* out) { \
+    output_row(c, rows, pixel, out, KIND);                                                          \
+  }
+EPILOGUE_KINDS(ROW)
+#define ENTRY(KIND) [KIND] = row_##KIND,
+static const row_fn ROW_TABLE[PACKS_CLAMP + 1] = {EPILOGUE_KINDS(ENTRY)};
 
 /* 0, -1 when a thread could not allocate its scratch (y is then incomplete), or with a
  * LayerNorm the count of pixels whose statistics are past UNSAFE_SQUARES (their bytes are not
@@ -342,7 +358,9 @@ static void output_row(const dwconv_call_t* c, const uint8_t* const rows[MAX_WIN
 static int run(int threads, const void* call, const uint8_t* x, void* y) {
   const dwconv_call_t* c = call;
   const int K = c->window, normed = c->norm_weight != NULL;
-  if (K != 3 && K != 5 && K != 7) return -1;
+  const int kind = epilogue_kind(c->activation, c->float_out, c->lo, c->out_inv_scale, c->out_zp, c->qmin, c->qmax);
+  if ((K != 3 && K != 5 && K != 7) || kind < 0) return -1;
+  const row_fn output_row_of_kind = ROW_TABLE[kind];
   if (normed && (!c->float_out || c->C % 16)) return -1; /* (float rows to normalize, no padding channels) */
   const size_t row_bytes = (size_t)((c->C + GROUP - 1) / GROUP) * quad_columns(c) * QUAD_BYTES;
   const size_t slots_bytes = (K * row_bytes + 63) / 64 * 64; /* (the float row after them stays aligned) */
@@ -376,10 +394,10 @@ static int run(int threads, const void* call, const uint8_t* x, void* y) {
       }
       const size_t pixel = (size_t)index * c->OW;
       if (!normed) {
-        output_row(c, kernel_rows, pixel, y);
+        output_row_of_kind(c, kernel_rows, pixel, y);
         continue;
       }
-      output_row(c, kernel_rows, 0, float_row);
+      output_row_of_kind(c, kernel_rows, 0, float_row);
       unsafe += layer_norm_rows(float_row, c->OW, c->C, c->norm_weight, c->norm_bias, c->norm_eps, c->out_inv_scale,
                                 c->out_zp, c->qmin, c->qmax, (uint8_t*)y + pixel * c->C, NULL);
     }
