@@ -353,6 +353,81 @@ static inline void store64(const epilogue_t* e, const wide_epilogue_t* w, const 
   __m512i bytes = _mm512_packus_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3]));
   _mm512_storeu_si512(y + pixel * Cout + o, _mm512_permutexvar_epi32(w->order, bytes));
 }
+
+/* on_grid8 on 16 outputs (``real`` masks a uint8 residual's outputs past Cout). */
+static inline __attribute__((always_inline)) __m512i on_grid16(const epilogue_t* e, __m512i acc, __m512 mult, __m512 add,
+                                                               __m512 low, __m512 high, const uint8_t* residual, __mmask16 real,
+                                                               int hardswish, int floor) {
+  __m512 q = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), mult, add);
+  if (residual)
+    q = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(real, residual))),
+                        _mm512_broadcast_f32x8(e->grid_residual_scale), q);
+  if (hardswish) {
+    const __m512 gate = _mm512_fmadd_ps(q, _mm512_broadcast_f32x8(e->grid_gate_scale), _mm512_set1_ps(0.5f));
+    q = _mm512_fmadd_ps(q, _mm512_min_ps(_mm512_max_ps(gate, _mm512_setzero_ps()), _mm512_set1_ps(1.0f)),
+                        _mm512_broadcast_f32x8(e->out_zp));
+  }
+  if (!floor) return _mm512_cvtps_epi32(_mm512_min_ps(high, q)); /* (on_grid8's: below 0 packs to 0) */
+  return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, low), high));
+}
+
+/* 4 pixels' int32 results for the same 16 outputs stored as bytes: one saturating pack of all
+ * four (lane L then holds each pixel's outputs 4 L .. 4 L + 3), a dword permute to make each
+ * pixel's 16 bytes one lane, 4 stores. */
+static inline void store4x16_bytes(const __m512i q[4], __m512i order, int Cout, uint8_t* restrict out) {
+  const __m512i bytes = _mm512_permutexvar_epi32(order, _mm512_packus_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3])));
+  _mm_storeu_si128((__m128i*)out, _mm512_castsi512_si128(bytes));
+  _mm_storeu_si128((__m128i*)(out + Cout), _mm512_extracti32x4_epi32(bytes, 1));
+  _mm_storeu_si128((__m128i*)(out + 2 * (size_t)Cout), _mm512_extracti32x4_epi32(bytes, 2));
+  _mm_storeu_si128((__m128i*)(out + 3 * (size_t)Cout), _mm512_extracti32x4_epi32(bytes, 3));
+}
+
+/* store_tile_on_grid on zmm: 16 outputs a step, half its operations (the ymm halves and the
+ * float route of store64 had left small-K 1x1 convs at batch 8 to oneDNN on a Zen 5). */
+static inline __attribute__((always_inline)) void store_tile_on_grid16(const epilogue_t* e, block_t acc[PIXEL_TILE][4], int pixels,
+                                                                       int blocks, int o, int Cout, size_t p, uint8_t* restrict y,
+                                                                       int hardswish, int floor) {
+  const __m512 low = _mm512_broadcast_f32x8(e->grid_low), high = _mm512_broadcast_f32x8(e->grid_high);
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  if (blocks == 4 && o + 64 <= Cout) { /* pixel by pixel, as store64: each pixel's 4 sums free after it */
+    __m512 mult[4], add[4];
+    for (int b = 0; b < 4; b++) mult[b] = _mm512_loadu_ps(e->grid_mult + o + 16 * b), add[b] = _mm512_loadu_ps(e->grid_add + o + 16 * b);
+    for (int i = 0; i < pixels; i++) {
+      const size_t at = (p + i) * Cout + o;
+      __m512i q[4];
+      for (int b = 0; b < 4; b++)
+        q[b] = on_grid16(e, acc[i][b], mult[b], add[b], low, high, e->residual ? e->residual + at + 16 * b : NULL, 0xffff, hardswish,
+                         floor);
+      const __m512i bytes = _mm512_packus_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3]));
+      _mm512_storeu_si512(y + at, _mm512_permutexvar_epi32(order, bytes));
+    }
+    return;
+  }
+#pragma GCC unroll 4
+  for (int b = 0; b < blocks && o + BLOCK * b < Cout; b++) {
+    const int ob = o + BLOCK * b;
+    const __mmask16 real = block_mask(ob, Cout);
+    const __m512 mult = _mm512_maskz_loadu_ps(real, e->grid_mult + ob), add = _mm512_maskz_loadu_ps(real, e->grid_add + ob);
+    int i = 0;
+    if (real == 0xffff)
+#pragma GCC unroll 2
+      for (; i + 4 <= pixels; i += 4) {
+        __m512i q[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++)
+          q[j] = on_grid16(e, acc[i + j][b], mult, add, low, high, e->residual ? e->residual + (p + i + j) * Cout + ob : NULL, real,
+                           hardswish, floor);
+        store4x16_bytes(q, order, Cout, y + (p + i) * Cout + ob);
+      }
+#pragma GCC unroll 4
+    for (; i < pixels; i++) {
+      const size_t at = (p + i) * Cout + ob;
+      const __m512i q = on_grid16(e, acc[i][b], mult, add, low, high, e->residual ? e->residual + at : NULL, real, hardswish, floor);
+      /* (within [qmin, qmax], or below 0 where floor is 0: the truncating store needs it at 0) */
+      _mm512_mask_cvtepi32_storeu_epi8(y + at, real, floor ? q : _mm512_max_epi32(q, _mm512_setzero_si512()));
+    }
+  }
+}
 #endif
 
 /* One block's sums for one pixel, clamp-only epilogue. A zmm block: store16 when its 16
@@ -438,6 +513,21 @@ static inline __attribute__((always_inline)) void finish_tile(const epilogue_t* 
                                                               int blocks, int o, int Cout, size_t p, uint8_t* restrict y) {
   const epilogue_t e = *shared; /* copied once the sums are done: no registers taken from the loop above */
 #ifdef QB_ZMM
+#define STORE_TILE_ON_GRID store_tile_on_grid16
+#else
+#define STORE_TILE_ON_GRID store_tile_on_grid
+#endif
+  if (e.grid_mult) { /* (a constant ``hardswish`` each: the clamp-only code keeps no branch) */
+    if (e.activation == HARDSWISH)
+      STORE_TILE_ON_GRID(&e, acc, pixels, blocks, o, Cout, p, y, 1, 1);
+    else if (e.grid_floor)
+      STORE_TILE_ON_GRID(&e, acc, pixels, blocks, o, Cout, p, y, 0, 1);
+    else
+      STORE_TILE_ON_GRID(&e, acc, pixels, blocks, o, Cout, p, y, 0, 0);
+    return;
+  }
+#undef STORE_TILE_ON_GRID
+#ifdef QB_ZMM
   if (blocks == 4 && e.activation == CLAMP_ONLY && !e.float_out && o + 64 <= Cout) {
     const wide_epilogue_t wide = wide_epilogue(&e);
     __m512 mult[4], add[4];
@@ -446,15 +536,6 @@ static inline __attribute__((always_inline)) void finish_tile(const epilogue_t* 
     return;
   }
 #endif
-  if (e.grid_mult) { /* (a constant ``hardswish`` each: the clamp-only code keeps no branch) */
-    if (e.activation == HARDSWISH)
-      store_tile_on_grid(&e, acc, pixels, blocks, o, Cout, p, y, 1, 1);
-    else if (e.grid_floor)
-      store_tile_on_grid(&e, acc, pixels, blocks, o, Cout, p, y, 0, 1);
-    else
-      store_tile_on_grid(&e, acc, pixels, blocks, o, Cout, p, y, 0, 0);
-    return;
-  }
   if (e.float_out && e.activation == CLAMP_ONLY) {
     store_tile_float(&e, acc, pixels, blocks, o, Cout, p);
     return;
@@ -571,21 +652,12 @@ static AMX_TARGET void amx_configure(void) {
   __asm__ volatile("ldtilecfg %0" : : "m"(config));
 }
 
-/* on_grid8 on 16 outputs: a row of a C tile's sums to bytes on the output grid (clamp-only or
- * hardswish, uint8 out, no residual or a uint8 one). ``real`` masks the outputs past Cout. */
+/* on_grid16 on a row of a C tile's sums, stored as bytes (clamp-only or hardswish, uint8 out, no
+ * residual or a uint8 one). ``real`` masks the outputs past Cout. */
 static inline __attribute__((always_inline)) void amx_grid_row(const epilogue_t* e, const int32_t* sums, __m512 mult, __m512 add,
                                                                __m512 low, __m512 high, const uint8_t* residual, int hardswish,
                                                                __mmask16 real, uint8_t* y) {
-  __m512 q = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums)), mult, add);
-  if (residual)
-    q = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(real, residual))),
-                        _mm512_broadcast_f32x8(e->grid_residual_scale), q);
-  if (hardswish) {
-    const __m512 gate = _mm512_fmadd_ps(q, _mm512_broadcast_f32x8(e->grid_gate_scale), _mm512_set1_ps(0.5f));
-    q = _mm512_fmadd_ps(q, _mm512_min_ps(_mm512_max_ps(gate, _mm512_setzero_ps()), _mm512_set1_ps(1.0f)),
-                        _mm512_broadcast_f32x8(e->out_zp));
-  }
-  const __m512i bytes = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, low), high));
+  const __m512i bytes = on_grid16(e, _mm512_load_si512(sums), mult, add, low, high, residual, real, hardswish, 1);
   if (real == 0xffff)
     _mm_storeu_si128((__m128i*)y, _mm512_cvtepi32_epi8(bytes));
   else
