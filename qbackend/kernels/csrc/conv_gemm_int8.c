@@ -286,6 +286,15 @@ static inline __attribute__((always_inline)) void store_tile_float(const epilogu
 }
 
 #ifdef QB_ZMM
+/* The dword order that makes each of 4 packed vectors' 16 bytes one lane: the packs work per
+ * 128-bit lane, so dword 4 L + j holds vector j's elements 4 L .. 4 L + 3. */
+static inline __m512i pack_order(void) { return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15); }
+
+/* 4 vectors of int32 as 64 bytes, lane j vector j's (saturating: below 0 packs to 0). */
+static inline __m512i packed4(const __m512i q[4], __m512i order) {
+  return _mm512_permutexvar_epi32(order, _mm512_packus_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3])));
+}
+
 /* store8's constants broadcast to zmm (once per tile where a tile's pixels share them). */
 typedef struct {
   __m512 residual_scale, low, high, inv_scale, zp;
@@ -297,8 +306,7 @@ static inline wide_epilogue_t wide_epilogue(const epilogue_t* e) {
   const wide_epilogue_t w = {_mm512_broadcast_f32x8(e->residual_scale), _mm512_broadcast_f32x8(e->low),
                              _mm512_broadcast_f32x8(e->high), _mm512_broadcast_f32x8(e->out_inv_scale),
                              _mm512_broadcast_f32x8(e->out_zp),
-                             /* packs work per 128-bit lane: dword 4 q + s holds block s's outputs 4 q .. 4 q + 3 */
-                             _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+                             pack_order(),
                              _mm512_broadcast_f32x8(e->qlow), _mm512_broadcast_f32x8(e->qhigh)};
   return w;
 }
@@ -350,8 +358,7 @@ static inline void store64(const epilogue_t* e, const wide_epilogue_t* w, const 
                            const __m512 add[4], int o, int Cout, size_t pixel, uint8_t* restrict y) {
   __m512i q[4];
   for (int b = 0; b < 4; b++) q[b] = quantized(w, float_result(e, w, acc[b], mult[b], add[b], o + 16 * b, Cout, pixel));
-  __m512i bytes = _mm512_packus_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3]));
-  _mm512_storeu_si512(y + pixel * Cout + o, _mm512_permutexvar_epi32(w->order, bytes));
+  _mm512_storeu_si512(y + pixel * Cout + o, packed4(q, w->order));
 }
 
 /* on_grid8 on 16 outputs (``real`` masks a uint8 residual's outputs past Cout). */
@@ -371,11 +378,9 @@ static inline __attribute__((always_inline)) __m512i on_grid16(const epilogue_t*
   return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, low), high));
 }
 
-/* 4 pixels' int32 results for the same 16 outputs stored as bytes: one saturating pack of all
- * four (lane L then holds each pixel's outputs 4 L .. 4 L + 3), a dword permute to make each
- * pixel's 16 bytes one lane, 4 stores. */
+/* 4 pixels' int32 results for the same 16 outputs stored as bytes: one pack of all four, 4 stores. */
 static inline void store4x16_bytes(const __m512i q[4], __m512i order, int Cout, uint8_t* restrict out) {
-  const __m512i bytes = _mm512_permutexvar_epi32(order, _mm512_packus_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3])));
+  const __m512i bytes = packed4(q, order);
   _mm_storeu_si128((__m128i*)out, _mm512_castsi512_si128(bytes));
   _mm_storeu_si128((__m128i*)(out + Cout), _mm512_extracti32x4_epi32(bytes, 1));
   _mm_storeu_si128((__m128i*)(out + 2 * (size_t)Cout), _mm512_extracti32x4_epi32(bytes, 2));
@@ -388,7 +393,7 @@ static inline __attribute__((always_inline)) void store_tile_on_grid16(const epi
                                                                        int blocks, int o, int Cout, size_t p, uint8_t* restrict y,
                                                                        int hardswish, int floor) {
   const __m512 low = _mm512_broadcast_f32x8(e->grid_low), high = _mm512_broadcast_f32x8(e->grid_high);
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i order = pack_order();
   if (blocks == 4 && o + 64 <= Cout) { /* pixel by pixel, as store64: each pixel's 4 sums free after it */
     __m512 mult[4], add[4];
     for (int b = 0; b < 4; b++) mult[b] = _mm512_loadu_ps(e->grid_mult + o + 16 * b), add[b] = _mm512_loadu_ps(e->grid_add + o + 16 * b);
@@ -398,8 +403,7 @@ static inline __attribute__((always_inline)) void store_tile_on_grid16(const epi
       for (int b = 0; b < 4; b++)
         q[b] = on_grid16(e, acc[i][b], mult[b], add[b], low, high, e->residual ? e->residual + at + 16 * b : NULL, 0xffff, hardswish,
                          floor);
-      const __m512i bytes = _mm512_packus_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3]));
-      _mm512_storeu_si512(y + at, _mm512_permutexvar_epi32(order, bytes));
+      _mm512_storeu_si512(y + at, packed4(q, order));
     }
     return;
   }
