@@ -532,6 +532,7 @@ static inline __attribute__((always_inline)) void finish_tile(const epilogue_t* 
   }
 #undef STORE_TILE_ON_GRID
 #ifdef QB_ZMM
+  /* (off the grid: a float residual into uint8) */
   if (blocks == 4 && e.activation == CLAMP_ONLY && !e.float_out && o + 64 <= Cout) {
     const wide_epilogue_t wide = wide_epilogue(&e);
     __m512 mult[4], add[4];
