@@ -1,7 +1,7 @@
 """qbackend's own int8 GEMM on linears (lowering/gemm.py): GELU (erf and tanh), SiLU, hardswish
 and a float32 residual fused in its epilogue, the same values as the reference, chosen for linears of
 up to its build's max_rows rows and oneDNN's qlinear above, or with the reason where it does not apply."""
-import os
+import subprocess
 
 import pytest
 import torch
@@ -79,9 +79,13 @@ def test_uint8_out_activation_with_residual_and_clamp(activation, with_residual,
 
 
 def _streamed_weights_limit() -> int:
-    """conv_gemm_int8.c weights_streamed(): 4x the L2 (256 KB where the OS does not say)."""
-    l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE") if "SC_LEVEL2_CACHE_SIZE" in os.sysconf_names else -1
-    return 4 * (l2 if l2 > 0 else 256 * 1024)
+    """conv_gemm_int8.c weights_streamed() of a linear: the L2 as glibc's sysconf reads it
+    (getconf asks the same; Python's os.sysconf does not know the name), 256 KB where unknown."""
+    try:
+        l2 = int(subprocess.run(["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True, check=True).stdout)
+    except (OSError, ValueError, subprocess.CalledProcessError):
+        l2 = -1
+    return l2 if l2 > 0 else 256 * 1024
 
 
 @needs_own_kernels

@@ -49,24 +49,28 @@
 #endif
 
 #define MAX_TAPS 9 /* up to 3x3 kernels */
-#define ROW_BLOCK_BYTES (128 * 1024)
-
-/* Weights up to this many bytes stream past pixel tiles whose inputs stay in L1 (see conv):
- * 4x this CPU's L2 (glibc reads it from cpuid; 256 KB where unknown). A fixed 256 KB, tuned
- * on another CPU, sent a Zen 4's (1 MB L2) 432 KB - 2.3 MB weights to row blocks, 10-48%
- * slower there (128x384->1152 178 vs 160 us; 1568x384->1536 3364 vs 2479; a 3x3 512->512
- * conv at 7x7 batch 8 4483 vs 2317). */
-static size_t weights_streamed(void) {
+/* This core's L2 in bytes (glibc reads it from cpuid; 256 KB where unknown): which loop order
+ * a layer's tiles take, and the size of a row block (see conv). */
+static size_t l2_bytes(void) {
   static size_t bytes = 0; /* (threads racing here store the same value) */
   if (!bytes) {
     long l2 = -1;
 #ifdef _SC_LEVEL2_CACHE_SIZE
     l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
 #endif
-    bytes = 4 * (l2 > 0 ? (size_t)l2 : 256 * 1024);
+    bytes = l2 > 0 ? (size_t)l2 : 256 * 1024;
   }
   return bytes;
 }
+
+/* Weights up to this many bytes stream past pixel tiles whose inputs stay in L1 (see conv).
+ * Convs: 4x the L2; a fixed 256 KB, tuned on another CPU, sent a Zen 4's (1 MB L2) 432 KB -
+ * 2.3 MB weights to row blocks, 10-48% slower there (128x384->1152 178 vs 160 us; 1568x384->1536
+ * 3364 vs 2479; a 3x3 512->512 conv at 7x7 batch 8 4483 vs 2317). 1x1 convs and linears: the
+ * L2; weights beyond it came from L3 for every pixel tile, and row blocks (of L2 / 4 bytes of
+ * inputs) took 0.85-0.95x the time on Zen 5 (768 <-> 3072 linears of 49-1576 rows;
+ * docs/design/gemm.md, 2026-12-02). */
+static size_t weights_streamed(int pointwise) { return pointwise ? l2_bytes() : 4 * l2_bytes(); }
 
 /* A block: BLOCK output channels x 4 input channels of packed weights, one vector of int32 sums. */
 #define PACKED 16 /* output channels per row of the packed weights */
@@ -361,6 +365,29 @@ static inline void store64(const epilogue_t* e, const wide_epilogue_t* w, const 
   _mm512_storeu_si512(y + pixel * Cout + o, packed4(q, w->order));
 }
 
+/* 16 outputs' clamped float result at element ``at`` of the float output. */
+static inline void store_float16(const epilogue_t* e, const wide_epilogue_t* w, __m512i acc, __m512 mult, __m512 add, size_t at,
+                                 __mmask16 real) {
+  _mm512_mask_storeu_ps(e->float_out + at, real, clamped16(w, pre_activation16(e, w, acc, mult, add, at, real)));
+}
+
+/* store_tile_float on zmm: 16 outputs a step, a block's constants loaded once for the tile's
+ * pixels, a block past Cout masked; store_tile_float's arithmetic in its order (the same
+ * floats). Its ymm halves had cost float-out linears ~10% (1024 x 768 -> 2304, 2 Zen 5 threads:
+ * 2897 -> 2556 us). */
+static inline __attribute__((always_inline)) void store_tile_float16(const epilogue_t* e, block_t acc[PIXEL_TILE][4], int pixels,
+                                                                     int blocks, int o, int Cout, size_t p) {
+  const wide_epilogue_t w = wide_epilogue(e);
+#pragma GCC unroll 4
+  for (int b = 0; b < blocks; b++) {
+    const int ob = o + BLOCK * b;
+    const __mmask16 real = block_mask(ob, Cout);
+    const __m512 mult = _mm512_maskz_loadu_ps(real, e->mult + ob), add = _mm512_maskz_loadu_ps(real, e->add + ob);
+#pragma GCC unroll 8
+    for (int i = 0; i < pixels; i++) store_float16(e, &w, acc[i][b], mult, add, (p + i) * Cout + ob, real);
+  }
+}
+
 /* on_grid8 on 16 outputs (``real`` masks a uint8 residual's outputs past Cout). */
 static inline __attribute__((always_inline)) __m512i on_grid16(const epilogue_t* e, __m512i acc, __m512 mult, __m512 add,
                                                                __m512 low, __m512 high, const uint8_t* residual, __mmask16 real,
@@ -542,7 +569,11 @@ static inline __attribute__((always_inline)) void finish_tile(const epilogue_t* 
   }
 #endif
   if (e.float_out && e.activation == CLAMP_ONLY) {
+#ifdef QB_ZMM
+    store_tile_float16(&e, acc, pixels, blocks, o, Cout, p);
+#else
     store_tile_float(&e, acc, pixels, blocks, o, Cout, p);
+#endif
     return;
   }
   if (e.activation != CLAMP_ONLY) { /* (``shared``: a pointer to ``e`` would make its copy a memcpy per tile) */
@@ -698,11 +729,8 @@ static void amx_finish_float(const epilogue_t* e, const int32_t sums[4][16][16],
     const int ob = o + 16 * b;
     const __mmask16 real = block_mask(ob, Cout);
     const __m512 mult = _mm512_maskz_loadu_ps(real, e->mult + ob), add = _mm512_maskz_loadu_ps(real, e->add + ob);
-    for (int i = 0; i < pixels; i++) {
-      const size_t at = (p + i) * Cout + ob;
-      const __m512 f = pre_activation16(e, &w, _mm512_load_si512(sums[2 * (i / 16) + b][i % 16]), mult, add, at, real);
-      _mm512_mask_storeu_ps(e->float_out + at, real, clamped16(&w, f));
-    }
+    for (int i = 0; i < pixels; i++)
+      store_float16(e, &w, _mm512_load_si512(sums[2 * (i / 16) + b][i % 16]), mult, add, (p + i) * Cout + ob, real);
   }
 }
 
@@ -974,25 +1002,26 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
   const int pixel_tiles = (P + tile_pixels - 1) / tile_pixels;
   /* A pixel tile's inputs stay in L1 while every output tile's weights stream past them (from
    * L2, or L3 beyond it) when the weights are not too large (weights_streamed). Else the output tiles go round
-   * each block of pixel tiles whose inputs fit ROW_BLOCK_BYTES, so that block stays in L2: blocks
+   * each block of pixel tiles whose inputs fit a quarter of the L2, so that block stays there: blocks
    * of equal size, as many for each thread (the static schedule gives each thread whole blocks;
    * a short last one left a thread 40% idle on ResNet's layer3 / 4 convs at batch 8). One block
    * (every input fits) stays one, the threads splitting its output tiles and each streaming its
    * share of the weights: split by pixels, ResNet's 512 -> 512 3x3 conv at 7x7, batch 1, gave the
-   * threads 28 and 21 pixels (2 threads on Zen 3: 780 -> 724 us). */
-  const int pixels_outer = (size_t)taps * g.Cin * Cout <= weights_streamed();
+   * threads 28 and 21 pixels (2 threads on Zen 3: 780 -> 724 us).
+   * A 1x1 conv of stride 1 and no padding reads each output pixel's own input row: window_rows'
+   * divisions and bounds checks per pixel tile had cost small-K convs up to a third of their
+   * time (one Zen 3 thread: 32 -> 16 channels at 112x112 209 -> 143 us, 16 -> 64 442 -> 374). */
+  const int pointwise = taps == 1 && g.stride_h == 1 && g.stride_w == 1 && g.pad_h == 0 && g.pad_w == 0;
+  const int pixels_outer = (size_t)taps * g.Cin * Cout <= weights_streamed(pointwise);
   int row_blocks = 1;
   if (!pixels_outer) {
-    const int fit = ROW_BLOCK_BYTES / (tile_pixels * g.Cin) < 1 ? 1 : ROW_BLOCK_BYTES / (tile_pixels * g.Cin);
+    const size_t row_block_bytes = l2_bytes() / 4, tile_bytes = (size_t)tile_pixels * g.Cin;
+    const int fit = row_block_bytes / tile_bytes < 1 ? 1 : (int)(row_block_bytes / tile_bytes);
     row_blocks = (pixel_tiles + fit - 1) / fit;
     if (row_blocks > 1) row_blocks = (row_blocks + threads - 1) / threads * threads;
     row_blocks = row_blocks > pixel_tiles ? pixel_tiles : row_blocks;
   }
   const int block_tiles = (pixel_tiles + row_blocks - 1) / row_blocks;
-  /* A 1x1 conv of stride 1 and no padding reads each output pixel's own input row: window_rows'
-   * divisions and bounds checks per pixel tile had cost small-K convs up to a third of their
-   * time (one Zen 3 thread: 32 -> 16 channels at 112x112 209 -> 143 us, 16 -> 64 442 -> 374). */
-  const int pointwise = taps == 1 && g.stride_h == 1 && g.stride_w == 1 && g.pad_h == 0 && g.pad_w == 0;
   ptrdiff_t tap_offsets[MAX_TAPS]; /* from a window's first input row, for windows inside the image */
   for (int kh = 0; kh < g.KH; kh++)
     for (int kw = 0; kw < g.KW; kw++) tap_offsets[kh * g.KW + kw] = ((ptrdiff_t)kh * g.dil_h * g.W + kw * g.dil_w) * g.Cin;
