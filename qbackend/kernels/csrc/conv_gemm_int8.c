@@ -68,7 +68,7 @@ static size_t l2_bytes(void) {
  * 2.3 MB weights to row blocks, 10-48% slower there (128x384->1152 178 vs 160 us; 1568x384->1536
  * 3364 vs 2479; a 3x3 512->512 conv at 7x7 batch 8 4483 vs 2317). 1x1 convs and linears: the
  * L2; weights beyond it came from L3 for every pixel tile, and row blocks (of L2 / 4 bytes of
- * inputs) took 0.85-0.95x the time on Zen 5 (768 <-> 3072 linears of 49-1576 rows;
+ * inputs) took 0.85-1.01x the time on Zen 5 (geomean 0.93, 768 <-> 3072 linears of 49-1576 rows;
  * docs/design/gemm.md, 2026-12-02). */
 static size_t weights_streamed(int pointwise) { return pointwise ? l2_bytes() : 4 * l2_bytes(); }
 
