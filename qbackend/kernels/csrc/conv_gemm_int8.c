@@ -955,6 +955,8 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
              int activation, float low, float high, float out_inv_scale, int out_zp, int qmin, int qmax, uint8_t* y,
              float* yf) {
   const geometry_t g = {N, H, W, Cin, OH, OW, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w};
+  /* each output pixel reads its own input row: AMX's tile rows, no window_rows (below), the 1x1 streaming limit */
+  const int pointwise = KH == 1 && KW == 1 && stride_h == 1 && stride_w == 1 && pad_h == 0 && pad_w == 0;
   epilogue_t e = {mult, add, residual_is_float ? NULL : residual, residual_is_float ? residual : NULL, yf, activation,
                   _mm256_set1_ps(residual_scale), _mm256_set1_ps(low), _mm256_set1_ps(high),
                   _mm256_set1_ps(out_inv_scale), _mm256_set1_ps((float)out_zp), _mm256_set1_ps((float)qmin),
@@ -978,8 +980,7 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
     e.grid_high = _mm256_set1_ps(grid_high < qmax ? grid_high : (float)qmax);
   }
 #ifdef QB_AMX_TILES
-  if (KH == 1 && KW == 1 && stride_h == 1 && stride_w == 1 && pad_h == 0 && pad_w == 0 && N * OH * OW >= AMX_MIN_ROWS &&
-      qb_amx_ready()) {
+  if (pointwise && N * OH * OW >= AMX_MIN_ROWS && qb_amx_ready()) {
     const int status = amx_rows(threads, N * OH * OW, Cin, Cout, x, w, &e, y);
     free(grid);
     return status;
@@ -1011,7 +1012,6 @@ static int conv(int threads, int N, int H, int W, int Cin, int OH, int OW, int K
    * A 1x1 conv of stride 1 and no padding reads each output pixel's own input row: window_rows'
    * divisions and bounds checks per pixel tile had cost small-K convs up to a third of their
    * time (one Zen 3 thread: 32 -> 16 channels at 112x112 209 -> 143 us, 16 -> 64 442 -> 374). */
-  const int pointwise = taps == 1 && g.stride_h == 1 && g.stride_w == 1 && g.pad_h == 0 && g.pad_w == 0;
   const int pixels_outer = (size_t)taps * g.Cin * Cout <= weights_streamed(pointwise);
   int row_blocks = 1;
   if (!pixels_outer) {
