@@ -64,11 +64,8 @@ static inline __m256i pixel_lanes(const uint8_t* p, int tail, const uint8_t* x_e
 }
 
 /* The epilogue of one pixel's 16 channels (the first ``tail`` when tail > 0) at element ``at``
- * of y / yf: sums -> float -> activation -> clamp -> uint8 or float32, as ``kind`` says. */
-static inline __attribute__((always_inline)) void finish(const dw_t* d, __m256i acc_lo, __m256i acc_hi, const __m256* m, const __m256* c,
-                                                         int tail, size_t at, const int kind) {
-  __m256 f[2] = {_mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_lo), m[0], c[0]), _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc_hi), m[1], c[1])};
-  activate_lanes(kind % FLOAT_OUT, f, 2); /* (a group's two vectors in lockstep) */
+ * of y / yf, from its activated floats ``f``: clamp -> uint8 or float32, as ``kind`` says. */
+static inline __attribute__((always_inline)) void finish(const dw_t* d, const __m256* f, int tail, size_t at, const int kind) {
   if (kind & FLOAT_OUT) { /* lo holds channels 0-3 and 8-11, hi 4-7 and 12-15 */
     /* (max_ps / min_ps return their second operand for a NaN: this order keeps one, as the reference's clamp) */
     const __m256 f_lo = _mm256_min_ps(d->hi, _mm256_max_ps(d->lo, f[0])), f_hi = _mm256_min_ps(d->hi, _mm256_max_ps(d->lo, f[1]));
@@ -131,7 +128,16 @@ static inline __attribute__((always_inline)) void block_pixels(const dw_t* d, co
         acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(v[1], w_hi));
       }
     }
-  for (int i = 0; i < count; i++) finish(d, acc[i][0], acc[i][1], m, c, tail, at + (size_t)(b0 + i) * d->C, kind);
+  /* sums -> float -> activation, two pixels' vectors in lockstep where there are two: four
+   * independent exp chains (Zen 1 SiLU: 22 instead of 28 cycles a vector) */
+  for (int i = 0; i < count; i += 2) {
+    const int both = i + 1 < count;
+    __m256 f[4];
+    for (int j = 0; j < 2 + 2 * both; j++) f[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i + j / 2][j % 2]), m[j % 2], c[j % 2]);
+    if (both) activate_lanes(kind % FLOAT_OUT, f, 4);
+    else activate_lanes(kind % FLOAT_OUT, f, 2);
+    for (int j = 0; j <= both; j++) finish(d, f + 2 * j, tail, at + (size_t)(b0 + i + j) * d->C, kind);
+  }
 }
 
 /* Output row ``oh`` of image ``n``, channel group ``g`` (``tail`` channels of it, 0: all 16), for
