@@ -28,8 +28,10 @@ calibration and the versions of torch and the peers); ``--reuse`` takes them fro
 instead of preparing them again (with a warning when qbackend's or the benchmark's sources
 changed since). Each model and batch's row is saved in the repository (``ROWS``: a machine's
 caches do not outlive its session), with the commit it was measured at and the peers' versions:
-``--collect`` writes the tables from the saved rows of this CPU, so a zoo longer than one
-sitting is measured in parts and reported whole.
+a run of zoo models (any of them, at batch 1 and / or 8) then rewrites its CPU's section from
+every row saved for that CPU, so a zoo longer than one sitting is measured in parts and reported
+whole; ``--collect`` does only that. Other runs (models beyond the zoo, ``--reps 0``,
+``--inductor-recipe``) write a section of their own.
 """
 from __future__ import annotations
 
@@ -544,17 +546,17 @@ def main():
     args = parse_args()
     work = _private_dir(args.work)
     timing = QUICK if args.quick else FULL
-    machine, heading = machine_description(load=not args.collect), cpu_key() + (", quantize_x86(every_linear=False)" if args.inductor_recipe else "")
-    if list(args.models) != list(MODELS) or list(args.batches) != [1, 8]:  # (a section of its own: the full run's stays)
+    # A run of zoo configs, as the docs' tables time them, updates its CPU's one section from every
+    # row saved there (a zoo takes more than one sitting); any other run gets a section of its own.
+    collected = args.collect or (set(args.models) <= set(MODELS) and set(args.batches) <= {1, 8}
+                                 and args.reps and not args.inductor_recipe)
+    machine, heading = machine_description(load=not collected), cpu_key() + (", quantize_x86(every_linear=False)" if args.inductor_recipe else "")
+    if not collected and (list(args.models) != list(MODELS) or list(args.batches) != [1, 8]):
         heading += f", partial run: {' '.join(args.models)} at batch {' '.join(map(str, args.batches))}"
     if not args.reps:
         heading += ", every engine in one process"
     versions, started, rows, states = _versions(), time.perf_counter(), [], []
-    if args.collect:
-        rows, states, missing = saved_rows(args.models, args.batches, timing, args)
-        runs = f"- Rows saved by earlier runs: {runs_line(rows, states, args.reps)}" + (
-            f"\n- **Missing** (no row saved on this CPU): {', '.join(missing)}" if missing else "")
-    else:
+    if not args.collect:
         for name in args.models:
             for batch in args.batches:
                 try:
@@ -566,11 +568,16 @@ def main():
                 states.append(state)
                 print(latency_table(rows[-1:], args.in_process).splitlines()[-1], flush=True)
         runs = f"- Rows of this run ({(time.perf_counter() - started) / 60:.0f} min): {runs_line(rows, states, args.reps)}"
+    if collected:
+        rows, states, missing = saved_rows(args.models if args.collect else MODELS, args.batches if args.collect else [1, 8],
+                                           timing, args)
+        runs = f"- Rows saved on this CPU: {runs_line(rows, states, args.reps)}" + (
+            f"\n- **Missing** (no row saved on this CPU): {', '.join(missing)}" if missing else "")
     if not rows:
-        raise SystemExit("no model ran: nothing written")
+        raise SystemExit("no row measured or saved: nothing written")
     command = "python benchmarks/bench_zoo.py " + " ".join(sys.argv[1:])
     notes = NOTES.format(**vars(timing), probe_wait=args.probe_wait, **{k: v or "(not installed)" for k, v in versions.items()})
-    state_now = "" if args.collect else (  # (a collection measures nothing: the moment's load says nothing of its rows)
+    state_now = "" if collected else (  # (the moment's load says nothing of rows measured earlier)
         f"; load average {os.getloadavg()[0]:.2f} at the end, two-thread speedup {parallel_speedup():.2f}")
     body = "\n".join([f"- Machine: {machine}{state_now}; peers: " + ", ".join(f"{k} {v}" for k, v in versions.items() if v and k not in ("torch", "torchao")),
                       f"- Date: {datetime.date.today().isoformat()}; command: `{command.strip()}`", runs, notes, "",
