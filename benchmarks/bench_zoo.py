@@ -567,12 +567,13 @@ def main():
                 rows.append(row)
                 states.append(state)
                 print(latency_table(rows[-1:], args.in_process).splitlines()[-1], flush=True)
-        runs = f"- Rows of this run ({(time.perf_counter() - started) / 60:.0f} min): {runs_line(rows, states, args.reps)}"
     if collected:
         rows, states, missing = saved_rows(args.models if args.collect else MODELS, args.batches if args.collect else [1, 8],
                                            timing, args)
         runs = f"- Rows saved on this CPU: {runs_line(rows, states, args.reps)}" + (
             f"\n- **Missing** (no row saved on this CPU): {', '.join(missing)}" if missing else "")
+    else:
+        runs = f"- Rows of this run ({(time.perf_counter() - started) / 60:.0f} min): {runs_line(rows, states, args.reps)}"
     if not rows:
         raise SystemExit("no row measured or saved: nothing written")
     command = "python benchmarks/bench_zoo.py " + " ".join(sys.argv[1:])

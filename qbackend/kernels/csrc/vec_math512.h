@@ -22,7 +22,7 @@ static inline __attribute__((always_inline)) void exp16_lanes(__m512* x, int n) 
     k[j] = _mm512_roundscale_ps(_mm512_mul_ps(x[j], _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }
   static const float Q[] = EXP_Q;
-  EACH_LANE16(j) r[j] = _mm512_fnmadd_ps(k[j], _mm512_set1_ps(0.693147182f), x[j]);
+  EACH_LANE16(j) r[j] = _mm512_fnmadd_ps(k[j], _mm512_set1_ps(EXP_LN2), x[j]);
   EACH_LANE16(j) p[j] = _mm512_fmadd_ps(_mm512_set1_ps(Q[0]), r[j], _mm512_set1_ps(Q[1]));
   for (int c = 2; c < 4; c++) EACH_LANE16(j) p[j] = _mm512_fmadd_ps(p[j], r[j], _mm512_set1_ps(Q[c]));
   for (int c = 0; c < 2; c++) EACH_LANE16(j) p[j] = _mm512_fmadd_ps(p[j], r[j], _mm512_set1_ps(1.0f));
@@ -34,8 +34,8 @@ static inline __m512 reciprocal16(__m512 d) {
   return _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
 }
 
-/* swish_lanes: x / (1 + e^-x); -inf gives NaN as torch's (-inf / inf): tested, as vrcp14ps keeps
- * the tiny reciprocal rcpps flushes. */
+/* swish_lanes: x / (1 + e^-x); -inf gives NaN as torch's (-inf / inf), by a test here: vrcp14ps
+ * keeps the tiny reciprocal of 1 + e^88 that rcpps flushes to 0. */
 static inline __attribute__((always_inline)) void swish16_lanes(__m512* x, int n) {
   __m512 e[ACTIVATION_LANES16];
   EACH_LANE16(j) e[j] = _mm512_sub_ps(_mm512_setzero_ps(), x[j]);
