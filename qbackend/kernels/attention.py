@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from qbackend.kernels import isa, library
-from qbackend.kernels.chain_step import SIX, KeyLength, plain_float32, step_call
+from qbackend.kernels.chain_step import SIX, At, KeyLength, plain_float32, step_call
 from qbackend.kernels.common import Kernel, uint8_grid_refusal
 from qbackend.kernels.structs import AttentionCall
 
@@ -143,6 +143,23 @@ def chain_call(args: tuple, out: torch.Tensor):
     call = _attention_call(tuple(rows.shape), (rows.stride()[:3], k.stride()[:3], v.stride()[:3]), (0, 0, 0, 0),
                            out_rows.transpose(1, 2).stride()[:3], scale, None, causal_rows)
     return step_call(_attention_function()[2], call, (q, k, v, None, out, KeyLength(k)), kind=SIX)
+
+
+def projection_chain_call(args: tuple, result: torch.Tensor):
+    """``attention_from_projection`` as a kernel chain step (qb_attention_call): q, k and v at
+    their offsets in the projection, the key length fixed by the geometry; a mask (an additive
+    float32 one) is an operand, its strides fixed by the signature."""
+    projection, (projection_shape, shape, s, offsets, strides), mask, scale, *quantize = args
+    quantize = quantize[0] if quantize else None
+    if (not plain_float32(projection, mask) or tuple(projection.shape) != projection_shape or not projection.is_contiguous()
+            or (mask is not None and mask.dim() > 4)):
+        return None
+    out = result if quantize is not None else result.transpose(1, 2)  # (the kernel's [B, L, H, D] writes)
+    mask_stride = (0, 0, 0, 0) if mask is None else mask.expand(shape[0], shape[1], shape[2], s).stride()
+    call = _attention_call(shape, strides, tuple(mask_stride), out.stride()[:3], scale, quantize)
+    keys = projection.as_strided((shape[0], shape[1], s, shape[3]), (*strides[1], 1), offsets[1])
+    return step_call(_attention_function()[2], call, (*(At(projection, 4 * offset) for offset in offsets), mask, result,
+                                                      KeyLength(keys)), kind=SIX)
 
 
 def _checked_attention(q, k, v, mask, scale, quantize=None, causal_rows=0, kv_int8=None, out=None):

@@ -25,12 +25,21 @@ class KeyLength:
     keys: torch.Tensor
 
 
+@dataclass(frozen=True, eq=False)
+class At:
+    """An operand: the address ``offset`` bytes into ``tensor`` (a tensor of the call), for a
+    kernel that reads several operands out of one buffer (attention's q, k, v in their projection)."""
+
+    tensor: torch.Tensor
+    offset: int
+
+
 @dataclass(frozen=True)
 class StepCall:
     kind: int  # FOUR, X_TO_Y or SIX
     function: int  # address of the C entry
     call: int  # address of its prepared arguments
-    operands: tuple  # 4 (FOUR), 2 (X_TO_Y) or 6 (SIX): tensors of this call, SCRATCH, KeyLength or None
+    operands: tuple  # 4 (FOUR), 2 (X_TO_Y) or 6 (SIX): tensors of this call, At, SCRATCH, KeyLength or None
     keep: object  # what ``call`` is and points into (held while the chain lives)
     scratch: int = 0  # bytes of scratch the step needs
 

@@ -24,7 +24,7 @@ import ctypes
 import functools
 import operator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.fx import GraphModule, Node
@@ -32,10 +32,10 @@ from torch.fx.node import map_aggregate, map_arg
 
 from qbackend.kernels.weight_only_linear import unflatten_rows
 
-from qbackend.kernels import kv_append, rms_norm, rotary, silu_mul
+from qbackend.kernels import kv_append, layer_norm_quantize, rms_norm, rotary, silu_mul
 from qbackend.kernels import (attention, channel_shuffle, conv_gemm, depthwise, fast_qdq, grouped, isa, library, pools, quantize, registry,
                               scale_quantize, stem, weight_only_mm)
-from qbackend.kernels.chain_step import FOUR, X_TO_Y, KeyLength
+from qbackend.kernels.chain_step import FOUR, X_TO_Y, At, KeyLength
 from qbackend.kernels.structs import ChainStep, Operand
 
 aten = torch.ops.aten
@@ -52,7 +52,7 @@ CONVS = {"qconv": FOUR, "qconv_depthwise": X_TO_Y, "qconv_grouped": X_TO_Y, "qco
 VIEW_METHODS = frozenset({"view", "reshape", "transpose", "unsqueeze", "squeeze", "contiguous", "permute", "flatten"})
 VIEW_FUNCTIONS = frozenset({unflatten_rows, aten.slice.Tensor, aten.view.default, aten.reshape.default, aten.transpose.int,
                             aten.unsqueeze.default, aten.squeeze.dim})
-KERNEL_TUPLES = frozenset({rms_norm.add_rms_norm, channel_shuffle.shuffle_halves})  # kernels returning several tensors (read through getitem)
+KERNEL_TUPLES = frozenset({rms_norm.add_rms_norm, channel_shuffle.shuffle_halves, layer_norm_quantize.layer_norm_and_quantize})  # kernels returning several tensors (read through getitem)
 
 
 @functools.cache
@@ -70,6 +70,9 @@ def kernels() -> dict:
             "rms_norm": (rms_norm.rms_norm, rms_norm.chain_call), "add_rms_norm": (rms_norm.add_rms_norm, rms_norm.chain_call),
             "rotary": (rotary.rotary, rotary.chain_call), "silu_mul": (silu_mul.silu_mul, silu_mul.chain_call),
             "attention_f32": (attention.attention_f32, attention.chain_call),
+            "attention_from_projection": (attention.attention_from_projection, attention.projection_chain_call),
+            "layer_norm_quantize": (layer_norm_quantize.layer_norm_quantize, layer_norm_quantize.chain_call),
+            "layer_norm_and_quantize": (layer_norm_quantize.layer_norm_and_quantize, layer_norm_quantize.chain_call),
             "kv_append": (kv_append.append, kv_append.chain_call),
             "shuffle_pair": (channel_shuffle.shuffle_pair, channel_shuffle.chain_call),
             "shuffle_halves": (channel_shuffle.shuffle_halves, channel_shuffle.chain_call)}
@@ -77,8 +80,8 @@ def kernels() -> dict:
 
 @library.once
 def _run_chain():
-    """kernel_chain.c's runner: (threads, steps, the steps, their bases) -> 0, or 1 + the step that
-    could not allocate its scratch."""
+    """kernel_chain.c's runner: (threads, steps, the steps, their bases) -> 0, 1 + the step that
+    could not allocate its scratch, or -1 - the step that refused this call's values."""
     return isa.c_function("qb_run_chain", (ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p), ctypes.c_int)
 
 
@@ -126,7 +129,9 @@ class _Program:
 
     def run(self, inputs: list) -> Optional[tuple]:
         """The leaving values; None where a cache has no room for its rows (or two share one, or
-        another thread took it): the caller then runs the nodes, which reallocate it."""
+        another thread took it), or a step refused this call's values (QB_STEP_REFUSED): the
+        caller then runs the nodes, which reallocate the cache, or compute the values as the
+        graph did. (Steps write nothing the nodes read but a claimed cache's room.)"""
         caches = kv_append.claim([(inputs[k], added) for k, added in self.appends], GROWS) if self.appends else ()
         if caches is None:
             return None
@@ -146,8 +151,10 @@ class _Program:
                                 *(y.data_ptr() for y in outputs), *(inputs[k].shape[GROWS] for k, _ in self.appends))
         failed = _run_chain()(torch.get_num_threads(), len(self.steps), self.steps, bases)
         self.spare_arenas.append(arena)
-        if failed:
+        if failed > 0:
             raise MemoryError(f"qbackend kernel chain: step {failed - 1} could not allocate its scratch")
+        if failed < 0:
+            return None
         grown = [base.narrow(GROWS, start, inputs[k].shape[GROWS] + added)
                  for (base, start, _), (k, added) in zip(caches, self.appends)]
         sources = {"input": inputs, "output": outputs, "append": grown}
@@ -316,10 +323,14 @@ class KernelChain:
             for t in call.operands:
                 if isinstance(t, KeyLength):
                     t = ("length", where.get(id(t.keys)), t.keys.shape[GROWS])
-                elif isinstance(t, torch.Tensor):
-                    t = located(t)
-                    if t[0][0] == "buffer":
-                        last_read[t[0][1]] = max(last_read[t[0][1]], position)
+                elif isinstance(t, (torch.Tensor, At)):
+                    tensor, inside = (t, 0) if isinstance(t, torch.Tensor) else (t.tensor, t.offset)
+                    origin, offset = located(tensor)
+                    if inside and not 0 < inside < _extent(tensor):
+                        raise _NotAStep("an address outside its tensor")
+                    t = origin, offset + inside
+                    if origin[0] == "buffer":
+                        last_read[origin[1]] = max(last_read[origin[1]], position)
                 operands.append(t)
             placed.append(operands)
         inner = [b for b in range(len(buffers)) if b not in leaving]
@@ -417,27 +428,44 @@ def _pick(node: Node) -> bool:
     return node.target is operator.getitem and isinstance(node.args[0], Node) and node.args[0].target in KERNEL_TUPLES
 
 
-def _runs(gm: GraphModule, kernel_targets: dict) -> list[list[Node]]:
+def _runs(gm: GraphModule, kernel_targets: dict, movable: Callable[[Node], bool]) -> list[list[Node]]:
     """Maximal runs of own-kernel calls (``kernel_targets``: plain function -> name) and views
-    in graph order, constants between them aside, without the views that end a run."""
-    runs, current, members = [], [], set()
+    in graph order, constants between them aside, without the views that end a run. A call
+    between a run's nodes that reads none of them and that ``movable`` admits (one that writes
+    nothing) moves before the run instead of ending it: a transformer's mask, made from the
+    graph's input between its first LayerNorm and first linear, had split the encoder's run."""
+    runs, current, members, moving = [], [], set(), []
+
+    def hoisted(node: Node) -> bool:
+        """Whether ``node`` moves before the run (once the run is kept)."""
+        if not current or node.op not in ("call_function", "call_method") or not movable(node) or any(
+                a in members for a in node.all_input_nodes) or any(
+                step.target is kv_append.append for step in current):  # (an append writes a cache the node may read)
+            return False
+        moving.extend(a for a in node.all_input_nodes if a.op == "get_attr")  # (a constant read here: before it too)
+        moving.append(node)
+        return True
 
     def close():
         while current and current[-1].target not in kernel_targets and not _pick(current[-1]):
             current.pop()
         if sum(node.target in kernel_targets for node in current) >= MIN_STEPS:
             runs.append(list(current))
+            for node in dict.fromkeys(moving):  # (in order; a constant two of them read, once)
+                current[0].prepend(node)
         current.clear()
         members.clear()
+        moving.clear()
 
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):  # (a copy: hoisting moves nodes)
         if node.op == "get_attr":
             continue
         if _member(node, kernel_targets, members) and _tensor_operands(node):
             current.append(node)
             members.add(node)
             continue
-        close()
+        if not hoisted(node):
+            close()
     close()
     return runs
 
@@ -452,10 +480,12 @@ def _tensor_operands(node: Node) -> bool:
                               (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)) for a in found)
 
 
-def chain_own_kernels(gm: GraphModule) -> Optional[str]:
-    """Replace each run of own-kernel calls by one chain call; a note for the report (None: no chain)."""
+def chain_own_kernels(gm: GraphModule, movable: Callable[[Node], bool] = lambda node: False) -> Optional[str]:
+    """Replace each run of own-kernel calls by one chain call; a note for the report (None: no
+    chain). ``movable``: whether a node may run earlier than placed, as far as its own effects go
+    (by default none moves)."""
     kernel_targets = {plain: name for name, (plain, _) in kernels().items()}
-    runs = _runs(gm, kernel_targets)  # (before anything loads the kernels: most graphs have no run)
+    runs = _runs(gm, kernel_targets, movable)  # (before anything loads the kernels: most graphs have no run)
     if not runs or registry.available() is not None:
         return None
     for number, run_nodes in enumerate(runs):

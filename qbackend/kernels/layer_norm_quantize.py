@@ -10,7 +10,9 @@ from typing import Optional
 import torch
 
 from qbackend.kernels import fast_qdq, isa, library
+from qbackend.kernels.chain_step import StepCall, dense, step_call
 from qbackend.kernels.common import Kernel, uint8_grid_refusal
+from qbackend.kernels.structs import LayerNormCall
 
 SCHEMAS = {
     "layer_norm_quantize": "layer_norm_quantize(Tensor x, Tensor weight, Tensor bias, float eps, float scale, int zero_point, "
@@ -70,6 +72,20 @@ def layer_norm_quantize(x, weight, bias, eps, scale, zero_point, qmin, qmax):
 def layer_norm_and_quantize(x, weight, bias, eps, scale, zero_point, qmin, qmax):
     """``qbackend::layer_norm_and_quantize``'s implementation, also called as is by eager graphs."""
     return _layer_norm_quantize(x, weight, bias, eps, scale, zero_point, qmin, qmax, keep_float=True)
+
+
+def chain_call(args: tuple, result) -> Optional[StepCall]:
+    """``layer_norm_quantize`` / ``layer_norm_and_quantize`` as a kernel chain step
+    (qb_layer_norm_quantize_call): where the kernel takes the call and its operands are dense. A
+    call with rows past the kernel's range refuses at run time: the chain's nodes then run."""
+    x, weight, bias, eps, scale, zero_point, qmin, qmax = args
+    y, yf = result if isinstance(result, tuple) else (result, None)
+    if (layer_norm_quantize_refusal(x, weight, bias, eps) or uint8_grid_refusal(scale, zero_point, qmin, qmax)
+            or _kernel() is None or not dense(x, weight, bias, y, yf) or y.shape != x.shape):
+        return None
+    c = x.shape[-1]
+    call = LayerNormCall(x.numel() // c, c, weight.data_ptr(), bias.data_ptr(), eps, 1.0 / scale, zero_point, qmin, qmax)
+    return step_call(isa.c_address("qb_layer_norm_quantize_call"), call, (x, y, yf, None), (weight, bias))
 
 
 KERNELS = {

@@ -138,6 +138,14 @@ class RmsNormCall(ctypes.Structure):
     _fields_ = [("rows", _long), ("n", _long), ("w", _pointer), ("eps", _float)]
 
 
+class LayerNormCall(ctypes.Structure):
+    """layer_norm_quantize.c's, a kernel chain step."""
+
+    c_name = "layer_norm_call_t"
+    _fields_ = [("rows", _long), ("C", _int), ("w", _pointer), ("b", _pointer), ("eps", _float), ("inv_scale", _float)] + _ints(
+        "zp", "qmin", "qmax")
+
+
 class SiluMulCall(ctypes.Structure):
     """silu_mul.c's, a kernel chain step."""
 
@@ -154,7 +162,8 @@ class ShuffleCall(ctypes.Structure):
 
 
 STRUCTS = (ConvCall, DepthwiseCall, GroupedCall, StemCall, MaxPoolCall, GlobalAvgPoolCall, ScaleQuantizeCall, QuantizeCall,
-           AttentionCall, WeightOnlyCall, Operand, ChainStep, KvAppendCall, RmsNormCall, SiluMulCall, ShuffleCall)
+           AttentionCall, WeightOnlyCall, Operand, ChainStep, KvAppendCall, RmsNormCall, SiluMulCall, ShuffleCall,
+           LayerNormCall)
 
 
 def layout(struct) -> list[int]:

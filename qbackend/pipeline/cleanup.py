@@ -21,7 +21,7 @@ from qbackend.passes.batch_norm_quantize import batch_norms_quantized
 from qbackend.passes.channel_shuffle import shuffles_in_one_pass
 from qbackend.passes.constant_fills import MAX_ELEMENTS, fresh_value
 from qbackend.passes.constant_writes import FoldedConstants
-from qbackend.passes.dead_code import eliminate_dead_code
+from qbackend.passes.dead_code import eliminate_dead_code, writes
 from qbackend.llm.dense_swiglu import swiglus_fused
 from qbackend.llm.dense_weight_only import dense_slices_pass
 from qbackend.passes.direct_ops import direct_ops
@@ -43,6 +43,7 @@ from qbackend.passes.view_chains import view_chains_collapsed
 from qbackend.ops import graph_op, resolve
 
 aten = torch.ops.aten
+METADATA_ASSERT = aten._assert_tensor_metadata.default  # (it only raises: a chain may run after it)
 
 
 def drop_inference_dropout(gm: GraphModule) -> int:
@@ -254,8 +255,9 @@ def cleanup(gm: GraphModule, device: str = "cpu", fast_boundary: bool = True, ke
              direct_ops(gm) if fast_boundary else None]
     if fast_boundary:  # (the passes above read the view ops' targets)
         views_as_tensor_methods(gm)
-    notes.append(chain_own_kernels(gm))  # (last: the runs it replaces are the graph's final calls)
-    eliminate_dead_code(gm)
+    eliminate_dead_code(gm)  # (before the chains: a dead view would be a step)
+    notes.append(chain_own_kernels(gm, movable=lambda node: not writes(node) or node.target is METADATA_ASSERT))
+    # (last: the runs it replaces are the graph's final calls)
     gm.graph.lint()
     gm.recompile()
     drop_unused_constants(gm)

@@ -14,6 +14,7 @@ from qbackend.kernels import fast_qdq
 from qbackend.passes import einsum
 from qbackend.kernels import isa, registry
 from qbackend.kernels import attention as attention_kernel
+from qbackend.kernels.kernel_chain import KernelChain
 
 from tests.helpers import (Captured, assert_matches_reference, compile_and_run, kernel_calls, quantize, short_graph,
                            needs_own_kernels)
@@ -206,12 +207,16 @@ class TestAttentionProjection(expecttest.TestCase):
         graph = short_graph(captured.lowered)
         # (the projection: the merged q / k / v linear on qbackend's GEMM, [16 rows, 96, 1, 1])
         self.assertExpectedInline(graph[graph.index("\nattention_from_projection") + 1:], """\
-attention_from_projection = attention.attention_from_projection(getitem, ((16, 96, 1, 1), (2, 2, 8, 16), 8, (0, 32, 64), ((768, 16, 96), (768, 16, 96), (768, 16, 96))), l_mask_, 0.25, (0.0107, 58, 0, 127))
+attention_from_projection = attention.attention_from_projection(qconv_4, ((16, 96, 1, 1), (2, 2, 8, 16), 8, (0, 32, 64), ((768, 16, 96), (768, 16, 96), (768, 16, 96))), l_mask_, 0.25, (0.0107, 58, 0, 127))
 reshape_default_10 = attention_from_projection.reshape([16, 32, 1, 1])
 qconv_3 = conv_gemm.qconv(reshape_default_10, <const>, <const>, <const>, None, 0, -inf, inf, 1, 0, 0, 255, True, 'none')
-reshape_default_8 = qconv_3.reshape([2, 8, 32])
+kernel_chain_0 = kernel_chain(l_x_, l_mask_) of 6 steps -> (qconv_3)
+getitem = _operator.getitem(kernel_chain_0, 0)
+reshape_default_8 = getitem.reshape([2, 8, 32])
 return (reshape_default_8)""")
         assert "1 attention call(s) read q / k / v inside their projection" in captured.report.notes, str(captured.report)
+        (chain,) = [n.target for n in captured.lowered.graph.nodes if isinstance(n.target, KernelChain)]
+        assert list(chain._programs.values()) and None not in chain._programs.values(), "the block ran node by node"
 
     @needs_own_kernels
     def test_cross_attention_keeps_the_views_of_its_two_projections(self):
@@ -280,9 +285,11 @@ def test_a_boolean_mask_runs_on_the_kernel_made_additive_once():
     [additive] = [n for n in nodes if n.target is torch.ops.aten.masked_fill.Scalar]
     assert additive.args[0].target is torch.ops.aten.zeros_like.default and additive.args[2] == -math.inf
     assert additive.args[1].target is torch.ops.aten.logical_not.default and additive.args[1].args[0] in nodes
-    # (the first reads its projection's views inside it: attention_from_projection, mask third)
-    masks = [n.args[3] if n.target in registry.own_kernel_forms("attention_f32") else n.args[2] for n in nodes
-             if n.target in (*registry.own_kernel_forms("attention_f32"), attention_kernel.attention_from_projection)]
+    # (the first reads its projection's views inside it: attention_from_projection, mask third, a
+    # step of a kernel chain that takes the mask as an input; the second, with a mask, a call)
+    (chain,) = [n for n in nodes if isinstance(n.target, KernelChain)]
+    masks = [chain.args[step.args[2].index] for step in chain.target.steps if step.kernel == "attention_from_projection"]
+    masks += [n.args[3] for n in nodes if n.target in registry.own_kernel_forms("attention_f32")]
     assert len(masks) == 2 and all(mask is additive for mask in masks), captured.lowered.graph
 
 

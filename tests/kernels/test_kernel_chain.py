@@ -5,9 +5,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from qbackend import models
 from qbackend.pipeline import cleanup
-from qbackend.kernels import registry
-from qbackend.kernels.kernel_chain import KernelChain, Ref, _plan
+from qbackend.kernels import conv_gemm, registry
+from qbackend.kernels.kernel_chain import KernelChain, Ref, _plan, _runs
 
 from tests.helpers import compile_and_run, needs_own_kernels, quantize, short_graph
 from tests.kernels.test_own_conv_kernels import InvertedResidual, SqueezeExcitationBlock
@@ -33,7 +34,7 @@ class ProjectAndPool(nn.Module):
 def _compiled(model, x, chained: bool, monkeypatch):
     with monkeypatch.context() as patch:  # (undo() would also undo conftest's fixed kernel choice)
         if not chained:
-            patch.setattr(cleanup, "chain_own_kernels", lambda gm: None)
+            patch.setattr(cleanup, "chain_own_kernels", lambda gm, **_: None)
         return compile_and_run(model, (x,))[2]
 
 
@@ -68,6 +69,63 @@ def test_a_squeeze_excitation_block_runs_as_one_chain_of_c_steps(monkeypatch):
         for i in [torch.randn(2, 8, 14, 14) for _ in range(3)]:
             assert torch.equal(chained.lowered(i)[0], separate.lowered(i)[0])
     assert list(chain._programs.values()) and all(program is not None for program in chain._programs.values())
+
+
+def test_a_transformer_encoder_runs_as_one_chain_of_c_steps(monkeypatch):
+    """Every layer's LayerNorms (with the float rows the residual reads), its merged q / k / v
+    projection, attention read inside it, the out-projection with its residual and the FFN: one
+    chain, prepared as one C program, the bytes of the separate calls."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 64)
+    model = quantize(models.bert_encoder_like(num_layers=2, hidden=64, heads=4, ffn=128), (x,))
+    chained, separate = (_compiled(model, x, flag, monkeypatch) for flag in (True, False))
+    (chain,) = [n.target for n in chained.lowered.graph.nodes if isinstance(n.target, KernelChain)]
+    layer = ["qconv", "attention_from_projection", "qconv", "layer_norm_and_quantize", "qconv", "qconv"]
+    assert [kernel for _, kernel, _ in chain.listing()] == ["quantize_per_tensor", *layer, "layer_norm_and_quantize", *layer]
+    with torch.no_grad():
+        for i in [torch.randn(2, 16, 64) for _ in range(3)]:
+            assert torch.equal(chained.lowered(i)[0], separate.lowered(i)[0])
+    assert list(chain._programs.values()) and None not in chain._programs.values()
+
+
+def test_a_layer_norm_row_past_the_kernels_range_runs_the_chains_nodes(monkeypatch):
+    """A row whose statistics overflow float32 is ATen's to decide (layer_norm_quantize.c): its
+    chain step refuses the call, and that call runs the nodes, as the separate calls do; the
+    next call runs the program again."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 32)
+    model = quantize(nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32), nn.Linear(32, 32)).eval(), (x,))
+    chained, separate = (_compiled(model, x, flag, monkeypatch) for flag in (True, False))
+    (node,) = [n for n in chained.lowered.graph.nodes if isinstance(n.target, KernelChain)]
+    assert [kernel for _, kernel, _ in node.target.listing()] == ["layer_norm_quantize", "qconv", "qconv"]
+    huge = torch.randn(4, 32)
+    huge[1] *= 1e20
+    with torch.no_grad():
+        chained.lowered(x)  # (prepares the program)
+        (program,) = node.target._programs.values()
+        for i in (huge, x):
+            torch.testing.assert_close(chained.lowered(i)[0], separate.lowered(i)[0], rtol=0, atol=0, equal_nan=True)
+        assert program.run([huge]) is None
+        assert torch.equal(program.run([x])[0].view(4, 32), separate.lowered(x)[0])
+    assert list(node.target._programs.values()) == [program]
+
+
+@pytest.mark.parametrize("movable, kernels, moves", [(True, 2, True), (False, 2, False), (True, 1, False)],
+                         ids=["moves", "writes", "no run"])
+def test_a_call_between_a_runs_kernels_moves_before_the_run_unless_it_writes(movable, kernels, moves):
+    """A transformer's mask, made from an input between its first LayerNorm and first linear, had
+    split the encoder's chain: a call reading none of the run's values moves before it, unless
+    ``movable`` refuses it (a write may be what the run's kernels read) or no chain forms."""
+    graph = torch.fx.Graph()
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    first = graph.call_function(conv_gemm.qconv, (x,))
+    between = graph.call_function(torch.ops.aten.add.Tensor, (y, 1))
+    last = graph.call_function(conv_gemm.qconv, (first,)) if kernels == 2 else graph.call_function(torch.relu, (first,))
+    graph.output((last, between))
+    gm = torch.fx.GraphModule(nn.Module(), graph)
+    runs = _runs(gm, {conv_gemm.qconv: "qconv"}, lambda node: movable)
+    assert runs == ([[first, last]] if movable and kernels == 2 else [])
+    assert [n.name for n in gm.graph.nodes][2:4] == ([between.name, first.name] if moves else [first.name, between.name])
 
 
 class TestChainGraph(expecttest.TestCase):

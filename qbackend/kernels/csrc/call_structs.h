@@ -128,11 +128,16 @@ typedef struct {
   long offset; /* bytes from it (a size: added to it) */
 } operand_t;
 
+/* What a chain step returns where its kernel does not compute this call's values as the reference
+ * does (a LayerNorm row past the float32 statistics' range): the chain's nodes then run one by one. */
+#define QB_STEP_REFUSED 2
+
 /* kernel_chain.c: one step (kind: its enum kind). */
 typedef struct {
   int kind;
   const void* function; /* FOUR: qb_conv_call(_vnni) (x, residual, y, float y), qb_weight_only_call, qb_rms_norm_call,
-                           qb_rotary_call, qb_silu_mul_call, qb_kv_append_call; X_TO_Y: qb_dwconv(_vnni)_call,
+                           qb_rotary_call, qb_silu_mul_call, qb_kv_append_call,
+                           qb_layer_norm_quantize_call; X_TO_Y: qb_dwconv(_vnni)_call,
                            qb_stem_conv_vnni_call, the pools, qb_quantize_dense_call;
                            FOUR also qb_scale_quantize_call (x, factors, y); SIX: qb_attention_call */
   const void* call;           /* its prepared arguments */
@@ -152,6 +157,15 @@ typedef struct {
   const float* w;
   float eps;
 } rms_norm_call_t;
+
+/* layer_norm_quantize.c, as a step of a kernel chain. */
+typedef struct {
+  long rows;
+  int C;
+  const float *w, *b;
+  float eps, inv_scale;
+  int zp, qmin, qmax;
+} layer_norm_call_t;
 
 /* channel_shuffle.c's call (eager, or a step of a kernel chain). */
 typedef struct {

@@ -21,7 +21,8 @@ typedef int (*six_fn)(int, const void*, void*, void*, void*, void*, void*, void*
 
 static void* address(void* const* bases, operand_t o) { return o.base < 0 ? (void*)o.offset : (char*)bases[o.base] + o.offset; }
 
-/* 0, or the 1-based index of the step that failed (a kernel could not allocate its scratch). */
+/* 0; the 1-based index of the step that failed (a kernel could not allocate its scratch); or minus
+ * that index where the step refused this call's values (QB_STEP_REFUSED). */
 int qb_run_chain(int threads, int count, const chain_step_t* steps, void* const* bases) {
   for (int i = 0; i < count; i++) {
     const chain_step_t* s = &steps[i];
@@ -30,7 +31,7 @@ int qb_run_chain(int threads, int count, const chain_step_t* steps, void* const*
                        : s->kind == FOUR ? ((four_fn)s->function)(threads, s->call, a, b, address(bases, s->c), address(bases, s->d))
                                          : ((six_fn)s->function)(threads, s->call, a, b, address(bases, s->c), address(bases, s->d),
                                                                  address(bases, s->e), address(bases, s->f));
-    if (failed) return i + 1;
+    if (failed) return failed == QB_STEP_REFUSED ? -(i + 1) : i + 1;
   }
   return 0;
 }

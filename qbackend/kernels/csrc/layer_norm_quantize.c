@@ -13,6 +13,7 @@
  */
 #include <stdint.h>
 
+#include "call_structs.h"
 #include "layer_norm_rows.h"
 
 /* x: [rows][C] float32, w and b: [C] float32, y: [rows][C] uint8, yf: NULL or [rows][C] float32
@@ -29,4 +30,14 @@ long qb_layer_norm_quantize(int threads, long rows, int C, const float* x, const
                               y + first * C, yf ? yf + first * C : NULL);
   }
   return unsafe;
+}
+
+/* As a step of a kernel chain (qbackend/kernels/kernel_chain.py): y and yf (NULL: none) from x;
+ * QB_STEP_REFUSED where a row is past UNSAFE_SQUARES (the chain's nodes then run, ATen deciding it). */
+int qb_layer_norm_quantize_call(int threads, const layer_norm_call_t* c, const float* x, uint8_t* y, float* yf,
+                                const void* unused) {
+  (void)unused;
+  return qb_layer_norm_quantize(threads, c->rows, c->C, x, c->w, c->b, c->eps, c->inv_scale, c->zp, c->qmin, c->qmax, y, yf)
+             ? QB_STEP_REFUSED
+             : 0;
 }

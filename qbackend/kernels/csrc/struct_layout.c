@@ -24,6 +24,7 @@
 #define Q(f) AT(scale_quantize_call_t, f)
 #define Z(f) AT(quantize_call_t, f)
 #define H(f) AT(shuffle_call_t, f)
+#define N(f) AT(layer_norm_call_t, f)
 
 static const struct {
   const char* name;
@@ -55,6 +56,7 @@ static const struct {
     LAYOUT(kv_append_call_t, K(batch), K(heads), K(added), K(row_bytes), K(new_stride), K(past_stride)),
     LAYOUT(rms_norm_call_t, R(rows), R(n), R(w), R(eps)),
     LAYOUT(silu_mul_call_t, U(rows), U(n), U(a_row), U(b_row)),
+    LAYOUT(layer_norm_call_t, N(rows), N(C), N(w), N(b), N(eps), N(inv_scale), N(zp), N(qmin), N(qmax)),
     LAYOUT(scale_quantize_call_t, Q(N), Q(C), Q(HW), Q(channels_last), Q(s_batch_stride), Q(gate), Q(inv_scale), Q(zp),
            Q(qmin), Q(qmax)),
     LAYOUT(quantize_call_t, Z(n), Z(inv_scale), Z(zp), Z(qmin), Z(qmax), Z(is_signed), Z(nan_byte), Z(wide)),
