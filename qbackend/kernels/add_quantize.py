@@ -9,7 +9,9 @@ from typing import Optional
 import torch
 
 from qbackend.kernels import fast_qdq, isa, library
+from qbackend.kernels.chain_step import StepCall, step_call
 from qbackend.kernels.common import Kernel, uint8_grid_refusal
+from qbackend.kernels.structs import AddQuantizeCall
 
 SCHEMAS = {
     # (returns the uint8 copy and the float32 sum)
@@ -72,6 +74,17 @@ def add_quantize(a, b, scale, zero_point, qmin, qmax):
 def add_quantize_(a, b, scale, zero_point, qmin, qmax):
     """``qbackend::add_quantize_``'s implementation, also called as is by eager graphs."""
     return _add_quantize(a, b, scale, zero_point, qmin, qmax, in_place=True)
+
+
+def chain_call(args: tuple, y) -> Optional[StepCall]:
+    """``add_quantize_`` as a kernel chain step (qb_add_quantize_call, the sum into a): where a
+    is dense and b and y are in its memory order (the kernel reads all as one flat order)."""
+    a, b, scale, zero_point, qmin, qmax = args
+    if (add_quantize_refusal(a, b) or uint8_grid_refusal(scale, zero_point, qmin, qmax) or not _dense(a)
+            or b.stride() != a.stride() or y.stride() != a.stride() or y.dtype != torch.uint8):
+        return None
+    call = AddQuantizeCall(a.numel(), 1.0 / scale, zero_point, qmin, qmax)
+    return step_call(isa.c_address("qb_add_quantize_call"), call, (a, b, a, y))
 
 
 KERNELS = {

@@ -32,7 +32,7 @@ from torch.fx.node import map_aggregate, map_arg
 
 from qbackend.kernels.weight_only_linear import unflatten_rows
 
-from qbackend.kernels import kv_append, layer_norm_quantize, rms_norm, rotary, silu_mul
+from qbackend.kernels import add_quantize, kv_append, layer_norm_quantize, rms_norm, rotary, silu_mul
 from qbackend.kernels import (attention, channel_shuffle, conv_gemm, depthwise, fast_qdq, grouped, isa, library, pools, quantize, registry,
                               scale_quantize, stem, weight_only_mm)
 from qbackend.kernels.chain_step import FOUR, X_TO_Y, At, KeyLength
@@ -53,6 +53,7 @@ VIEW_METHODS = frozenset({"view", "reshape", "transpose", "unsqueeze", "squeeze"
 VIEW_FUNCTIONS = frozenset({unflatten_rows, aten.slice.Tensor, aten.view.default, aten.reshape.default, aten.transpose.int,
                             aten.unsqueeze.default, aten.squeeze.dim})
 KERNEL_TUPLES = frozenset({rms_norm.add_rms_norm, channel_shuffle.shuffle_halves, layer_norm_quantize.layer_norm_and_quantize})  # kernels returning several tensors (read through getitem)
+WRITES_FIRST = frozenset({add_quantize.add_quantize_})  # kernels writing into their first operand: a step's value, never an input
 
 
 @functools.cache
@@ -73,6 +74,7 @@ def kernels() -> dict:
             "attention_from_projection": (attention.attention_from_projection, attention.projection_chain_call),
             "layer_norm_quantize": (layer_norm_quantize.layer_norm_quantize, layer_norm_quantize.chain_call),
             "layer_norm_and_quantize": (layer_norm_quantize.layer_norm_and_quantize, layer_norm_quantize.chain_call),
+            "add_quantize_": (add_quantize.add_quantize_, add_quantize.chain_call),
             "kv_append": (kv_append.append, kv_append.chain_call),
             "shuffle_pair": (channel_shuffle.shuffle_pair, channel_shuffle.chain_call),
             "shuffle_halves": (channel_shuffle.shuffle_halves, channel_shuffle.chain_call)}
@@ -408,6 +410,8 @@ def _member(node: Node, kernel_targets: dict, run: set) -> bool:
     if node.op not in ("call_function", "call_method") or node.kwargs:  # (steps keep positional args)
         return False
     if node.op == "call_function" and node.target in kernel_targets:  # (a tuple is read through its getitems only)
+        if node.target in WRITES_FIRST and not _a_steps_value(node.args[0], kernel_targets, run):
+            return False  # (a write into the chain's input: a call that runs the nodes again would read it written)
         return _joins(node, kernel_targets[node.target]) and (
             node.target not in KERNEL_TUPLES or all(user.target is operator.getitem for user in node.users))
     if node.op == "call_function" and node.target is operator.getitem:  # a kernel's output, or a basic index (a view)
@@ -421,6 +425,13 @@ def _member(node: Node, kernel_targets: dict, run: set) -> bool:
                 type(v) in (int, type(None)) for v in (i.start, i.stop, i.step))) for i in index)
     is_view = node.target in VIEW_METHODS if node.op == "call_method" else node.target in VIEW_FUNCTIONS
     return is_view and isinstance(node.args[0], Node) and node.args[0].op != "get_attr"
+
+
+def _a_steps_value(node, kernel_targets: dict, run: set) -> bool:
+    """``node`` is a kernel step of ``run`` or a view of one (through the run's views)."""
+    while isinstance(node, Node) and node in run and node.target not in kernel_targets:
+        node = node.args[0]
+    return isinstance(node, Node) and node in run
 
 
 def _pick(node: Node) -> bool:

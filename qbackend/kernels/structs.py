@@ -146,6 +146,13 @@ class LayerNormCall(ctypes.Structure):
         "zp", "qmin", "qmax")
 
 
+class AddQuantizeCall(ctypes.Structure):
+    """add_quantize.c's, a kernel chain step."""
+
+    c_name = "add_quantize_call_t"
+    _fields_ = [("n", _long), ("inv_scale", _float)] + _ints("zp", "qmin", "qmax")
+
+
 class SiluMulCall(ctypes.Structure):
     """silu_mul.c's, a kernel chain step."""
 
@@ -163,7 +170,7 @@ class ShuffleCall(ctypes.Structure):
 
 STRUCTS = (ConvCall, DepthwiseCall, GroupedCall, StemCall, MaxPoolCall, GlobalAvgPoolCall, ScaleQuantizeCall, QuantizeCall,
            AttentionCall, WeightOnlyCall, Operand, ChainStep, KvAppendCall, RmsNormCall, SiluMulCall, ShuffleCall,
-           LayerNormCall)
+           LayerNormCall, AddQuantizeCall)
 
 
 def layout(struct) -> list[int]:

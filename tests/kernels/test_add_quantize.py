@@ -95,3 +95,45 @@ def test_an_in_place_sum_into_a_chain_of_views_lowers_onto_the_in_place_form(tmp
     captured = assert_matches_reference(quantize(ViewedInPlaceResidual(), inputs), inputs, kernel_choice="measure")
     graph = short_graph(captured.lowered)
     assert "conv_gemm.qconv(reshape" in graph and "add_quantize.add_quantize_(permute" in graph and "aten.add" not in graph, graph
+
+
+class TwoViewedInPlaceResiduals(torch.nn.Module):
+    """Two ConvNeXt blocks' ends: each sum written into a view of its linear's output, the
+    second block reading the first's sum as its residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.next = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Conv2d(8, 8, 1)
+
+    def forward(self, x):
+        first = self.fc1(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        first += x
+        second = self.fc2(first.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        second += first
+        return self.next(second), second
+
+
+def test_in_place_residual_sums_are_steps_of_the_blocks_chain(tmp_path, monkeypatch):
+    """ConvNeXt's residual sum had ended the kernel chain at every block (22 chains a forward):
+    the in-place sum into a step's value is a step; the chain gives the separate calls' bytes,
+    the written sum too, on every call."""
+    from qbackend.kernels.kernel_chain import KernelChain
+    from qbackend.pipeline import cleanup
+
+    monkeypatch.setenv("QBACKEND_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice_cache, "_shared", None)
+    monkeypatch.setattr(choice, "measure", SimulatedMachine(own_us=100, onednn_us=300))
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 8, 6, 6),)
+    model = quantize(TwoViewedInPlaceResiduals(), inputs)
+    chained = assert_matches_reference(model, inputs, kernel_choice="measure")
+    with monkeypatch.context() as patch:
+        patch.setattr(cleanup, "chain_own_kernels", lambda gm, **_: None)
+        separate = assert_matches_reference(model, inputs, kernel_choice="measure")
+    (chain,) = [n.target for n in chained.lowered.graph.nodes if isinstance(n.target, KernelChain)]
+    assert [kernel for _, kernel, _ in chain.listing()] == ["quantize_per_tensor", "qconv", "add_quantize_", "qconv",
+                                                            "add_quantize_", "qconv"]
+    with torch.no_grad():
+        for x in [torch.randn(2, 8, 6, 6) for _ in range(3)]:
+            assert all(torch.equal(a, b) for a, b in zip(chained.lowered(x), separate.lowered(x)))
+    assert list(chain._programs.values()) and None not in chain._programs.values()

@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from qbackend import models
 from qbackend.pipeline import cleanup
-from qbackend.kernels import conv_gemm, registry
+from qbackend.kernels import add_quantize, conv_gemm, registry
 from qbackend.kernels.kernel_chain import KernelChain, Ref, _plan, _runs
 
 from tests.helpers import compile_and_run, needs_own_kernels, quantize, short_graph
@@ -126,6 +126,22 @@ def test_a_call_between_a_runs_kernels_moves_before_the_run_unless_it_writes(mov
     runs = _runs(gm, {conv_gemm.qconv: "qconv"}, lambda node: movable)
     assert runs == ([[first, last]] if movable and kernels == 2 else [])
     assert [n.name for n in gm.graph.nodes][2:4] == ([between.name, first.name] if moves else [first.name, between.name])
+
+
+@pytest.mark.parametrize("target", ["a step's value", "the chain's input"])
+def test_an_in_place_sum_joins_only_where_it_writes_a_steps_value(target):
+    """A write into the chain's input would be read written by a call that runs the nodes again
+    (a refused step's fallback): such a sum ends the run instead."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    first = graph.call_function(conv_gemm.qconv, (x,))
+    written = graph.call_method("permute", (first if target == "a step's value" else x, [0, 1]))
+    total = graph.call_function(add_quantize.add_quantize_, (written, first, 0.1, 128, 0, 255))
+    last = graph.call_function(conv_gemm.qconv, (total,))
+    graph.output((last,))
+    runs = _runs(torch.fx.GraphModule(nn.Module(), graph), {conv_gemm.qconv: "qconv", add_quantize.add_quantize_: "add_quantize_"},
+                 lambda node: False)
+    assert runs == ([[first, written, total, last]] if target == "a step's value" else [])
 
 
 class TestChainGraph(expecttest.TestCase):

@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "call_structs.h"
 #include "vec_math.h"
 
 /* a, b, s: n float32 values; y: n uint8 (one memory order for all four). */
@@ -32,4 +33,10 @@ void qb_add_quantize(int threads, long n, const float* a, const float* b, float 
       y[i] = round_to_grid(s[i] * inv_scale, zp, qmin, qmax);
     }
   }
+}
+
+/* As a step of a kernel chain (qbackend/kernels/kernel_chain.py): s (a itself for add_quantize_) and y. */
+int qb_add_quantize_call(int threads, const add_quantize_call_t* c, const float* a, const float* b, float* s, uint8_t* y) {
+  qb_add_quantize(threads, c->n, a, b, c->inv_scale, c->zp, c->qmin, c->qmax, s, y);
+  return 0;
 }

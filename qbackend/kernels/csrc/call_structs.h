@@ -137,7 +137,7 @@ typedef struct {
   int kind;
   const void* function; /* FOUR: qb_conv_call(_vnni) (x, residual, y, float y), qb_weight_only_call, qb_rms_norm_call,
                            qb_rotary_call, qb_silu_mul_call, qb_kv_append_call,
-                           qb_layer_norm_quantize_call; X_TO_Y: qb_dwconv(_vnni)_call,
+                           qb_layer_norm_quantize_call, qb_add_quantize_call; X_TO_Y: qb_dwconv(_vnni)_call,
                            qb_stem_conv_vnni_call, the pools, qb_quantize_dense_call;
                            FOUR also qb_scale_quantize_call (x, factors, y); SIX: qb_attention_call */
   const void* call;           /* its prepared arguments */
@@ -166,6 +166,13 @@ typedef struct {
   float eps, inv_scale;
   int zp, qmin, qmax;
 } layer_norm_call_t;
+
+/* add_quantize.c, as a step of a kernel chain. */
+typedef struct {
+  long n;
+  float inv_scale;
+  int zp, qmin, qmax;
+} add_quantize_call_t;
 
 /* channel_shuffle.c's call (eager, or a step of a kernel chain). */
 typedef struct {
