@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-FOUR, X_TO_Y, SIX = 0, 1, 2  # kernel_chain.c ``enum kind``: (threads, call, a, b, c, d) / (threads, call, x, y) / a .. f
+# kernel_chain.c ``enum kind``: (threads, call, a, b, c, d) / (threads, call, x, y) / a .. f / (threads, call, bases, a)
+FOUR, X_TO_Y, SIX, LIST = 0, 1, 2, 3
 SCRATCH = "scratch"  # an operand: the chain's scratch region (shared by its steps, which run one after another)
 
 
@@ -36,17 +37,20 @@ class At:
 
 @dataclass(frozen=True)
 class StepCall:
-    kind: int  # FOUR, X_TO_Y or SIX
+    kind: int  # FOUR, X_TO_Y, SIX or LIST
     function: int  # address of the C entry
     call: int  # address of its prepared arguments
-    operands: tuple  # 4 (FOUR), 2 (X_TO_Y) or 6 (SIX): tensors of this call, At, SCRATCH, KeyLength or None
+    operands: tuple  # 4 (FOUR), 2 (X_TO_Y), 6 (SIX) or 1 (LIST): tensors of this call, At, SCRATCH, KeyLength or None
     keep: object  # what ``call`` is and points into (held while the chain lives)
     scratch: int = 0  # bytes of scratch the step needs
+    listed: tuple = ()  # LIST: the call's tensors its C entry resolves itself, their Operands written into ``listed_into``
+    listed_into: object = None  # (a ctypes array of Operand the prepared call points to)
 
 
-def step_call(function: int, struct, operands: tuple, keep: object = None, scratch: int = 0, kind: int = FOUR) -> StepCall:
+def step_call(function: int, struct, operands: tuple, keep: object = None, scratch: int = 0, kind: int = FOUR,
+              listed: tuple = (), listed_into: object = None) -> StepCall:
     """A StepCall of the C entry at ``function`` with ``struct`` (a ctypes object) as its call."""
-    return StepCall(kind, function, ctypes.addressof(struct), operands, (struct, keep), scratch)
+    return StepCall(kind, function, ctypes.addressof(struct), operands, (struct, keep), scratch, listed, listed_into)
 
 
 def plain_float32(*tensors: Optional[torch.Tensor]) -> bool:

@@ -32,7 +32,7 @@ from torch.fx.node import map_aggregate, map_arg
 
 from qbackend.kernels.weight_only_linear import unflatten_rows
 
-from qbackend.kernels import add_quantize, kv_append, layer_norm_quantize, rms_norm, rotary, silu_mul
+from qbackend.kernels import add_quantize, batch_norm_quantize, kv_append, layer_norm_quantize, rms_norm, rotary, silu_mul
 from qbackend.kernels import (attention, channel_shuffle, conv_gemm, depthwise, fast_qdq, grouped, isa, library, pools, quantize, registry,
                               scale_quantize, stem, weight_only_mm)
 from qbackend.kernels.chain_step import FOUR, X_TO_Y, At, KeyLength
@@ -75,6 +75,7 @@ def kernels() -> dict:
             "layer_norm_quantize": (layer_norm_quantize.layer_norm_quantize, layer_norm_quantize.chain_call),
             "layer_norm_and_quantize": (layer_norm_quantize.layer_norm_and_quantize, layer_norm_quantize.chain_call),
             "add_quantize_": (add_quantize.add_quantize_, add_quantize.chain_call),
+            "batch_norm_quantize": (batch_norm_quantize.batch_norm_quantize, batch_norm_quantize.chain_call),
             "kv_append": (kv_append.append, kv_append.chain_call),
             "shuffle_pair": (channel_shuffle.shuffle_pair, channel_shuffle.chain_call),
             "shuffle_halves": (channel_shuffle.shuffle_halves, channel_shuffle.chain_call)}
@@ -319,22 +320,27 @@ class KernelChain:
                 raise _NotAStep("a view that copied")
             return origin, offset
 
-        placed = []
+        def read(t, position: int):
+            """Operand ``t`` placed: (origin, byte offset), the read counted in its buffer's lifetime."""
+            tensor, inside = (t, 0) if isinstance(t, torch.Tensor) else (t.tensor, t.offset)
+            origin, offset = located(tensor)
+            if inside and not 0 < inside < _extent(tensor):
+                raise _NotAStep("an address outside its tensor")
+            if origin[0] == "buffer":
+                last_read[origin[1]] = max(last_read[origin[1]], position)
+            return origin, offset + inside
+
+        placed, listed = [], []
         for position, call in enumerate(calls):
             operands = []
             for t in call.operands:
                 if isinstance(t, KeyLength):
                     t = ("length", where.get(id(t.keys)), t.keys.shape[GROWS])
                 elif isinstance(t, (torch.Tensor, At)):
-                    tensor, inside = (t, 0) if isinstance(t, torch.Tensor) else (t.tensor, t.offset)
-                    origin, offset = located(tensor)
-                    if inside and not 0 < inside < _extent(tensor):
-                        raise _NotAStep("an address outside its tensor")
-                    t = origin, offset + inside
-                    if origin[0] == "buffer":
-                        last_read[origin[1]] = max(last_read[origin[1]], position)
+                    t = read(t, position)
                 operands.append(t)
             placed.append(operands)
+            listed.append([read(t, position) for t in call.listed])
         inner = [b for b in range(len(buffers)) if b not in leaving]
         offsets, arena_bytes = _plan([buffers[b][0].numel() * buffers[b][0].element_size() for b in inner],
                                      [(buffers[b][1], last_read[b]) for b in inner])
@@ -366,6 +372,9 @@ class KernelChain:
 
         steps = [ChainStep(call.kind, call.function, call.call, *(operand(o) for o in operands), *[NONE] * (6 - len(operands)))
                  for call, operands in zip(calls, placed)]
+        for call, operands in zip(calls, listed):  # (a LIST step's own operands, in its prepared call)
+            for k, o in enumerate(operands):
+                call.listed_into[k] = operand(o)
         outputs = [(buffers[b][0].shape, buffers[b][0].stride(), buffers[b][0].dtype) for b in leaving]
         picks = []
         for i in self.outputs:  # (a leaving view: made again on its base, input or output)

@@ -153,6 +153,16 @@ class AddQuantizeCall(ctypes.Structure):
     _fields_ = [("n", _long), ("inv_scale", _float)] + _ints("zp", "qmin", "qmax")
 
 
+class BatchNormCall(ctypes.Structure):
+    """batch_norm_quantize.c's, a kernel chain step (its pieces' operands listed in ``inputs``)."""
+
+    c_name = "batch_norm_call_t"
+    _fields_ = ([("pixels", _long)] + _ints("pieces", "in_zero_point") + [("in_scale", _float), ("relu", _int),
+                                                                         ("out_inv_scale", _float)]
+                + _ints("out_zero_point", "qmin", "qmax") + [(name, _pointer) for name in ("channels", "strides", "inputs",
+                                                                                         "alpha", "beta")])
+
+
 class SiluMulCall(ctypes.Structure):
     """silu_mul.c's, a kernel chain step."""
 
@@ -170,7 +180,7 @@ class ShuffleCall(ctypes.Structure):
 
 STRUCTS = (ConvCall, DepthwiseCall, GroupedCall, StemCall, MaxPoolCall, GlobalAvgPoolCall, ScaleQuantizeCall, QuantizeCall,
            AttentionCall, WeightOnlyCall, Operand, ChainStep, KvAppendCall, RmsNormCall, SiluMulCall, ShuffleCall,
-           LayerNormCall, AddQuantizeCall)
+           LayerNormCall, AddQuantizeCall, BatchNormCall)
 
 
 def layout(struct) -> list[int]:

@@ -2,6 +2,8 @@
 the kernel gives the bytes of ATen's chain (dequantize, inference batch_norm, relu, quantize)
 on the cat's inputs read in place, ATen's ops run what it does not take, and DenseNet-style
 layers (norm and ReLU before the conv, on the cat of the features so far) lower to it."""
+from unittest import mock
+
 import expecttest
 import pytest
 import torch
@@ -10,11 +12,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qbackend.pipeline import cleanup
-from qbackend.kernels import isa
+from qbackend.kernels import choice_cache, isa
+from qbackend.kernels.kernel_chain import KernelChain
+from qbackend.lowering import choice
 from qbackend.kernels.batch_norm_quantize import batch_norm_quantize
 from qbackend.passes.batch_norm_quantize import linear_terms
 
 from tests.helpers import assert_matches_reference, compile_and_run, needs_own_kernels, quantize, short_graph
+from tests.kernels.test_kernel_choice import SimulatedMachine
 
 pytestmark = needs_own_kernels
 decomposed = torch.ops.quantized_decomposed
@@ -86,10 +91,33 @@ def test_dense_layers_run_the_kernel_with_the_references_numerics(monkeypatch):
         assert torch.equal(captured.lowered(x)[0], plain.lowered(x)[0])
 
 
+def test_dense_layers_norms_are_steps_of_the_blocks_chain(tmp_path, monkeypatch):
+    """The norm read its pieces' layouts at every call (~7 us a piece, DenseNet-121 ~600 pieces an
+    image): as a chain step, its pieces (the chain's input, earlier steps' values) placed once per
+    signature, the block is one chain, with the separate calls' bytes on every call."""
+    monkeypatch.setenv("QBACKEND_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice_cache, "_shared", None)
+    monkeypatch.setattr(choice, "measure", SimulatedMachine(own_us=100, onednn_us=300))
+    x = torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(0))
+    model = quantize(DenseBlock().eval(), (x,))
+    chained = assert_matches_reference(model, (x,), kernel_choice="measure")
+    with monkeypatch.context() as patch:
+        patch.setattr(cleanup, "chain_own_kernels", lambda gm, **_: None)
+        separate = assert_matches_reference(model, (x,), kernel_choice="measure")
+    (chain,) = [n.target for n in chained.lowered.graph.nodes if isinstance(n.target, KernelChain)]
+    assert [kernel for _, kernel, _ in chain.listing()] == ["qconv_stem", "batch_norm_quantize", "qconv", "batch_norm_quantize",
+                                                            "qconv"]
+    with torch.no_grad():
+        for x in [torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(k)) for k in range(1, 4)]:
+            assert all(torch.equal(a, b) for a, b in zip(chained.lowered(x), separate.lowered(x)))
+    assert list(chain._programs.values()) and None not in chain._programs.values()
+
+
 class TestDenseGraph(expecttest.TestCase):
     def test_the_cat_dequantize_norm_relu_quantize_chain_becomes_one_call(self):
         x = torch.randn(1, 3, 8, 8, generator=torch.Generator().manual_seed(0))
-        captured = compile_and_run(quantize(DenseBlock().eval(), (x,)), (x,))[2]
+        with mock.patch.object(cleanup, "chain_own_kernels", lambda gm, **_: None):  # (the rewrite's graph; chains: above)
+            captured = compile_and_run(quantize(DenseBlock().eval(), (x,)), (x,))[2]
         lines = "\n".join(line for line in short_graph(captured.lowered).splitlines() if "norm" in line or "cat" in line or "relu" in line)
         if isa.int8_build() != "avx512_vnni":  # (LIMITS["avx2"]: oneDNN runs these 3x3 convs)
             self.assertExpectedInline(lines, """\

@@ -9,7 +9,9 @@
  * The output is dense channels-last. */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
+#include "call_structs.h"
 #include "vec_math.h"
 
 #if defined(__clang__)
@@ -50,4 +52,16 @@ void qb_batch_norm_quantize(int threads, long pixels, int pieces, const long* ch
       c0 += channels[i];
     }
   }
+}
+
+/* As a step of a kernel chain (qbackend/kernels/kernel_chain.py, kind LIST): the pieces' addresses
+ * resolved against the chain's ``bases`` at each call (DenseNet's layers read up to ~50 pieces). */
+int qb_batch_norm_quantize_call(int threads, const batch_norm_call_t* c, void* const* bases, uint8_t* out) {
+  const uint8_t** inputs = malloc((size_t)c->pieces * sizeof(*inputs));
+  if (!inputs) return 1;
+  for (int i = 0; i < c->pieces; i++) inputs[i] = operand_address(bases, c->inputs[i]);
+  qb_batch_norm_quantize(threads, c->pixels, c->pieces, c->channels, c->strides, inputs, c->in_zero_point, c->in_scale,
+                         c->alpha, c->beta, c->relu, c->out_inv_scale, c->out_zero_point, c->qmin, c->qmax, out);
+  free(inputs);
+  return 0;
 }

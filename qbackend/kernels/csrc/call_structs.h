@@ -128,6 +128,11 @@ typedef struct {
   long offset; /* bytes from it (a size: added to it) */
 } operand_t;
 
+/* Operand ``o``'s address: ``bases[o.base] + o.offset``, or the number ``o.offset`` where base is -1. */
+static inline void* operand_address(void* const* bases, operand_t o) {
+  return o.base < 0 ? (void*)o.offset : (char*)bases[o.base] + o.offset;
+}
+
 /* What a chain step returns where its kernel does not compute this call's values as the reference
  * does (a LayerNorm row past the float32 statistics' range): the chain's nodes then run one by one. */
 #define QB_STEP_REFUSED 2
@@ -139,7 +144,8 @@ typedef struct {
                            qb_rotary_call, qb_silu_mul_call, qb_kv_append_call,
                            qb_layer_norm_quantize_call, qb_add_quantize_call; X_TO_Y: qb_dwconv(_vnni)_call,
                            qb_stem_conv_vnni_call, the pools, qb_quantize_dense_call;
-                           FOUR also qb_scale_quantize_call (x, factors, y); SIX: qb_attention_call */
+                           FOUR also qb_scale_quantize_call (x, factors, y); SIX: qb_attention_call;
+                           LIST: qb_batch_norm_quantize_call (its inputs as operands of its call, y = a) */
   const void* call;           /* its prepared arguments */
   operand_t a, b, c, d, e, f; /* X_TO_Y: x = a, y = b */
 } chain_step_t;
@@ -166,6 +172,20 @@ typedef struct {
   float eps, inv_scale;
   int zp, qmin, qmax;
 } layer_norm_call_t;
+
+/* batch_norm_quantize.c, as a step of a kernel chain: its input is the channel-wise cat of
+ * ``pieces`` tensors, each an operand (resolved against the chain's bases at every call). */
+typedef struct {
+  long pixels;
+  int pieces, in_zero_point;
+  float in_scale;
+  int relu;
+  float out_inv_scale;
+  int out_zero_point, qmin, qmax;
+  const long *channels, *strides; /* per piece: its channels, its pixel rows' distance in bytes */
+  const operand_t* inputs;        /* per piece */
+  const float *alpha, *beta;
+} batch_norm_call_t;
 
 /* add_quantize.c, as a step of a kernel chain. */
 typedef struct {

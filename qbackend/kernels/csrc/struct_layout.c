@@ -26,6 +26,7 @@
 #define H(f) AT(shuffle_call_t, f)
 #define N(f) AT(layer_norm_call_t, f)
 #define B(f) AT(add_quantize_call_t, f)
+#define Y(f) AT(batch_norm_call_t, f)
 
 static const struct {
   const char* name;
@@ -59,6 +60,8 @@ static const struct {
     LAYOUT(silu_mul_call_t, U(rows), U(n), U(a_row), U(b_row)),
     LAYOUT(layer_norm_call_t, N(rows), N(C), N(w), N(b), N(eps), N(inv_scale), N(zp), N(qmin), N(qmax)),
     LAYOUT(add_quantize_call_t, B(n), B(inv_scale), B(zp), B(qmin), B(qmax)),
+    LAYOUT(batch_norm_call_t, Y(pixels), Y(pieces), Y(in_zero_point), Y(in_scale), Y(relu), Y(out_inv_scale),
+           Y(out_zero_point), Y(qmin), Y(qmax), Y(channels), Y(strides), Y(inputs), Y(alpha), Y(beta)),
     LAYOUT(scale_quantize_call_t, Q(N), Q(C), Q(HW), Q(channels_last), Q(s_batch_stride), Q(gate), Q(inv_scale), Q(zp),
            Q(qmin), Q(qmax)),
     LAYOUT(quantize_call_t, Z(n), Z(inv_scale), Z(zp), Z(qmin), Z(qmax), Z(is_signed), Z(nan_byte), Z(wide)),
