@@ -551,8 +551,10 @@ def main():
     collected = args.collect or (set(args.models) <= set(MODELS) and set(args.batches) <= {1, 8}
                                  and args.reps and not args.inductor_recipe)
     machine, heading = machine_description(load=not collected), cpu_key() + (", quantize_x86(every_linear=False)" if args.inductor_recipe else "")
-    if not collected and (list(args.models) != list(MODELS) or list(args.batches) != [1, 8]):
-        heading += f", partial run: {' '.join(args.models)} at batch {' '.join(map(str, args.batches))}"
+    if (args.collect or not collected) and (list(args.models) != list(MODELS) or list(args.batches) != [1, 8]):
+        # (a run of other models, or a collect of some: a section of its own, never the CPU's zoo table)
+        heading += (f", partial {'collect' if args.collect else 'run'}: {' '.join(args.models)} at batch "
+                    f"{' '.join(map(str, args.batches))}")
     if not args.reps:
         heading += ", every engine in one process"
     versions, started, rows, states = _versions(), time.perf_counter(), [], []
