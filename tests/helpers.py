@@ -11,6 +11,7 @@ from torch.fx import GraphModule, Interpreter
 import pytest
 
 from qbackend.kernels import registry as kernel_registry
+from qbackend.pipeline import cleanup
 from qbackend.pipeline.backend import Options, compile_graph
 from qbackend.pipeline.direct import CompiledGraphModule
 from qbackend.kernels.kernel_chain import KernelChain, Ref, kernels
@@ -93,6 +94,27 @@ def assert_matches_reference(module, inputs, registry=None, intermediates=True, 
         for node, (actual, expected, replaced) in int8_replacements(gm, example_inputs, lowered).items():
             assert_int8_close(actual, expected, f"{node.name} vs {replaced}")
     return captured
+
+
+def with_and_without_chains(compile: Callable, monkeypatch) -> tuple:
+    """(``compile()``'s captured graphs, the same compiled without kernel chains)."""
+    chained = compile()
+    with monkeypatch.context() as patch:  # (undo() would also undo conftest's fixed kernel choice)
+        patch.setattr(cleanup, "chain_own_kernels", lambda gm, **_: None)
+        return chained, compile()
+
+
+def assert_one_chain_of_c_steps(chained, separate, kernels: list, inputs: list) -> KernelChain:
+    """``chained`` holds one chain, of ``kernels`` (their names, in order), prepared as C programs,
+    whose outputs are ``separate``'s, byte for byte, on every one of ``inputs`` (the first call
+    runs the steps one by one; later ones, the program)."""
+    (chain,) = [n.target for n in chained.lowered.graph.nodes if isinstance(n.target, KernelChain)]
+    assert [kernel for _, kernel, _ in chain.listing()] == kernels
+    with torch.no_grad():
+        for x in inputs:
+            assert all(torch.equal(a, b) for a, b in zip(chained.lowered(x), separate.lowered(x)))
+    assert list(chain._programs.values()) and None not in chain._programs.values()
+    return chain
 
 
 def int8_replacements(gm: GraphModule, example_inputs: list, lowered: GraphModule) -> dict:

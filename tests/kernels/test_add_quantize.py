@@ -9,7 +9,8 @@ from qbackend.kernels import add_quantize, choice_cache, registry
 from qbackend.lowering import choice
 from qbackend.patterns import examples
 
-from tests.helpers import assert_fused_into_quantize, assert_matches_reference, needs_own_kernels, quantize, short_graph
+from tests.helpers import (assert_fused_into_quantize, assert_matches_reference, assert_one_chain_of_c_steps,
+                           needs_own_kernels, quantize, short_graph, with_and_without_chains)
 from tests.kernels.test_kernel_choice import SimulatedMachine
 
 pytestmark = needs_own_kernels
@@ -117,23 +118,13 @@ def test_in_place_residual_sums_are_steps_of_the_blocks_chain(tmp_path, monkeypa
     """ConvNeXt's residual sum had ended the kernel chain at every block (22 chains a forward):
     the in-place sum into a step's value is a step; the chain gives the separate calls' bytes,
     the written sum too, on every call."""
-    from qbackend.kernels.kernel_chain import KernelChain
-    from qbackend.pipeline import cleanup
-
     monkeypatch.setenv("QBACKEND_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(choice_cache, "_shared", None)
     monkeypatch.setattr(choice, "measure", SimulatedMachine(own_us=100, onednn_us=300))
     torch.manual_seed(0)
     inputs = (torch.randn(2, 8, 6, 6),)
     model = quantize(TwoViewedInPlaceResiduals(), inputs)
-    chained = assert_matches_reference(model, inputs, kernel_choice="measure")
-    with monkeypatch.context() as patch:
-        patch.setattr(cleanup, "chain_own_kernels", lambda gm, **_: None)
-        separate = assert_matches_reference(model, inputs, kernel_choice="measure")
-    (chain,) = [n.target for n in chained.lowered.graph.nodes if isinstance(n.target, KernelChain)]
-    assert [kernel for _, kernel, _ in chain.listing()] == ["quantize_per_tensor", "qconv", "add_quantize_", "qconv",
-                                                            "add_quantize_", "qconv"]
-    with torch.no_grad():
-        for x in [torch.randn(2, 8, 6, 6) for _ in range(3)]:
-            assert all(torch.equal(a, b) for a, b in zip(chained.lowered(x), separate.lowered(x)))
-    assert list(chain._programs.values()) and None not in chain._programs.values()
+    chained, separate = with_and_without_chains(lambda: assert_matches_reference(model, inputs, kernel_choice="measure"),
+                                                monkeypatch)
+    assert_one_chain_of_c_steps(chained, separate, ["quantize_per_tensor", "qconv", "add_quantize_", "qconv", "add_quantize_",
+                                                    "qconv"], [torch.randn(2, 8, 6, 6) for _ in range(3)])

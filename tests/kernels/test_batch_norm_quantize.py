@@ -13,12 +13,12 @@ import torch.nn.functional as F
 
 from qbackend.pipeline import cleanup
 from qbackend.kernels import choice_cache, isa
-from qbackend.kernels.kernel_chain import KernelChain
 from qbackend.lowering import choice
 from qbackend.kernels.batch_norm_quantize import batch_norm_quantize
 from qbackend.passes.batch_norm_quantize import linear_terms
 
-from tests.helpers import assert_matches_reference, compile_and_run, needs_own_kernels, quantize, short_graph
+from tests.helpers import (assert_matches_reference, assert_one_chain_of_c_steps, compile_and_run, needs_own_kernels, quantize,
+                           short_graph, with_and_without_chains)
 from tests.kernels.test_kernel_choice import SimulatedMachine
 
 pytestmark = needs_own_kernels
@@ -100,17 +100,10 @@ def test_dense_layers_norms_are_steps_of_the_blocks_chain(tmp_path, monkeypatch)
     monkeypatch.setattr(choice, "measure", SimulatedMachine(own_us=100, onednn_us=300))
     x = torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(0))
     model = quantize(DenseBlock().eval(), (x,))
-    chained = assert_matches_reference(model, (x,), kernel_choice="measure")
-    with monkeypatch.context() as patch:
-        patch.setattr(cleanup, "chain_own_kernels", lambda gm, **_: None)
-        separate = assert_matches_reference(model, (x,), kernel_choice="measure")
-    (chain,) = [n.target for n in chained.lowered.graph.nodes if isinstance(n.target, KernelChain)]
-    assert [kernel for _, kernel, _ in chain.listing()] == ["qconv_stem", "batch_norm_quantize", "qconv", "batch_norm_quantize",
-                                                            "qconv"]
-    with torch.no_grad():
-        for x in [torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(k)) for k in range(1, 4)]:
-            assert all(torch.equal(a, b) for a, b in zip(chained.lowered(x), separate.lowered(x)))
-    assert list(chain._programs.values()) and None not in chain._programs.values()
+    chained, separate = with_and_without_chains(lambda: assert_matches_reference(model, (x,), kernel_choice="measure"),
+                                                monkeypatch)
+    assert_one_chain_of_c_steps(chained, separate, ["qconv_stem", "batch_norm_quantize", "qconv", "batch_norm_quantize", "qconv"],
+                                [torch.randn(2, 3, 10, 10, generator=torch.Generator().manual_seed(k)) for k in range(1, 4)])
 
 
 class TestDenseGraph(expecttest.TestCase):

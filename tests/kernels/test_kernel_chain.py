@@ -6,11 +6,11 @@ import torch
 import torch.nn as nn
 
 from qbackend import models
-from qbackend.pipeline import cleanup
 from qbackend.kernels import add_quantize, conv_gemm, registry
 from qbackend.kernels.kernel_chain import KernelChain, Ref, _plan, _runs
 
-from tests.helpers import compile_and_run, needs_own_kernels, quantize, short_graph
+from tests.helpers import (assert_one_chain_of_c_steps, compile_and_run, needs_own_kernels, quantize, short_graph,
+                           with_and_without_chains)
 from tests.kernels.test_own_conv_kernels import InvertedResidual, SqueezeExcitationBlock
 
 pytestmark = needs_own_kernels
@@ -31,11 +31,9 @@ class ProjectAndPool(nn.Module):
         return b.project(d), nn.functional.max_pool2d(d, 2, ceil_mode=True)
 
 
-def _compiled(model, x, chained: bool, monkeypatch):
-    with monkeypatch.context() as patch:  # (undo() would also undo conftest's fixed kernel choice)
-        if not chained:
-            patch.setattr(cleanup, "chain_own_kernels", lambda gm, **_: None)
-        return compile_and_run(model, (x,))[2]
+def _compiled(model, x, monkeypatch) -> tuple:
+    """(captured graphs with kernel chains, without)."""
+    return with_and_without_chains(lambda: compile_and_run(model, (x,))[2], monkeypatch)
 
 
 @pytest.mark.parametrize("model_kind", ["residual block", "value leaving mid-chain"])
@@ -44,7 +42,7 @@ def test_chain_gives_the_bytes_of_the_separate_calls_on_every_call(model_kind, m
     x = torch.randn(2, 16, 12, 12)
     block = InvertedResidual(channels=16, expanded=64, residual=True) if model_kind == "residual block" else ProjectAndPool()
     model = quantize(block.eval(), (x,))
-    chained, separate = (_compiled(model, x, flag, monkeypatch) for flag in (True, False))
+    chained, separate = _compiled(model, x, monkeypatch)
     assert any(isinstance(n.target, KernelChain) for n in chained.lowered.graph.nodes)
     assert not any(isinstance(n.target, KernelChain) for n in separate.lowered.graph.nodes)
     inputs = [torch.randn(2, 16, 12, 12) for _ in range(3)]
@@ -61,14 +59,10 @@ def test_a_squeeze_excitation_block_runs_as_one_chain_of_c_steps(monkeypatch):
     torch.manual_seed(0)
     x = torch.randn(2, 8, 14, 14)
     model = quantize(SqueezeExcitationBlock(nn.SiLU).eval(), (x,))
-    chained, separate = (_compiled(model, x, flag, monkeypatch) for flag in (True, False))
-    (chain,) = [n.target for n in chained.lowered.graph.nodes if isinstance(n.target, KernelChain)]
-    assert [kernel for _, kernel, _ in chain.listing()] == [
-        "qconv", "qconv_depthwise", "global_avg_pool_quantize", "qconv", "qconv", "scale_quantize", "qconv"]
-    with torch.no_grad():
-        for i in [torch.randn(2, 8, 14, 14) for _ in range(3)]:
-            assert torch.equal(chained.lowered(i)[0], separate.lowered(i)[0])
-    assert list(chain._programs.values()) and all(program is not None for program in chain._programs.values())
+    chained, separate = _compiled(model, x, monkeypatch)
+    assert_one_chain_of_c_steps(chained, separate, [
+        "qconv", "qconv_depthwise", "global_avg_pool_quantize", "qconv", "qconv", "scale_quantize", "qconv"],
+        [torch.randn(2, 8, 14, 14) for _ in range(3)])
 
 
 def test_a_transformer_encoder_runs_as_one_chain_of_c_steps(monkeypatch):
@@ -78,14 +72,10 @@ def test_a_transformer_encoder_runs_as_one_chain_of_c_steps(monkeypatch):
     torch.manual_seed(0)
     x = torch.randn(2, 16, 64)
     model = quantize(models.bert_encoder_like(num_layers=2, hidden=64, heads=4, ffn=128), (x,))
-    chained, separate = (_compiled(model, x, flag, monkeypatch) for flag in (True, False))
-    (chain,) = [n.target for n in chained.lowered.graph.nodes if isinstance(n.target, KernelChain)]
+    chained, separate = _compiled(model, x, monkeypatch)
     layer = ["qconv", "attention_from_projection", "qconv", "layer_norm_and_quantize", "qconv", "qconv"]
-    assert [kernel for _, kernel, _ in chain.listing()] == ["quantize_per_tensor", *layer, "layer_norm_and_quantize", *layer]
-    with torch.no_grad():
-        for i in [torch.randn(2, 16, 64) for _ in range(3)]:
-            assert torch.equal(chained.lowered(i)[0], separate.lowered(i)[0])
-    assert list(chain._programs.values()) and None not in chain._programs.values()
+    assert_one_chain_of_c_steps(chained, separate, ["quantize_per_tensor", *layer, "layer_norm_and_quantize", *layer],
+                                [torch.randn(2, 16, 64) for _ in range(3)])
 
 
 def test_a_layer_norm_row_past_the_kernels_range_runs_the_chains_nodes(monkeypatch):
@@ -95,7 +85,7 @@ def test_a_layer_norm_row_past_the_kernels_range_runs_the_chains_nodes(monkeypat
     torch.manual_seed(0)
     x = torch.randn(4, 32)
     model = quantize(nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32), nn.Linear(32, 32)).eval(), (x,))
-    chained, separate = (_compiled(model, x, flag, monkeypatch) for flag in (True, False))
+    chained, separate = _compiled(model, x, monkeypatch)
     (node,) = [n for n in chained.lowered.graph.nodes if isinstance(n.target, KernelChain)]
     assert [kernel for _, kernel, _ in node.target.listing()] == ["layer_norm_quantize", "qconv", "qconv"]
     huge = torch.randn(4, 32)
