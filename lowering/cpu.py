@@ -159,7 +159,7 @@ TABLE["sdpa"] = dataclasses.replace(TABLE["sdpa"], emit=_ATTENTION)
 TABLE["sdpa_fused"] = dataclasses.replace(TABLE["sdpa_fused"], emit=_ATTENTION)
 TABLE["qavgpool"] = dataclasses.replace(
     COMMON["qavgpool"], limits=lambda match: _uint8_activations(match) or quantized_tensor_pool_refusal("cpu"),
-    emit=_own_kernel_or(emit_qavgpool, pools.GLOBAL_AVERAGE_POOL, fallback="torch's quantized-tensor pool"))
+    emit=_own_kernel_or(emit_qavgpool, pools.GLOBAL_AVERAGE_POOL, pools.AVERAGE_POOL, fallback="torch's quantized-tensor pool"))
 TABLE["qscale"] = dataclasses.replace(COMMON["qscale"], emit=_own_kernel_or(COMMON["qscale"].emit, scale.KERNEL,
                                                                          fallback="the graph's multiply, then quantize"))
 TABLE["qlayernorm"] = dataclasses.replace(COMMON["qlayernorm"], emit=_own_kernel_or(

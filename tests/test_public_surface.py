@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PUBLIC = ["quantize_x86", "quantize_xpu", "QuantizeConfig", "compile", "explain", "save", "load", "inspect", "ArchiveError", "accuracy_report", "AccuracyReport", "Report", "smooth_quant",
           "SmoothReport", "QuantizedLinearWeight", "quantize_weights", "from_old_cpu_int4"]
 COMMANDS = ["qbackend.__main__", "qbackend.demo", "qbackend.docs", "qbackend.patterns.__main__", "qbackend.lowering.__main__", "qbackend.archive_operators"]
-OWN_OPS = ["add_quantize", "add_quantize_", "attention_f32", "attention_quantize", "global_avg_pool_quantize",
+OWN_OPS = ["add_quantize", "add_quantize_", "attention_f32", "attention_quantize", "avg_pool_u8", "global_avg_pool_quantize",
            "global_avg_pool_u8", "int4_mm_int16",
            "int8_mm_int16", "layer_norm_and_quantize", "layer_norm_quantize", "max_pool_u8", "qconv", "qconv_depthwise",
            "qconv_depthwise_layer_norm", "qconv_grouped", "qconv_stem", "scale_quantize"]

@@ -47,7 +47,7 @@ PREPARE_EVERY = 64  # calls between two prepares once MAX_PROGRAMS are kept (the
 # new at every call, e.g. a mask growing with the cache, would cost a prepare a call: more than it saves)
 GROWS = 2  # the dim along which an append's cache grows: [batch, heads, rows, head dim]
 CONVS = {"qconv": FOUR, "qconv_depthwise": X_TO_Y, "qconv_grouped": X_TO_Y, "qconv_stem": X_TO_Y, "max_pool_u8": X_TO_Y,
-         "global_avg_pool_u8": X_TO_Y, "global_avg_pool_quantize": X_TO_Y}
+         "avg_pool_u8": X_TO_Y, "global_avg_pool_u8": X_TO_Y, "global_avg_pool_quantize": X_TO_Y}
 # views a run may hold: they cost a step nothing (an operand's offset and strides, fixed per signature)
 VIEW_METHODS = frozenset({"view", "reshape", "transpose", "unsqueeze", "squeeze", "contiguous", "permute", "flatten"})
 VIEW_FUNCTIONS = frozenset({unflatten_rows, aten.slice.Tensor, aten.view.default, aten.reshape.default, aten.transpose.int,
@@ -62,6 +62,7 @@ def kernels() -> dict:
     return {"qconv": (conv_gemm.qconv, conv_gemm.chain_call), "qconv_depthwise": (depthwise.qconv_depthwise, depthwise.chain_call),
             "qconv_grouped": (grouped.qconv_grouped, grouped.chain_call), "qconv_stem": (stem.qconv_stem, stem.chain_call),
             "max_pool_u8": (pools.max_pool_u8, pools.max_pool_chain_call),
+            "avg_pool_u8": (pools.avg_pool_u8, pools.avg_pool_chain_call),
             "global_avg_pool_u8": (pools.global_avg_pool_u8, pools.global_avg_pool_chain_call),
             "global_avg_pool_quantize": (pools.global_avg_pool_quantize, pools.global_avg_pool_quantize_chain_call),
             "scale_quantize": (scale_quantize.scale_quantize, scale_quantize.chain_call),

@@ -1,7 +1,8 @@
 """uint8 pools: a max pool (``csrc/max_pool_uint8.c``; torch's quantized::max_pool2d runs on one
-thread) and a global average pool (``csrc/global_avg_pool_uint8.c``; torch's needs a
-quantized-tensor copy): ``qbackend::max_pool_u8``, ``qbackend::global_avg_pool_u8``, and the latter of a
-quantized float32 tensor in one pass, ``qbackend::global_avg_pool_quantize``."""
+thread), an average pool and a global one (``csrc/avg_pool_uint8.c``, ``csrc/global_avg_pool_uint8.c``;
+torch's need a quantized-tensor copy): ``qbackend::max_pool_u8``, ``qbackend::avg_pool_u8``,
+``qbackend::global_avg_pool_u8``, and the last of a quantized float32 tensor in one pass,
+``qbackend::global_avg_pool_quantize``."""
 from __future__ import annotations
 
 import ctypes
@@ -14,10 +15,13 @@ from qbackend.kernels import isa
 from qbackend.kernels.chain_step import X_TO_Y
 from qbackend.kernels.common import (X_TO_Y_SIGNATURE, Kernel, Prepared, channels_last_like, check_levels, check_nchw_uint8,
                                      checked_window, make_prepared, output_hw, prepared_chain_call, run_x_to_y)
-from qbackend.kernels.structs import GlobalAvgPoolCall, MaxPoolCall
+from qbackend.kernels.structs import AvgPoolCall, GlobalAvgPoolCall, MaxPoolCall
 
 SCHEMAS = {
     "max_pool_u8": "max_pool_u8(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, int[2] dilation, bool ceil_mode=False) -> Tensor",
+    # (avg_pool2d's arguments, divisor 0: no override; the output keeps the input's zero point)
+    "avg_pool_u8": "avg_pool_u8(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, bool ceil_mode, "
+                   "bool count_include_pad, int divisor, int zero_point, int qmin, int qmax) -> Tensor",
     "global_avg_pool_u8": "global_avg_pool_u8(Tensor x, int zero_point, int qmin, int qmax) -> Tensor",
     # (global_avg_pool_u8 of quantize_per_tensor(x) for a float32 x, without the uint8 tensor)
     "global_avg_pool_quantize": "global_avg_pool_quantize(Tensor x, float scale, int x_zero_point, int x_qmin, int x_qmax, "
@@ -51,6 +55,47 @@ def _max_pool_fake(x, kernel_size, stride, padding, dilation, ceil_mode=False):
 def max_pool_u8(x, kernel_size, stride, padding, dilation, ceil_mode=False):
     """``qbackend::max_pool_u8``'s implementation, also called as is by eager graphs (no dispatcher)."""
     return run_x_to_y(_max_pool_prepared(x, kernel_size, stride, padding, dilation, ceil_mode), x, "max_pool_u8")
+
+
+AVG_POOL_MAX_WINDOW = 1 << 16  # pixels a window and a divisor hold: the window's sum is then exact as a float32
+
+
+@functools.lru_cache(maxsize=256)  # per input shape, pool geometry and zero point (the graph passes tuples)
+def _avg_pool_prepared_for(shape, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor, zero_point, qmin,
+                           qmax) -> Prepared:
+    n, c, h, w = shape
+    name = "avg_pool_u8"
+    oh, ow = checked_window(name, h, w, kernel_size, stride, padding, (1, 1), bool(ceil_mode))
+    if any(2 * p > k for p, k in zip(padding, kernel_size)) or kernel_size[0] * kernel_size[1] > AVG_POOL_MAX_WINDOW:
+        raise ValueError(f"qbackend::{name}: kernel {list(kernel_size)}, padding {list(padding)}: padding over half the "
+                         f"kernel, or a window over {AVG_POOL_MAX_WINDOW} pixels")
+    if not (isinstance(divisor, int) and 0 <= divisor <= AVG_POOL_MAX_WINDOW):
+        raise ValueError(f"qbackend::{name}: divisor {divisor}: 0 (none) to {AVG_POOL_MAX_WINDOW} expected")
+    check_levels(name, zero_point, zero_point, qmin, qmax)
+    call = AvgPoolCall(n, h, w, c, *kernel_size, *stride, *padding, oh, ow, bool(count_include_pad), divisor, zero_point, qmin,
+                       qmax)
+    return make_prepared(call, (n, c, oh, ow), torch.uint8, isa.c_function("qb_avg_pool_u8_call", X_TO_Y_SIGNATURE, ctypes.c_int), ())
+
+
+def _avg_pool_prepared(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor, zero_point, qmin, qmax, *,
+                       trusted=False) -> Prepared:
+    check_nchw_uint8(x, None, "avg_pool_u8")
+    return _avg_pool_prepared_for(tuple(x.shape), *(tuple(a) for a in (kernel_size, stride, padding)), bool(ceil_mode),
+                                  bool(count_include_pad), divisor, zero_point, qmin, qmax)
+
+
+def _avg_pool_fake(x, kernel_size, stride, padding, ceil_mode, *quantization):
+    n, c, h, w = x.shape
+    oh, ow = output_hw(h, w, kernel_size, stride, padding, (1, 1), ceil_mode)
+    return channels_last_like(x, (n, c, oh, ow), torch.uint8)
+
+
+def avg_pool_u8(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor, zero_point, qmin, qmax):
+    """``qbackend::avg_pool_u8``'s implementation, also called as is by eager graphs: what
+    avg_pool2d gives for the uint8 ``x`` dequantized with ``zero_point`` (any scale), quantized
+    again with it, within one step (see csrc/avg_pool_uint8.c)."""
+    prepared = _avg_pool_prepared(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor, zero_point, qmin, qmax)
+    return run_x_to_y(prepared, x, "avg_pool_u8")
 
 
 GLOBAL_POOL_MAX_PIXELS = 1 << 23  # the kernel sums 8-bit values in int32
@@ -118,13 +163,16 @@ def global_avg_pool_quantize(x, scale, x_zero_point, x_qmin, x_qmax, nan_as, zer
 
 
 max_pool_chain_call = prepared_chain_call(_max_pool_prepared, X_TO_Y)
+avg_pool_chain_call = prepared_chain_call(_avg_pool_prepared, X_TO_Y)
 global_avg_pool_chain_call = prepared_chain_call(_global_avg_pool_prepared, X_TO_Y)
 global_avg_pool_quantize_chain_call = prepared_chain_call(_global_avg_pool_quantize_prepared, X_TO_Y)
 KERNELS = {
     "max_pool_u8": Kernel(SCHEMAS["max_pool_u8"], max_pool_u8, _max_pool_fake, max_pool_u8),
+    "avg_pool_u8": Kernel(SCHEMAS["avg_pool_u8"], avg_pool_u8, _avg_pool_fake, avg_pool_u8),
     "global_avg_pool_u8": Kernel(SCHEMAS["global_avg_pool_u8"], global_avg_pool_u8, _global_avg_pool_fake,
                                  global_avg_pool_u8),
     "global_avg_pool_quantize": Kernel(SCHEMAS["global_avg_pool_quantize"], global_avg_pool_quantize,
                                        _global_avg_pool_quantize_fake, global_avg_pool_quantize),
 }
-max_pool_u8.fresh_output = global_avg_pool_u8.fresh_output = global_avg_pool_quantize.fresh_output = True  # (patterns/inplace.py)
+max_pool_u8.fresh_output = avg_pool_u8.fresh_output = True  # (patterns/inplace.py)
+global_avg_pool_u8.fresh_output = global_avg_pool_quantize.fresh_output = True

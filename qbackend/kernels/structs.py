@@ -66,6 +66,14 @@ class MaxPoolCall(ctypes.Structure):
     _fields_ = _ints("N", "H", "W", "C", "KH", "KW", "stride_h", "stride_w", "pad_h", "pad_w", "dil_h", "dil_w", "OH", "OW")
 
 
+class AvgPoolCall(ctypes.Structure):
+    """avg_pool_uint8.c's."""
+
+    c_name = "avg_pool_call_t"
+    _fields_ = _ints("N", "H", "W", "C", "KH", "KW", "stride_h", "stride_w", "pad_h", "pad_w", "OH", "OW", "count_include_pad",
+                     "divisor", "zp", "qmin", "qmax")
+
+
 class GlobalAvgPoolCall(ctypes.Structure):
     """global_avg_pool_uint8.c's."""
 
@@ -178,8 +186,8 @@ class ShuffleCall(ctypes.Structure):
                 + [("in_scale", _float)] + _ints("in_zp", "out_u8") + [("inv_scale", _float)] + _ints("zero_point", "qmin", "qmax"))
 
 
-STRUCTS = (ConvCall, DepthwiseCall, GroupedCall, StemCall, MaxPoolCall, GlobalAvgPoolCall, ScaleQuantizeCall, QuantizeCall,
-           AttentionCall, WeightOnlyCall, Operand, ChainStep, KvAppendCall, RmsNormCall, SiluMulCall, ShuffleCall,
+STRUCTS = (ConvCall, DepthwiseCall, GroupedCall, StemCall, MaxPoolCall, AvgPoolCall, GlobalAvgPoolCall, ScaleQuantizeCall,
+           QuantizeCall, AttentionCall, WeightOnlyCall, Operand, ChainStep, KvAppendCall, RmsNormCall, SiluMulCall, ShuffleCall,
            LayerNormCall, AddQuantizeCall, BatchNormCall)
 
 

@@ -1,14 +1,19 @@
 """qbackend's int8 pool kernels: the max pool (csrc/max_pool_uint8.c) gives torch's
-quantized::max_pool2d's bytes on every geometry the lowering hands it, the global average pool
-(csrc/global_avg_pool_uint8.c) the reference's integers within one step; both chosen on CPU
-(max pools in ceil mode too), torch's kernels (with the reason) for other average pools."""
+quantized::max_pool2d's bytes on every geometry the lowering hands it, the average pools
+(csrc/avg_pool_uint8.c, csrc/global_avg_pool_uint8.c) the reference's integers within one step;
+all chosen on CPU (max pools in ceil mode too), torch's kernels (with the reason) for a pool they
+refuse."""
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
 
-from qbackend.kernels import fast_qdq, pools, registry
+from qbackend.kernels import choice_cache, fast_qdq, pools, registry
+from qbackend.lowering import choice
 
-from tests.helpers import assert_matches_reference, needs_own_kernels, quantize
+from tests.helpers import assert_matches_reference, assert_one_chain_of_c_steps, needs_own_kernels, quantize, with_and_without_chains
+from tests.kernels.test_kernel_choice import SimulatedMachine
 from tests.tolerances import assert_int8_close
 
 pytestmark = needs_own_kernels
@@ -98,20 +103,59 @@ def test_the_pool_of_a_quantized_float_tensor_is_the_pool_of_its_quantize(channe
         assert torch.equal(actual, expected)
 
 
+AVERAGE_GEOMETRIES = [  # kernel, stride, padding, ceil_mode, count_include_pad, divisor (0: none)
+    ((2, 2), (2, 2), (0, 0), False, True, 0),  # DenseNet's transitions
+    ((3, 3), (1, 1), (1, 1), False, True, 0),  # (Inception's branch pools)
+    ((3, 3), (1, 1), (1, 1), False, False, 0),
+    ((3, 3), (2, 2), (1, 1), True, True, 0),  # (a last, partial window)
+    ((3, 2), (2, 1), (1, 0), True, False, 0),
+    ((2, 2), (2, 2), (0, 0), False, True, 3),
+]
+
+
+@pytest.mark.parametrize("zero_point", [0, 3, 128], ids=["zp 0", "odd zp", "zp 128"])
+@pytest.mark.parametrize("geometry", AVERAGE_GEOMETRIES, ids=str)
+@pytest.mark.parametrize("channels", [64, 36, 5], ids=["64 channels", "32 + 4 channels", "5 channels"])
+def test_average_pool_rounds_the_exact_mean_within_a_step_of_the_reference(geometry, channels, zero_point):
+    """Each output is the window's exact mean (its zero points taken out, over torch's divisor)
+    rounded half to even; the reference, which averages dequantized floats, within one step."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401  registers the reference ops
+
+    qd = torch.ops.quantized_decomposed
+    kernel_size, stride, padding, ceil_mode, count_include_pad, divisor = geometry
+    torch.manual_seed(0)
+    for height, width in ((11, 9), (14, 14)):
+        x = torch.randint(0, 256, (2, channels, height, width), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+        x[0, 0, :4, :4] = torch.tensor([[1, 2] * 2, [2, 1] * 2] * 2)  # a window mean of exactly 1.5: a rounding tie
+        pool = functools.partial(nn.functional.avg_pool2d, kernel_size=kernel_size, stride=stride, padding=padding,
+                                 ceil_mode=ceil_mode, count_include_pad=count_include_pad, divisor_override=divisor or None)
+        exact = (pool(x.double() - zero_point).round() + zero_point).clamp(0, 255).to(torch.uint8)  # (float64: every mean exact)
+        reference = qd.quantize_per_tensor(pool(qd.dequantize_per_tensor(x, 0.05, zero_point, 0, 255, torch.uint8)), 0.05,
+                                           zero_point, 0, 255, torch.uint8)
+        args = (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor, zero_point, 0, 255)
+        for actual in (pools.avg_pool_u8(x, *args), registry.op("avg_pool_u8")(x, *args)):
+            assert actual.is_contiguous(memory_format=torch.channels_last)
+            assert torch.equal(actual, exact)
+            assert_int8_close(actual, reference, f"{geometry}, zero point {zero_point}")
+
+
 def pool_head(pool):
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), pool, nn.Flatten(), nn.Linear(16 * (1 if isinstance(
-        pool, nn.AdaptiveAvgPool2d) else 49), 10))
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), pool, nn.Flatten(),
+                         nn.Linear(pool(torch.zeros(1, 16, 14, 14)).numel(), 10))
 
 
-@pytest.mark.parametrize("pool", [nn.AdaptiveAvgPool2d(1), nn.AvgPool2d(2)], ids=["global", "2x2"])
-def test_global_average_pool_runs_on_the_kernel_other_pools_on_torchs(pool):
+@pytest.mark.parametrize("pool, op", [(nn.AdaptiveAvgPool2d(1), "qbackend::global_avg_pool_u8.default"),
+                                      (nn.AvgPool2d(2), "qbackend::avg_pool_u8.default"),
+                                      (nn.AvgPool2d(3, 2, 1, ceil_mode=True, count_include_pad=False), "qbackend::avg_pool_u8.default"),
+                                      (nn.AvgPool2d(2, divisor_override=70000), "aten::avg_pool2d (quantized tensor)")],
+                         ids=["global", "2x2", "3x3 ceil, padding not counted", "a divisor past the kernel's"])
+def test_average_pools_run_on_the_kernels_or_on_torchs_with_the_reason(pool, op):
     inputs = (torch.randn(2, 3, 14, 14),)
     report = assert_matches_reference(quantize(pool_head(pool), inputs), inputs).report
     decision = next(d for d in report.decisions if d.rule == "qavgpool")
-    if isinstance(pool, nn.AdaptiveAvgPool2d):
-        assert decision.op == "qbackend::global_avg_pool_u8.default", str(report)
-    else:
-        assert decision.op == "aten::avg_pool2d (quantized tensor)", str(report)
+    assert decision.op == op, str(report)
+    if op.startswith("aten"):
+        assert "divisor 70000: the kernel takes windows of up to 65536 pixels, divisors to 65536" in decision.reason, str(report)
 
 
 def test_an_unbatched_global_average_pool_runs_on_torchs_with_the_reason():
@@ -130,3 +174,23 @@ def test_a_ceil_mode_pool_after_a_stem_conv_stays_a_call_of_its_own():
     report = assert_matches_reference(quantize(stem, inputs), inputs).report
     pool = next(d for d in report.decisions if d.rule == "qmaxpool2d")
     assert pool.op == "qbackend::max_pool_u8.default" and "stem conv" not in pool.reason, str(report)
+
+
+def test_a_transitions_average_pool_is_a_step_of_the_chain(tmp_path, monkeypatch):
+    """DenseNet's transition (a conv, a 2x2 average pool): the pool ran torch's quantized-tensor
+    ops between two chains; as a step, the transition is one chain, with the separate calls' bytes."""
+    monkeypatch.setenv("QBACKEND_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(choice_cache, "_shared", None)
+    monkeypatch.setattr(choice, "measure", SimulatedMachine(own_us=100, onednn_us=300))
+    x = torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(0))
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        transition = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 1), nn.AvgPool2d(2),
+                                   nn.Conv2d(16, 8, 3, padding=1))
+    model = quantize(transition.eval(), (x,))
+    # (the pool's ties one step off, as allowed, move the last conv's float output by more than
+    # the float tolerance: its int8 input, the pool's, is what is checked)
+    chained, separate = with_and_without_chains(
+        lambda: assert_matches_reference(model, (x,), outputs=False, kernel_choice="measure"), monkeypatch)
+    assert_one_chain_of_c_steps(chained, separate, ["qconv_stem", "qconv", "avg_pool_u8", "qconv"],
+                                [torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(k)) for k in range(1, 4)])

@@ -67,6 +67,11 @@ typedef struct {
   int N, H, W, C, KH, KW, stride_h, stride_w, pad_h, pad_w, dil_h, dil_w, OH, OW;
 } max_pool_call_t;
 
+/* avg_pool_uint8.c: torch's avg_pool2d arguments (divisor 0: none), the zero point the output keeps */
+typedef struct {
+  int N, H, W, C, KH, KW, stride_h, stride_w, pad_h, pad_w, OH, OW, count_include_pad, divisor, zp, qmin, qmax;
+} avg_pool_call_t;
+
 /* global_avg_pool_uint8.c: the pool's zero point and levels; for a float32 input (the pool of
  * its quantized values) the quantize's: 1 / scale, zero point, levels, a NaN's value */
 typedef struct {

@@ -14,6 +14,7 @@
 #define S(f) AT(stem_call_t, f)
 #define M(f) AT(max_pool_call_t, f)
 #define P(f) AT(global_avg_pool_call_t, f)
+#define V(f) AT(avg_pool_call_t, f)
 #define A(f) AT(attention_call_t, f)
 #define W(f) AT(weight_only_call_t, f)
 #define O(f) AT(operand_t, f)
@@ -46,6 +47,8 @@ static const struct {
            S(pool_kh), S(pool_kw), S(pool_sh), S(pool_sw), S(pool_ph), S(pool_pw), S(PH), S(PW), S(activation)),
     LAYOUT(max_pool_call_t, M(N), M(H), M(W), M(C), M(KH), M(KW), M(stride_h), M(stride_w), M(pad_h), M(pad_w), M(dil_h),
            M(dil_w), M(OH), M(OW)),
+    LAYOUT(avg_pool_call_t, V(N), V(H), V(W), V(C), V(KH), V(KW), V(stride_h), V(stride_w), V(pad_h), V(pad_w), V(OH),
+           V(OW), V(count_include_pad), V(divisor), V(zp), V(qmin), V(qmax)),
     LAYOUT(global_avg_pool_call_t, P(N), P(HW), P(C), P(zp), P(qmin), P(qmax), P(x_inv_scale), P(x_zp), P(x_qmin),
            P(x_qmax), P(x_nan_as)),
     LAYOUT(attention_call_t, A(B), A(H), A(L), A(S), A(D), A(q_stride), A(k_stride), A(v_stride), A(mask_stride),
